@@ -1,0 +1,121 @@
+"""The Platform interface every backend implements.
+
+A Platform answers "what is this device and how do we capture graphs on it";
+it knows nothing about models or requests. Vendor modules (torch_npu,
+habana_frameworks, triton) are imported lazily inside each backend so that
+`import backends` works on any machine.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+class DeviceUnavailableError(RuntimeError):
+    """The requested device is unknown or not present on this machine."""
+
+
+@dataclass
+class MemoryInfo:
+    total_bytes: int
+    free_bytes: int
+
+
+@dataclass
+class CaptureSettings:
+    """How a platform turns a step function into something replayable."""
+
+    kind: str  # "cuda_graph" | "compile" | "hpu_graph" | "npu_graph" | "none"
+    compile_backend: str | None = None  # torch.compile backend name for compile-based capture
+    compile_options: dict[str, Any] = field(default_factory=dict)
+
+
+class Platform(abc.ABC):
+    """One accelerator family. Subclasses live in backends/<name>/platform.py."""
+
+    name: str = "base"
+    device_type: str = "cpu"
+    dist_backend: str = "gloo"
+    # dtype of slot indices fed to the KV store op (NPU's scatter wants int32).
+    slot_index_dtype: torch.dtype = torch.int64
+
+    # ---- device and availability -------------------------------------------------
+    @abc.abstractmethod
+    def is_available(self) -> bool:
+        """True when this machine has the device and the torch build supports it."""
+
+    def unavailable_reason(self) -> str:
+        return f"device '{self.name}' is not available on this machine"
+
+    def check_available(self) -> None:
+        if not self.is_available():
+            raise DeviceUnavailableError(self.unavailable_reason())
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    # ---- memory -------------------------------------------------------------------
+    @abc.abstractmethod
+    def memory_info(self) -> MemoryInfo:
+        """Total and free memory of the device, used to size the KV pool."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on CPU)."""
+
+    # ---- attention and KV ----------------------------------------------------------
+    @abc.abstractmethod
+    def attention_backend(self) -> "Any":
+        """The AttentionBackend object (engine.layers.attention_backend) used on this device."""
+
+    def store_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_indices: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Write k/v rows ([tokens, kv_heads, head_dim]) to cache slots ([slots, kv_heads, head_dim])."""
+        k_cache.index_copy_(0, slot_indices, k)
+        v_cache.index_copy_(0, slot_indices, v)
+
+    # ---- capture ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def capture_settings(self) -> CaptureSettings:
+        """Which capture mechanism this platform uses and its options."""
+
+    def graph_runner_class(self) -> type:
+        """The graphs.* runner class that captures decode steps on this platform."""
+        raise DeviceUnavailableError(f"platform '{self.name}' has no graph runner")
+
+    # ---- configuration ---------------------------------------------------------------
+    def default_config(self) -> str:
+        """Path of configs/<name>.yaml with this platform's default settings."""
+        return os.path.join(CONFIG_DIR, f"{self.name}.yaml")
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def set_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+
+def load_yaml_config(path: str) -> dict[str, Any]:
+    import yaml
+
+    with open(path, encoding="utf-8") as handle:
+        data = yaml.safe_load(handle) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at top level")
+    return data
+
+
+StepFn = Callable[..., torch.Tensor]

@@ -1,0 +1,1 @@
+"""CPU backend: torch.compile(dynamic=False) capture, torch attention."""

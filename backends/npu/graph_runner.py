@@ -1,0 +1,286 @@
+"""NPU decode-graph runner (aclgraph via torch.npu.NPUGraph). UNTESTED ON ASCEND HARDWARE.
+
+Same contract as the HPU runner: it takes a callable
+``step(input_ids, positions, slot_indices, page_table, seq_lens) -> logits``
+that reads those tensors in place. Sizes are captured largest first into one
+shared pool after `warmup_runs` eager runs each; a batch of n replays the
+smallest captured size >= n with padded rows writing slot 0 (page 0, the dummy
+page) and seq_len 0, as SGLang's NPUGraphRunner pads; outputs are sliced back.
+
+The logits returned by run() are a view of the graph's static output: consume
+them (sample) before the next run().
+
+aclgraph allows about 1800 graphs per process (2048 streams, 248 kept back), and
+each captured size costs streams per layer and per communication group, so the
+capture sizes are sampled down the way vllm-ascend's update_aclgraph_sizes does.
+Pure helpers below carry the device-independent logic and are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from backends.npu.platform import MAX_ACLGRAPH_GRAPHS
+from graphs.buckets import cap_sizes, default_capture_sizes, smallest_bucket_at_least
+
+logger = logging.getLogger(__name__)
+
+StepFn = Callable[..., torch.Tensor]
+PAD_SLOT = 0
+PAD_PAGE = 0
+PAD_SEQ_LEN = 0  # SGLang's NPU runner: padded rows have no context at all
+CAPTURE_SEQ_LEN = 1  # during capture every row attends one dummy token, so warm-up math is finite
+
+
+# ---- pure, device-independent helpers -------------------------------------------------------
+
+
+def npu_graph_budget(
+    num_layers: int, num_comm_groups: int = 0, hccl_aiv: bool = False, max_graphs: int = MAX_ACLGRAPH_GRAPHS
+) -> int:
+    """How many capture sizes fit under the aclgraph limit (vllm-ascend's empirical formula).
+
+    Each size is budgeted num_layers + 1 streams. With HCCL_OP_EXPANSION_MODE=AIV a
+    communication group costs one more stream per graph; otherwise (FFTS+/AICPU
+    expansion) ~40 streams per group are set aside and each group triples the cost.
+    Conservative for a single full-decode graph per size; kept so that the same
+    model never fails capture on Ascend for lack of streams.
+    """
+    per_graph = num_layers + 1
+    if hccl_aiv:
+        budget = max_graphs / per_graph / (1 + num_comm_groups)
+    else:
+        budget = (max_graphs - 40 * num_comm_groups) / per_graph / (1 + 2 * num_comm_groups)
+    return max(1, math.floor(budget))
+
+
+def sample_sizes(sizes: Sequence[int], limit: int) -> list[int]:
+    """At most `limit` sizes, evenly spread over the sorted list, keeping the smallest and largest."""
+    ordered = sorted(set(sizes))
+    if limit >= len(ordered):
+        return ordered
+    if limit <= 1:
+        return [ordered[-1]]  # the largest still serves every batch
+    step = (len(ordered) - 1) / (limit - 1)
+    return sorted({ordered[round(i * step)] for i in range(limit)})
+
+
+def capture_order(sizes: Sequence[int]) -> list[int]:
+    """Largest first: later (smaller) graphs reuse the shared pool's blocks."""
+    return sorted(set(sizes), reverse=True)
+
+
+@dataclass
+class StaticDecodeBuffers:
+    """The tensors every captured graph reads; graphs see [:bs] views of them."""
+
+    input_ids: torch.Tensor  # [max_bs] int64
+    positions: torch.Tensor  # [max_bs] int64
+    slot_indices: torch.Tensor  # [max_bs] int32
+    page_table: torch.Tensor  # [max_bs, max_pages_per_seq] int32
+    seq_lens: torch.Tensor  # [max_bs] int32
+
+    @classmethod
+    def allocate(
+        cls, max_bs: int, max_pages_per_seq: int, device: torch.device | str, slot_dtype: torch.dtype = torch.int32
+    ) -> "StaticDecodeBuffers":
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(
+            zeros(max_bs, dtype=torch.int64), zeros(max_bs, dtype=torch.int64), zeros(max_bs, dtype=slot_dtype),
+            zeros(max_bs, max_pages_per_seq, dtype=torch.int32), zeros(max_bs, dtype=torch.int32),
+        )  # fmt: skip
+
+    def views(self, bs: int) -> tuple[torch.Tensor, ...]:
+        """The step's positional arguments for a graph of size bs."""
+        return (
+            self.input_ids[:bs], self.positions[:bs], self.slot_indices[:bs], self.page_table[:bs], self.seq_lens[:bs],
+        )  # fmt: skip
+
+
+def fill_static_inputs(
+    buffers: StaticDecodeBuffers,
+    bs: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_indices: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> int:
+    """Copy n real rows into the buffers in place and pad rows n..bs-1; returns n.
+
+    Padded rows: id 0, position 0, slot 0, page table all page 0, seq_len 0.
+    Columns past the input's width are zeroed, so no stale page id survives from
+    an earlier, longer batch.
+    """
+    n = int(seq_lens.numel())
+    width = buffers.page_table.shape[1]
+    if n > bs:
+        raise ValueError(f"batch of {n} does not fit graph size {bs}")
+    if page_table.dim() != 2 or page_table.shape[0] < n:
+        raise ValueError(f"page_table must be [>= {n}, pages], got {tuple(page_table.shape)}")
+    cols = page_table.shape[1]
+    if cols > width and n and bool((page_table[:n, width:] != PAD_PAGE).any()):
+        raise ValueError(f"page_table uses more than the {width} pages per sequence the graphs were captured for")
+    cols = min(cols, width)
+    buffers.input_ids[:n].copy_(input_ids.reshape(-1)[:n], non_blocking=True)
+    buffers.positions[:n].copy_(positions.reshape(-1)[:n], non_blocking=True)
+    buffers.slot_indices[:n].copy_(slot_indices.reshape(-1)[:n], non_blocking=True)
+    buffers.seq_lens[:n].copy_(seq_lens.reshape(-1)[:n], non_blocking=True)
+    buffers.page_table[:n, :cols].copy_(page_table[:n, :cols], non_blocking=True)
+    buffers.page_table[:n, cols:].fill_(PAD_PAGE)
+    buffers.input_ids[n:bs].zero_()
+    buffers.positions[n:bs].zero_()
+    buffers.slot_indices[n:bs].fill_(PAD_SLOT)
+    buffers.page_table[n:bs].fill_(PAD_PAGE)
+    buffers.seq_lens[n:bs].fill_(PAD_SEQ_LEN)
+    return n
+
+
+# ---- the torch.npu graph API, behind four methods so tests can substitute an eager stand-in ----
+
+
+class NpuGraphApi:
+    """torch.npu.NPUGraph capture with a shared pool on a side stream."""
+
+    def __init__(self) -> None:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+    def pool(self) -> Any:
+        return torch.npu.graph_pool_handle()
+
+    def stream(self) -> Any:
+        return torch.npu.Stream()
+
+    def run_on(self, stream: Any) -> Any:
+        return torch.npu.stream(stream)
+
+    def capture(self, fn: Callable[[], torch.Tensor], pool: Any, stream: Any) -> tuple[Any, torch.Tensor]:
+        graph = torch.npu.NPUGraph()
+        # auto_dispatch_capture lets graph.update(cpu_update_input=...) refresh host-side op args.
+        with torch.npu.graph(graph, pool=pool, stream=stream, auto_dispatch_capture=True):
+            out = fn()
+        return graph, out
+
+    def synchronize(self) -> None:
+        torch.npu.synchronize()
+
+
+class NpuDecodeGraphRunner:
+    """Capture decode graphs for `capture_sizes`, then replay the smallest that fits each batch."""
+
+    def __init__(
+        self,
+        step: StepFn,
+        *,
+        capture_sizes: Sequence[int],
+        max_pages_per_seq: int,
+        device: torch.device | str = "npu",
+        num_layers: int | None = None,
+        num_comm_groups: int = 0,
+        hccl_aiv: bool = False,
+        max_graphs: int = MAX_ACLGRAPH_GRAPHS,
+        warmup_runs: int = 2,
+        seq_lens_update_key: str | None = None,
+        graph_api: Any | None = None,
+    ) -> None:
+        if not capture_sizes:
+            raise ValueError("no capture sizes")
+        sizes = sorted(set(int(s) for s in capture_sizes))
+        limit = npu_graph_budget(num_layers, num_comm_groups, hccl_aiv, max_graphs) if num_layers else max_graphs
+        if len(sizes) > limit:
+            kept = sample_sizes(sizes, limit)
+            logger.warning(
+                "aclgraph limit: %d capture sizes reduced to %d for %s layers (%d comm groups): %s",
+                len(sizes), len(kept), num_layers, num_comm_groups, kept,
+            )  # fmt: skip
+            sizes = kept
+        self.step = step
+        self.sizes = sizes
+        self.device = torch.device(device)
+        self.warmup_runs = warmup_runs
+        # e.g. "actual_seq_lengths_kv" for torch_npu fused attention captured with host-side lengths
+        self.seq_lens_update_key = seq_lens_update_key
+        self.api = graph_api if graph_api is not None else NpuGraphApi()
+        self.buffers = StaticDecodeBuffers.allocate(sizes[-1], max_pages_per_seq, self.device)
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def from_config(
+        cls, step: StepFn, config: Mapping[str, Any], num_layers: int | None = None, **kwargs: Any
+    ) -> "NpuDecodeGraphRunner":
+        """Sizes and knobs from configs/npu.yaml; HCCL_OP_EXPANSION_MODE=AIV also sets hccl_aiv."""
+        npu = dict(config.get("npu") or {})
+        max_size = int(config.get("max_capture_size", config.get("max_num_seqs", 128)))
+        sizes = cap_sizes(config.get("capture_sizes") or default_capture_sizes(max_size), max_size)
+        aiv = os.environ.get("HCCL_OP_EXPANSION_MODE", "").upper() == "AIV" or bool(npu.get("hccl_aiv", False))
+        kwargs.setdefault("hccl_aiv", aiv)
+        kwargs.setdefault("max_graphs", int(npu.get("max_graphs", MAX_ACLGRAPH_GRAPHS)))
+        kwargs.setdefault("warmup_runs", int(npu.get("warmup_runs", 2)))
+        kwargs.setdefault("seq_lens_update_key", npu.get("seq_lens_update_key"))
+        max_pages = math.ceil(int(config.get("max_model_len", 4096)) / int(config.get("page_size", 128)))
+        return cls(step, capture_sizes=sizes, max_pages_per_seq=max_pages, num_layers=num_layers, **kwargs)
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def can_run(self, batch_size: int) -> bool:
+        return 1 <= batch_size <= self.max_size
+
+    def capture(self) -> float:
+        """Capture every size, largest first, into one pool; returns seconds."""
+        start = time.perf_counter()
+        pool, stream = self.api.pool(), self.api.stream()
+        # Freezing the GC keeps collection pauses out of capture (SGLang PR #8577: 2-4x faster).
+        gc.collect()
+        gc.freeze()
+        try:
+            for bs in capture_order(self.sizes):
+                self.buffers.seq_lens[:bs].fill_(CAPTURE_SEQ_LEN)
+                args = self.buffers.views(bs)
+                with self.api.run_on(stream):
+                    for _ in range(self.warmup_runs):
+                        self.step(*args)
+                self.api.synchronize()
+                self.graphs[bs], self.outputs[bs] = self.api.capture(lambda: self.step(*args), pool, stream)
+                self.buffers.seq_lens[:bs].fill_(PAD_SEQ_LEN)
+        finally:
+            gc.unfreeze()
+        self.api.synchronize()
+        seconds = time.perf_counter() - start
+        logger.info("NPU graph capture: %d sizes in %.1f s (max %d)", len(self.sizes), seconds, self.max_size)
+        return seconds
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_indices: torch.Tensor,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decode step for n requests -> logits [n, vocab] (a view of the static output)."""
+        n = int(seq_lens.numel())
+        bs = smallest_bucket_at_least(self.sizes, n)
+        if bs is None or n < 1:
+            raise ValueError(f"batch of {n} is outside the captured sizes 1..{self.max_size}; run it eagerly")
+        if bs not in self.graphs:
+            raise RuntimeError("capture() has not run")
+        fill_static_inputs(self.buffers, bs, input_ids, positions, slot_indices, page_table, seq_lens)
+        graph = self.graphs[bs]
+        if self.seq_lens_update_key is not None:
+            lengths = seq_lens.reshape(-1).tolist() + [PAD_SEQ_LEN] * (bs - n)
+            graph.update(cpu_update_input=[{self.seq_lens_update_key: lengths}])
+        graph.replay()
+        return self.outputs[bs][:n]

@@ -1,0 +1,139 @@
+"""Huawei Ascend (NPU) platform, against torch_npu. UNTESTED ON ASCEND HARDWARE.
+
+torch_npu is imported lazily, inside methods, so `import backends.npu` works on
+any machine. Importing torch_npu is what registers ``torch.npu`` (NPUGraph,
+graph, graph_pool_handle, mem_get_info, ...).
+
+Decode steps are captured as aclgraphs (``torch.npu.NPUGraph`` under
+``torch.npu.graph``), largest size first into one shared pool
+(backends/npu/graph_runner.py). KV writes use
+``torch_npu.npu_scatter_nd_update_`` with int32 [tokens, 1] slot indices on each
+layer's own cache tensor (backends/npu/kv_store.py explains the layout).
+
+Ascend runtime settings worth knowing (set them before the process starts):
+
+- ASCEND_RT_VISIBLE_DEVICES: which NPUs a process sees.
+- HCCL_OP_EXPANSION_MODE=AIV: collectives use fewer streams, so more capture
+  sizes fit under aclgraph's ~1800-graph limit (see npu_graph_budget).
+- HCCL_BUFFSIZE: HCCL buffer size in MB per communicator.
+- PYTORCH_NPU_ALLOC_CONF=expandable_segments:True: less fragmentation of the
+  caching allocator across many captured sizes.
+- TASK_QUEUE_ENABLE: torch_npu's task-queue level (launch overlap).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from backends.base import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform
+from backends.npu.kv_store import slot_scatter_indices, store_kv_reference, updates_for
+
+MAX_ACLGRAPH_GRAPHS = 1800  # vllm-ascend: 2048 streams minus 248 kept in reserve
+
+
+class NpuPlatform(Platform):
+    """Ascend 910B/A2/A3 through torch_npu (with the CANN toolkit)."""
+
+    name = "npu"
+    device_type = "npu"
+    dist_backend = "hccl"
+    slot_index_dtype = torch.int32  # npu_scatter_nd_update_ indices; SGLang's NPU runner uses int32 too
+
+    def __init__(self) -> None:
+        self._reason: str | None = None
+
+    # ---- device and availability -------------------------------------------------
+    def is_available(self) -> bool:
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        except ImportError as exc:
+            self._reason = (
+                f"torch_npu is not importable ({exc}); install the torch-npu build matching this "
+                f"torch ({torch.__version__}) and source the CANN toolkit's set_env.sh"
+            )
+            return False
+        except Exception as exc:  # a broken CANN install raises at import (missing libascendcl.so, ...)
+            self._reason = f"torch_npu failed to initialise: {exc}"
+            return False
+        npu = getattr(torch, "npu", None)
+        if npu is None or not npu.is_available() or npu.device_count() < 1:
+            self._reason = "torch_npu is installed but no Ascend NPU is visible (ASCEND_RT_VISIBLE_DEVICES?)"
+            return False
+        self._reason = None
+        return True
+
+    def unavailable_reason(self) -> str:
+        if self.is_available():
+            return "device 'npu' is available"
+        return self._reason or "device 'npu' is not available on this machine"
+
+    # ---- memory -------------------------------------------------------------------
+    def memory_info(self) -> MemoryInfo:
+        self.check_available()
+        free, total = torch.npu.mem_get_info()
+        return MemoryInfo(total_bytes=int(total), free_bytes=int(free))
+
+    def synchronize(self) -> None:
+        torch.npu.synchronize()
+
+    # ---- attention and KV ----------------------------------------------------------
+    def attention_backend(self) -> Any:
+        # The portable torch-ops backend. Graph capture of decode on Ascend needs an
+        # attention whose context lengths are host inputs updated per replay
+        # (torch_npu fused attention + NPUGraph.update, as SGLang does); see docs/npu.md.
+        from engine.layers.torch_attention import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+
+    def store_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_indices: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """npu_scatter_nd_update_ per layer: cache [slots, heads, dim], indices [tokens, 1] int32,
+        updates [tokens, heads, dim]. Off-NPU tensors take the plain-torch reference path."""
+        if k_cache.device.type != "npu":
+            store_kv_reference(k_cache, v_cache, slot_indices, k, v)
+            return
+        import torch_npu
+
+        indices = slot_scatter_indices(slot_indices)
+        torch_npu.npu_scatter_nd_update_(k_cache, indices, updates_for(k_cache, indices, k))
+        torch_npu.npu_scatter_nd_update_(v_cache, indices, updates_for(v_cache, indices, v))
+
+    # ---- capture ---------------------------------------------------------------------
+    def capture_settings(self) -> CaptureSettings:
+        return CaptureSettings(
+            kind="npu_graph",
+            compile_options={
+                "graph_class": "torch.npu.NPUGraph",
+                "capture_context": "torch.npu.graph",
+                "shared_pool": True,  # torch.npu.graph_pool_handle(), largest size first
+                "auto_dispatch_capture": True,  # lets NPUGraph.update() refresh host-side args
+                "max_graphs": MAX_ACLGRAPH_GRAPHS,
+            },
+        )
+
+    def graph_runner_class(self) -> type:
+        from backends.npu.graph_runner import NpuDecodeGraphRunner
+
+        return NpuDecodeGraphRunner
+
+    def set_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        npu: Any = getattr(torch, "npu", None)
+        if npu is not None and hasattr(npu, "manual_seed"):
+            npu.manual_seed(seed)
+
+
+def require_npu() -> NpuPlatform:
+    """The platform, or DeviceUnavailableError with the reason."""
+    platform = NpuPlatform()
+    if not platform.is_available():
+        raise DeviceUnavailableError(platform.unavailable_reason())
+    return platform

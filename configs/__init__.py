@@ -1,0 +1,1 @@
+"""Per-device default settings (YAML) and model presets for --load-format dummy."""

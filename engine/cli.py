@@ -1,0 +1,147 @@
+"""`engine run` and `engine bench` on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from backends.base import DeviceUnavailableError
+from engine.errors import EngineError
+
+DEFAULT_PROMPT = "The capital of France is"
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    from backends import DEVICE_NAMES
+
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None, help="HF folder, .gguf file, or preset name (default: embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICE_NAMES)}")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    group.add_argument("--page-size", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=None)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--kv-cache-tokens", type=int, default=None)
+    group.add_argument("--capture-sizes", default=None, help="comma-separated decode batch sizes to capture, e.g. 1,2,4,8")
+    group.add_argument("--max-capture-size", type=int, default=None)
+    group.add_argument("--disable-graphs", action="store_true", help="run every step eagerly")
+    group.add_argument("--strict-graphs", action="store_true", help="fail if anything compiles after warm-up")
+    group.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: object):  # noqa: ANN201
+    from engine.config import EngineConfig
+
+    values = dict(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        kv_cache_tokens=args.kv_cache_tokens,
+        capture_sizes=args.capture_sizes,
+        max_capture_size=args.max_capture_size,
+        disable_graphs=args.disable_graphs,
+        strict_graphs=args.strict_graphs,
+        seed=args.seed,
+    )
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=-1)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+
+
+def sampling_params_from_args(args: argparse.Namespace):  # noqa: ANN201
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        seed=args.sampling_seed,
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from engine.engine import Engine
+
+    params = sampling_params_from_args(args)  # validate before the slow model load
+    prompts = args.prompt or [DEFAULT_PROMPT]
+    config_overrides = {}
+    if args.max_num_seqs is None:
+        # One-shot run: never capture more sizes than there are prompts.
+        config_overrides["max_num_seqs"] = len(prompts)
+    start = time.perf_counter()
+    engine = Engine(engine_config_from_args(args, **config_overrides))
+    ready = time.perf_counter()
+    logging.getLogger("engine").info("engine ready in %.1f s", ready - start)
+    if len(prompts) == 1 and not args.no_stream:
+        print(prompts[0], end="" if not args.chat else "\n", flush=True)
+        for output in engine.stream(prompts, params, chat=args.chat):
+            print(output.new_text, end="", flush=True)
+        print()
+    else:
+        for prompt, output in zip(prompts, engine.generate(prompts, params, chat=args.chat)):
+            print(f"--- {prompt!r}\n{output.text}  [{output.finish_reason}, {len(output.token_ids)} tokens]")
+    logging.getLogger("engine").info("generation took %.2f s", time.perf_counter() - ready)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="engine", description="graph-capture-centric LLM inference engine")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="generate text for one or more prompts")
+    add_engine_args(run)
+    add_sampling_args(run)
+    run.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    run.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    run.add_argument("--no-stream", action="store_true")
+    run.set_defaults(func=cmd_run)
+    bench = sub.add_parser("bench", help="decode throughput next to HF transformers")
+    add_engine_args(bench)
+    from engine.bench import add_bench_args, cmd_bench
+
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except (EngineError, DeviceUnavailableError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

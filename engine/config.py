@@ -1,0 +1,65 @@
+"""Engine settings: user overrides on top of configs/<device>.yaml."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+from backends.base import Platform, load_yaml_config
+from engine.errors import EngineError
+from graphs.buckets import cap_sizes, parse_sizes
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    device: str = "auto"
+    dtype: str = "auto"
+    load_format: str = "auto"
+    page_size: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    max_prefill_tokens: int | None = None
+    kv_cache_tokens: int | None = None  # explicit pool size; overrides the memory fraction
+    kv_cache_memory_fraction: float | None = None
+    capture_sizes: list[int] | str | None = None
+    max_capture_size: int | None = None
+    disable_graphs: bool = False
+    strict_graphs: bool = False  # raise if anything compiles after warm-up
+    seed: int = 0
+    device_config: dict[str, Any] = field(default_factory=dict)  # the YAML, as read
+
+    def resolve(self, platform: Platform) -> "EngineConfig":
+        """Fill every unset value from the device's YAML; validate."""
+        defaults = load_yaml_config(platform.default_config())
+        values: dict[str, Any] = {}
+        if self.capture_sizes is not None and self.max_capture_size is None:
+            # Sizes given explicitly: their largest is the maximum, not the YAML's.
+            values["max_capture_size"] = max(parse_sizes(self.capture_sizes) or [1])
+        for f in fields(self):
+            if f.name in values:
+                continue
+            if getattr(self, f.name) is None and f.name in defaults:
+                values[f.name] = defaults[f.name]
+        resolved = replace(self, **values, device_config=defaults)
+        if resolved.dtype == "auto":
+            resolved.dtype = defaults.get("dtype") or str(platform.default_dtype()).replace("torch.", "")
+        if resolved.dtype not in DTYPES:
+            raise EngineError(f"unknown dtype {resolved.dtype!r}; choose one of {', '.join(DTYPES)} or auto")
+        for name in ("page_size", "max_num_seqs", "max_model_len", "max_prefill_tokens"):
+            value = getattr(resolved, name)
+            if value is None or int(value) < 1:
+                raise EngineError(f"{name} must be a positive integer, got {value!r}")
+        sizes = parse_sizes(resolved.capture_sizes) or [1]
+        max_size = min(resolved.max_capture_size or sizes[-1], resolved.max_num_seqs)
+        # Never capture beyond what the scheduler can batch (vLLM caps at max_num_seqs too).
+        resolved.capture_sizes = cap_sizes(sizes, max_size)
+        return resolved
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

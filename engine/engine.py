@@ -1,0 +1,247 @@
+"""The Python API: Engine.generate / Engine.stream / add_request + step."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Iterator, Sequence
+
+import torch
+
+from backends import get_platform
+from engine.config import EngineConfig
+from engine.errors import EngineError, InvalidRequestError
+from engine.kv_cache import KVPool
+from engine.loader import load_model, resolve_model_source
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestOutput, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import encode_prompt, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **overrides: object) -> None:
+        config = config or EngineConfig()
+        if overrides:
+            unknown = [k for k in overrides if k not in EngineConfig.__dataclass_fields__]
+            if unknown:
+                raise EngineError(f"unknown engine options: {unknown}")
+            config = EngineConfig(**{**config.__dict__, **overrides})
+        self.platform = get_platform(config.device)
+        self.config = config.resolve(self.platform)
+        self.device = self.platform.device
+        self.platform.set_seed(self.config.seed)
+
+        source = resolve_model_source(self.config.model, self.config.load_format)
+        self.model, self.model_config = load_model(source, self.config.torch_dtype, self.device, self.config.load_format)
+        self.tokenizer = load_tokenizer(source.tokenizer_dir)
+        self.max_model_len = min(int(self.config.max_model_len), self.model_config.max_position_embeddings)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
+
+        backend = self.platform.attention_backend()
+        for module in self.model.modules():
+            if hasattr(module, "backend") and module.__class__.__name__ == "Attention":
+                module.backend = backend
+        self.kv_pool = self._allocate_kv_pool()
+        self.scheduler = Scheduler(
+            self.kv_pool.allocator, self.kv_pool.page_size, int(self.config.max_num_seqs), int(self.config.max_prefill_tokens)
+        )
+        self.runner = ModelRunner(self.model, self.kv_pool, self.device, self.platform.slot_index_dtype, self._graph_runner())
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+
+    # ---- construction -------------------------------------------------------------
+    def _allocate_kv_pool(self) -> KVPool:
+        cfg, mc = self.config, self.model_config
+        page_size = int(cfg.page_size)
+        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cfg.torch_dtype)
+        useful_tokens = int(cfg.max_num_seqs) * self.max_model_len
+        if cfg.kv_cache_tokens is not None:
+            tokens = int(cfg.kv_cache_tokens)
+        else:
+            free = self.platform.memory_info().free_bytes
+            tokens = min(int(free * float(cfg.kv_cache_memory_fraction or 0.1)) // per_token, useful_tokens)
+        num_pages = tokens // page_size + 1  # + the reserved page 0
+        if num_pages < 2 or (num_pages - 1) * page_size < min(self.max_model_len, 256):
+            raise EngineError(f"KV pool too small: {tokens} tokens; raise kv_cache_tokens or the memory fraction")
+        pool = KVPool(mc.num_hidden_layers, num_pages, page_size, mc.num_key_value_heads, mc.head_dim, cfg.torch_dtype, self.device)
+        logger.info("KV pool: %d pages x %d tokens (%.1f MiB)", num_pages - 1, page_size, pool.nbytes() / 2**20)
+        return pool
+
+    def _graph_runner(self):  # noqa: ANN202
+        if self.config.disable_graphs:
+            return None
+        runner_cls = self.platform.graph_runner_class()
+        max_pages = (self.max_model_len + self.kv_pool.page_size - 1) // self.kv_pool.page_size
+        kwargs = {}
+        if self.platform.capture_settings().kind == "compile":
+            kwargs["strict"] = self.config.strict_graphs
+        runner = runner_cls(
+            self.model,
+            self.kv_pool.caches,
+            list(self.config.capture_sizes),
+            max_pages,
+            self.kv_pool.page_size,
+            self.device,
+            self.platform.slot_index_dtype,
+            **kwargs,
+        )
+        runner.capture()
+        return runner
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, chat: bool = False
+    ) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        token_ids = encode_prompt(self.tokenizer, prompt, chat=chat)
+        if max(token_ids) >= self.model_config.vocab_size:
+            raise InvalidRequestError(f"token id {max(token_ids)} is outside the vocabulary ({self.model_config.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens; the context length is {self.max_model_len}, "
+                "leaving no room for a new token"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        request = Request(request_id, token_ids, params, prompt if isinstance(prompt, str) else None, generator=generator)
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is not None and not request.finished:
+            self.scheduler.finish(request, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; outputs of every request that produced a token."""
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        try:
+            tokens = self.runner.run(step)
+        except Exception:
+            # Nothing is lost: the failed requests release their pages before the error surfaces.
+            for request in step.requests:
+                self._requests.pop(request.request_id, None)
+                self.scheduler.finish(request, "abort")
+            raise
+        outputs = []
+        for request, token in zip(step.requests, tokens):
+            request.num_cached_tokens = request.num_tokens
+            outputs.append(self._append_token(request, token))
+        return outputs
+
+    def _append_token(self, request: Request, token: int) -> RequestOutput:
+        params = request.params
+        request.output_token_ids.append(token)
+        previous_text = request.output_text
+        if self.tokenizer is not None:
+            request.output_text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif params.stop and (cut := _first_stop(request.output_text, params.stop, len(previous_text))) is not None:
+            request.output_text = request.output_text[:cut]
+            reason = "stop"
+        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+            self._requests.pop(request.request_id, None)
+        new_text = request.output_text[len(previous_text):] if request.output_text.startswith(previous_text) else request.output_text
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=request.output_text,
+            finished=reason is not None,
+            finish_reason=reason,
+            new_token_ids=[token],
+            new_text=new_text,
+        )
+
+    # ---- batch APIs -------------------------------------------------------------------
+    def stream(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None, chat: bool = False
+    ) -> Iterator[RequestOutput]:
+        """Yield each new token's output (with its delta) as it is produced."""
+        return self._drive(self._add_all(prompts, params, chat))
+
+    def generate(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None, chat: bool = False
+    ) -> list[RequestOutput]:
+        """Complete outputs, in prompt order."""
+        ids = self._add_all(prompts, params, chat)
+        final = {output.request_id: output for output in self._drive(ids) if output.finished}
+        return [final[request_id] for request_id in ids]
+
+    def _drive(self, ids: list[str]) -> Iterator[RequestOutput]:
+        pending = set(ids)
+        try:
+            while pending:
+                for output in self.step():
+                    if output.request_id in pending:
+                        if output.finished:
+                            pending.discard(output.request_id)
+                        yield output
+        finally:
+            for request_id in pending:
+                self.abort(request_id)
+
+    def _add_all(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None, chat: bool) -> list[str]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
+            per_prompt = list(params)
+        else:
+            per_prompt = [params or SamplingParams()] * len(prompts)
+        # Validate every prompt before queueing any, so a bad one leaves nothing behind.
+        for prompt in prompts:
+            encode_prompt(self.tokenizer, prompt, chat=chat)
+        ids = []
+        try:
+            for prompt, p in zip(prompts, per_prompt):
+                ids.append(self.add_request(prompt, p, chat=chat))
+        except EngineError:
+            for request_id in ids:
+                self.abort(request_id)
+            raise
+        return ids
+
+    # ---- introspection ------------------------------------------------------------------
+    def check_kv_invariant(self) -> None:
+        self.kv_pool.allocator.check_invariant()
+
+    def kv_pages_in_use(self) -> int:
+        return self.kv_pool.allocator.num_in_use
+
+
+def _first_stop(text: str, stops: list[str], previous_len: int) -> int | None:
+    """Index where the earliest stop string starts, searching only text that could be new."""
+    best = None
+    for stop in stops:
+        index = text.find(stop, max(0, previous_len - len(stop) + 1))
+        if index != -1 and (best is None or index < best):
+            best = index
+    return best

@@ -1,0 +1,17 @@
+"""Errors the engine raises for bad input: one clear message naming the problem."""
+
+
+class EngineError(Exception):
+    """Base class of the engine's user-facing errors."""
+
+
+class ModelLoadError(EngineError):
+    """The model path, its config or its weights cannot be used."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """The checkpoint's architecture has no model implementation here."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request (prompt or sampling parameters) is invalid."""

@@ -1,0 +1,78 @@
+"""Build the one batch representation a step runs on: ForwardBatch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.layers.attention import AttentionMetadata
+from engine.request import Request
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [batch] rows of the hidden states that are sampled
+    requests: list[Request]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.requests)
+
+
+def slot_of(pages: list[int], position: int, page_size: int) -> int:
+    return pages[position // page_size] * page_size + position % page_size
+
+
+def build_forward_batch(
+    requests: list[Request],
+    is_decode: bool,
+    pages_of: dict[str, list[int]],
+    page_size: int,
+    device: torch.device,
+    slot_dtype: torch.dtype = torch.int64,
+) -> ForwardBatch:
+    """Host-side lists first, then one transfer per tensor."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    query_start_loc = [0]
+    logits_indices: list[int] = []
+    width = max(len(pages_of[r.request_id]) for r in requests)
+    page_rows: list[list[int]] = []
+    for request in requests:
+        pages = pages_of[request.request_id]
+        tokens = request.all_token_ids
+        start = request.num_tokens - 1 if is_decode else request.num_cached_tokens
+        for position in range(start, request.num_tokens):
+            input_ids.append(tokens[position])
+            positions.append(position)
+            slots.append(slot_of(pages, position, page_size))
+        seq_lens.append(request.num_tokens)
+        query_start_loc.append(len(input_ids))
+        logits_indices.append(len(input_ids) - 1)
+        page_rows.append(pages + [0] * (width - len(pages)))
+
+    def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        is_decode=is_decode,
+        slot_indices=to_device(slots, slot_dtype),
+        page_table=to_device(page_rows, torch.int32),
+        seq_lens=to_device(seq_lens, torch.int32),
+        page_size=page_size,
+        query_start_loc=None if is_decode else query_start_loc,
+        seq_lens_cpu=None if is_decode else seq_lens,
+    )
+    return ForwardBatch(
+        input_ids=to_device(input_ids, torch.int64),
+        positions=to_device(positions, torch.int64),
+        meta=meta,
+        logits_indices=to_device(logits_indices, torch.int64),
+        requests=requests,
+    )

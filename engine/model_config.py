@@ -1,0 +1,92 @@
+"""The model hyper-parameters our model code needs, read from a transformers config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import UnsupportedArchitectureError
+
+# model_type -> model family implemented in engine/models/.
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    rope_parameters: dict[str, Any]
+    eos_token_ids: list[int] = field(default_factory=list)
+    hf_config: Any = None  # the transformers config this was read from
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_MODEL_TYPES[self.model_type]
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters.get("rope_theta", 10000.0))
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            archs = getattr(hf_config, "architectures", None)
+            raise UnsupportedArchitectureError(
+                f"unsupported architecture: model_type={model_type!r} architectures={archs}; "
+                f"supported model types: {sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            model_type=model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias; Llama-family configs say so with attention_bias.
+            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            hidden_act=getattr(hf_config, "hidden_act", "silu"),
+            rope_parameters=_rope_parameters(hf_config),
+            eos_token_ids=eos_ids,
+            hf_config=hf_config,
+        )
+
+
+def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """transformers >= 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta + rope_scaling."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        merged = dict(params)
+    else:
+        merged = dict(getattr(hf_config, "rope_scaling", None) or {})
+        merged["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    merged["rope_type"] = rope_type
+    return merged

@@ -1,0 +1,7 @@
+"""Qwen2: the Llama block with bias on the q/k/v projections (ModelConfig.attention_bias)."""
+
+from engine.models.llama import LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Same layers; ModelConfig.from_hf sets attention_bias=True for model_type qwen2."""

@@ -1,0 +1,7 @@
+"""Qwen3: the Llama block with per-head RMSNorm on q and k before RoPE (ModelConfig.qk_norm)."""
+
+from engine.models.llama import LlamaForCausalLM
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Same layers; ModelConfig.from_hf sets qk_norm=True for model_type qwen3."""

@@ -1,0 +1,75 @@
+"""Batched sampling with per-request parameters.
+
+Order follows HF generate's processors: penalties, temperature, top-k, top-p,
+min-p, then a draw. Greedy rows skip the draw; seeded rows draw from their own
+generator so a seed reproduces regardless of batch composition.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request
+
+
+def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    for row, request in enumerate(requests):
+        p = request.params
+        if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+            continue
+        device = logits.device
+        if p.repetition_penalty != 1.0:
+            # HF semantics: every token seen in prompt or output is penalised once.
+            seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=device)
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if request.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+            # OpenAI semantics: counts over generated tokens only.
+            out = torch.tensor(request.output_token_ids, dtype=torch.long, device=device)
+            counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    cumulative_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(cumulative_before >= top_p.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    threshold = probs[:, :1] * min_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(probs < threshold, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """logits [batch, vocab] float32 -> one token id per request."""
+    _apply_penalties(logits, requests)
+    greedy_ids = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if not random_rows:
+        return greedy_ids.tolist()
+    device = logits.device
+    rows = torch.tensor(random_rows, device=device)
+    params = [requests[i].params for i in random_rows]
+    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    scaled = logits[rows] / temperature.unsqueeze(1)
+    needs_filter = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+    if needs_filter:
+        scaled = _top_k_top_p_min_p(
+            scaled,
+            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype),
+            torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype),
+        )
+    probs = scaled.softmax(dim=-1)
+    chosen = greedy_ids.clone()
+    for position, row in enumerate(random_rows):
+        generator = requests[row].generator
+        token = torch.multinomial(probs[position], 1, generator=generator)
+        chosen[row] = token[0]
+    return chosen.tolist()

@@ -1,0 +1,1 @@
+"""Graph runners: capture the decode step once per batch size, replay with padding."""

@@ -1,0 +1,79 @@
+"""The platform-independent part of a decode graph runner: sizes, padding, slicing."""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+
+import torch
+
+from engine.layers.attention import AttentionMetadata
+from engine.models.llama import LlamaForCausalLM
+from graphs.buckets import smallest_bucket_at_least
+from graphs.static_buffers import StaticDecodeBuffers
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeGraphRunner(abc.ABC):
+    """Captures the decode step (forward through logits) per batch size; replays padded batches."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        capture_sizes: list[int],
+        max_pages_per_seq: int,
+        page_size: int,
+        device: torch.device,
+        slot_dtype: torch.dtype = torch.int64,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.capture_sizes = sorted(capture_sizes)
+        self.max_batch_size = self.capture_sizes[-1]
+        self.device = device
+        self.buffers = StaticDecodeBuffers.allocate(
+            self.max_batch_size, max_pages_per_seq, page_size, device, slot_dtype
+        )
+        self.capture_seconds = 0.0
+        self.graph_memory_bytes = 0
+
+    def can_run(self, batch_size: int) -> bool:
+        return batch_size <= self.max_batch_size
+
+    def padded_size(self, batch_size: int) -> int:
+        size = smallest_bucket_at_least(self.capture_sizes, batch_size)
+        if size is None:
+            raise ValueError(f"batch of {batch_size} exceeds the largest captured size {self.max_batch_size}")
+        return size
+
+    def capture(self) -> None:
+        """Capture every size, largest first (so smaller graphs reuse the largest's memory pool)."""
+        start = time.perf_counter()
+        self._capture_all(sorted(self.capture_sizes, reverse=True))
+        self.capture_seconds = time.perf_counter() - start
+        logger.info(
+            "%s captured decode sizes %s in %.1f s, graph memory %.1f MiB",
+            type(self).__name__, self.capture_sizes, self.capture_seconds, self.graph_memory_bytes / 2**20,
+        )
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Logits [n, vocab] float32 of a real decode batch of n rows."""
+        n = input_ids.shape[0]
+        padded = self.padded_size(n)
+        self.buffers.fill(input_ids, positions, meta, padded)
+        return self._replay(padded)[:n]
+
+    def step_eager(self, bs: int) -> torch.Tensor:
+        """The step as captured: the model over the static buffers' first bs rows."""
+        meta = self.buffers.metadata(bs)
+        hidden = self.model(self.buffers.input_ids[:bs], self.buffers.positions[:bs], self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+    @abc.abstractmethod
+    def _capture_all(self, sizes_largest_first: list[int]) -> None: ...
+
+    @abc.abstractmethod
+    def _replay(self, bs: int) -> torch.Tensor: ...

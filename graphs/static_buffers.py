@@ -1,0 +1,65 @@
+"""Static decode inputs owned by a graph runner and filled in place before each replay."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.layers.attention import AttentionMetadata
+
+
+@dataclass
+class StaticDecodeBuffers:
+    input_ids: torch.Tensor  # [max_bs] int64
+    positions: torch.Tensor  # [max_bs] int64
+    slot_indices: torch.Tensor  # [max_bs] slot dtype of the platform
+    page_table: torch.Tensor  # [max_bs, max_pages] int32
+    seq_lens: torch.Tensor  # [max_bs] int32
+    page_size: int
+
+    @classmethod
+    def allocate(
+        cls, max_bs: int, max_pages: int, page_size: int, device: torch.device, slot_dtype: torch.dtype
+    ) -> "StaticDecodeBuffers":
+        return cls(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            slot_indices=torch.zeros(max_bs, dtype=slot_dtype, device=device),
+            page_table=torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device),
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
+            page_size=page_size,
+        )
+
+    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, padded_bs: int) -> None:
+        """Copy a real batch of n rows in; rows n..padded_bs become dummy rows.
+
+        Dummy rows write their k/v to slot 0 (page 0 is never handed out) and
+        attend over one token of it, so they stay finite and touch no request.
+        """
+        n = input_ids.shape[0]
+        width = meta.page_table.shape[1]
+        if width > self.page_table.shape[1]:
+            raise ValueError(f"page table of {width} pages exceeds the captured {self.page_table.shape[1]}")
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_indices[:n].copy_(meta.slot_indices, non_blocking=True)
+        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        self.page_table[:n, :width].copy_(meta.page_table, non_blocking=True)
+        self.page_table[:n, width:].zero_()
+        if padded_bs > n:
+            self.input_ids[n:padded_bs].zero_()
+            self.positions[n:padded_bs].zero_()
+            self.slot_indices[n:padded_bs].zero_()
+            self.seq_lens[n:padded_bs].fill_(1)
+            self.page_table[n:padded_bs].zero_()
+
+    def metadata(self, bs: int) -> AttentionMetadata:
+        """Views of the first bs rows, as the captured graph of size bs sees them."""
+        return AttentionMetadata(
+            is_decode=True,
+            slot_indices=self.slot_indices[:bs],
+            page_table=self.page_table[:bs],
+            seq_lens=self.seq_lens[:bs],
+            page_size=self.page_size,
+        )
