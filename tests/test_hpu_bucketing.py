@@ -244,13 +244,17 @@ def test_platform_without_gaudi(monkeypatch: pytest.MonkeyPatch) -> None:
     assert os.path.exists(platform.default_config())
     monkeypatch.setenv("ENGINE_HPU_GRAPH_MODE", "compile")
     settings = platform.capture_settings()
-    assert (settings.kind, settings.compile_backend, settings.compile_options["dynamic"]) == ("compile", "hpu_backend", False)
+    assert (settings.kind, settings.compile_backend) == ("compile", "hpu_backend")
+    assert settings.compile_options["dynamic"] is False
     monkeypatch.setenv("ENGINE_HPU_GRAPH_MODE", "lazy")
     settings = platform.capture_settings()
     assert settings.kind == "hpu_graph" and settings.compile_options["disable_tensor_cache"]
     assert graph_mode_from_env({"PT_HPU_LAZY_MODE": "1"}) == "lazy"
     assert graph_mode_from_env({"PT_HPU_LAZY_MODE": "0"}) == "compile"
     assert graph_mode_from_env({"PT_HPU_LAZY_MODE": "1"}, default="eager") == "eager"
+    assert graph_mode_from_env({"PT_HPU_LAZY_MODE": "1"}, bridge_lazy=False) == "compile"  # the bridge knows best
+    assert graph_mode_from_env({"ENGINE_HPU_GRAPH_MODE": "lazy"}, default="eager") == "lazy"  # env beats config
+    assert HpuPlatform(graph_mode="eager").capture_settings().kind == "none"
     with pytest.raises(ValueError):
         graph_mode_from_env({"ENGINE_HPU_GRAPH_MODE": "fast"})
     cache = torch.zeros(16, 2, 3)
@@ -281,3 +285,62 @@ def test_import_does_not_load_habana() -> None:
         sys.meta_path.remove(spy)
         sys.modules.update(saved)  # keep the class objects the rest of the suite imported
     assert seen == [] and not any(m.startswith("habana_frameworks") for m in sys.modules)
+
+
+class FakeModel:
+    """The engine model's calling contract: model(ids, pos, kv_caches, meta) -> hidden; compute_logits(hidden)."""
+
+    def __call__(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN204
+        k_cache, _ = kv_caches[0]
+        k_cache.index_copy_(0, meta.slot_indices.long(), input_ids.float().view(-1, 1, 1).expand(-1, 1, 2))
+        used = torch.arange(meta.page_table.shape[1])[None, :] < ((meta.seq_lens.long() + 3) // 4)[:, None]
+        pages = meta.page_table.long() * used
+        return (input_ids * 1000 + meta.seq_lens.long() * 10 + positions + pages.sum(1)).float().unsqueeze(1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.repeat(1, 4)
+
+
+def test_engine_adapter_pads_to_slot_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    from backends.hpu.platform import HpuEngineRunner
+    from engine.layers.attention import AttentionMetadata
+
+    monkeypatch.setenv("ENGINE_HPU_GRAPH_MODE", "eager")  # no compile here: the wiring is under test
+    assert HpuPlatform().graph_runner_class() is HpuEngineRunner
+    model, page_size, max_pages = FakeModel(), 4, 8
+    kv = [(torch.zeros(40 * page_size, 1, 2), torch.zeros(40 * page_size, 1, 2))]
+    runner = HpuEngineRunner(model, kv, [1, 2, 4], max_pages, page_size, torch.device("cpu"), show_progress=False)
+    runner.capture()
+    assert runner.can_run(4) and not runner.can_run(5) and runner.inner.warmed == set(runner.inner.buckets)
+    kv[0][0].zero_()
+    rng = random.Random(5)
+    raw = _random_batch(rng, 3, page_size, max_pages, width=max_pages)
+    raw["page_table"] = raw["page_table"] % 39 + 1  # pages inside the pool
+    raw["slot_indices"] = torch.tensor([12, 57, 130])
+    meta = AttentionMetadata(is_decode=True, slot_indices=raw["slot_indices"], page_table=raw["page_table"],
+                             seq_lens=raw["seq_lens"], page_size=page_size)  # fmt: skip
+    logits = runner.run(raw["input_ids"], raw["positions"], meta)
+    expected = model.compute_logits(model(raw["input_ids"], raw["positions"], [(kv[0][0].clone(), None)], meta))
+    assert torch.equal(logits, expected)
+    written = kv[0][0].abs().sum(dim=(1, 2)).nonzero().flatten().tolist()
+    assert written == [12, 57, 130]  # the padded row wrote slot 0 with id 0: nothing else touched
+
+
+def test_runner_passes_block_metadata_with_bucket_length() -> None:
+    seen: list[dict[str, tuple[int, ...]]] = []
+
+    def step(input_ids, positions, slot_indices, page_table, seq_lens, **blocks):  # noqa: ANN001, ANN003, ANN202
+        seen.append({name: tuple(t.shape) for name, t in blocks.items()})
+        return input_ids.float().unsqueeze(1)
+
+    buckets = decode_buckets([1, 2], [2, 4, 8], max_blocks_per_seq=4)
+    runner = HpuDecodeRunner(step, buckets=buckets, page_size=4, max_blocks_per_seq=4, device="cpu", mode="eager",
+                             with_block_metadata=True, show_progress=False)  # fmt: skip
+    runner.warmup()
+    assert len(seen) == 2 * len(buckets)  # blocks is a shape dimension now: every bucket warms up
+    out = runner.run(torch.tensor([9]), torch.tensor([5]), torch.tensor([22]), torch.tensor([[5, 3]]), torch.tensor([6]))
+    assert out.tolist() == [[9.0]]
+    assert seen[-1] == {"block_list": (2,), "block_groups": (2,), "block_usage": (2,), "block_mapping": (2, 1)}
+    with pytest.raises(ValueError, match="columns"):
+        pad_decode_batch(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.tensor([[5]]), torch.tensor([6]),
+                         (1, 2), page_size=4, max_blocks_per_seq=4)  # fmt: skip

@@ -217,8 +217,9 @@ def test_runner_replays_padded_and_slices(caplog: pytest.LogCaptureFixture) -> N
         runner.run(*(torch.zeros(9, dtype=torch.int64),) * 3, torch.zeros(9, 4, dtype=torch.int32), torch.ones(9))
     with caplog.at_level(logging.WARNING):
         capped = NpuDecodeGraphRunner(
-            _step, capture_sizes=range(1, 101), max_pages_per_seq=4, device="cpu", num_layers=60, graph_api=EagerGraphs()
-        )
+            _step, capture_sizes=range(1, 101), max_pages_per_seq=4, device="cpu", num_layers=60,
+            graph_api=EagerGraphs(),
+        )  # fmt: skip
     assert len(capped.sizes) == npu_graph_budget(60) == 29 and capped.max_size == 100
     assert "aclgraph limit" in caplog.text
 
@@ -252,3 +253,31 @@ def test_import_does_not_load_torch_npu() -> None:
         sys.meta_path.remove(spy)
         sys.modules.update(saved)
     assert seen == [] and "torch_npu" not in sys.modules
+
+
+def test_engine_adapter_and_int32_slots() -> None:
+    from backends.npu.platform import NpuEngineRunner
+    from backends.npu.platform import Int64SlotAttention
+    from engine.layers.attention import AttentionMetadata
+
+    assert NpuPlatform().graph_runner_class() is NpuEngineRunner
+    assert isinstance(NpuPlatform().attention_backend(), Int64SlotAttention)
+
+    class Model:
+        def __call__(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN204
+            kv_caches[0][0].index_copy_(0, meta.slot_indices.long(), input_ids.float().view(-1, 1, 1))
+            return (input_ids * 100 + meta.seq_lens.long()).float().unsqueeze(1)
+
+        def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            return hidden.repeat(1, 3)
+
+    kv = [(torch.zeros(64, 1, 1), torch.zeros(64, 1, 1))] * 4
+    runner = NpuEngineRunner(Model(), kv, [1, 2, 4], 4, 16, torch.device("cpu"), graph_api=EagerGraphs())
+    runner.capture()
+    kv[0][0].zero_()
+    slots = torch.tensor([17, 40, 63], dtype=torch.int32)
+    meta = AttentionMetadata(is_decode=True, slot_indices=slots, page_table=torch.ones(3, 2, dtype=torch.int32),
+                             seq_lens=torch.tensor([2, 9, 30], dtype=torch.int32), page_size=16)  # fmt: skip
+    out = runner.run(torch.tensor([5, 6, 7]), torch.tensor([1, 8, 29]), meta)
+    assert out.tolist() == [[502.0] * 3, [609.0] * 3, [730.0] * 3]
+    assert kv[0][0].flatten().nonzero().flatten().tolist() == [17, 40, 63]  # padded row wrote only slot 0 (id 0)

@@ -157,7 +157,7 @@ def choose_decode_bucket(
     for bs in sorted({b for b, _ in buckets}):
         if bs < n:
             continue
-        need = real_blocks + (bs - n) * PAD_SEQ_LEN  # one dummy block per padded row
+        need = real_blocks + (bs - n)  # each padded row reads one block: the dummy page 0
         fitting = [blocks for b, blocks in buckets if b == bs and blocks >= need]
         if fitting:
             return bs, min(fitting)
@@ -209,6 +209,8 @@ def pad_decode_batch(
     used = pages_needed(seq_lens, page_size)
     if n and int(used.max()) > width:
         raise BucketOverflowError(f"a row needs {int(used.max())} pages; bucket {bucket} allows {width}")
+    if n and int(used.max()) > page_table.shape[-1]:
+        raise ValueError(f"page_table has {page_table.shape[-1]} columns but a row needs {int(used.max())} pages")
     device = seq_lens.device
 
     def pad_1d(t: torch.Tensor, fill: int, dtype: torch.dtype) -> torch.Tensor:
@@ -217,8 +219,8 @@ def pad_decode_batch(
         return out
 
     table = torch.full((bs, width), PAD_PAGE, dtype=torch.int32, device=device)
-    cols = min(width, page_table.shape[1]) if page_table.dim() == 2 else 0
-    if n and cols:
+    cols = min(width, page_table.shape[1])
+    if n:
         real = page_table[:n, :cols].to(torch.int32)
         keep = torch.arange(cols, device=device).unsqueeze(0) < used.unsqueeze(1)
         table[:n, :cols] = torch.where(keep, real, torch.zeros_like(real))
@@ -279,13 +281,6 @@ def build_block_metadata(
 
 # ---- configuration: configs/hpu.yaml, overridden by ENGINE_* environment variables ----------
 
-_RANGE_KEYS = {
-    "decode_bs": "decode_bs_bucket",
-    "decode_block": "decode_block_bucket",
-    "prompt_bs": "prompt_bs_bucket",
-    "prompt_seq": "prompt_seq_bucket",
-}
-
 
 @dataclass
 class HpuBucketConfig:
@@ -307,28 +302,18 @@ class HpuBucketConfig:
         return prompt_buckets(self.prompt_bs, self.prompt_seq, self.max_num_batched_tokens)
 
 
-def read_bucket_range(
-    phase: str, dim: str, defaults: Mapping[str, int], env: Mapping[str, str]
-) -> tuple[BucketRange, bool]:
-    """ENGINE_{PHASE}_{DIM}_BUCKET_{MIN,STEP,MAX} over `defaults`; also says whether env set any."""
-    values: dict[str, int] = {}
-    overridden = False
-    for part in ("min", "step", "max"):
-        name = f"ENGINE_{phase}_{dim}_BUCKET_{part}".upper()
-        raw = env.get(name)
-        if raw is not None and raw.strip():
-            values[part] = int(raw)
-            overridden = True
-        else:
-            values[part] = int(defaults[part])
-    return BucketRange(values["min"], values["step"], values["max"]), overridden
+def read_bucket_range(name: str, defaults: Mapping[str, int], env: Mapping[str, str]) -> tuple[BucketRange, bool]:
+    """ENGINE_{NAME}_BUCKET_{MIN,STEP,MAX} (name like DECODE_BS) over `defaults`; and whether env set any."""
+    raw = {part: env.get(f"ENGINE_{name}_BUCKET_{part}".upper(), "").strip() for part in ("min", "step", "max")}
+    values = {part: int(text) if text else int(defaults[part]) for part, text in raw.items()}
+    return BucketRange(values["min"], values["step"], values["max"]), any(raw.values())
 
 
 def resolve_bucket_config(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -> HpuBucketConfig:
     """Bucket lists from a configs/hpu.yaml-shaped mapping and the environment.
 
     Precedence for decode batch sizes: ENGINE_DECODE_BS_BUCKET_* > the engine-wide
-    `capture_sizes` list > hpu.decode_bs_bucket. Other dimensions: env > hpu.*_bucket.
+    `capture_sizes` list > hpu.decode_bs_bucket. Other dimensions: env > hpu.*_bucket > defaults.
     """
     env = os.environ if env is None else env
     hpu = dict(config.get("hpu") or {})
@@ -336,7 +321,7 @@ def resolve_bucket_config(config: Mapping[str, Any], env: Mapping[str, str] | No
     max_model_len = int(config.get("max_model_len", 4096))
     max_num_seqs = int(config.get("max_num_seqs", 128))
     max_blocks_per_seq = math.ceil(max_model_len / page_size)
-    strategy = env.get("ENGINE_HPU_BUCKETING") or hpu.get("bucketing", "linear")
+    strategy = env.get("ENGINE_HPU_BUCKETING") or hpu.get("bucketing") or "linear"
     defaults = {
         "decode_bs": {"min": 1, "step": 32, "max": max_num_seqs},
         "decode_block": {"min": 128, "step": 128, "max": max_num_seqs * max_blocks_per_seq},
@@ -344,23 +329,14 @@ def resolve_bucket_config(config: Mapping[str, Any], env: Mapping[str, str] | No
         "prompt_seq": {"min": page_size, "step": page_size, "max": max_model_len},
     }
     lists: dict[str, list[int]] = {}
-    overridden: dict[str, bool] = {}
-    for key, yaml_key in _RANGE_KEYS.items():
-        merged = {**defaults[key], **(hpu.get(yaml_key) or {})}
-        phase, dim = key.split("_")
-        r, overridden[key] = read_bucket_range(phase, dim, merged, env)
+    env_set: dict[str, bool] = {}
+    for key, default in defaults.items():
+        r, env_set[key] = read_bucket_range(key, {**default, **(hpu.get(f"{key}_bucket") or {})}, env)
         lists[key] = make_buckets(r, strategy)
-    capture_sizes = config.get("capture_sizes")
-    if not overridden["decode_bs"] and capture_sizes:
-        lists["decode_bs"] = sorted({int(s) for s in capture_sizes})
+    if not env_set["decode_bs"] and config.get("capture_sizes"):
+        lists["decode_bs"] = sorted({int(s) for s in config["capture_sizes"]})
     tokens = config.get("max_num_batched_tokens", hpu.get("max_num_batched_tokens"))
     return HpuBucketConfig(
-        strategy=strategy,
-        decode_bs=lists["decode_bs"],
-        decode_block=lists["decode_block"],
-        prompt_bs=lists["prompt_bs"],
-        prompt_seq=lists["prompt_seq"],
-        page_size=page_size,
-        max_blocks_per_seq=max_blocks_per_seq,
-        max_num_batched_tokens=int(tokens) if tokens is not None else None,
-    )
+        strategy=strategy, page_size=page_size, max_blocks_per_seq=max_blocks_per_seq,
+        max_num_batched_tokens=int(tokens) if tokens is not None else None, **lists,
+    )  # fmt: skip

@@ -33,6 +33,7 @@ from backends.hpu.bucketing import (
 logger = logging.getLogger(__name__)
 
 StepFn = Callable[..., torch.Tensor]
+STEP_INPUTS = ("input_ids", "positions", "slot_indices", "page_table", "seq_lens")  # the step's positional args
 
 
 class ShapeGuaranteeError(RuntimeError):
@@ -49,14 +50,9 @@ class RecompileAfterWarmupError(RuntimeError):
 def expected_shapes(bucket: tuple[int, int], max_blocks_per_seq: int) -> dict[str, tuple[int, ...]]:
     """The exact tensor shapes the step sees for a bucket."""
     bs, blocks = bucket
-    width = page_table_width(blocks, max_blocks_per_seq)
-    return {
-        "input_ids": (bs,),
-        "positions": (bs,),
-        "slot_indices": (bs,),
-        "page_table": (bs, width),
-        "seq_lens": (bs,),
-    }
+    shapes: dict[str, tuple[int, ...]] = {name: (bs,) for name in STEP_INPUTS}
+    shapes["page_table"] = (bs, page_table_width(blocks, max_blocks_per_seq))
+    return shapes
 
 
 def check_static_shapes(
@@ -105,13 +101,9 @@ def warmup_batch(
 
 
 def move_batch(batch: PaddedDecodeBatch, device: torch.device | str) -> PaddedDecodeBatch:
-    def move(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
-
-    return PaddedDecodeBatch(
-        move(batch.input_ids), move(batch.positions), move(batch.slot_indices),
-        move(batch.page_table), move(batch.seq_lens), batch.num_real, batch.bucket,
-    )  # fmt: skip
+    """One host-to-device copy per tensor; padding happened on the host."""
+    moved = {name: getattr(batch, name).to(device, non_blocking=True) for name in STEP_INPUTS}
+    return PaddedDecodeBatch(**moved, num_real=batch.num_real, bucket=batch.bucket)
 
 
 def slice_logits(logits: torch.Tensor, num_real: int) -> torch.Tensor:
@@ -194,11 +186,12 @@ class HpuDecodeRunner:
         cls, step: StepFn, config: Mapping[str, Any], max_blocks_total: int | None = None, **kwargs: Any
     ) -> "HpuDecodeRunner":
         """Buckets, mode and strictness from configs/hpu.yaml plus ENGINE_* env overrides."""
-        from backends.hpu.platform import graph_mode_from_env
+        from backends.hpu.platform import bridge_is_lazy, graph_mode_from_env
 
         hpu = dict(config.get("hpu") or {})
         resolved = resolve_bucket_config(config)
-        kwargs.setdefault("mode", graph_mode_from_env(default=hpu.get("graph_mode")))
+        if "mode" not in kwargs:
+            kwargs["mode"] = graph_mode_from_env(default=hpu.get("graph_mode"), bridge_lazy=bridge_is_lazy())
         kwargs.setdefault("strict", _env_flag("ENGINE_HPU_STRICT", bool(hpu.get("strict", True))))
         kwargs.setdefault("skip_warmup", bool(hpu.get("skip_warmup", False)))
         return cls(
@@ -244,13 +237,15 @@ class HpuDecodeRunner:
             count += int(dict(metric_global("graph_compilation").stats())["TotalNumber"])
         return count
 
-    def _call(self, batch: PaddedDecodeBatch) -> torch.Tensor:
+    def _call(self, host_batch: PaddedDecodeBatch) -> torch.Tensor:
+        """Build any block metadata on the host, copy everything to the device, run the step."""
         kwargs: dict[str, torch.Tensor] = {}
         if self.with_block_metadata:
             meta = build_block_metadata(
-                batch.page_table.cpu(), batch.seq_lens.cpu(), self.page_size, batch.bucket[1], self.metadata_dtype
+                host_batch.page_table, host_batch.seq_lens, self.page_size, host_batch.bucket[1], self.metadata_dtype
             )
             kwargs = {k: v.to(self.device, non_blocking=True) for k, v in vars(meta).items()}
+        batch = move_batch(host_batch, self.device)
         logits = self._fn(
             batch.input_ids, batch.positions, batch.slot_indices, batch.page_table, batch.seq_lens, **kwargs
         )
@@ -275,7 +270,7 @@ class HpuDecodeRunner:
         shapes_done: set[tuple[int, int]] = set()
         for bucket in tqdm(self.buckets, desc="HPU decode warm-up", disable=not self.show_progress):
             if self.shape_key(bucket) not in shapes_done:  # buckets can share shapes; run each shape once
-                batch = warmup_batch(bucket, self.page_size, self.max_blocks_per_seq, self.slot_dtype, self.device)
+                batch = warmup_batch(bucket, self.page_size, self.max_blocks_per_seq, self.slot_dtype)
                 for _ in range(2):
                     self._call(batch)
                 shapes_done.add(self.shape_key(bucket))
@@ -299,13 +294,16 @@ class HpuDecodeRunner:
         page_table: torch.Tensor,
         seq_lens: torch.Tensor,
     ) -> PaddedDecodeBatch:
-        """Choose the bucket and pad (host-side), then move to the device."""
-        bucket = choose_decode_bucket(seq_lens, self.page_size, self.buckets)
-        batch = pad_decode_batch(
-            input_ids, positions, slot_indices.to(self.slot_dtype), page_table, seq_lens,
-            bucket, self.page_size, self.max_blocks_per_seq,
-        )  # fmt: skip
-        return move_batch(batch, self.device)
+        """Choose the bucket and pad on the host.
+
+        Padding with device ops would compile small recipes for every (n, bucket)
+        pair while serving (and trip strict mode); vllm-gaudi builds these on the
+        host too. Device inputs cost one copy back here; host inputs cost nothing.
+        """
+        host = [t.cpu() for t in (input_ids, positions, slot_indices, page_table, seq_lens)]
+        bucket = choose_decode_bucket(host[4], self.page_size, self.buckets)
+        host[2] = host[2].to(self.slot_dtype)
+        return pad_decode_batch(*host, bucket, self.page_size, self.max_blocks_per_seq)
 
     def run(
         self,
@@ -316,7 +314,7 @@ class HpuDecodeRunner:
         seq_lens: torch.Tensor,
     ) -> torch.Tensor:
         """One decode step for n requests -> logits [n, vocab]."""
-        batch = self.pad(input_ids, positions, slot_indices, page_table, seq_lens)
+        batch = self.pad(input_ids, positions, slot_indices, page_table, seq_lens)  # on the host
         strict = self.strict and self._baseline is not None
         if strict:
             check_static_shapes(batch, self.warmed, self.max_blocks_per_seq)
@@ -330,3 +328,4 @@ class HpuDecodeRunner:
                     "besides tensor shapes (a Python scalar, a changing attribute?)"
                 )
         return slice_logits(logits, batch.num_real)
+

@@ -16,6 +16,7 @@ modes:
 The mode follows ENGINE_HPU_GRAPH_MODE (compile | lazy | eager), else
 ``hpu.graph_mode`` in configs/hpu.yaml, else what the bridge reports
 (``habana_frameworks.torch.utils.internal.is_lazy()``), else PT_HPU_LAZY_MODE.
+The same order holds for HpuDecodeRunner.from_config.
 
 Habana runtime settings worth knowing (set them before the process imports
 habana_frameworks; this module never sets them for you):
@@ -33,25 +34,40 @@ habana_frameworks; this module never sets them for you):
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-from backends.base import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform
+from backends.base import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform, load_yaml_config
 
+logger = logging.getLogger(__name__)
 GRAPH_MODES = ("compile", "lazy", "eager")
 
 
-def graph_mode_from_env(env: Mapping[str, str] | None = None, default: str | None = None) -> str:
-    """Pure: the capture mode chosen by ENGINE_HPU_GRAPH_MODE, then `default`, then PT_HPU_LAZY_MODE."""
+def graph_mode_from_env(
+    env: Mapping[str, str] | None = None, default: str | None = None, bridge_lazy: bool | None = None
+) -> str:
+    """Pure: ENGINE_HPU_GRAPH_MODE, else `default` (config), else the bridge's mode, else PT_HPU_LAZY_MODE."""
     env = os.environ if env is None else env
     mode = (env.get("ENGINE_HPU_GRAPH_MODE") or default or "").strip().lower()
+    if not mode and bridge_lazy is not None:
+        mode = "lazy" if bridge_lazy else "compile"
     if not mode:
-        mode = "lazy" if env.get("PT_HPU_LAZY_MODE", "0").strip() in ("1", "true") else "compile"
+        mode = "lazy" if env.get("PT_HPU_LAZY_MODE", "0").strip().lower() in ("1", "true") else "compile"
     if mode not in GRAPH_MODES:
-        raise ValueError(f"ENGINE_HPU_GRAPH_MODE must be one of {GRAPH_MODES}, got {mode!r}")
+        raise ValueError(f"HPU graph mode must be one of {GRAPH_MODES}, got {mode!r}")
     return mode
+
+
+def bridge_is_lazy() -> bool | None:
+    """What the installed bridge runs in (lazy or eager), or None without habana_frameworks."""
+    try:
+        from habana_frameworks.torch.utils.internal import is_lazy
+    except ImportError:
+        return None
+    return bool(is_lazy())
 
 
 class HpuPlatform(Platform):
@@ -81,7 +97,9 @@ class HpuPlatform(Platform):
             return False
         hpu = getattr(torch, "hpu", None)
         if hpu is None or not hpu.is_available() or hpu.device_count() < 1:
-            self._reason = "habana_frameworks.torch is installed but no Gaudi device is visible (HABANA_VISIBLE_DEVICES?)"
+            self._reason = (
+                "habana_frameworks.torch is installed but no Gaudi device is visible (HABANA_VISIBLE_DEVICES?)"
+            )
             return False
         self._reason = None
         return True
@@ -92,17 +110,11 @@ class HpuPlatform(Platform):
         return self._reason or "device 'hpu' is not available on this machine"
 
     def graph_mode(self) -> str:
-        """compile | lazy | eager; see the module docstring for the precedence."""
+        """compile | lazy | eager: constructor argument, ENGINE_HPU_GRAPH_MODE, hpu.graph_mode, the bridge."""
         if self._graph_mode is not None:
-            return graph_mode_from_env(default=self._graph_mode)
-        if os.environ.get("ENGINE_HPU_GRAPH_MODE"):
-            return graph_mode_from_env()
-        try:
-            from habana_frameworks.torch.utils.internal import is_lazy
-
-            return "lazy" if is_lazy() else "compile"
-        except ImportError:
-            return graph_mode_from_env()
+            return graph_mode_from_env(env={}, default=self._graph_mode)
+        configured = (load_yaml_config(self.default_config()).get("hpu") or {}).get("graph_mode")
+        return graph_mode_from_env(default=configured, bridge_lazy=bridge_is_lazy())
 
     # ---- memory -------------------------------------------------------------------
     def memory_info(self) -> MemoryInfo:
@@ -159,9 +171,8 @@ class HpuPlatform(Platform):
         )
 
     def graph_runner_class(self) -> type:
-        from backends.hpu.graph_runner import HpuDecodeRunner
-
-        return HpuDecodeRunner
+        # The engine-facing adapter below; HpuDecodeRunner itself takes a step callable.
+        return HpuEngineRunner
 
     def set_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -176,3 +187,63 @@ def require_hpu() -> HpuPlatform:
     if not platform.is_available():
         raise DeviceUnavailableError(platform.unavailable_reason())
     return platform
+
+
+def model_step(
+    model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], page_size: int
+) -> Callable[..., torch.Tensor]:
+    """The decode step over the engine's model, as the runners want it: forward through logits."""
+    from engine.layers.attention import AttentionMetadata
+
+    def step(input_ids, positions, slot_indices, page_table, seq_lens):  # noqa: ANN001, ANN202
+        meta = AttentionMetadata(
+            is_decode=True, slot_indices=slot_indices, page_table=page_table, seq_lens=seq_lens, page_size=page_size
+        )
+        return model.compute_logits(model(input_ids, positions, kv_caches, meta))
+
+    return step
+
+
+class HpuEngineRunner:
+    """HpuDecodeRunner behind the engine's runner interface (engine/engine.py, graphs/runner.py)."""
+
+    def __init__(
+        self,
+        model: Any,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        capture_sizes: list[int],
+        max_pages_per_seq: int,
+        page_size: int,
+        device: torch.device,
+        slot_dtype: torch.dtype = torch.int64,
+        strict: bool | None = None,
+        **options: Any,
+    ) -> None:
+        """Arguments as the engine passes them; `options` go to HpuDecodeRunner (compile_backend, ...)."""
+        from backends.hpu.graph_runner import HpuDecodeRunner
+
+        config = load_yaml_config(HpuPlatform().default_config())
+        config.update(capture_sizes=capture_sizes, page_size=page_size, max_model_len=max_pages_per_seq * page_size)
+        options.update(device=device, slot_dtype=slot_dtype)
+        if strict is not None:
+            options["strict"] = strict
+        self.model, self.kv_caches = model, kv_caches
+        pool_pages = kv_caches[0][0].shape[0] // page_size  # no bucket needs more blocks than the pool has
+        self.inner = HpuDecodeRunner.from_config(model_step(model, kv_caches, page_size), config, pool_pages, **options)
+        self.max_batch_size = max(bs for bs, _ in self.inner.buckets)
+
+    def can_run(self, batch_size: int) -> bool:
+        return 1 <= batch_size <= self.max_batch_size
+
+    def capture(self) -> None:
+        with torch.no_grad():
+            self.inner.warmup()
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        from backends.hpu.bucketing import BucketOverflowError
+
+        try:
+            return self.inner.run(input_ids, positions, meta.slot_indices, meta.page_table, meta.seq_lens)
+        except BucketOverflowError as exc:  # more blocks than any bucket: correct but slow, and say so
+            logger.warning("decode batch runs eagerly: %s", exc)
+            return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))

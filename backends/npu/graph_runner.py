@@ -18,6 +18,7 @@ Pure helpers below carry the device-independent logic and are tested on CPU.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import math
@@ -166,8 +167,12 @@ class NpuGraphApi:
 
     def capture(self, fn: Callable[[], torch.Tensor], pool: Any, stream: Any) -> tuple[Any, torch.Tensor]:
         graph = torch.npu.NPUGraph()
-        # auto_dispatch_capture lets graph.update(cpu_update_input=...) refresh host-side op args.
-        with torch.npu.graph(graph, pool=pool, stream=stream, auto_dispatch_capture=True):
+        try:
+            # auto_dispatch_capture lets graph.update(cpu_update_input=...) refresh host-side op args.
+            context = torch.npu.graph(graph, pool=pool, stream=stream, auto_dispatch_capture=True)
+        except TypeError:  # older torch_npu without the keyword
+            context = torch.npu.graph(graph, pool=pool, stream=stream)
+        with context:
             out = fn()
         return graph, out
 
@@ -248,12 +253,14 @@ class NpuDecodeGraphRunner:
         try:
             for bs in capture_order(self.sizes):
                 self.buffers.seq_lens[:bs].fill_(CAPTURE_SEQ_LEN)
+                self.api.synchronize()  # the side stream must see the filled buffers
                 args = self.buffers.views(bs)
                 with self.api.run_on(stream):
                     for _ in range(self.warmup_runs):
                         self.step(*args)
                 self.api.synchronize()
-                self.graphs[bs], self.outputs[bs] = self.api.capture(lambda: self.step(*args), pool, stream)
+                run_once = functools.partial(self.step, *args)  # bound now, not looked up at replay
+                self.graphs[bs], self.outputs[bs] = self.api.capture(run_once, pool, stream)
                 self.buffers.seq_lens[:bs].fill_(PAD_SEQ_LEN)
         finally:
             gc.unfreeze()
@@ -284,3 +291,4 @@ class NpuDecodeGraphRunner:
             graph.update(cpu_update_input=[{self.seq_lens_update_key: lengths}])
         graph.replay()
         return self.outputs[bs][:n]
+

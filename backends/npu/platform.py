@@ -23,13 +23,16 @@ Ascend runtime settings worth knowing (set them before the process starts):
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import logging
+from typing import Any, Callable
 
 import torch
 
-from backends.base import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform
+from backends.base import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform, load_yaml_config
 from backends.npu.kv_store import slot_scatter_indices, store_kv_reference, updates_for
 
+logger = logging.getLogger(__name__)
 MAX_ACLGRAPH_GRAPHS = 1800  # vllm-ascend: 2048 streams minus 248 kept in reserve
 
 
@@ -83,9 +86,7 @@ class NpuPlatform(Platform):
         # The portable torch-ops backend. Graph capture of decode on Ascend needs an
         # attention whose context lengths are host inputs updated per replay
         # (torch_npu fused attention + NPUGraph.update, as SGLang does); see docs/npu.md.
-        from engine.layers.torch_attention import TorchAttentionBackend
-
-        return TorchAttentionBackend()
+        return Int64SlotAttention()
 
     def store_kv(
         self,
@@ -120,9 +121,8 @@ class NpuPlatform(Platform):
         )
 
     def graph_runner_class(self) -> type:
-        from backends.npu.graph_runner import NpuDecodeGraphRunner
-
-        return NpuDecodeGraphRunner
+        # The engine-facing adapter below; NpuDecodeGraphRunner itself takes a step callable.
+        return NpuEngineRunner
 
     def set_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -131,9 +131,79 @@ class NpuPlatform(Platform):
             npu.manual_seed(seed)
 
 
+class Int64SlotAttention:
+    """The torch attention backend fed int64 slots: its index_copy_ rejects the int32 slots NPU batches carry."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        from engine.layers.torch_attention import TorchAttentionBackend
+
+        self.inner = TorchAttentionBackend()
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: Any, scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        if meta.slot_indices.dtype != torch.int64:
+            meta = dataclasses.replace(meta, slot_indices=meta.slot_indices.to(torch.int64))
+        return self.inner.forward(q, k, v, k_cache, v_cache, meta, scale)
+
+
 def require_npu() -> NpuPlatform:
     """The platform, or DeviceUnavailableError with the reason."""
     platform = NpuPlatform()
     if not platform.is_available():
         raise DeviceUnavailableError(platform.unavailable_reason())
     return platform
+
+
+def model_step(
+    model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], page_size: int
+) -> Callable[..., torch.Tensor]:
+    """The decode step over the engine's model, as the runners want it: forward through logits."""
+    from engine.layers.attention import AttentionMetadata
+
+    def step(input_ids, positions, slot_indices, page_table, seq_lens):  # noqa: ANN001, ANN202
+        meta = AttentionMetadata(
+            is_decode=True, slot_indices=slot_indices, page_table=page_table, seq_lens=seq_lens, page_size=page_size
+        )
+        return model.compute_logits(model(input_ids, positions, kv_caches, meta))
+
+    return step
+
+
+class NpuEngineRunner:
+    """NpuDecodeGraphRunner behind the engine's runner interface (engine/engine.py, graphs/runner.py)."""
+
+    def __init__(
+        self,
+        model: Any,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        capture_sizes: list[int],
+        max_pages_per_seq: int,
+        page_size: int,
+        device: torch.device,
+        slot_dtype: torch.dtype = torch.int32,
+        **options: Any,
+    ) -> None:
+        """Arguments as the engine passes them; `options` go to NpuDecodeGraphRunner (graph_api, ...)."""
+        from backends.npu.graph_runner import NpuDecodeGraphRunner
+
+        config = load_yaml_config(NpuPlatform().default_config())
+        config.update(
+            capture_sizes=capture_sizes, max_capture_size=max(capture_sizes), page_size=page_size,
+            max_model_len=max_pages_per_seq * page_size,
+        )  # fmt: skip
+        step = model_step(model, kv_caches, page_size)
+        self.inner = NpuDecodeGraphRunner.from_config(step, config, num_layers=len(kv_caches), device=device, **options)
+
+    def can_run(self, batch_size: int) -> bool:
+        return self.inner.can_run(batch_size)
+
+    def capture(self) -> None:
+        with torch.no_grad():
+            self.inner.capture()
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        return self.inner.run(input_ids, positions, meta.slot_indices, meta.page_table, meta.seq_lens)

@@ -1,0 +1,1 @@
+"""CUDA backend: torch.cuda.CUDAGraph capture, Triton paged decode attention."""

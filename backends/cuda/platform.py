@@ -1,0 +1,45 @@
+"""CUDA platform: CUDA graphs over the whole decode step, Triton decode attention."""
+
+from __future__ import annotations
+
+import torch
+
+from backends.base import CaptureSettings, MemoryInfo, Platform
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    device_type = "cuda"
+    dist_backend = "nccl"
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available() and torch.version.hip is None
+
+    def unavailable_reason(self) -> str:
+        if torch.version.cuda is None and torch.version.hip is None:
+            return f"device '{self.name}' is not available: this torch build ({torch.__version__}) has no CUDA support"
+        return f"device '{self.name}' is not available: no GPU visible to this torch build ({torch.__version__})"
+
+    def memory_info(self) -> MemoryInfo:
+        free, total = torch.cuda.mem_get_info()
+        return MemoryInfo(total, free)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def attention_backend(self):  # noqa: ANN201
+        from backends.cuda.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+
+    def capture_settings(self) -> CaptureSettings:
+        return CaptureSettings(kind="cuda_graph")
+
+    def graph_runner_class(self) -> type:
+        from graphs.cuda_graph_runner import CudaGraphRunner
+
+        return CudaGraphRunner
+
+    def set_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.cuda.manual_seed_all(seed)

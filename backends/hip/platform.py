@@ -1,0 +1,25 @@
+"""ROCm platform: the CUDA-graph path on a HIP build of torch, with its own capture sizes.
+
+Not yet run on AMD hardware. On ROCm, torch exposes HIP devices through the
+torch.cuda namespace and `torch.version.hip` is set; graphs are HIP graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backends.cuda.platform import CudaPlatform
+
+
+class HipPlatform(CudaPlatform):
+    name = "rocm"  # configs/rocm.yaml
+    device_type = "cuda"  # HIP devices are torch "cuda" devices
+    dist_backend = "nccl"  # RCCL behind torch's nccl backend name
+
+    def is_available(self) -> bool:
+        return torch.version.hip is not None and torch.cuda.is_available()
+
+    def unavailable_reason(self) -> str:
+        if torch.version.hip is None:
+            return f"device 'rocm' is not available: this torch build ({torch.__version__}) is not a ROCm build"
+        return "device 'rocm' is not available: no AMD GPU visible"

@@ -1,0 +1,134 @@
+"""Decode step time with graphs vs eager on one device, and graph-vs-eager token parity.
+
+    PYTHONPATH=. python benchmarks/gpu_decode.py --device cuda --model llama-3-8b --load-format dummy \
+        --batch-sizes 1,32 --context 512 --output bench_results/gpu_decode.json
+    PYTHONPATH=. python benchmarks/gpu_decode.py --device cuda --parity-model path/to/SmolLM2.gguf
+
+Prints a table and writes JSON. Times are medians over --iters timed steps
+(CUDA events around the replay / eager forward; wall clock for a full engine step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+
+def _device_ms(platform_sync, fn, iters: int) -> float:  # noqa: ANN001
+    samples = []
+    for _ in range(3):
+        fn()
+    for _ in range(iters):
+        platform_sync()
+        start = time.perf_counter()
+        fn()
+        platform_sync()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def measure_decode(engine: Engine, batch_size: int, context: int, iters: int) -> dict[str, Any]:
+    """Prefill batch_size random prompts of `context` tokens, then time decode steps."""
+    vocab = engine.model_config.vocab_size
+    generator = torch.Generator().manual_seed(batch_size)
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    ids = []
+    for _ in range(batch_size):
+        prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
+        ids.append(engine.add_request(prompt, params))
+    while len(engine.scheduler.running) < batch_size:
+        engine.step()  # prefill steps
+    sync = engine.platform.synchronize
+    engine.step()  # one decode so the static buffers hold this batch
+    runner = engine.runner.graph_runner
+    result: dict[str, Any] = {"batch_size": batch_size, "context": context}
+    if runner is not None:
+        padded = runner.padded_size(batch_size)
+        result["graph_replay_ms"] = _device_ms(sync, lambda: runner._replay(padded), iters)
+        with torch.no_grad():
+            result["eager_forward_ms"] = _device_ms(sync, lambda: runner.step_eager(padded), iters)
+        result["engine_step_graph_ms"] = _device_ms(sync, engine.step, iters)
+        engine.runner.graph_runner = None
+    result["engine_step_eager_ms"] = _device_ms(sync, engine.step, iters)
+    engine.runner.graph_runner = runner
+    for request_id in ids:
+        engine.abort(request_id)
+    engine.check_kv_invariant()
+    return result
+
+
+def parity(model: str, device: str, dtype: str, steps: int) -> dict[str, Any]:
+    """Greedy tokens with graphs vs eager for prompts of different lengths, batched (3 pads to 4)."""
+    prompts = [
+        "The capital of France is",
+        "Write a short poem about the sea.",
+        "List three prime numbers:",
+    ]
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    results = {}
+    for graphs in (True, False):
+        engine = Engine(EngineConfig(model=model, device=device, dtype=dtype, capture_sizes="1,2,4", disable_graphs=not graphs, kv_cache_tokens=8192))
+        outs = engine.generate(prompts, params)
+        results[graphs] = [o.token_ids for o in outs]
+        text = outs[0].text
+        engine.check_kv_invariant()
+        del engine
+    same = results[True] == results[False]
+    return {"model": model, "dtype": dtype, "graph_equals_eager": same, "steps": steps, "sample_text": text,
+            "graph_tokens": results[True], "eager_tokens": results[False]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--capture-sizes", default=None)
+    parser.add_argument("--parity-model", default=None, help="also check graph vs eager tokens on this model")
+    parser.add_argument("--parity-dtypes", default="float32,bfloat16")
+    parser.add_argument("--output", default="bench_results/gpu_decode.json")
+    args = parser.parse_args()
+    report: dict[str, Any] = {"torch": torch.__version__, "device": args.device}
+    if torch.cuda.is_available():
+        report["gpu"] = torch.cuda.get_device_name()
+    if args.parity_model:
+        report["parity"] = [parity(args.parity_model, args.device, d, 48) for d in args.parity_dtypes.split(",")]
+        for p in report["parity"]:
+            print(f"parity {p['dtype']}: graph == eager: {p['graph_equals_eager']}; text: {p['sample_text']!r}")
+    if args.model:
+        start = time.perf_counter()
+        engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
+                                     capture_sizes=args.capture_sizes))
+        runner = engine.runner.graph_runner
+        report["startup_s"] = time.perf_counter() - start
+        report["capture"] = {"sizes": runner.capture_sizes, "seconds": runner.capture_seconds,
+                             "graph_memory_mib": runner.graph_memory_bytes / 2**20}
+        report["decode"] = [measure_decode(engine, int(b), args.context, args.iters) for b in args.batch_sizes.split(",")]
+        print(f"model {args.model} ({args.dtype}); captured {len(runner.capture_sizes)} sizes "
+              f"in {runner.capture_seconds:.1f} s, graph memory {runner.graph_memory_bytes / 2**20:.0f} MiB")
+        print(f"{'bs':>4} {'replay ms':>10} {'eager fwd ms':>13} {'step graph ms':>14} {'step eager ms':>14} {'speedup':>8}")
+        for row in report["decode"]:
+            print(f"{row['batch_size']:>4} {row['graph_replay_ms']:>10.3f} {row['eager_forward_ms']:>13.3f} "
+                  f"{row['engine_step_graph_ms']:>14.3f} {row['engine_step_eager_ms']:>14.3f} "
+                  f"{row['engine_step_eager_ms'] / row['engine_step_graph_ms']:>7.2f}x")
+    os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
+    with open(args.output, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""`engine bench`: decode throughput of this engine next to HF transformers' `generate`.
+
+Both sides get the same token-id prompts, greedy decoding, a fixed number of new tokens
+and the same dtype, in one process with the same torch thread count. Only decode is
+timed: prefill costs scale with the prompt, not with the graph machinery under test.
+  engine: wall time from the step where every row has its first token (the prefill step)
+          to the last token, over the tokens produced in between (streamed timestamps).
+  HF:     the same span inside one generate(N), timestamped by a no-op logits processor that
+          runs right after each forward; generate(N) - generate(1) is kept as a cross-check.
+Both therefore time the same N - 1 decode steps per row, batch * (N - 1) tokens. Engine and HF samples are
+interleaved per repeat so that load from other processes on a shared box hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+# Public-domain prose (Moby-Dick, ch. 1): real text gives realistic token ids; rows are
+# different windows over it, so no two rows of a batch are the same prompt.
+SOURCE_TEXT = (
+    "Call me Ishmael. Some years ago - never mind how long precisely - having little or no money "
+    "in my purse, and nothing particular to interest me on shore, I thought I would sail about a "
+    "little and see the watery part of the world. It is a way I have of driving off the spleen and "
+    "regulating the circulation. Whenever I find myself growing grim about the mouth; whenever it is "
+    "a damp, drizzly November in my soul; whenever I find myself involuntarily pausing before coffin "
+    "warehouses, and bringing up the rear of every funeral I meet; and especially whenever my hypos "
+    "get such an upper hand of me, that it requires a strong moral principle to prevent me from "
+    "deliberately stepping into the street, and methodically knocking people's hats off - then, I "
+    "account it high time to get to sea as soon as I can. This is my substitute for pistol and ball. "
+    "With a philosophical flourish Cato throws himself upon his sword; I quietly take to the ship. "
+    "There is nothing surprising in this. If they but knew it, almost all men in their degree, some "
+    "time or other, cherish very nearly the same feelings towards the ocean with me. There now is "
+    "your insular city of the Manhattoes, belted round by wharves as Indian isles by coral reefs - "
+    "commerce surrounds it with her surf. Right and left, the streets take you waterward. Its extreme "
+    "downtown is the battery, where that noble mole is washed by waves, and cooled by breezes, which "
+    "a few hours previous were out of sight of land. Look at the crowds of water-gazers there."
+)
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("bench")
+    group.add_argument("--batch-sizes", default="1,16", help="comma-separated decode batch sizes")
+    group.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes (overrides --dtype)")
+    group.add_argument("--input-len", type=int, default=64, help="prompt length in tokens")
+    group.add_argument("--output-len", type=int, default=64, help="new tokens per row (>= 2)")
+    group.add_argument("--repeats", type=int, default=3, help="timed samples per row; the median is reported")
+    group.add_argument("--include-eager", action="store_true", help="also time the engine with graphs disabled")
+    group.add_argument("--skip-hf", action="store_true", help="do not time HF transformers")
+    group.add_argument("--output", default="bench_results/cpu_bench.json", help="JSON file for results and raw samples")
+
+
+def _sizes(text: str) -> list[int]:
+    return sorted({int(s) for s in text.split(",") if s.strip()})
+
+
+def build_prompts(tokenizer: Any, batch_size: int, input_len: int) -> list[list[int]]:
+    """`batch_size` different windows of exactly `input_len` real-text token ids."""
+    ids = list(tokenizer.encode(SOURCE_TEXT, add_special_tokens=False))
+    stride = max(1, min(input_len // 4, (len(ids) - input_len) // max(1, batch_size - 1)))
+    need = (batch_size - 1) * stride + input_len
+    ids = ids * (need // len(ids) + 1)  # only repeats the text if a huge batch/length asks for it
+    return [ids[row * stride : row * stride + input_len] for row in range(batch_size)]
+
+
+def time_engine(engine: Any, prompts: list[list[int]], output_len: int) -> tuple[float, int, list[list[int]]]:
+    """(decode seconds, decode tokens, output ids) for one batch through Engine.stream."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    first_seen: set[str] = set()
+    t_first = t_last = 0.0
+    decode_tokens = 0
+    outputs: dict[str, list[int]] = {}
+    order: list[str] = []
+    for out in engine.stream(prompts, params):
+        now = time.perf_counter()
+        if out.request_id not in outputs:
+            order.append(out.request_id)
+        outputs[out.request_id] = out.token_ids
+        if len(first_seen) == len(prompts):
+            decode_tokens += len(out.new_token_ids)  # produced after every row left prefill
+            t_last = now
+        else:
+            first_seen.add(out.request_id)
+            if len(first_seen) == len(prompts):
+                t_first = now
+    return t_last - t_first, decode_tokens, [outputs[r] for r in order]
+
+
+class _StepClock:
+    """A no-op logits processor that timestamps every generate step (called right after each forward)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def _hf_generate(model: Any, input_ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, pad_id: int) -> tuple[float, list[float], torch.Tensor]:
+    from transformers import LogitsProcessorList
+
+    clock = _StepClock()
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]),
+    )
+    return time.perf_counter() - start, clock.stamps, out[:, input_ids.shape[1]:]
+
+
+def time_hf(model: Any, prompts: list[list[int]], output_len: int, pad_id: int) -> tuple[float, int, list[list[int]], float]:
+    """(decode seconds, decode tokens, output ids, decode seconds by generate(N) - generate(1)).
+
+    The first figure spans step 1 (prefill) to step N, as the engine's does; the second is a
+    cross-check that needs no hook into generate but carries the noise of two runs.
+    """
+    width = max(len(p) for p in prompts)
+    # Left padding with a mask, as HF wants for batched decoder-only generate (a no-op when
+    # every prompt has the same length, as here, but correct for ragged prompts).
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    prefill_s, _, _ = _hf_generate(model, input_ids, mask, 1, pad_id)
+    total_s, stamps, out = _hf_generate(model, input_ids, mask, output_len, pad_id)
+    if len(stamps) != output_len:
+        raise RuntimeError(f"HF generate ran {len(stamps)} steps, expected {output_len}")
+    return stamps[-1] - stamps[0], len(prompts) * (output_len - 1), out.tolist(), total_s - prefill_s
+
+
+def load_hf_model(model_arg: str | None, load_format: str, dtype: str) -> Any | None:
+    """The same weights through transformers, or None where HF cannot load them (presets, dummy)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader.resolve import default_model_path
+
+    if load_format == "dummy":
+        return None
+    path = default_model_path() if model_arg is None else os.path.expanduser(model_arg)
+    torch_dtype = getattr(torch, dtype)
+    if path.endswith(".gguf"):
+        folder, name = os.path.split(os.path.abspath(path))
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype)
+    elif os.path.isdir(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    else:
+        return None
+    return model.eval()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "load_average_start": os.getloadavg(),
+    }
+
+
+def _row(system: str, dtype: str, bs: int, samples: list[dict[str, float]], output_len: int) -> dict[str, Any]:
+    tok_s = statistics.median(s["tok_s"] for s in samples)
+    ms_step = statistics.median(s["seconds"] * 1000 / (output_len - 1) for s in samples)
+    return {"system": system, "dtype": dtype, "batch_size": bs, "tok_s": tok_s, "ms_per_step": ms_step, "samples": samples}
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    hf = {(r["dtype"], r["batch_size"]): r["tok_s"] for r in rows if r["system"] == "hf"}
+    best_hf = {bs: max(v for (_, b), v in hf.items() if b == bs) for (_, bs) in hf}
+    header = f"{'system':<14}{'dtype':<10}{'batch':>6}{'tok/s':>10}{'ms/step':>10}{'vs HF':>8}{'vs best HF':>12}"
+    print(header + "\n" + "-" * len(header))
+    for r in rows:
+        ratio = r["tok_s"] / hf[(r["dtype"], r["batch_size"])] if (r["dtype"], r["batch_size"]) in hf else None
+        best = r["tok_s"] / best_hf[r["batch_size"]] if r["batch_size"] in best_hf else None
+        print(
+            f"{r['system']:<14}{r['dtype']:<10}{r['batch_size']:>6}{r['tok_s']:>10.1f}{r['ms_per_step']:>10.1f}"
+            f"{(f'{ratio:.2f}x' if ratio else '-'):>8}{(f'{best:.2f}x' if best else '-'):>12}"
+        )
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from engine.cli import engine_config_from_args
+    from engine.engine import Engine
+
+    batch_sizes, dtypes = _sizes(args.batch_sizes), [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if args.output_len < 2 or args.input_len < 1 or args.repeats < 1 or not batch_sizes:
+        raise ValueError("need --output-len >= 2, --input-len >= 1, --repeats >= 1 and at least one batch size")
+    # Capture exactly the benchmarked sizes (each CPU capture is a compile) unless told otherwise.
+    capture = args.capture_sizes or ",".join(str(b) for b in batch_sizes)
+    max_seqs = args.max_num_seqs or max(batch_sizes)
+    variants = [("engine-eager" if args.disable_graphs else "engine", args.disable_graphs)]
+    if args.include_eager and not args.disable_graphs:
+        variants.append(("engine-eager", True))
+    results: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["engine"] + sys.argv[1:]) if os.path.basename(sys.argv[0]) == "engine" else " ".join(sys.argv),
+        "machine": machine_info(),
+        "settings": {
+            "model": args.model or "embedded SmolLM2-135M-Instruct GGUF", "batch_sizes": batch_sizes, "dtypes": dtypes,
+            "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
+            "capture_sizes": capture, "max_num_seqs": max_seqs, "greedy": True, "ignore_eos": True,
+            "decode_timing": {
+                "engine": "first token of every row (prefill step) to last token, via Engine.stream",
+                "hf": "step 1 (prefill) to step output_len of generate, timestamped by a no-op logits processor",
+                "hf_cross_check": "subtraction_*: generate(output_len) - generate(1)",
+            },
+        },
+        "rows": [],
+    }
+    rows: list[dict[str, Any]] = results["rows"]
+    for dtype in dtypes:
+        systems: dict[str, Any] = {}
+        for name, eager in variants:
+            start = time.perf_counter()
+            cfg = engine_config_from_args(args, dtype=dtype, capture_sizes=capture, max_num_seqs=max_seqs, disable_graphs=eager)
+            systems[name] = Engine(cfg)
+            results.setdefault("engine_build_seconds", {})[f"{name}/{dtype}"] = time.perf_counter() - start
+        tokenizer = next(iter(systems.values())).tokenizer
+        hf_model = None if args.skip_hf else load_hf_model(args.model, args.load_format, dtype)
+        if hf_model is not None:
+            systems["hf"] = hf_model
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        samples: dict[tuple[str, int], list[dict[str, float]]] = {(s, b): [] for s in systems for b in batch_sizes}
+        last_ids: dict[tuple[str, int], list[list[int]]] = {}
+        bar = tqdm(total=len(batch_sizes) * args.repeats * len(systems), desc=f"bench {dtype}", unit="run")
+        for bs in batch_sizes:
+            prompts = build_prompts(tokenizer, bs, args.input_len)
+            for name, system in systems.items():  # warm-up: allocator, prefill shapes, HF caches
+                bar.set_postfix_str(f"warm-up {name} bs={bs}")
+                if name == "hf":
+                    time_hf(system, prompts, 2, pad_id)
+                else:
+                    time_engine(system, prompts, 2)
+            for _ in range(args.repeats):
+                for name, system in systems.items():  # interleaved so background load hits all alike
+                    bar.set_postfix_str(f"{name} bs={bs}")
+                    extra: dict[str, float] = {}
+                    if name == "hf":
+                        seconds, tokens, ids, subtracted = time_hf(system, prompts, args.output_len, pad_id)
+                        extra = {"subtraction_seconds": subtracted, "subtraction_tok_s": tokens / subtracted}
+                    else:
+                        seconds, tokens, ids = time_engine(system, prompts, args.output_len)
+                    samples[(name, bs)].append({"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, **extra})
+                    last_ids[(name, bs)] = ids
+                    bar.update()
+        bar.close()
+        for (name, bs), runs in samples.items():
+            row = _row(name, dtype, bs, runs, args.output_len)
+            if name != "hf" and ("hf", bs) in last_ids:
+                # Sanity check that both sides did the same work: mean greedy tokens agreeing with HF
+                # before the first divergence (bf16 rounding differences make early splits normal).
+                pairs = zip(last_ids[(name, bs)], last_ids[("hf", bs)])
+                row["mean_prefix_agreement_with_hf"] = statistics.mean(_common_prefix(a, b) for a, b in pairs)
+            rows.append(row)
+        del systems, hf_model
+    order = {"engine": 0, "engine-eager": 1, "hf": 2}
+    rows.sort(key=lambda r: (dtypes.index(r["dtype"]), r["batch_size"], order.get(r["system"], 3)))
+    results["machine"]["load_average_end"] = os.getloadavg()
+    print_table(rows)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w", encoding="utf-8") as handle:
+        json.dump(results, handle, indent=2)
+    print(f"\nwrote {args.output}")
+    return 0
