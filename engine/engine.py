@@ -46,10 +46,7 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
 
-        backend = self.platform.attention_backend()
-        for module in self.model.modules():
-            if hasattr(module, "backend") and module.__class__.__name__ == "Attention":
-                module.backend = backend
+        self.model.set_attention_backend(self.platform.attention_backend())
         self.kv_pool = self._allocate_kv_pool()
         self.scheduler = Scheduler(
             self.kv_pool.allocator, self.kv_pool.page_size, int(self.config.max_num_seqs), int(self.config.max_prefill_tokens)
@@ -70,8 +67,13 @@ class Engine:
             free = self.platform.memory_info().free_bytes
             tokens = min(int(free * float(cfg.kv_cache_memory_fraction or 0.1)) // per_token, useful_tokens)
         num_pages = tokens // page_size + 1  # + the reserved page 0
-        if num_pages < 2 or (num_pages - 1) * page_size < min(self.max_model_len, 256):
+        if num_pages < 2:
             raise EngineError(f"KV pool too small: {tokens} tokens; raise kv_cache_tokens or the memory fraction")
+        capacity = (num_pages - 1) * page_size
+        if capacity < self.max_model_len:
+            # A request of the full context must fit alone, or it could wait (or preempt itself) forever.
+            logger.warning("KV pool holds %d tokens: context length lowered from %d", capacity, self.max_model_len)
+            self.max_model_len = capacity
         pool = KVPool(mc.num_hidden_layers, num_pages, page_size, mc.num_key_value_heads, mc.head_dim, cfg.torch_dtype, self.device)
         logger.info("KV pool: %d pages x %d tokens (%.1f MiB)", num_pages - 1, page_size, pool.nbytes() / 2**20)
         return pool

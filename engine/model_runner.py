@@ -8,6 +8,7 @@ import torch
 
 from engine.forward_batch import build_forward_batch
 from engine.kv_cache import KVPool
+from engine.layers.attention import step_context
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import sample
 from engine.scheduler import ScheduledStep
@@ -44,7 +45,8 @@ class ModelRunner:
             self.graph_steps += 1
             return self.graph_runner.run(batch.input_ids, batch.positions, batch.meta)
         self.eager_steps += 1
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_pool.caches, batch.meta)
+        with step_context(self.model.attention_backend, batch.meta):
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_pool.caches, batch.meta)
         if not step.is_decode:
             hidden = hidden[batch.logits_indices]
         return self.model.compute_logits(hidden)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import AttentionMetadata, step_context
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from graphs.runner import DecodeGraphRunner
 
@@ -51,7 +51,7 @@ def compile_count() -> int:
 
 
 class CompiledDecodeRunner(DecodeGraphRunner):
-    def __init__(self, *args: Any, compile_options: dict[str, Any] | None = None, strict: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, compile_options: dict[str, Any] | None = None, strict: bool = False, skip_guards: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         import torch._dynamo
 
@@ -68,6 +68,7 @@ class CompiledDecodeRunner(DecodeGraphRunner):
             _head_step, dynamic=False, fullgraph=True, backend=backend, options=options or None
         )
         self.strict = strict
+        self.skip_guards = skip_guards
         self.compiles_after_warmup = 0
         self._warm_count: int | None = None
 
@@ -76,8 +77,9 @@ class CompiledDecodeRunner(DecodeGraphRunner):
         meta = buffers.metadata(bs)
         positions = buffers.positions[:bs]
         hidden = self.model.model.embed_tokens(buffers.input_ids[:bs])
-        for layer, (k_cache, v_cache) in zip(self.model.model.layers, self.kv_caches):
-            hidden = self._layer_fn(layer, positions, hidden, k_cache, v_cache, meta)
+        with step_context(self.model.attention_backend, meta):
+            for layer, (k_cache, v_cache) in zip(self.model.model.layers, self.kv_caches):
+                hidden = self._layer_fn(layer, positions, hidden, k_cache, v_cache, meta)
         return self._head_fn(self.model, hidden)
 
     def _capture_all(self, sizes_largest_first: list[int]) -> None:
@@ -93,8 +95,17 @@ class CompiledDecodeRunner(DecodeGraphRunner):
         self._warm_count = compile_count()
 
     def _replay(self, bs: int) -> torch.Tensor:
-        with torch.no_grad():
-            logits = self._step(bs)
+        # After warm-up only the guards that tell the sizes apart are evaluated
+        # (every entry was compiled for these exact inputs); in strict mode a
+        # recompile raises instead of silently compiling on the serving path.
+        stance = "fail_on_recompile" if self.strict else "default"
+        try:
+            with torch.no_grad(), torch.compiler.set_stance(stance, skip_guard_eval_unsafe=self.skip_guards):
+                logits = self._step(bs)
+        except RuntimeError as exc:
+            if self.strict and "recompil" in str(exc).lower():
+                raise RecompileError(f"decode graph would recompile after warm-up at batch size {bs}: {exc}") from exc
+            raise
         if self._warm_count is not None:
             now = compile_count()
             if now != self._warm_count:

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import AttentionMetadata, step_context
 from engine.models.llama import LlamaForCausalLM
 from graphs.buckets import smallest_bucket_at_least
 from graphs.static_buffers import StaticDecodeBuffers
@@ -69,7 +69,8 @@ class DecodeGraphRunner(abc.ABC):
     def step_eager(self, bs: int) -> torch.Tensor:
         """The step as captured: the model over the static buffers' first bs rows."""
         meta = self.buffers.metadata(bs)
-        hidden = self.model(self.buffers.input_ids[:bs], self.buffers.positions[:bs], self.kv_caches, meta)
+        with step_context(self.model.attention_backend, meta):
+            hidden = self.model(self.buffers.input_ids[:bs], self.buffers.positions[:bs], self.kv_caches, meta)
         return self.model.compute_logits(hidden)
 
     @abc.abstractmethod

@@ -256,15 +256,17 @@ def test_import_does_not_load_torch_npu() -> None:
 
 
 def test_engine_adapter_and_int32_slots() -> None:
+    from backends.npu.attention import NpuAttentionBackend, NpuDecodeMetadata
     from backends.npu.platform import NpuEngineRunner
-    from backends.npu.platform import Int64SlotAttention
     from engine.layers.attention import AttentionMetadata
 
     assert NpuPlatform().graph_runner_class() is NpuEngineRunner
-    assert isinstance(NpuPlatform().attention_backend(), Int64SlotAttention)
+    assert isinstance(NpuPlatform().attention_backend(), NpuAttentionBackend)
 
     class Model:
         def __call__(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN204
+            assert isinstance(meta.platform_metadata, NpuDecodeMetadata)  # the host lengths reach attention
+            assert meta.platform_metadata.context_lens.device.type == "cpu"
             kv_caches[0][0].index_copy_(0, meta.slot_indices.long(), input_ids.float().view(-1, 1, 1))
             return (input_ids * 100 + meta.seq_lens.long()).float().unsqueeze(1)
 
@@ -272,7 +274,8 @@ def test_engine_adapter_and_int32_slots() -> None:
             return hidden.repeat(1, 3)
 
     kv = [(torch.zeros(64, 1, 1), torch.zeros(64, 1, 1))] * 4
-    runner = NpuEngineRunner(Model(), kv, [1, 2, 4], 4, 16, torch.device("cpu"), graph_api=EagerGraphs())
+    api = EagerGraphs()
+    runner = NpuEngineRunner(Model(), kv, [1, 2, 4], 4, 16, torch.device("cpu"), graph_api=api)
     runner.capture()
     kv[0][0].zero_()
     slots = torch.tensor([17, 40, 63], dtype=torch.int32)
@@ -280,4 +283,6 @@ def test_engine_adapter_and_int32_slots() -> None:
                              seq_lens=torch.tensor([2, 9, 30], dtype=torch.int32), page_size=16)  # fmt: skip
     out = runner.run(torch.tensor([5, 6, 7]), torch.tensor([1, 8, 29]), meta)
     assert out.tolist() == [[502.0] * 3, [609.0] * 3, [730.0] * 3]
+    (update,) = api.updates[-1]  # SGLang's MHA form: context_lens as an int32 host tensor, padded with 0
+    assert list(update) == ["context_lens"] and update["context_lens"].tolist() == [2, 9, 30, 0]
     assert kv[0][0].flatten().nonzero().flatten().tolist() == [17, 40, 63]  # padded row wrote only slot 0 (id 0)

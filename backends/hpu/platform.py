@@ -34,6 +34,7 @@ habana_frameworks; this module never sets them for you):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any, Callable, Mapping
@@ -134,11 +135,10 @@ class HpuPlatform(Platform):
 
     # ---- attention and KV ----------------------------------------------------------
     def attention_backend(self) -> Any:
-        # The portable torch-ops backend; a Gaudi-native paged attention over the
-        # flattened block list (bucketing.build_block_metadata) would plug in here.
-        from engine.layers.torch_attention import TorchAttentionBackend
+        # Flat paged attention over vllm-gaudi's block list: static shapes per (bs, blocks) bucket.
+        from backends.hpu.attention import HpuAttentionBackend
 
-        return TorchAttentionBackend()
+        return HpuAttentionBackend(self.store_kv)
 
     def store_kv(
         self,
@@ -192,13 +192,21 @@ def require_hpu() -> HpuPlatform:
 def model_step(
     model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], page_size: int
 ) -> Callable[..., torch.Tensor]:
-    """The decode step over the engine's model, as the runners want it: forward through logits."""
+    """The decode step over the engine's model, as the runners want it: forward through logits.
+
+    With block metadata (HpuDecodeRunner(with_block_metadata=True) passes block_list,
+    block_groups, block_usage, block_mapping as keywords) the flat layout is finished
+    on the device once per step and reaches every layer as meta.platform_metadata.
+    """
+    from backends.hpu.attention import HpuFlatMetadata
     from engine.layers.attention import AttentionMetadata
 
-    def step(input_ids, positions, slot_indices, page_table, seq_lens):  # noqa: ANN001, ANN202
+    def step(input_ids, positions, slot_indices, page_table, seq_lens, **block):  # noqa: ANN001, ANN003, ANN202
+        flat = HpuFlatMetadata.from_block_metadata(page_size=page_size, **block) if block else None
         meta = AttentionMetadata(
-            is_decode=True, slot_indices=slot_indices, page_table=page_table, seq_lens=seq_lens, page_size=page_size
-        )
+            is_decode=True, slot_indices=slot_indices, page_table=page_table, seq_lens=seq_lens, page_size=page_size,
+            platform_metadata=flat,
+        )  # fmt: skip
         return model.compute_logits(model(input_ids, positions, kv_caches, meta))
 
     return step
@@ -225,6 +233,10 @@ class HpuEngineRunner:
         config = load_yaml_config(HpuPlatform().default_config())
         config.update(capture_sizes=capture_sizes, page_size=page_size, max_model_len=max_pages_per_seq * page_size)
         options.update(device=device, slot_dtype=slot_dtype)
+        # Build vllm-gaudi's flat block layout for every padded bucket: HpuAttentionBackend reads it,
+        # and the blocks dimension (not the page-table width) is then what the graphs are keyed on.
+        options.setdefault("with_block_metadata", True)
+        options.setdefault("metadata_dtype", kv_caches[0][0].dtype)
         if strict is not None:
             options["strict"] = strict
         self.model, self.kv_caches = model, kv_caches
@@ -246,4 +258,9 @@ class HpuEngineRunner:
             return self.inner.run(input_ids, positions, meta.slot_indices, meta.page_table, meta.seq_lens)
         except BucketOverflowError as exc:  # more blocks than any bucket: correct but slow, and say so
             logger.warning("decode batch runs eagerly: %s", exc)
+            from backends.hpu.attention import HpuFlatMetadata
+
+            # The exact (unbucketed) flat layout, built once for all layers.
+            flat = HpuFlatMetadata.from_page_table(meta.page_table, meta.seq_lens, meta.page_size, torch.float32)
+            meta = dataclasses.replace(meta, platform_metadata=flat)
             return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))

@@ -39,6 +39,9 @@ PAD_SLOT = 0
 PAD_PAGE = 0
 PAD_SEQ_LEN = 0  # SGLang's NPU runner: padded rows have no context at all
 CAPTURE_SEQ_LEN = 1  # during capture every row attends one dummy token, so warm-up math is finite
+# graph.update keys whose kernels take a host *tensor* (torch_npu._npu_paged_attention's context_lens,
+# as SGLang passes it); other keys (fused attention's actual_seq_lengths_kv) take a list of ints.
+HOST_TENSOR_UPDATE_KEYS = frozenset({"context_lens"})
 
 
 # ---- pure, device-independent helpers -------------------------------------------------------
@@ -88,6 +91,8 @@ class StaticDecodeBuffers:
     slot_indices: torch.Tensor  # [max_bs] int32
     page_table: torch.Tensor  # [max_bs, max_pages_per_seq] int32
     seq_lens: torch.Tensor  # [max_bs] int32
+    # Host copy of seq_lens for kernels that take lengths as host arguments (always on the CPU).
+    seq_lens_host: torch.Tensor  # [max_bs] int32
 
     @classmethod
     def allocate(
@@ -99,6 +104,7 @@ class StaticDecodeBuffers:
         return cls(
             zeros(max_bs, dtype=torch.int64), zeros(max_bs, dtype=torch.int64), zeros(max_bs, dtype=slot_dtype),
             zeros(max_bs, max_pages_per_seq, dtype=torch.int32), zeros(max_bs, dtype=torch.int32),
+            torch.zeros(max_bs, dtype=torch.int32),
         )  # fmt: skip
 
     def views(self, bs: int) -> tuple[torch.Tensor, ...]:
@@ -137,6 +143,7 @@ def fill_static_inputs(
     buffers.positions[:n].copy_(positions.reshape(-1)[:n], non_blocking=True)
     buffers.slot_indices[:n].copy_(slot_indices.reshape(-1)[:n], non_blocking=True)
     buffers.seq_lens[:n].copy_(seq_lens.reshape(-1)[:n], non_blocking=True)
+    buffers.seq_lens_host[:n].copy_(seq_lens.reshape(-1)[:n])  # blocking: graph.update reads it right away
     buffers.page_table[:n, :cols].copy_(page_table[:n, :cols], non_blocking=True)
     buffers.page_table[:n, cols:].fill_(PAD_PAGE)
     buffers.input_ids[n:bs].zero_()
@@ -144,6 +151,7 @@ def fill_static_inputs(
     buffers.slot_indices[n:bs].fill_(PAD_SLOT)
     buffers.page_table[n:bs].fill_(PAD_PAGE)
     buffers.seq_lens[n:bs].fill_(PAD_SEQ_LEN)
+    buffers.seq_lens_host[n:bs].fill_(PAD_SEQ_LEN)
     return n
 
 
@@ -196,6 +204,7 @@ class NpuDecodeGraphRunner:
         max_graphs: int = MAX_ACLGRAPH_GRAPHS,
         warmup_runs: int = 2,
         seq_lens_update_key: str | None = None,
+        pass_host_seq_lens: bool = False,
         graph_api: Any | None = None,
     ) -> None:
         if not capture_sizes:
@@ -213,8 +222,12 @@ class NpuDecodeGraphRunner:
         self.sizes = sizes
         self.device = torch.device(device)
         self.warmup_runs = warmup_runs
-        # e.g. "actual_seq_lengths_kv" for torch_npu fused attention captured with host-side lengths
+        # The op argument refreshed per replay: "context_lens" (_npu_paged_attention, as
+        # NpuAttentionBackend uses) or "actual_seq_lengths_kv" (npu_fused_infer_attention_score).
         self.seq_lens_update_key = seq_lens_update_key
+        # Also call step(..., seq_lens_host=<[bs] int32 CPU view>) so the kernel gets host lengths
+        # at capture without copying them off the device inside the graph.
+        self.pass_host_seq_lens = pass_host_seq_lens
         self.api = graph_api if graph_api is not None else NpuGraphApi()
         self.buffers = StaticDecodeBuffers.allocate(sizes[-1], max_pages_per_seq, self.device)
         self.graphs: dict[int, Any] = {}
@@ -253,21 +266,35 @@ class NpuDecodeGraphRunner:
         try:
             for bs in capture_order(self.sizes):
                 self.buffers.seq_lens[:bs].fill_(CAPTURE_SEQ_LEN)
+                self.buffers.seq_lens_host[:bs].fill_(CAPTURE_SEQ_LEN)
                 self.api.synchronize()  # the side stream must see the filled buffers
                 args = self.buffers.views(bs)
+                kwargs = {"seq_lens_host": self.buffers.seq_lens_host[:bs]} if self.pass_host_seq_lens else {}
                 with self.api.run_on(stream):
                     for _ in range(self.warmup_runs):
-                        self.step(*args)
+                        self.step(*args, **kwargs)
                 self.api.synchronize()
-                run_once = functools.partial(self.step, *args)  # bound now, not looked up at replay
+                run_once = functools.partial(self.step, *args, **kwargs)  # bound now, not looked up at replay
                 self.graphs[bs], self.outputs[bs] = self.api.capture(run_once, pool, stream)
                 self.buffers.seq_lens[:bs].fill_(PAD_SEQ_LEN)
+                self.buffers.seq_lens_host[:bs].fill_(PAD_SEQ_LEN)
         finally:
             gc.unfreeze()
         self.api.synchronize()
         seconds = time.perf_counter() - start
         logger.info("NPU graph capture: %d sizes in %.1f s (max %d)", len(self.sizes), seconds, self.max_size)
         return seconds
+
+    def host_lengths(self, bs: int) -> torch.Tensor | list[int]:
+        """This replay's lengths (padded rows 0) in the form the captured kernel's host argument takes.
+
+        A captured kernel keeps the host arguments it was launched with; writing the
+        host buffer alone does not reach it, graph.update(cpu_update_input=...) does.
+        """
+        lengths = self.buffers.seq_lens_host[:bs]
+        if self.seq_lens_update_key in HOST_TENSOR_UPDATE_KEYS:
+            return lengths.clone()  # a fresh tensor: the update may outlive this call's buffer contents
+        return lengths.tolist()
 
     def run(
         self,
@@ -287,8 +314,7 @@ class NpuDecodeGraphRunner:
         fill_static_inputs(self.buffers, bs, input_ids, positions, slot_indices, page_table, seq_lens)
         graph = self.graphs[bs]
         if self.seq_lens_update_key is not None:
-            lengths = seq_lens.reshape(-1).tolist() + [PAD_SEQ_LEN] * (bs - n)
-            graph.update(cpu_update_input=[{self.seq_lens_update_key: lengths}])
+            graph.update(cpu_update_input=[{self.seq_lens_update_key: self.host_lengths(bs)}])
         graph.replay()
         return self.outputs[bs][:n]
 

@@ -23,7 +23,6 @@ Ascend runtime settings worth knowing (set them before the process starts):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -83,10 +82,11 @@ class NpuPlatform(Platform):
 
     # ---- attention and KV ----------------------------------------------------------
     def attention_backend(self) -> Any:
-        # The portable torch-ops backend. Graph capture of decode on Ascend needs an
-        # attention whose context lengths are host inputs updated per replay
-        # (torch_npu fused attention + NPUGraph.update, as SGLang does); see docs/npu.md.
-        return Int64SlotAttention()
+        # npu_scatter_nd_update_ stores + torch_npu._npu_paged_attention decode (host context_lens,
+        # refreshed per graph replay by NpuDecodeGraphRunner); see backends/npu/attention.py.
+        from backends.npu.attention import NpuAttentionBackend
+
+        return NpuAttentionBackend(self.store_kv)
 
     def store_kv(
         self,
@@ -131,25 +131,6 @@ class NpuPlatform(Platform):
             npu.manual_seed(seed)
 
 
-class Int64SlotAttention:
-    """The torch attention backend fed int64 slots: its index_copy_ rejects the int32 slots NPU batches carry."""
-
-    name = "torch"
-
-    def __init__(self) -> None:
-        from engine.layers.torch_attention import TorchAttentionBackend
-
-        self.inner = TorchAttentionBackend()
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: Any, scale: float,
-    ) -> torch.Tensor:  # fmt: skip
-        if meta.slot_indices.dtype != torch.int64:
-            meta = dataclasses.replace(meta, slot_indices=meta.slot_indices.to(torch.int64))
-        return self.inner.forward(q, k, v, k_cache, v_cache, meta, scale)
-
-
 def require_npu() -> NpuPlatform:
     """The platform, or DeviceUnavailableError with the reason."""
     platform = NpuPlatform()
@@ -161,13 +142,21 @@ def require_npu() -> NpuPlatform:
 def model_step(
     model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], page_size: int
 ) -> Callable[..., torch.Tensor]:
-    """The decode step over the engine's model, as the runners want it: forward through logits."""
+    """The decode step over the engine's model, as the runners want it: forward through logits.
+
+    `seq_lens_host` (NpuDecodeGraphRunner(pass_host_seq_lens=True)) is the host copy of
+    seq_lens that _npu_paged_attention takes as context_lens; it reaches every layer as
+    meta.platform_metadata, so no layer copies lengths off the device inside a graph.
+    """
+    from backends.npu.attention import NpuDecodeMetadata
     from engine.layers.attention import AttentionMetadata
 
-    def step(input_ids, positions, slot_indices, page_table, seq_lens):  # noqa: ANN001, ANN202
+    def step(input_ids, positions, slot_indices, page_table, seq_lens, seq_lens_host=None):  # noqa: ANN001, ANN202
+        extra = NpuDecodeMetadata(context_lens=seq_lens_host) if seq_lens_host is not None else None
         meta = AttentionMetadata(
-            is_decode=True, slot_indices=slot_indices, page_table=page_table, seq_lens=seq_lens, page_size=page_size
-        )
+            is_decode=True, slot_indices=slot_indices, page_table=page_table, seq_lens=seq_lens, page_size=page_size,
+            platform_metadata=extra,
+        )  # fmt: skip
         return model.compute_logits(model(input_ids, positions, kv_caches, meta))
 
     return step
@@ -195,6 +184,13 @@ class NpuEngineRunner:
             capture_sizes=capture_sizes, max_capture_size=max(capture_sizes), page_size=page_size,
             max_model_len=max_pages_per_seq * page_size,
         )  # fmt: skip
+        # NpuAttentionBackend's decode op takes host-side lengths: hand the step the host buffer and
+        # refresh the captured op's context_lens before each replay (SGLang's MHA key).
+        from backends.npu.attention import SEQ_LENS_UPDATE_KEY
+
+        options.setdefault("pass_host_seq_lens", True)
+        if options.get("seq_lens_update_key") is None and not (config.get("npu") or {}).get("seq_lens_update_key"):
+            options["seq_lens_update_key"] = SEQ_LENS_UPDATE_KEY
         step = model_step(model, kv_caches, page_size)
         self.inner = NpuDecodeGraphRunner.from_config(step, config, num_layers=len(kv_caches), device=device, **options)
 

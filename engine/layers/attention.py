@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, ContextManager, Protocol
 
 import torch
 from torch import nn
@@ -25,10 +26,22 @@ class AttentionMetadata:
     page_size: int
     query_start_loc: list[int] | None = None  # extend only: [batch + 1] offsets into the tokens
     seq_lens_cpu: list[int] | None = None  # extend only
+    # Backend-specific extras a graph runner prepares (e.g. HPU's flat block list + mapping).
+    platform_metadata: Any = None
+
+
+def step_context(backend: Any, meta: AttentionMetadata) -> ContextManager[Any]:
+    """The backend's per-step context (backends without per-step shared work have none)."""
+    enter = getattr(backend, "step_context", None)
+    return enter(meta) if enter is not None else nullcontext()
 
 
 class AttentionBackend(Protocol):
     """Per-platform attention; chosen by Platform.attention_backend()."""
+
+    def step_context(self, meta: AttentionMetadata) -> ContextManager[Any]:
+        """Entered around one forward pass (eager, or a compiled step); per-step shared work goes here."""
+        ...
 
     def forward(
         self,

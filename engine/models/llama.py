@@ -115,6 +115,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.attention_backend: object | None = None
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -135,6 +136,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head, in float32 for sampling."""
         return self.lm_head(self.model.norm(hidden)).float()
+
+    def set_attention_backend(self, backend: object) -> None:
+        """Every Attention layer runs through this platform's backend."""
+        self.attention_backend = backend
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.backend = backend
 
     def reset_non_persistent_buffers(self) -> None:
         """Rebuild tables that are computed, not loaded (after construction on the meta device)."""

@@ -1,0 +1,197 @@
+"""Ascend attention: npu_scatter_nd_update_ KV writes, torch_npu._npu_paged_attention decode.
+
+UNTESTED ON ASCEND HARDWARE. The decode op and its argument layout follow how
+vllm-ascend (attention_v1.py, DecodeOnly) and SGLang's Ascend backend (MHA decode)
+call it:
+
+    torch_npu._npu_paged_attention(
+        query=[tokens, heads, head_dim], key_cache=value_cache=[num_blocks, block_size, kv_heads, head_dim],
+        num_kv_heads=int, num_heads=int, scale_value=float,
+        block_table=[batch, max_blocks] int32 (device), context_lens=[batch] int32 (HOST),
+        out=[tokens, heads, head_dim])
+
+The page table is read on the device, but ``context_lens`` is a *host* tensor: the
+kernel's tiling is computed from it when the op is launched. Inside an NPUGraph
+that launch happens once, at capture, so every replay must refresh it. SGLang
+captures with ``torch.npu.graph(..., auto_dispatch_capture=True)`` and calls
+``graph.update(cpu_update_input=[{"context_lens": <int32 CPU tensor>}])`` before
+``replay()``; NpuDecodeGraphRunner does the same (seq_lens_update_key="context_lens"),
+and hands the step a host buffer (``seq_lens_host``) that reaches this backend as
+``NpuDecodeMetadata``, so nothing here syncs the device inside a graph.
+(vllm-ascend instead re-issues the op between graph_task_update_begin/end.)
+
+Our per-layer caches are [slots, kv_heads, head_dim] with slot = page * page_size +
+offset, so the op's [num_blocks, block_size, kv_heads, head_dim] is a free view.
+Off the NPU (CPU tensors) the op is replaced by paged_attention_reference, which
+takes exactly the same arguments, so the layout fed to the op is tested on CPU.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from backends.npu.kv_store import paged_view
+from engine.layers.attention import AttentionMetadata
+from engine.layers.torch_attention import extend_attention, gather_context
+
+StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+SEQ_LENS_UPDATE_KEY = "context_lens"  # the host argument graph.update refreshes (SGLang's MHA key)
+
+
+@dataclass
+class NpuDecodeMetadata:
+    """AttentionMetadata.platform_metadata on NPU decode steps run by the graph runner."""
+
+    context_lens: torch.Tensor  # [bs] int32 on the host, padded rows 0; refreshed per replay via graph.update
+
+
+def paged_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+) -> dict[str, Any]:
+    """The keyword arguments of torch_npu._npu_paged_attention for one layer (checked, nothing copied but q)."""
+    args: dict[str, Any] = dict(
+        query=q.contiguous(),
+        key_cache=paged_view(k_cache, page_size),
+        value_cache=paged_view(v_cache, page_size),
+        num_kv_heads=int(k_cache.shape[1]),
+        num_heads=int(q.shape[1]),
+        scale_value=float(scale),
+        block_table=page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32),
+        context_lens=context_lens,
+    )
+    args["out"] = torch.empty_like(args["query"])
+    check_paged_attention_args(**args)
+    return args
+
+
+def check_paged_attention_args(
+    *,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    num_heads: int,
+    scale_value: float,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Raise ValueError unless the arguments have the layout vllm-ascend and SGLang pass to the op."""
+    tokens, heads, head_dim = query.shape
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, head_dim], got {tuple(key_cache.shape)}")
+    if key_cache.shape[2:] != (num_kv_heads, head_dim) or heads != num_heads or num_heads % num_kv_heads:
+        raise ValueError(f"heads {num_heads}/{num_kv_heads} do not match query {tuple(query.shape)} / cache")
+    if not (query.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("query and caches must be contiguous")
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise ValueError(f"cache dtype {key_cache.dtype} differs from query dtype {query.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != tokens or block_table.dtype != torch.int32:
+        got = f"{tuple(block_table.shape)} {block_table.dtype}"
+        raise ValueError(f"block_table must be [{tokens}, max_blocks] int32, got {got}")
+    if context_lens.shape != (tokens,) or context_lens.dtype != torch.int32 or context_lens.device.type != "cpu":
+        raise ValueError(f"context_lens must be a [{tokens}] int32 CPU tensor, got {tuple(context_lens.shape)} "
+                         f"{context_lens.dtype} on {context_lens.device}")  # fmt: skip
+    if out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError(f"out must be {tuple(query.shape)} {query.dtype}")
+
+
+def paged_attention_reference(
+    *,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    num_heads: int,
+    scale_value: float,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Plain-torch _npu_paged_attention with the same arguments; rows with context_len 0 give zeros."""
+    check_paged_attention_args(
+        query=query, key_cache=key_cache, value_cache=value_cache, num_kv_heads=num_kv_heads, num_heads=num_heads,
+        scale_value=scale_value, block_table=block_table, context_lens=context_lens, out=out,
+    )  # fmt: skip
+    block_size = key_cache.shape[1]
+    lengths = context_lens.to(device=query.device, dtype=torch.int64)
+    longest = int(context_lens.max()) if context_lens.numel() else 0  # a host tensor: no device sync
+    pages = block_table[:, : max(1, -(-longest // block_size))]
+    flat_k = key_cache.view(-1, num_kv_heads, key_cache.shape[-1])
+    flat_v = value_cache.view(-1, num_kv_heads, value_cache.shape[-1])
+    keys = gather_context(flat_k, pages, block_size).transpose(1, 2)  # [B, KVH, L, D]
+    values = gather_context(flat_v, pages, block_size).transpose(1, 2)
+    group = num_heads // num_kv_heads
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = (query.unsqueeze(2) * scale_value) @ keys.transpose(-1, -2)  # [B, H, 1, L]
+    valid = torch.arange(keys.shape[2], device=query.device) < lengths.unsqueeze(1)  # [B, L]
+    scores = scores.float().masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked (padded) row -> zeros
+    out.copy_((probs.to(values.dtype) @ values).squeeze(2))
+    return out
+
+
+def _npu_store_kv() -> StoreFn:
+    from backends.npu.platform import NpuPlatform
+
+    return NpuPlatform().store_kv
+
+
+class NpuAttentionBackend:
+    """KV writes through NpuPlatform.store_kv; decode through _npu_paged_attention; extend in torch ops."""
+
+    name = "npu_paged"
+    seq_lens_update_key = SEQ_LENS_UPDATE_KEY
+
+    def __init__(self, store_kv: StoreFn | None = None) -> None:
+        # npu_scatter_nd_update_ with int32 [tokens, 1] slot indices on NPU, its reference elsewhere.
+        self.store_kv = store_kv if store_kv is not None else _npu_store_kv()
+
+    @contextmanager
+    def step_context(self, meta: AttentionMetadata) -> Iterator[None]:
+        """Around one eager forward pass: copy the lengths to the host once per decode step, not per layer."""
+        if not meta.is_decode or meta.platform_metadata is not None:
+            yield
+            return
+        meta.platform_metadata = NpuDecodeMetadata(context_lens=meta.seq_lens.to(device="cpu", dtype=torch.int32))
+        try:
+            yield
+        finally:
+            meta.platform_metadata = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        self.store_kv(k_cache, v_cache, meta.slot_indices, k, v)
+        if not meta.is_decode:
+            # extend_attention reads the page table and host lengths only; no int64 slots needed.
+            return extend_attention(q, k_cache, v_cache, meta, scale)
+        extra = meta.platform_metadata
+        if isinstance(extra, NpuDecodeMetadata):
+            context_lens = extra.context_lens
+        else:  # an eager step (no graph runner): one device-to-host copy is fine here
+            context_lens = meta.seq_lens.to(device="cpu", dtype=torch.int32)
+        args = paged_attention_args(q, k_cache, v_cache, meta.page_table, context_lens, meta.page_size, scale)
+        if q.device.type == "npu":
+            import torch_npu
+
+            torch_npu._npu_paged_attention(**args)
+            return args["out"]
+        return paged_attention_reference(**args)

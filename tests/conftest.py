@@ -1,0 +1,323 @@
+"""Shared fixtures: tiny random HF checkpoints, the SmolLM2 HF reference, shared engines, KV checks.
+
+Engines are expensive (a GGUF dequantize, and with graphs a torch.compile per
+capture size), so the ones several test files use are session-scoped and built
+lazily through `engine_cache`. Every test that touches an engine is followed by
+a check that the engine is idle and its KV pool balances (see `_kv_guard`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Iterator
+
+# Environment first: OMP_NUM_THREADS only takes effect if set before torch is imported.
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread: the shapes here are tiny, and on a shared 2-core box two OpenMP threads
+# that wait on each other made a 135M-parameter decode step 10-20x slower. Inductor compiles in
+# this process too (no worker pool to start). Subprocesses (CLI tests) inherit both settings.
+TEST_THREADS = int(os.environ.get("ENGINE_TEST_THREADS", "1"))
+os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+torch.set_num_threads(TEST_THREADS)
+
+import torch._dynamo  # noqa: E402
+
+# Every graph engine adds compiled entries to the *same* two code objects
+# (graphs.compiled_runner._layer_step/_head_step), and CompiledDecodeRunner only raises dynamo's
+# process-wide recompile limit to 4 * len(capture_sizes) + 8, so the ~7th engine of a new shape
+# in one process dies with FailOnRecompileLimitHit. That engine bug has its own test
+# (test_graphs_cpu.py::test_many_graph_engines_in_one_process); the rest of the suite, which
+# builds many engines in one process, lifts the limit so that it tests what it means to test.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
+
+from engine.engine import Engine  # noqa: E402
+from engine.loader.resolve import default_model_path  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random checkpoints
+# ---------------------------------------------------------------------------------------------
+
+# Shapes shared by every tiny model: GQA (4 query heads over 2 kv heads), head_dim 16.
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    # A large init makes logits peaked (std ~ 0.2 * sqrt(64) ~ 1.6 per logit), so the greedy
+    # argmax is decided by margins far above fp32 noise: no near-ties that flip on rounding.
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+TINY_SPECS: dict[str, dict[str, Any]] = {
+    # Llama 3 style: llama3 rope scaling (original context 128 < max positions 512), untied head,
+    # saved in several shards so the model.safetensors.index.json path is exercised.
+    "llama": dict(
+        config_cls="LlamaConfig",
+        kwargs=dict(
+            vocab_size=384,
+            num_hidden_layers=3,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        ),
+        shard="120KB",
+        seed=11,
+    ),
+    # Llama with plain rope: tells a llama3-rope problem apart from one in the Llama block itself.
+    "llama_plain": dict(
+        config_cls="LlamaConfig",
+        kwargs=dict(
+            vocab_size=384,
+            num_hidden_layers=2,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        ),
+        shard=None,
+        seed=15,
+    ),
+    # Qwen2: q/k/v bias, tied embeddings, large rope theta.
+    "qwen2": dict(
+        config_cls="Qwen2Config",
+        kwargs=dict(
+            vocab_size=320,
+            num_hidden_layers=2,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            use_sliding_window=False,
+        ),
+        shard=None,
+        seed=12,
+    ),
+    # Qwen3: per-head q/k RMSNorm, explicit head_dim, untied head.
+    "qwen3": dict(
+        config_cls="Qwen3Config",
+        kwargs=dict(
+            vocab_size=448,
+            num_hidden_layers=2,
+            head_dim=16,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            use_sliding_window=False,
+        ),
+        shard=None,
+        seed=13,
+    ),
+    # Mistral: the Llama block under another model_type; no sliding window in effect.
+    "mistral": dict(
+        config_cls="MistralConfig",
+        kwargs=dict(
+            vocab_size=384,
+            num_hidden_layers=2,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            sliding_window=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        shard="200KB",
+        seed=14,
+    ),
+}
+
+
+def build_tiny_checkpoint(name: str, folder: str, **overrides: Any) -> str:
+    """A random checkpoint of TINY_SPECS[name] saved with save_pretrained (safetensors) into folder."""
+    import transformers
+
+    spec = TINY_SPECS[name]
+    config_cls = getattr(transformers, spec["config_cls"])
+    kwargs = {**_COMMON, **spec["kwargs"], **overrides}
+    config = config_cls(**kwargs)
+    torch.manual_seed(spec["seed"])
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            # HF init leaves biases at 0 and norm weights at 1; randomise them so a bias or a
+            # norm that is loaded into the wrong place (or not at all) changes the output.
+            if param_name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+            elif "norm" in param_name:
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+    save_kwargs: dict[str, Any] = {"safe_serialization": True}
+    if spec["shard"]:
+        save_kwargs["max_shard_size"] = spec["shard"]
+    model.save_pretrained(folder, **save_kwargs)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """name -> folder of a saved tiny random checkpoint (no tokenizer: prompts are token ids)."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    paths = {}
+    for name in TINY_SPECS:
+        paths[name] = build_tiny_checkpoint(name, str(root / name))
+    # The sharded ones really are sharded (otherwise the index path is not under test).
+    for name in ("llama", "mistral"):
+        assert os.path.isfile(os.path.join(paths[name], "model.safetensors.index.json")), name
+    return paths
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoints: dict[str, str]) -> str:
+    return tiny_checkpoints["llama"]
+
+
+_HF_TINY: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tiny_checkpoints: dict[str, str]) -> Callable[[str], Any]:
+    """name -> the HF transformers model read back from the saved tiny checkpoint (fp32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    def get(name: str) -> Any:
+        if name not in _HF_TINY:
+            model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[name], dtype=torch.float32)
+            _HF_TINY[name] = model.eval()
+        return _HF_TINY[name]
+
+    return get
+
+
+# ---------------------------------------------------------------------------------------------
+# SmolLM2 (the embedded GGUF) and its HF reference
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smol_gguf_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smol_hf(smol_gguf_path: str) -> tuple[Any, Any]:
+    """(model, tokenizer) of HF transformers reading the same GGUF file, in float32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(smol_gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Engines
+# ---------------------------------------------------------------------------------------------
+
+_ENGINES: dict[tuple, Engine] = {}
+
+
+def _key(model: str | None, kwargs: dict[str, Any]) -> tuple:
+    return (model, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+
+
+@pytest.fixture(scope="session")
+def engine_cache() -> Callable[..., Engine]:
+    """get(model, **options) -> a session-wide Engine, built once per (model, options).
+
+    Defaults: cpu, float32, page 16, 2048 KV tokens, max_num_seqs 8, eager.
+    """
+
+    def get(model: str | None, **options: Any) -> Engine:
+        kwargs = dict(device="cpu", dtype="float32", page_size=16, kv_cache_tokens=2048, max_num_seqs=8, disable_graphs=True)
+        kwargs.update(options)
+        key = _key(model, kwargs)
+        if key not in _ENGINES:
+            _ENGINES[key] = Engine(model=model, **kwargs)
+        return _ENGINES[key]
+
+    return get
+
+
+def graph_options(page_size: int, capture_sizes: str = "1,2,4") -> dict[str, Any]:
+    """Options of a shared graph engine: max_num_seqs equals the largest capture size.
+
+    Not strict: strict mode compares dynamo's process-wide compile counter with a snapshot taken
+    at this engine's warm-up, so any *other* engine compiling later makes this one raise
+    (engine bug, see test_graphs_cpu.py::test_strict_engine_survives_another_engine_compiling).
+    Tests of shared graph engines check compile_count() around their own runs instead; the
+    zero-recompile test builds its own strict engine.
+    """
+    largest = max(int(s) for s in capture_sizes.split(","))
+    return dict(page_size=page_size, capture_sizes=capture_sizes, max_num_seqs=largest, disable_graphs=False, strict_graphs=False)
+
+
+@pytest.fixture(scope="session")
+def smol_engine(engine_cache: Callable[..., Engine]) -> Engine:
+    """SmolLM2 eager, page size 16: the workhorse for text-level tests."""
+    return engine_cache(None)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV invariant after every test that used an engine
+# ---------------------------------------------------------------------------------------------
+
+_TOUCHED: list[Engine] = []
+
+
+def track(engine: Engine) -> Engine:
+    """Register an engine built inside a test so that _kv_guard checks it afterwards."""
+    _TOUCHED.append(engine)
+    return engine
+
+
+def assert_engine_idle(engine: Engine) -> None:
+    """No queued or running work, KV pool balanced, nothing left allocated."""
+    assert not engine.has_unfinished(), "engine still has unfinished requests"
+    engine.check_kv_invariant()
+    assert engine.kv_pages_in_use() == 0, f"{engine.kv_pages_in_use()} KV pages still in use while idle"
+
+
+def _reset(engine: Engine) -> None:
+    for request_id in list(engine._requests):
+        engine.abort(request_id)
+    for request in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+        engine.scheduler.finish(request, "abort")
+
+
+@pytest.fixture(autouse=True)
+def _kv_guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test: every engine it used is idle with a balanced KV pool (then reset it anyway)."""
+    _TOUCHED.clear()
+    yield
+    # check_kv_invariant is a walk over a few hundred page ids: cheap enough to run on every engine.
+    engines = [v for v in request.node.funcargs.values() if isinstance(v, Engine)] + list(_TOUCHED) + list(_ENGINES.values())
+    seen: set[int] = set()
+    problems = []
+    for engine in engines:
+        if id(engine) in seen:
+            continue
+        seen.add(id(engine))
+        try:
+            assert_engine_idle(engine)
+        except AssertionError as exc:
+            problems.append(str(exc))
+            _reset(engine)  # keep shared engines usable by later tests
+    _TOUCHED.clear()
+    if problems:
+        pytest.fail("KV invariant after test: " + "; ".join(problems))

@@ -1,0 +1,107 @@
+"""Helpers shared by the test files (plain functions; fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from engine.engine import Engine
+from engine.request import Request, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledStep, pages_needed
+
+NEW_TOKENS = 32
+
+
+def greedy(max_tokens: int = NEW_TOKENS, **kwargs: Any) -> SamplingParams:
+    """Greedy decoding that never stops early (the HF side has EOS disabled to match)."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+@torch.no_grad()
+def hf_greedy(model: Any, prompt_ids: Sequence[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    """HF transformers generate(do_sample=False) of exactly `new_tokens` tokens for one prompt.
+
+    Prompts run one at a time (no padding). EOS is disabled in the generation config: with an EOS
+    id set, min_new_tokens masks the EOS logit to -inf, which changes the argmax wherever EOS
+    would win, while our ignore_eos only keeps going; without one both sides take the plain argmax.
+    """
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None
+    config.do_sample = False
+    config.max_new_tokens = new_tokens
+    config.min_new_tokens = new_tokens
+    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+    tokens = out[0, input_ids.shape[1] :].tolist()
+    assert len(tokens) == new_tokens
+    return tokens
+
+
+@torch.no_grad()
+def hf_last_logits(model: Any, token_ids: Sequence[int]) -> torch.Tensor:
+    """HF logits [vocab] (float32) at the last position of one unpadded sequence."""
+    return model(torch.tensor([list(token_ids)], dtype=torch.long)).logits[0, -1].float()
+
+
+@dataclass
+class StaggeredRun:
+    outputs: list[RequestOutput]
+    decode_sizes: list[int] = field(default_factory=list)  # batch size of every decode step, in order
+
+
+def run_staggered(
+    engine: Engine,
+    prompts: Sequence[str | list[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    arrivals: Sequence[int],
+    max_steps: int = 2000,
+) -> StaggeredRun:
+    """Add prompt i just before step arrivals[i] (add_request between step() calls); run to the end."""
+    per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    index_of: dict[str, int] = {}
+    finals: dict[int, RequestOutput] = {}
+    decode_sizes: list[int] = []
+    step = 0
+    while len(finals) < len(prompts):
+        for i, arrival in enumerate(arrivals):
+            if arrival == step:
+                index_of[engine.add_request(prompts[i], per_prompt[i])] = i
+        is_decode = not engine.scheduler.waiting and bool(engine.scheduler.running)
+        outputs = engine.step()
+        if is_decode:
+            decode_sizes.append(len(outputs))
+        for output in outputs:
+            if output.finished:
+                finals[index_of[output.request_id]] = output
+        step += 1
+        assert step < max_steps, "requests did not finish"
+    return StaggeredRun([finals[i] for i in range(len(prompts))], decode_sizes)
+
+
+@torch.no_grad()
+def engine_logits(engine: Engine, token_ids: Sequence[int], next_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our logits [vocab] at the last prompt position (prefill) and after feeding next_token (decode).
+
+    Goes through engine.runner.logits with hand-built ScheduledSteps, so the decode step takes the
+    graph runner when the engine has one; pages come from (and go back to) the engine's allocator.
+    """
+    request = Request("logits-probe", list(token_ids), SamplingParams(temperature=0.0))
+    allocator = engine.kv_pool.allocator
+    allocator.allocate(request.request_id, pages_needed(len(token_ids) + 1, engine.kv_pool.page_size))
+    try:
+        prefill = engine.runner.logits(ScheduledStep(False, [request], [len(token_ids)]))[-1].clone()
+        request.num_cached_tokens = request.num_tokens
+        request.output_token_ids.append(int(next_token))
+        decode = engine.runner.logits(ScheduledStep(True, [request], []))[0].clone()
+    finally:
+        allocator.free(request.request_id)
+    return prefill, decode
+
+
+def repeats(tokens: Sequence[int]) -> int:
+    """How many tokens repeat an earlier token of the same sequence."""
+    return len(tokens) - len(set(tokens))
