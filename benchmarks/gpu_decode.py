@@ -11,6 +11,7 @@ Prints a table and writes JSON. Times are medians over --iters timed steps
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -98,6 +99,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--capture-sizes", default=None)
+    parser.add_argument("--compile-decode", default="0,1", help="comma list of 0/1: graphs of the eager step, of the compiled step")
     parser.add_argument("--parity-model", default=None, help="also check graph vs eager tokens on this model")
     parser.add_argument("--parity-dtypes", default="float32,bfloat16")
     parser.add_argument("--output", default="bench_results/gpu_decode.json")
@@ -110,21 +112,31 @@ def main() -> None:
         for p in report["parity"]:
             print(f"parity {p['dtype']}: graph == eager: {p['graph_equals_eager']}; text: {p['sample_text']!r}")
     if args.model:
-        start = time.perf_counter()
-        engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
-                                     capture_sizes=args.capture_sizes))
-        runner = engine.runner.graph_runner
-        report["startup_s"] = time.perf_counter() - start
-        report["capture"] = {"sizes": runner.capture_sizes, "seconds": runner.capture_seconds,
-                             "graph_memory_mib": runner.graph_memory_bytes / 2**20}
-        report["decode"] = [measure_decode(engine, int(b), args.context, args.iters) for b in args.batch_sizes.split(",")]
-        print(f"model {args.model} ({args.dtype}); captured {len(runner.capture_sizes)} sizes "
-              f"in {runner.capture_seconds:.1f} s, graph memory {runner.graph_memory_bytes / 2**20:.0f} MiB")
-        print(f"{'bs':>4} {'replay ms':>10} {'eager fwd ms':>13} {'step graph ms':>14} {'step eager ms':>14} {'speedup':>8}")
-        for row in report["decode"]:
-            print(f"{row['batch_size']:>4} {row['graph_replay_ms']:>10.3f} {row['eager_forward_ms']:>13.3f} "
-                  f"{row['engine_step_graph_ms']:>14.3f} {row['engine_step_eager_ms']:>14.3f} "
-                  f"{row['engine_step_eager_ms'] / row['engine_step_graph_ms']:>7.2f}x")
+        report["runs"] = []
+        for compile_decode in [flag == "1" for flag in args.compile_decode.split(",")]:
+            start = time.perf_counter()
+            engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
+                                         capture_sizes=args.capture_sizes, compile_decode=compile_decode))
+            runner = engine.runner.graph_runner
+            run = {
+                "compile_decode": compile_decode,
+                "startup_s": time.perf_counter() - start,
+                "capture": {"sizes": runner.capture_sizes, "seconds": runner.capture_seconds,
+                            "graph_memory_mib": runner.graph_memory_bytes / 2**20},
+                "decode": [measure_decode(engine, int(b), args.context, args.iters) for b in args.batch_sizes.split(",")],
+            }
+            report["runs"].append(run)
+            print(f"model {args.model} ({args.dtype}, compile_decode={compile_decode}); start-up {run['startup_s']:.1f} s; "
+                  f"captured {len(runner.capture_sizes)} sizes in {runner.capture_seconds:.1f} s, "
+                  f"graph memory {runner.graph_memory_bytes / 2**20:.0f} MiB")
+            print(f"{'bs':>4} {'replay ms':>10} {'eager fwd ms':>13} {'step graph ms':>14} {'step eager ms':>14} {'speedup':>8}")
+            for row in run["decode"]:
+                print(f"{row['batch_size']:>4} {row['graph_replay_ms']:>10.3f} {row['eager_forward_ms']:>13.3f} "
+                      f"{row['engine_step_graph_ms']:>14.3f} {row['engine_step_eager_ms']:>14.3f} "
+                      f"{row['engine_step_eager_ms'] / row['engine_step_graph_ms']:>7.2f}x")
+            del engine, runner
+            gc.collect()
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=2)

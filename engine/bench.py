@@ -189,20 +189,24 @@ def machine_info() -> dict[str, Any]:
 def _row(system: str, dtype: str, bs: int, samples: list[dict[str, float]], output_len: int) -> dict[str, Any]:
     tok_s = statistics.median(s["tok_s"] for s in samples)
     ms_step = statistics.median(s["seconds"] * 1000 / (output_len - 1) for s in samples)
-    return {"system": system, "dtype": dtype, "batch_size": bs, "tok_s": tok_s, "ms_per_step": ms_step, "samples": samples}
+    return {
+        "system": system, "dtype": dtype, "batch_size": bs, "tok_s": tok_s, "ms_per_step": ms_step,
+        "best_tok_s": max(s["tok_s"] for s in samples), "cpu_share": statistics.median(s["cpu_share"] for s in samples),
+        "samples": samples,
+    }
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     hf = {(r["dtype"], r["batch_size"]): r["tok_s"] for r in rows if r["system"] == "hf"}
     best_hf = {bs: max(v for (_, b), v in hf.items() if b == bs) for (_, bs) in hf}
-    header = f"{'system':<14}{'dtype':<10}{'batch':>6}{'tok/s':>10}{'ms/step':>10}{'vs HF':>8}{'vs best HF':>12}"
+    header = f"{'system':<14}{'dtype':<10}{'batch':>6}{'tok/s':>10}{'ms/step':>10}{'vs HF':>8}{'vs best HF':>12}{'cpu share':>11}"
     print(header + "\n" + "-" * len(header))
     for r in rows:
         ratio = r["tok_s"] / hf[(r["dtype"], r["batch_size"])] if (r["dtype"], r["batch_size"]) in hf else None
         best = r["tok_s"] / best_hf[r["batch_size"]] if r["batch_size"] in best_hf else None
         print(
             f"{r['system']:<14}{r['dtype']:<10}{r['batch_size']:>6}{r['tok_s']:>10.1f}{r['ms_per_step']:>10.1f}"
-            f"{(f'{ratio:.2f}x' if ratio else '-'):>8}{(f'{best:.2f}x' if best else '-'):>12}"
+            f"{(f'{ratio:.2f}x' if ratio else '-'):>8}{(f'{best:.2f}x' if best else '-'):>12}{r['cpu_share']:>11.2f}"
         )
 
 
@@ -265,11 +269,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 for name, system in systems.items():  # interleaved so background load hits all alike
                     bar.set_postfix_str(f"{name} bs={bs}")
                     extra: dict[str, float] = {}
+                    cpu0, wall0 = time.process_time(), time.perf_counter()
                     if name == "hf":
                         seconds, tokens, ids, subtracted = time_hf(system, prompts, args.output_len, pad_id)
                         extra = {"subtraction_seconds": subtracted, "subtraction_tok_s": tokens / subtracted}
                     else:
                         seconds, tokens, ids = time_engine(system, prompts, args.output_len)
+                    # CPU time we were granted per thread-second of wall time: well below 1 means other
+                    # processes on a shared box took cores, and the sample is slow for that reason.
+                    extra["cpu_share"] = (time.process_time() - cpu0) / ((time.perf_counter() - wall0) * torch.get_num_threads())
                     samples[(name, bs)].append({"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, **extra})
                     last_ids[(name, bs)] = ids
                     bar.update()

@@ -29,6 +29,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-capture-size", type=int, default=None)
     group.add_argument("--disable-graphs", action="store_true", help="run every step eagerly")
     group.add_argument("--strict-graphs", action="store_true", help="fail if anything compiles after warm-up")
+    group.add_argument(
+        "--compile-decode", action=argparse.BooleanOptionalAction, default=None,
+        help="cuda/rocm: torch.compile the decode step before capturing graphs (default from configs/<device>.yaml)",
+    )
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -48,6 +52,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object):  # n
         max_capture_size=args.max_capture_size,
         disable_graphs=args.disable_graphs,
         strict_graphs=args.strict_graphs,
+        compile_decode=args.compile_decode,
         seed=args.seed,
     )
     values.update(overrides)

@@ -30,6 +30,7 @@ class EngineConfig:
     max_capture_size: int | None = None
     disable_graphs: bool = False
     strict_graphs: bool = False  # raise if anything compiles after warm-up
+    compile_decode: bool | None = None  # cuda/rocm: torch.compile the step before capturing it
     seed: int = 0
     device_config: dict[str, Any] = field(default_factory=dict)  # the YAML, as read
 

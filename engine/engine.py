@@ -83,9 +83,12 @@ class Engine:
             return None
         runner_cls = self.platform.graph_runner_class()
         max_pages = (self.max_model_len + self.kv_pool.page_size - 1) // self.kv_pool.page_size
-        kwargs = {}
-        if self.platform.capture_settings().kind == "compile":
+        kwargs: dict[str, object] = {}
+        kind = self.platform.capture_settings().kind
+        if kind == "compile":
             kwargs["strict"] = self.config.strict_graphs
+        elif kind == "cuda_graph":
+            kwargs["compile_step"] = bool(self.config.compile_decode)
         runner = runner_cls(
             self.model,
             self.kv_pool.caches,

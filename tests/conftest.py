@@ -254,19 +254,6 @@ def engine_cache() -> Callable[..., Engine]:
     return get
 
 
-def graph_options(page_size: int, capture_sizes: str = "1,2,4") -> dict[str, Any]:
-    """Options of a shared graph engine: max_num_seqs equals the largest capture size.
-
-    Not strict: strict mode compares dynamo's process-wide compile counter with a snapshot taken
-    at this engine's warm-up, so any *other* engine compiling later makes this one raise
-    (engine bug, see test_graphs_cpu.py::test_strict_engine_survives_another_engine_compiling).
-    Tests of shared graph engines check compile_count() around their own runs instead; the
-    zero-recompile test builds its own strict engine.
-    """
-    largest = max(int(s) for s in capture_sizes.split(","))
-    return dict(page_size=page_size, capture_sizes=capture_sizes, max_num_seqs=largest, disable_graphs=False, strict_graphs=False)
-
-
 @pytest.fixture(scope="session")
 def smol_engine(engine_cache: Callable[..., Engine]) -> Engine:
     """SmolLM2 eager, page size 16: the workhorse for text-level tests."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -16,26 +16,55 @@ from engine.scheduler import ScheduledStep, pages_needed
 NEW_TOKENS = 32
 
 
+def graph_options(page_size: int, capture_sizes: str = "1,2,4") -> dict[str, Any]:
+    """Options of a shared graph engine: max_num_seqs equals the largest capture size.
+
+    Not strict: strict mode compares dynamo's process-wide compile counter with a snapshot taken
+    at this engine's warm-up, so any *other* engine compiling later makes this one raise
+    (engine bug, see test_graphs_cpu.py::test_strict_engine_survives_another_engine_compiling).
+    Tests of shared graph engines check compile_count() around their own runs instead; the
+    zero-recompile test builds its own strict engine.
+    """
+    largest = max(int(s) for s in capture_sizes.split(","))
+    return dict(page_size=page_size, capture_sizes=capture_sizes, max_num_seqs=largest, disable_graphs=False, strict_graphs=False)
+
+
+def get_engine(engine_cache: Callable[..., Engine], model: str | None, mode: str, page_size: int) -> Engine:
+    """The shared engine of a (model, eager|graphs, page size) case; max 4 sequences in both modes."""
+    if mode == "graphs":
+        return engine_cache(model, **graph_options(page_size))
+    return engine_cache(model, page_size=page_size, max_num_seqs=4)
+
+
 def greedy(max_tokens: int = NEW_TOKENS, **kwargs: Any) -> SamplingParams:
     """Greedy decoding that never stops early (the HF side has EOS disabled to match)."""
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 @torch.no_grad()
-def hf_greedy(model: Any, prompt_ids: Sequence[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+def hf_greedy(model: Any, prompt_ids: Sequence[int], new_tokens: int = NEW_TOKENS, **generation: Any) -> list[int]:
     """HF transformers generate(do_sample=False) of exactly `new_tokens` tokens for one prompt.
 
     Prompts run one at a time (no padding). EOS is disabled in the generation config: with an EOS
     id set, min_new_tokens masks the EOS logit to -inf, which changes the argmax wherever EOS
     would win, while our ignore_eos only keeps going; without one both sides take the plain argmax.
     """
+    # generate() fills unset (None) fields from model.generation_config, so EOS is switched off
+    # there, for the duration of the call.
+    saved_eos = model.generation_config.eos_token_id
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id = None
     config.do_sample = False
     config.max_new_tokens = new_tokens
     config.min_new_tokens = new_tokens
+    for name, value in generation.items():  # e.g. repetition_penalty
+        setattr(config, name, value)
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+    try:
+        model.generation_config.eos_token_id = None
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+    finally:
+        model.generation_config.eos_token_id = saved_eos
     tokens = out[0, input_ids.shape[1] :].tolist()
     assert len(tokens) == new_tokens
     return tokens
@@ -45,6 +74,38 @@ def hf_greedy(model: Any, prompt_ids: Sequence[int], new_tokens: int = NEW_TOKEN
 def hf_last_logits(model: Any, token_ids: Sequence[int]) -> torch.Tensor:
     """HF logits [vocab] (float32) at the last position of one unpadded sequence."""
     return model(torch.tensor([list(token_ids)], dtype=torch.long)).logits[0, -1].float()
+
+
+class StepRecorder:
+    """Records (is_decode, batch size) of every step the engine's scheduler hands out.
+
+    Wraps Scheduler.schedule on this one engine instance (observation only: the scheduled step
+    is returned unchanged); use as a context manager.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.steps: list[tuple[bool, int]] = []
+
+    @property
+    def decode_sizes(self) -> list[int]:
+        return [size for is_decode, size in self.steps if is_decode]
+
+    def __enter__(self) -> "StepRecorder":
+        scheduler = self.engine.scheduler
+        original = scheduler.schedule
+
+        def schedule():  # noqa: ANN202
+            step = original()
+            if step is not None:
+                self.steps.append((step.is_decode, len(step.requests)))
+            return step
+
+        scheduler.schedule = schedule  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.engine.scheduler.schedule  # back to the class's method
 
 
 @dataclass
@@ -64,22 +125,18 @@ def run_staggered(
     per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     index_of: dict[str, int] = {}
     finals: dict[int, RequestOutput] = {}
-    decode_sizes: list[int] = []
     step = 0
-    while len(finals) < len(prompts):
-        for i, arrival in enumerate(arrivals):
-            if arrival == step:
-                index_of[engine.add_request(prompts[i], per_prompt[i])] = i
-        is_decode = not engine.scheduler.waiting and bool(engine.scheduler.running)
-        outputs = engine.step()
-        if is_decode:
-            decode_sizes.append(len(outputs))
-        for output in outputs:
-            if output.finished:
-                finals[index_of[output.request_id]] = output
-        step += 1
-        assert step < max_steps, "requests did not finish"
-    return StaggeredRun([finals[i] for i in range(len(prompts))], decode_sizes)
+    with StepRecorder(engine) as recorder:
+        while len(finals) < len(prompts):
+            for i, arrival in enumerate(arrivals):
+                if arrival == step:
+                    index_of[engine.add_request(prompts[i], per_prompt[i])] = i
+            for output in engine.step():
+                if output.finished:
+                    finals[index_of[output.request_id]] = output
+            step += 1
+            assert step < max_steps, "requests did not finish"
+    return StaggeredRun([finals[i] for i in range(len(prompts))], recorder.decode_sizes)
 
 
 @torch.no_grad()

@@ -47,7 +47,8 @@ def test_triton_decode_matches_torch_reference(page_size: int, dtype: torch.dtyp
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
-def test_cuda_graph_decode_matches_eager(tmp_path) -> None:
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_cuda_graph_decode_matches_eager(tmp_path, compile_decode: bool) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from engine.engine import Engine
@@ -65,7 +66,8 @@ def test_cuda_graph_decode_matches_eager(tmp_path) -> None:
     for page_size in (1, 16):
         for graphs in (True, False):
             engine = Engine(model=str(tmp_path), device="cuda", dtype="float32", page_size=page_size,
-                            capture_sizes="1,2,8", disable_graphs=not graphs, kv_cache_tokens=4096)
+                            capture_sizes="1,2,8", disable_graphs=not graphs, kv_cache_tokens=4096,
+                            compile_decode=compile_decode)
             tokens[(page_size, graphs)] = [o.token_ids for o in engine.generate(prompts, params)]
             if graphs:
                 assert engine.runner.graph_steps > 0

@@ -13,21 +13,14 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from conftest import graph_options
 from engine.engine import Engine
 from graphs.compiled_runner import compile_count
-from helpers import NEW_TOKENS, engine_logits, greedy, hf_greedy, hf_last_logits, run_staggered
+from helpers import NEW_TOKENS, engine_logits, get_engine, greedy, hf_greedy, hf_last_logits, run_staggered
 
 # (mode, page size): every model runs these.
 MODES = [("eager", 16), ("eager", 1), ("graphs", 16)]
 # Graphs at page size 1 for the embedded model and two tiny families (compiles are the slow part).
 GRAPHS_PAGE_1 = ("graphs", 1)
-
-
-def get_engine(engine_cache: Callable[..., Engine], model: str | None, mode: str, page_size: int) -> Engine:
-    if mode == "graphs":
-        return engine_cache(model, **graph_options(page_size))
-    return engine_cache(model, page_size=page_size, max_num_seqs=4)
 
 
 def first_divergence(ours: list[int], theirs: list[int]) -> str:
@@ -65,7 +58,7 @@ SMOL_PROMPTS = [
     "Buzz Aldrin, while Michael Collins stayed in orbit around it. The name of the mission was",
     "def fibonacci(n):\n    ",
 ]
-SMOL_ARRIVALS = [0, 1, 3, 3]
+SMOL_ARRIVALS = [0, 2, 4, 4]
 
 
 @pytest.fixture(scope="module")

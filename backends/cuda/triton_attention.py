@@ -126,6 +126,30 @@ def paged_decode_attention_triton(
     return out
 
 
+@torch.library.custom_op("engine::triton_paged_decode", mutates_args=("k_cache", "v_cache"))
+def triton_paged_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_indices: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Store this step's k/v, then the Triton kernel; one opaque op so torch.compile leaves both alone."""
+    k_cache.index_copy_(0, slot_indices, k)
+    v_cache.index_copy_(0, slot_indices, v)
+    return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, scale)
+
+
+@triton_paged_decode.register_fake
+def _(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale):  # noqa: ANN001
+    return torch.empty_like(q)
+
+
 class TritonAttentionBackend:
     """Decode through the Triton kernel; KV stored with index_copy_ (capturable)."""
 
@@ -141,8 +165,10 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if meta.is_decode:
+            return torch.ops.engine.triton_paged_decode(
+                q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale
+            )
         k_cache.index_copy_(0, meta.slot_indices, k)
         v_cache.index_copy_(0, meta.slot_indices, v)
-        if meta.is_decode:
-            return paged_decode_attention_triton(q, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.page_size, scale)
         return extend_attention(q, k_cache, v_cache, meta, scale)

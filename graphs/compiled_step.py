@@ -1,0 +1,93 @@
+"""The decode step compiled piecewise: one decoder layer's graph shared by all layers, plus the head.
+
+Every layer has the same shapes and no per-layer Python state, so dynamo
+(with nn-module inlining, the default) reuses one compiled layer graph for
+all of them: compile cost is one layer's, not the model's (vLLM compiles one
+piece per unique layer shape for the same reason). Attention is an opaque
+custom op, so the graph never depends on the context length.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from typing import Any, Callable
+
+import torch
+
+from engine.layers.attention import AttentionMetadata, step_context
+from engine.models.llama import DecoderLayer, LlamaForCausalLM
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _layer_step(
+    layer: DecoderLayer,
+    positions: torch.Tensor,
+    hidden: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    return layer(positions, hidden, (k_cache, v_cache), meta)
+
+
+def _head_step(model: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    return model.compute_logits(hidden)
+
+
+def compile_count() -> int:
+    """Frames dynamo has compiled so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def raise_compile_limits(entries: int) -> None:
+    """Each capture size is its own compiled entry; dynamo's default limit (8) is too low."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, entries)
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, entries)
+
+
+_copies = itertools.count()
+
+
+def private_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The same function under a new code object.
+
+    Dynamo keeps its compiled entries on the code object; a private copy per
+    runner keeps one engine's entries (and their guard checks and limits)
+    apart from every other engine's in the same process.
+    """
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+class CompiledDecodeStep:
+    """model forward + logits for one decode batch, through the compiled pieces."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: KVCaches,
+        dynamic: bool | None = False,
+        backend: str = "inductor",
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        compile_kwargs: dict[str, Any] = {"dynamic": dynamic, "fullgraph": True, "backend": backend}
+        if options:
+            compile_kwargs["options"] = options
+        self.layer_fn: Callable[..., torch.Tensor] = torch.compile(private_copy(_layer_step), **compile_kwargs)
+        self.head_fn: Callable[..., torch.Tensor] = torch.compile(private_copy(_head_step), **compile_kwargs)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model.model.embed_tokens(input_ids)
+        with step_context(self.model.attention_backend, meta):
+            for layer, (k_cache, v_cache) in zip(self.model.model.layers, self.kv_caches):
+                hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, meta)
+        return self.head_fn(self.model, hidden)

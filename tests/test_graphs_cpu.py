@@ -1,0 +1,180 @@
+"""CPU compiled decode (torch.compile, dynamic=False): same tokens as eager, no recompiles.
+
+Capture sizes 1,2,4: batches of 1, 2 and 4 replay their own entry, a batch of 3 is padded to
+4 (the padded row writes to the reserved page 0 and its logits are sliced away).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import pytest
+import torch
+
+from conftest import track
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from graphs.compiled_runner import _layer_step, compile_count
+from helpers import StepRecorder, get_engine, greedy
+
+SMOL_PROMPTS = [
+    "The capital of France is",
+    "Here is a list of three fruits:",
+    "Once upon a time, in a small village at the foot of a mountain, there lived an old clockmaker who",
+    "Question: what is 12 plus 30? Answer:",
+]
+DECODE_TOKENS = 16
+
+
+def tiny_prompts(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in (5, 16, 29, 2)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("batch", [1, 3, 4])
+@pytest.mark.parametrize("model_name", ["smollm2", "qwen3"])
+def test_compiled_decode_matches_eager(
+    engine_cache: Callable[..., Engine], tiny_checkpoints: dict[str, str], model_name: str, batch: int, page_size: int
+) -> None:
+    model = None if model_name == "smollm2" else tiny_checkpoints[model_name]
+    graphs = get_engine(engine_cache, model, "graphs", page_size)
+    eager = get_engine(engine_cache, model, "eager", page_size)
+    prompts = SMOL_PROMPTS if model is None else tiny_prompts(graphs.model_config.vocab_size)
+    prompts = prompts[:batch]
+    params = greedy(DECODE_TOKENS)
+
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    compiles, graph_steps, eager_steps = compile_count(), graphs.runner.graph_steps, graphs.runner.eager_steps
+    got = [o.token_ids for o in graphs.generate(prompts, params)]
+
+    assert got == expected
+    # All prompts prefill in one (eager) step, then every decode step is one replay of size `batch`.
+    assert graphs.runner.graph_steps - graph_steps == DECODE_TOKENS - 1
+    assert graphs.runner.eager_steps - eager_steps == 1
+    assert compile_count() == compiles
+
+
+def test_batches_beyond_the_largest_capture_size_run_eagerly(
+    engine_cache: Callable[..., Engine], tiny_checkpoints: dict[str, str]
+) -> None:
+    model = tiny_checkpoints["qwen3"]
+    graphs = engine_cache(model, page_size=16, capture_sizes="1,2,4", max_num_seqs=6, disable_graphs=False)
+    eager = engine_cache(model, page_size=16, max_num_seqs=6)
+    assert graphs.runner.graph_runner.capture_sizes == [1, 2, 4]
+    prompts = tiny_prompts(graphs.model_config.vocab_size) + [[9, 8, 7], [40, 41, 42, 43]]
+    params = [greedy(12), greedy(12), greedy(12), greedy(12), greedy(4), greedy(8)]
+    graph_steps = graphs.runner.graph_steps
+    got = [o.token_ids for o in graphs.generate(prompts, params)]
+    assert got == [o.token_ids for o in eager.generate(prompts, params)]
+    # Batches of 6 and 5 ran eagerly; once requests finished, batch 4 went back to the graph.
+    assert graphs.runner.graph_steps - graph_steps == 12 - 8
+
+
+def _serve_with_churn(engine: Engine, vocab_size: int, min_decode_steps: int) -> tuple[dict[str, list[int]], list[int]]:
+    """Requests of varying lengths arrive at seeded random steps and finish at different times."""
+    rng = random.Random(1234)
+    finals: dict[str, list[int]] = {}
+    issued = 0
+    step = 0
+    with StepRecorder(engine) as recorder:
+        while len(recorder.decode_sizes) < min_decode_steps or engine.has_unfinished():
+            queued = len(engine.scheduler.waiting) + len(engine.scheduler.running)
+            if len(recorder.decode_sizes) < min_decode_steps and queued < 5 and rng.random() < 0.3:
+                # Mostly short prompts; now and then a long one so page tables grow over many pages.
+                length = rng.choice([1, 3, 8, 15, 17, 40, 150])
+                prompt = [rng.randrange(3, vocab_size) for _ in range(length)]
+                engine.add_request(prompt, greedy(rng.randint(2, 40)), request_id=f"churn-{issued}")
+                issued += 1
+            for output in engine.step():
+                if output.finished:
+                    finals[output.request_id] = output.token_ids
+            step += 1
+            assert step < 5000
+    return finals, recorder.decode_sizes
+
+
+def test_zero_recompiles_over_200_decode_steps_with_changing_batches(tiny_checkpoints: dict[str, str]) -> None:
+    model = tiny_checkpoints["qwen3"]
+    options = dict(device="cpu", dtype="float32", page_size=16, kv_cache_tokens=2048, max_num_seqs=4)
+    engine = track(Engine(model=model, capture_sizes="1,2,4", strict_graphs=True, **options))
+    warm = compile_count()
+
+    finals, sizes = _serve_with_churn(engine, engine.model_config.vocab_size, 200)
+
+    assert len(sizes) >= 200
+    assert set(sizes) == {1, 2, 3, 4}, sizes  # batches grew and shrank through every size
+    assert compile_count() == warm
+    assert engine.runner.graph_runner.compiles_after_warmup == 0
+    assert engine.runner.graph_steps == len(sizes)  # every decode step was a replay
+    # And the padded replays computed the same tokens as eager decoding of the same schedule.
+    eager = track(Engine(model=model, disable_graphs=True, **options))
+    expected, eager_sizes = _serve_with_churn(eager, eager.model_config.vocab_size, 200)
+    assert eager_sizes == sizes
+    assert finals == expected
+
+
+def test_interleaved_graph_engines_use_their_own_weights_and_shapes(
+    engine_cache: Callable[..., Engine], tiny_checkpoints: dict[str, str]
+) -> None:
+    """Engines share compiled code objects: llama_plain and mistral even have identical shapes."""
+    names = ["llama_plain", "mistral", "qwen3"]
+    graph_engines = [get_engine(engine_cache, tiny_checkpoints[n], "graphs", 16) for n in names]
+    eager_engines = [get_engine(engine_cache, tiny_checkpoints[n], "eager", 16) for n in names]
+    prompts = [[5, 6, 7, 8], [100, 3, 77], [12] * 20]
+    params = greedy(20)
+    ids = [[e.add_request(p, params) for p in prompts] for e in graph_engines]
+    finals: list[dict[str, list[int]]] = [{} for _ in names]
+    while any(e.has_unfinished() for e in graph_engines):
+        for i, engine in enumerate(graph_engines):  # one step of each engine in turn
+            for output in engine.step():
+                if output.finished:
+                    finals[i][output.request_id] = output.token_ids
+    for i, eager in enumerate(eager_engines):
+        expected = [o.token_ids for o in eager.generate(prompts, params)]
+        assert [finals[i][r] for r in ids[i]] == expected, names[i]
+
+
+def test_strict_engine_survives_another_engine_compiling(tiny_checkpoints: dict[str, str]) -> None:
+    """strict_graphs must flag recompiles of *this* engine's graphs, not compiles anywhere in the process.
+
+    Engine bug: CompiledDecodeRunner._replay compares the process-wide dynamo counter
+    (compile_count()) with a snapshot taken at the end of its own warm-up, so after any other
+    engine compiles, the first replay of this one raises RecompileError although nothing of it
+    recompiled.
+    """
+    options = dict(device="cpu", dtype="float32", kv_cache_tokens=1024, max_num_seqs=2, strict_graphs=True)
+    first = track(Engine(model=tiny_checkpoints["qwen3"], page_size=16, capture_sizes="1,2", **options))
+    params = greedy(6)
+    before = first.generate([[1, 2, 3]], params)[0].token_ids
+    compiles = compile_count()
+    # A second engine of a shape (page size 5) that nothing else in this suite uses compiles new entries.
+    track(Engine(model=tiny_checkpoints["qwen2"], page_size=5, capture_sizes="1", **options))
+    assert compile_count() > compiles, "precondition: the second engine compiled something"
+    after = first.generate([[1, 2, 3]], params)[0].token_ids
+    assert after == before
+    assert first.runner.graph_runner.compiles_after_warmup == 0
+
+
+def test_many_graph_engines_in_one_process(tiny_checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process can build graph engines of many shapes (a server switching models, this suite).
+
+    Engine bug: every engine compiles into the same code objects (graphs/compiled_runner.py
+    _layer_step/_head_step), but CompiledDecodeRunner only raises dynamo's process-wide
+    recompile limit to max(limit, 4 * len(capture_sizes) + 8); with capture sizes "1" the 13th
+    layer entry raises torch._dynamo.exc.FailOnRecompileLimitHit during capture.
+    """
+    import torch._dynamo
+
+    # Undo conftest's workaround: torch's own default limit, as in any user process.
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    entries = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(_layer_step.__code__))
+    needed = max(1, 4 * 1 + 8 + 1 - entries)  # enough new layer entries to pass what the runner allows
+    # Page sizes no other test uses, so each engine compiles one new layer entry (batch size 1).
+    page_sizes = [3, 6, 7, 9, 10, 11, 12, 13, 14, 15, 17, 18, 19][:needed]
+    options = dict(device="cpu", dtype="float32", kv_cache_tokens=1024, max_num_seqs=1, capture_sizes="1")
+    for page_size in page_sizes:
+        engine = track(Engine(model=tiny_checkpoints["qwen3"], page_size=page_size, **options))
+        assert len(engine.generate([[4, 5, 6]], greedy(3))[0].token_ids) == 3
+    assert engine.runner.graph_steps == 2
