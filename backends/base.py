@@ -87,6 +87,9 @@ class Platform(abc.ABC):
         k_cache.index_copy_(0, slot_indices, k)
         v_cache.index_copy_(0, slot_indices, v)
 
+    def prepare_model(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
+        """Device-specific weight preparation after loading (CPU: oneDNN-packed linears)."""
+
     # ---- capture ---------------------------------------------------------------------
     @abc.abstractmethod
     def capture_settings(self) -> CaptureSettings:

@@ -158,6 +158,33 @@ def load_hf_model(model_arg: str | None, load_format: str, dtype: str) -> Any | 
     return model.eval()
 
 
+def _cpu_stall_us() -> int | None:
+    """Microseconds some runnable task waited for a CPU (Linux PSI); None where unavailable."""
+    try:
+        with open("/proc/pressure/cpu", encoding="utf-8") as handle:
+            return int(handle.readline().rsplit("total=", 1)[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def measure(name: str, system: Any, prompts: list[list[int]], output_len: int, pad_id: int) -> tuple[dict[str, float], list[list[int]]]:
+    """One timed sample, with how contended the box was while it ran (this box is shared)."""
+    cpu0, wall0, stall0 = time.process_time(), time.perf_counter(), _cpu_stall_us()
+    extra: dict[str, float] = {}
+    if name == "hf":
+        seconds, tokens, ids, subtracted = time_hf(system, prompts, output_len, pad_id)
+        extra = {"subtraction_seconds": subtracted, "subtraction_tok_s": tokens / subtracted}
+    else:
+        seconds, tokens, ids = time_engine(system, prompts, output_len)
+    wall, stall1 = time.perf_counter() - wall0, _cpu_stall_us()
+    # cpu_share: CPU time granted per thread-second of wall time; well below 1 means other
+    # processes took the cores. cpu_pressure: fraction of wall time some task waited for a CPU.
+    extra["cpu_share"] = (time.process_time() - cpu0) / (wall * torch.get_num_threads())
+    if stall0 is not None and stall1 is not None:
+        extra["cpu_pressure"] = (stall1 - stall0) / 1e6 / wall
+    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, **extra}, ids
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -192,6 +219,7 @@ def _row(system: str, dtype: str, bs: int, samples: list[dict[str, float]], outp
     return {
         "system": system, "dtype": dtype, "batch_size": bs, "tok_s": tok_s, "ms_per_step": ms_step,
         "best_tok_s": max(s["tok_s"] for s in samples), "cpu_share": statistics.median(s["cpu_share"] for s in samples),
+        "cpu_pressure": statistics.median(p) if (p := [s["cpu_pressure"] for s in samples if "cpu_pressure" in s]) else None,
         "samples": samples,
     }
 
@@ -268,17 +296,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             for _ in range(args.repeats):
                 for name, system in systems.items():  # interleaved so background load hits all alike
                     bar.set_postfix_str(f"{name} bs={bs}")
-                    extra: dict[str, float] = {}
-                    cpu0, wall0 = time.process_time(), time.perf_counter()
-                    if name == "hf":
-                        seconds, tokens, ids, subtracted = time_hf(system, prompts, args.output_len, pad_id)
-                        extra = {"subtraction_seconds": subtracted, "subtraction_tok_s": tokens / subtracted}
-                    else:
-                        seconds, tokens, ids = time_engine(system, prompts, args.output_len)
-                    # CPU time we were granted per thread-second of wall time: well below 1 means other
-                    # processes on a shared box took cores, and the sample is slow for that reason.
-                    extra["cpu_share"] = (time.process_time() - cpu0) / ((time.perf_counter() - wall0) * torch.get_num_threads())
-                    samples[(name, bs)].append({"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, **extra})
+                    sample, ids = measure(name, system, prompts, args.output_len, pad_id)
+                    samples[(name, bs)].append(sample)
                     last_ids[(name, bs)] = ids
                     bar.update()
         bar.close()

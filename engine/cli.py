@@ -25,6 +25,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=None)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--kv-cache-tokens", type=int, default=None)
+    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     group.add_argument("--capture-sizes", default=None, help="comma-separated decode batch sizes to capture, e.g. 1,2,4,8")
     group.add_argument("--max-capture-size", type=int, default=None)
     group.add_argument("--disable-graphs", action="store_true", help="run every step eagerly")
@@ -48,6 +49,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object):  # n
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
         capture_sizes=args.capture_sizes,
         max_capture_size=args.max_capture_size,
         disable_graphs=args.disable_graphs,

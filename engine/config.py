@@ -19,6 +19,7 @@ class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     device: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto: the model dtype (the CPU YAML asks for float32)
     load_format: str = "auto"
     page_size: int | None = None
     max_num_seqs: int | None = None
@@ -51,6 +52,10 @@ class EngineConfig:
             resolved.dtype = defaults.get("dtype") or str(platform.default_dtype()).replace("torch.", "")
         if resolved.dtype not in DTYPES:
             raise EngineError(f"unknown dtype {resolved.dtype!r}; choose one of {', '.join(DTYPES)} or auto")
+        if resolved.kv_cache_dtype == "auto":
+            resolved.kv_cache_dtype = defaults.get("kv_cache_dtype") or resolved.dtype
+        if resolved.kv_cache_dtype not in DTYPES:
+            raise EngineError(f"unknown kv_cache_dtype {resolved.kv_cache_dtype!r}; choose one of {', '.join(DTYPES)} or auto")
         for name in ("page_size", "max_num_seqs", "max_model_len", "max_prefill_tokens"):
             value = getattr(resolved, name)
             if value is None or int(value) < 1:
@@ -64,3 +69,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.kv_cache_dtype]

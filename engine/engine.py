@@ -46,7 +46,11 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
 
-        self.model.set_attention_backend(self.platform.attention_backend())
+        backend = self.platform.attention_backend()
+        if hasattr(backend, "dtype"):
+            backend.dtype = self.config.kv_torch_dtype
+        self.model.set_attention_backend(backend)
+        self.platform.prepare_model(self.model, {**self.config.device_config, **self.config.__dict__})
         self.kv_pool = self._allocate_kv_pool()
         self.scheduler = Scheduler(
             self.kv_pool.allocator, self.kv_pool.page_size, int(self.config.max_num_seqs), int(self.config.max_prefill_tokens)
@@ -59,7 +63,7 @@ class Engine:
     def _allocate_kv_pool(self) -> KVPool:
         cfg, mc = self.config, self.model_config
         page_size = int(cfg.page_size)
-        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cfg.torch_dtype)
+        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cfg.kv_torch_dtype)
         useful_tokens = int(cfg.max_num_seqs) * self.max_model_len
         if cfg.kv_cache_tokens is not None:
             tokens = int(cfg.kv_cache_tokens)
@@ -74,7 +78,7 @@ class Engine:
             # A request of the full context must fit alone, or it could wait (or preempt itself) forever.
             logger.warning("KV pool holds %d tokens: context length lowered from %d", capacity, self.max_model_len)
             self.max_model_len = capacity
-        pool = KVPool(mc.num_hidden_layers, num_pages, page_size, mc.num_key_value_heads, mc.head_dim, cfg.torch_dtype, self.device)
+        pool = KVPool(mc.num_hidden_layers, num_pages, page_size, mc.num_key_value_heads, mc.head_dim, cfg.kv_torch_dtype, self.device)
         logger.info("KV pool: %d pages x %d tokens (%.1f MiB)", num_pages - 1, page_size, pool.nbytes() / 2**20)
         return pool
 

@@ -31,16 +31,6 @@ if REPO_ROOT not in sys.path:
 
 torch.set_num_threads(TEST_THREADS)
 
-import torch._dynamo  # noqa: E402
-
-# Every graph engine adds compiled entries to the *same* two code objects
-# (graphs.compiled_runner._layer_step/_head_step), and CompiledDecodeRunner only raises dynamo's
-# process-wide recompile limit to 4 * len(capture_sizes) + 8, so the ~7th engine of a new shape
-# in one process dies with FailOnRecompileLimitHit. That engine bug has its own test
-# (test_graphs_cpu.py::test_many_graph_engines_in_one_process); the rest of the suite, which
-# builds many engines in one process, lifts the limit so that it tests what it means to test.
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
-
 from engine.engine import Engine  # noqa: E402
 from engine.loader.resolve import default_model_path  # noqa: E402
 

@@ -19,14 +19,10 @@ NEW_TOKENS = 32
 def graph_options(page_size: int, capture_sizes: str = "1,2,4") -> dict[str, Any]:
     """Options of a shared graph engine: max_num_seqs equals the largest capture size.
 
-    Not strict: strict mode compares dynamo's process-wide compile counter with a snapshot taken
-    at this engine's warm-up, so any *other* engine compiling later makes this one raise
-    (engine bug, see test_graphs_cpu.py::test_strict_engine_survives_another_engine_compiling).
-    Tests of shared graph engines check compile_count() around their own runs instead; the
-    zero-recompile test builds its own strict engine.
+    Strict: a recompile while serving raises RecompileError, in whichever test it happens.
     """
     largest = max(int(s) for s in capture_sizes.split(","))
-    return dict(page_size=page_size, capture_sizes=capture_sizes, max_num_seqs=largest, disable_graphs=False, strict_graphs=False)
+    return dict(page_size=page_size, capture_sizes=capture_sizes, max_num_seqs=largest, disable_graphs=False, strict_graphs=True)
 
 
 def get_engine(engine_cache: Callable[..., Engine], model: str | None, mode: str, page_size: int) -> Engine:

@@ -94,6 +94,16 @@ def test_unsupported_architecture_unknown_to_transformers(tmp_path) -> None:
     assert "\n" not in str(info.value)
 
 
+def test_preset_without_dummy_weights() -> None:
+    with pytest.raises(ModelLoadError, match="dummy"):
+        Engine(model="smollm2-135m", **ENGINE_OPTIONS)
+
+
+def test_unknown_load_format() -> None:
+    with pytest.raises(ModelLoadError, match="pickle"):
+        Engine(model=None, load_format="pickle", **ENGINE_OPTIONS)
+
+
 def copy_checkpoint(source: str, dest) -> str:
     shutil.copytree(source, dest)
     return str(dest)

@@ -15,7 +15,7 @@ import torch
 from conftest import track
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from graphs.compiled_runner import _layer_step, compile_count
+from graphs.compiled_runner import compile_count
 from helpers import StepRecorder, get_engine, greedy
 
 SMOL_PROMPTS = [
@@ -137,19 +137,16 @@ def test_interleaved_graph_engines_use_their_own_weights_and_shapes(
 
 
 def test_strict_engine_survives_another_engine_compiling(tiny_checkpoints: dict[str, str]) -> None:
-    """strict_graphs must flag recompiles of *this* engine's graphs, not compiles anywhere in the process.
+    """strict_graphs flags recompiles of *this* engine's graphs, not compiles anywhere in the process.
 
-    Engine bug: CompiledDecodeRunner._replay compares the process-wide dynamo counter
-    (compile_count()) with a snapshot taken at the end of its own warm-up, so after any other
-    engine compiles, the first replay of this one raises RecompileError although nothing of it
-    recompiled.
+    (Regression: strict mode once compared the process-wide compile counter with a snapshot taken
+    at this engine's warm-up, so the first replay after any other engine compiled raised.)
     """
     options = dict(device="cpu", dtype="float32", kv_cache_tokens=1024, max_num_seqs=2, strict_graphs=True)
     first = track(Engine(model=tiny_checkpoints["qwen3"], page_size=16, capture_sizes="1,2", **options))
     params = greedy(6)
     before = first.generate([[1, 2, 3]], params)[0].token_ids
     compiles = compile_count()
-    # A second engine of a shape (page size 5) that nothing else in this suite uses compiles new entries.
     track(Engine(model=tiny_checkpoints["qwen2"], page_size=5, capture_sizes="1", **options))
     assert compile_count() > compiles, "precondition: the second engine compiled something"
     after = first.generate([[1, 2, 3]], params)[0].token_ids
@@ -158,23 +155,20 @@ def test_strict_engine_survives_another_engine_compiling(tiny_checkpoints: dict[
 
 
 def test_many_graph_engines_in_one_process(tiny_checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """One process can build graph engines of many shapes (a server switching models, this suite).
+    """One process builds graph engines of many shapes (a server switching models, this suite).
 
-    Engine bug: every engine compiles into the same code objects (graphs/compiled_runner.py
-    _layer_step/_head_step), but CompiledDecodeRunner only raises dynamo's process-wide
-    recompile limit to max(limit, 4 * len(capture_sizes) + 8); with capture sizes "1" the 13th
-    layer entry raises torch._dynamo.exc.FailOnRecompileLimitHit during capture.
+    (Regression: all engines once compiled into the same two code objects while the runner only
+    raised dynamo's process-wide recompile limit to max(limit, 4 * len(capture_sizes) + 8), so
+    with capture sizes "1" the 13th engine of a new shape died with FailOnRecompileLimitHit.)
     """
     import torch._dynamo
 
-    # Undo conftest's workaround: torch's own default limit, as in any user process.
+    # torch's own default limit, as in any user process.
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    entries = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(_layer_step.__code__))
-    needed = max(1, 4 * 1 + 8 + 1 - entries)  # enough new layer entries to pass what the runner allows
-    # Page sizes no other test uses, so each engine compiles one new layer entry (batch size 1).
-    page_sizes = [3, 6, 7, 9, 10, 11, 12, 13, 14, 15, 17, 18, 19][:needed]
+    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 8)
+    # 13 page sizes that no other test uses: every engine compiles a batch-size-1 graph of its own.
     options = dict(device="cpu", dtype="float32", kv_cache_tokens=1024, max_num_seqs=1, capture_sizes="1")
-    for page_size in page_sizes:
+    for page_size in [3, 6, 7, 9, 10, 11, 12, 13, 14, 15, 17, 18, 19]:
         engine = track(Engine(model=tiny_checkpoints["qwen3"], page_size=page_size, **options))
         assert len(engine.generate([[4, 5, 6]], greedy(3))[0].token_ids) == 3
-    assert engine.runner.graph_steps == 2
+        assert engine.runner.graph_steps == 2

@@ -153,6 +153,24 @@ def test_streamed_text_deltas_add_up_to_the_final_text(
     assert streamed == final
 
 
+@pytest.mark.parametrize("prompt", ["日本の首都は", "中文：你好，世界。我"])
+def test_streamed_text_deltas_with_multibyte_characters(smol_engine: Engine, prompt: str) -> None:
+    """A character split over several byte-level tokens is streamed once, when it is complete.
+
+    Engine bug: engine/engine.py _append_token decodes all output tokens each step and sends
+    the difference to the previous text; while a character is incomplete the decoded text ends
+    in U+FFFD, which is streamed, and when the character completes the new text no longer
+    starts with the previous one, so the whole text is sent again. Fix: incremental
+    detokenization that holds back text ending in an incomplete character (vLLM keeps prefix and
+    read offsets) and diffs against what was already sent.
+    """
+    outputs = list(smol_engine.stream([prompt], greedy(16)))
+    final = outputs[-1]
+    assert any(ord(c) > 0x2E80 for c in final.text), f"precondition: CJK output, got {final.text!r}"
+    assert "".join(o.new_text for o in outputs) == final.text
+    assert not any("\ufffd" in o.new_text for o in outputs[:-1])
+
+
 def test_stop_string_per_request_in_a_batch(smol_engine: Engine, smol_text: tuple[str, list[int], str]) -> None:
     prompt, _, full_text = smol_text
     outputs = smol_engine.generate([prompt, prompt], [greedy(24, stop=["\n"]), greedy(24)])

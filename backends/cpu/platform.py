@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -36,6 +37,13 @@ class CpuPlatform(Platform):
         from engine.layers.torch_attention import TorchAttentionBackend
 
         return TorchAttentionBackend()
+
+    def prepare_model(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
+        from backends.cpu.packed_linear import onednn_packing_supported, pack_linear_weights
+
+        dtype = next(model.parameters()).dtype
+        if settings.get("onednn_packed_linear", True) and onednn_packing_supported(dtype):
+            pack_linear_weights(model, batch_hint=int(settings.get("max_capture_size") or 16))
 
     def capture_settings(self) -> CaptureSettings:
         return CaptureSettings(kind="compile", compile_backend="inductor")

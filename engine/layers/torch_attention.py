@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.attention import AttentionMetadata
+from engine.layers.ops import define_op
 
 
 def gather_context(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -36,32 +37,43 @@ class DecodePlan:
     forward context publishes attention metadata to its attention op.
     """
 
-    context_slots: torch.Tensor  # [B, L] slot of every context position (L = longest context, page-rounded)
-    mask: torch.Tensor  # [B, 1, 1, L] True where the position is part of the context
+    context_slots: torch.Tensor  # [B * L] slot of every context position, L = longest context
+    batch_size: int
+    context_len: int
+    mask: torch.Tensor | None  # [B, 1, 1, L] additive mask, None when every context has length L
+    # A single request whose pages are consecutive (the allocator hands out low ids first, so
+    # this is the common case): its context is one slice of the cache, read without a copy.
+    contiguous_start: int | None = None
 
     @classmethod
-    def build(cls, page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> "DecodePlan":
-        max_len = int(seq_lens.max())
-        num_pages = (max_len + page_size - 1) // page_size
-        pages = page_table[:, :num_pages].long()
-        if page_size == 1:
-            slots = pages
-        else:
-            offsets = torch.arange(page_size, device=pages.device, dtype=torch.int64)
-            slots = (pages.unsqueeze(-1) * page_size + offsets).flatten(-2)
-        positions = torch.arange(slots.shape[1], device=slots.device)
-        mask = positions < seq_lens.unsqueeze(1).to(torch.int64)
-        return cls(slots, mask[:, None, None, :])
+    def build(cls, page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dtype: torch.dtype) -> "DecodePlan":
+        lengths = seq_lens.tolist() if seq_lens.device.type == "cpu" else None
+        max_len = max(lengths) if lengths is not None else int(seq_lens.max())
+        positions = torch.arange(max_len, device=page_table.device)
+        pages = page_table[:, positions // page_size].long() if page_size > 1 else page_table[:, :max_len].long()
+        slots = pages * page_size + positions % page_size if page_size > 1 else pages
+        mask = None
+        if lengths is None or min(lengths) != max_len:
+            # Padded rows and shorter contexts: -inf past each row's length (SDPA adds it to the scores).
+            valid = positions < seq_lens.unsqueeze(1).to(torch.int64)
+            mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
+            mask = mask[:, None, None, :]
+        contiguous_start = None
+        if lengths is not None and len(lengths) == 1:
+            first = int(slots[0, 0])
+            if int(slots[0, -1]) - first == max_len - 1:  # slots increase by one per position
+                contiguous_start = first
+        return cls(slots.reshape(-1), page_table.shape[0], max_len, mask, contiguous_start)
 
 
 _current_plan: DecodePlan | None = None
 
 
 @contextmanager
-def decode_plan(meta: AttentionMetadata) -> Iterator[DecodePlan]:
+def decode_plan(meta: AttentionMetadata, dtype: torch.dtype) -> Iterator[DecodePlan]:
     """Make one step's plan visible to every layer's paged_decode_attention call."""
     global _current_plan
-    plan = DecodePlan.build(meta.page_table, meta.seq_lens, meta.page_size)
+    plan = DecodePlan.build(meta.page_table, meta.seq_lens, meta.page_size, dtype)
     previous, _current_plan = _current_plan, plan
     try:
         yield plan
@@ -69,7 +81,6 @@ def decode_plan(meta: AttentionMetadata) -> Iterator[DecodePlan]:
         _current_plan = previous
 
 
-@torch.library.custom_op("engine::paged_decode_attention", mutates_args=("k_cache", "v_cache"))
 def paged_decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -86,24 +97,39 @@ def paged_decode_attention(
     k_cache.index_copy_(0, slot_indices, k)
     v_cache.index_copy_(0, slot_indices, v)
     plan = _current_plan
-    if plan is None or plan.context_slots.shape[0] != q.shape[0]:
-        plan = DecodePlan.build(page_table, seq_lens, page_size)
-    keys = k_cache[plan.context_slots].transpose(1, 2)  # [B, KVH, L, D]
-    values = v_cache[plan.context_slots].transpose(1, 2)
+    if plan is None or plan.batch_size != q.shape[0]:
+        plan = DecodePlan.build(page_table, seq_lens, page_size, q.dtype)
+    shape = (plan.batch_size, plan.context_len, k_cache.shape[1], k_cache.shape[2])
+    if plan.contiguous_start is not None:
+        keys = k_cache.narrow(0, plan.contiguous_start, plan.context_len).view(shape).transpose(1, 2)
+        values = v_cache.narrow(0, plan.contiguous_start, plan.context_len).view(shape).transpose(1, 2)
+    else:
+        # index_select on flat slots: ~3x cheaper per call than advanced indexing on CPU.
+        keys = k_cache.index_select(0, plan.context_slots).view(shape).transpose(1, 2)  # [B, KVH, L, D]
+        values = v_cache.index_select(0, plan.context_slots).view(shape).transpose(1, 2)
+    mask = plan.mask if plan.mask is None or plan.mask.dtype == q.dtype else plan.mask.to(q.dtype)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [B, H, 1, D]
         keys,
         values,
-        attn_mask=plan.mask,
+        attn_mask=mask,
         scale=scale,
         enable_gqa=q.shape[1] != keys.shape[1],
     )
     return out.squeeze(2)
 
 
-@paged_decode_attention.register_fake
-def _(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale):  # noqa: ANN001
+def _paged_decode_attention_fake(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale):  # noqa: ANN001, ANN202
     return torch.empty_like(q)
+
+
+define_op(
+    "paged_decode_attention",
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_indices, "
+    "Tensor page_table, Tensor seq_lens, int page_size, float scale) -> Tensor",
+    paged_decode_attention,
+    _paged_decode_attention_fake,
+)
 
 
 def extend_attention(
@@ -145,9 +171,12 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype  # of the KV cache (what q is cast to), for the additive mask
+
     def step_context(self, meta: AttentionMetadata):  # noqa: ANN201
         """Around one forward pass: decode steps share one DecodePlan across layers."""
-        return decode_plan(meta) if meta.is_decode else nullcontext()
+        return decode_plan(meta, self.dtype) if meta.is_decode else nullcontext()
 
     def forward(
         self,
@@ -159,10 +188,17 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        out_dtype = q.dtype
+        if k_cache.dtype != q.dtype:
+            # A float32 cache under a bfloat16 model (the CPU default): attention runs in float32,
+            # where this CPU's SDPA is ~6x faster than in bfloat16 at batch 16, and more accurate.
+            q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
         if meta.is_decode:
-            return torch.ops.engine.paged_decode_attention(
+            out = torch.ops.engine.paged_decode_attention(
                 q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale
             )
-        k_cache.index_copy_(0, meta.slot_indices, k)
-        v_cache.index_copy_(0, meta.slot_indices, v)
-        return extend_attention(q, k_cache, v_cache, meta, scale)
+        else:
+            k_cache.index_copy_(0, meta.slot_indices, k)
+            v_cache.index_copy_(0, meta.slot_indices, v)
+            out = extend_attention(q, k_cache, v_cache, meta, scale)
+        return out.to(out_dtype)

@@ -22,6 +22,17 @@ from engine.model_config import ModelConfig
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+class Linear(nn.Linear):
+    """nn.Linear that a backend may switch to its own kernel (CPU: oneDNN-packed weights)."""
+
+    use_packed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_packed:
+            return torch.ops.engine.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -30,8 +41,8 @@ class DecoderAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -60,8 +71,8 @@ class GatedMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ModelLoadError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
@@ -117,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.attention_backend: object | None = None
         self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
