@@ -7,8 +7,8 @@ timed: prefill costs scale with the prompt, not with the graph machinery under t
           to the last token, over the tokens produced in between (streamed timestamps).
   HF:     the same span inside one generate(N), timestamped by a no-op logits processor that
           runs right after each forward; generate(N) - generate(1) is kept as a cross-check.
-Both therefore time the same N - 1 decode steps per row, batch * (N - 1) tokens. Engine and HF samples are
-interleaved per repeat so that load from other processes on a shared box hits both alike.
+Both therefore time the same N - 1 decode steps per row, batch * (N - 1) tokens. Engine and
+HF samples are interleaved per repeat so that load from other processes hits both alike.
 """
 
 from __future__ import annotations
@@ -28,22 +28,18 @@ import torch
 # Public-domain prose (Moby-Dick, ch. 1): real text gives realistic token ids; rows are
 # different windows over it, so no two rows of a batch are the same prompt.
 SOURCE_TEXT = (
-    "Call me Ishmael. Some years ago - never mind how long precisely - having little or no money "
-    "in my purse, and nothing particular to interest me on shore, I thought I would sail about a "
-    "little and see the watery part of the world. It is a way I have of driving off the spleen and "
-    "regulating the circulation. Whenever I find myself growing grim about the mouth; whenever it is "
-    "a damp, drizzly November in my soul; whenever I find myself involuntarily pausing before coffin "
-    "warehouses, and bringing up the rear of every funeral I meet; and especially whenever my hypos "
-    "get such an upper hand of me, that it requires a strong moral principle to prevent me from "
-    "deliberately stepping into the street, and methodically knocking people's hats off - then, I "
-    "account it high time to get to sea as soon as I can. This is my substitute for pistol and ball. "
-    "With a philosophical flourish Cato throws himself upon his sword; I quietly take to the ship. "
-    "There is nothing surprising in this. If they but knew it, almost all men in their degree, some "
-    "time or other, cherish very nearly the same feelings towards the ocean with me. There now is "
-    "your insular city of the Manhattoes, belted round by wharves as Indian isles by coral reefs - "
-    "commerce surrounds it with her surf. Right and left, the streets take you waterward. Its extreme "
-    "downtown is the battery, where that noble mole is washed by waves, and cooled by breezes, which "
-    "a few hours previous were out of sight of land. Look at the crowds of water-gazers there."
+    "Call me Ishmael. Some years ago - never mind how long precisely - having little or no money in my purse, and "
+    "nothing particular to interest me on shore, I thought I would sail about a little and see the watery part of the "
+    "world. It is a way I have of driving off the spleen and regulating the circulation. Whenever I find myself growing "
+    "grim about the mouth; whenever it is a damp, drizzly November in my soul; whenever I find myself involuntarily "
+    "pausing before coffin warehouses, and bringing up the rear of every funeral I meet; and especially whenever my "
+    "hypos get such an upper hand of me, that it requires a strong moral principle to prevent me from deliberately "
+    "stepping into the street, and methodically knocking people's hats off - then, I account it high time to get to sea "
+    "as soon as I can. This is my substitute for pistol and ball. With a philosophical flourish Cato throws himself "
+    "upon his sword; I quietly take to the ship. There is nothing surprising in this. If they but knew it, almost all "
+    "men in their degree, some time or other, cherish very nearly the same feelings towards the ocean with me. There "
+    "now is your insular city of the Manhattoes, belted round by wharves as Indian isles by coral reefs - commerce "
+    "surrounds it with her surf. Right and left, the streets take you waterward."
 )
 
 
@@ -55,6 +51,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-len", type=int, default=64, help="new tokens per row (>= 2)")
     group.add_argument("--repeats", type=int, default=3, help="timed samples per row; the median is reported")
     group.add_argument("--include-eager", action="store_true", help="also time the engine with graphs disabled")
+    group.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's own)")
     group.add_argument("--skip-hf", action="store_true", help="do not time HF transformers")
     group.add_argument("--output", default="bench_results/cpu_bench.json", help="JSON file for results and raw samples")
 
@@ -186,10 +183,7 @@ def measure(name: str, system: Any, prompts: list[list[int]], output_len: int, p
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def machine_info() -> dict[str, Any]:
@@ -202,14 +196,9 @@ def machine_info() -> dict[str, Any]:
     import transformers
 
     return {
-        "cpu_model": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_num_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "load_average_start": os.getloadavg(),
+        "cpu_model": cpu, "cpu_count": os.cpu_count(), "torch_num_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+        "python": sys.version.split()[0], "platform": platform.platform(), "load_average_start": os.getloadavg(),
     }
 
 
@@ -227,15 +216,17 @@ def _row(system: str, dtype: str, bs: int, samples: list[dict[str, float]], outp
 def print_table(rows: list[dict[str, Any]]) -> None:
     hf = {(r["dtype"], r["batch_size"]): r["tok_s"] for r in rows if r["system"] == "hf"}
     best_hf = {bs: max(v for (_, b), v in hf.items() if b == bs) for (_, bs) in hf}
-    header = f"{'system':<14}{'dtype':<10}{'batch':>6}{'tok/s':>10}{'ms/step':>10}{'vs HF':>8}{'vs best HF':>12}{'cpu share':>11}"
+    header = f"{'system':<14}{'dtype':<10}{'batch':>6}{'tok/s':>9}{'best':>8}{'ms/step':>9}{'vs HF':>8}{'vs best HF':>12}{'cpu share':>11}"
     print(header + "\n" + "-" * len(header))
     for r in rows:
         ratio = r["tok_s"] / hf[(r["dtype"], r["batch_size"])] if (r["dtype"], r["batch_size"]) in hf else None
         best = r["tok_s"] / best_hf[r["batch_size"]] if r["batch_size"] in best_hf else None
         print(
-            f"{r['system']:<14}{r['dtype']:<10}{r['batch_size']:>6}{r['tok_s']:>10.1f}{r['ms_per_step']:>10.1f}"
+            f"{r['system']:<14}{r['dtype']:<10}{r['batch_size']:>6}{r['tok_s']:>9.1f}{r['best_tok_s']:>8.1f}{r['ms_per_step']:>9.1f}"
             f"{(f'{ratio:.2f}x' if ratio else '-'):>8}{(f'{best:.2f}x' if best else '-'):>12}{r['cpu_share']:>11.2f}"
         )
+    print("tok/s, ms/step: medians over repeats; best: fastest sample; vs best HF: against the faster HF dtype at that\n"
+          "batch size; cpu share: CPU time granted / (wall x threads), well below 1 means the box was contended.")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -247,6 +238,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     batch_sizes, dtypes = _sizes(args.batch_sizes), [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if args.output_len < 2 or args.input_len < 1 or args.repeats < 1 or not batch_sizes:
         raise ValueError("need --output-len >= 2, --input-len >= 1, --repeats >= 1 and at least one batch size")
+    if args.threads:
+        torch.set_num_threads(args.threads)  # before any compile: inductor bakes the thread count into its kernels
     # Capture exactly the benchmarked sizes (each CPU capture is a compile) unless told otherwise.
     capture = args.capture_sizes or ",".join(str(b) for b in batch_sizes)
     max_seqs = args.max_num_seqs or max(batch_sizes)
@@ -281,6 +274,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         hf_model = None if args.skip_hf else load_hf_model(args.model, args.load_format, dtype)
         if hf_model is not None:
             systems["hf"] = hf_model
+            # transformers keeps GGUF weights packed only where its `kernels` hub kernels load; record
+            # which path ran (dense nn.Linear + sdpa here means it dequantized, as the engine does).
+            results.setdefault("hf_model", {})[dtype] = {
+                "attn_implementation": hf_model.config._attn_implementation,
+                "packed_gguf_modules": sum("gguf" in type(m).__name__.lower() for m in hf_model.modules()),
+            }
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         samples: dict[tuple[str, int], list[dict[str, float]]] = {(s, b): [] for s in systems for b in batch_sizes}
         last_ids: dict[tuple[str, int], list[list[int]]] = {}
@@ -289,10 +288,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             prompts = build_prompts(tokenizer, bs, args.input_len)
             for name, system in systems.items():  # warm-up: allocator, prefill shapes, HF caches
                 bar.set_postfix_str(f"warm-up {name} bs={bs}")
-                if name == "hf":
-                    time_hf(system, prompts, 2, pad_id)
-                else:
-                    time_engine(system, prompts, 2)
+                measure(name, system, prompts, 2, pad_id)
             for _ in range(args.repeats):
                 for name, system in systems.items():  # interleaved so background load hits all alike
                     bar.set_postfix_str(f"{name} bs={bs}")

@@ -70,7 +70,7 @@ class Engine:
         else:
             free = self.platform.memory_info().free_bytes
             tokens = min(int(free * float(cfg.kv_cache_memory_fraction or 0.1)) // per_token, useful_tokens)
-        num_pages = tokens // page_size + 1  # + the reserved page 0
+        num_pages = -(-tokens // page_size) + 1  # whole pages, rounded up, + the reserved page 0
         if num_pages < 2:
             raise EngineError(f"KV pool too small: {tokens} tokens; raise kv_cache_tokens or the memory fraction")
         capacity = (num_pages - 1) * page_size
@@ -161,13 +161,12 @@ class Engine:
     def _append_token(self, request: Request, token: int) -> RequestOutput:
         params = request.params
         request.output_token_ids.append(token)
-        previous_text = request.output_text
         if self.tokenizer is not None:
             request.output_text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
         reason = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
-        elif params.stop and (cut := _first_stop(request.output_text, params.stop, len(previous_text))) is not None:
+        elif params.stop and (cut := _first_stop(request.output_text, params.stop, request.num_text_sent)) is not None:
             request.output_text = request.output_text[:cut]
             reason = "stop"
         elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
@@ -175,7 +174,7 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(request, reason)
             self._requests.pop(request.request_id, None)
-        new_text = request.output_text[len(previous_text):] if request.output_text.startswith(previous_text) else request.output_text
+        new_text = self._releasable_text(request, finished=reason is not None)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -187,6 +186,28 @@ class Engine:
             new_token_ids=[token],
             new_text=new_text,
         )
+
+    @staticmethod
+    def _releasable_text(request: Request, finished: bool) -> str:
+        """The streaming delta: text that can no longer change.
+
+        Held back until final: a trailing U+FFFD (a character whose bytes span
+        tokens still to come) and the last len(longest stop) - 1 characters,
+        which could be the start of a stop string. So the deltas always add up
+        to the final text.
+        """
+        text = request.output_text
+        end = len(text)
+        if not finished:
+            while end > request.num_text_sent and text[end - 1] == "\ufffd":
+                end -= 1
+            if request.params.stop:
+                end = min(end, len(text) - (max(len(s) for s in request.params.stop) - 1))
+        if end <= request.num_text_sent:
+            return ""
+        delta = text[request.num_text_sent : end]
+        request.num_text_sent = end
+        return delta
 
     # ---- batch APIs -------------------------------------------------------------------
     def stream(

@@ -27,6 +27,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_cached_tokens: int = 0  # tokens whose k/v are in the pool
     output_text: str = ""
+    num_text_sent: int = 0  # characters of output_text already streamed
     generator: torch.Generator | None = None
     num_preemptions: int = 0
 

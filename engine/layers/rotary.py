@@ -34,10 +34,13 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, rope_parameters: dict[str, Any], hf_config: Any) -> None:
         super().__init__()
-        inv_freq, scaling = rope_inverse_frequencies(head_dim, rope_parameters, hf_config)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # The table is computed on the host even when the model is built on the meta device
+        # (transformers' rope init functions copy to the CPU); it is moved with the model.
+        with torch.device("cpu"):
+            inv_freq, scaling = rope_inverse_frequencies(head_dim, rope_parameters, hf_config)
+            positions = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
         # Kept in float32 and cast per call, as HF computes cos/sin in float32 then casts.
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)

