@@ -5,9 +5,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-from engine.cli import main
+# Runnable from a checkout without `pip install -e .`: the repository root holds `engine`.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     # The same parser and code path as `engine bench`; defaults to the CPU device.

@@ -36,11 +36,11 @@ SOURCE_TEXT = (
     "hypos get such an upper hand of me, that it requires a strong moral principle to prevent me from deliberately "
     "stepping into the street, and methodically knocking people's hats off - then, I account it high time to get to sea "
     "as soon as I can. This is my substitute for pistol and ball. With a philosophical flourish Cato throws himself "
-    "upon his sword; I quietly take to the ship. There is nothing surprising in this. If they but knew it, almost all "
-    "men in their degree, some time or other, cherish very nearly the same feelings towards the ocean with me. There "
-    "now is your insular city of the Manhattoes, belted round by wharves as Indian isles by coral reefs - commerce "
-    "surrounds it with her surf. Right and left, the streets take you waterward."
+    "upon his sword; I quietly take to the ship. There is nothing surprising in this."
 )
+
+# A sample that got less than this share of its threads' CPU time was slowed by other processes.
+CLEAN_SHARE = 0.8
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -56,12 +56,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output", default="bench_results/cpu_bench.json", help="JSON file for results and raw samples")
 
 
-def _sizes(text: str) -> list[int]:
-    return sorted({int(s) for s in text.split(",") if s.strip()})
-
-
-def build_prompts(tokenizer: Any, batch_size: int, input_len: int) -> list[list[int]]:
+def build_prompts(tokenizer: Any | None, batch_size: int, input_len: int, vocab_size: int) -> list[list[int]]:
     """`batch_size` different windows of exactly `input_len` real-text token ids."""
+    if tokenizer is None:  # dummy weights / presets have no tokenizer: fixed pseudo-random ids instead
+        return torch.randint(1, vocab_size, (batch_size, input_len), generator=torch.Generator().manual_seed(0)).tolist()
     ids = list(tokenizer.encode(SOURCE_TEXT, add_special_tokens=False))
     stride = max(1, min(input_len // 4, (len(ids) - input_len) // max(1, batch_size - 1)))
     need = (batch_size - 1) * stride + input_len
@@ -105,7 +103,9 @@ class _StepClock:
         return scores
 
 
-def _hf_generate(model: Any, input_ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, pad_id: int) -> tuple[float, list[float], torch.Tensor]:
+def _hf_generate(
+    model: Any, input_ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, pad_id: int
+) -> tuple[float, list[float], torch.Tensor]:
     from transformers import LogitsProcessorList
 
     clock = _StepClock()
@@ -117,7 +117,9 @@ def _hf_generate(model: Any, input_ids: torch.Tensor, mask: torch.Tensor, new_to
     return time.perf_counter() - start, clock.stamps, out[:, input_ids.shape[1]:]
 
 
-def time_hf(model: Any, prompts: list[list[int]], output_len: int, pad_id: int) -> tuple[float, int, list[list[int]], float]:
+def time_hf(
+    model: Any, prompts: list[list[int]], output_len: int, pad_id: int
+) -> tuple[float, int, list[list[int]], float]:
     """(decode seconds, decode tokens, output ids, decode seconds by generate(N) - generate(1)).
 
     The first figure spans step 1 (prefill) to step N, as the engine's does; the second is a
@@ -155,30 +157,35 @@ def load_hf_model(model_arg: str | None, load_format: str, dtype: str) -> Any | 
     return model.eval()
 
 
-def _cpu_stall_us() -> int | None:
-    """Microseconds some runnable task waited for a CPU (Linux PSI); None where unavailable."""
+def _stall_us(resource: str) -> int | None:
+    """Microseconds some task waited on `resource` (Linux PSI: cpu, io); None where unavailable."""
     try:
-        with open("/proc/pressure/cpu", encoding="utf-8") as handle:
+        with open(f"/proc/pressure/{resource}", encoding="utf-8") as handle:
             return int(handle.readline().rsplit("total=", 1)[1])
     except (OSError, IndexError, ValueError):
         return None
 
 
-def measure(name: str, system: Any, prompts: list[list[int]], output_len: int, pad_id: int) -> tuple[dict[str, float], list[list[int]]]:
+def measure(
+    name: str, system: Any, prompts: list[list[int]], output_len: int, pad_id: int
+) -> tuple[dict[str, float], list[list[int]]]:
     """One timed sample, with how contended the box was while it ran (this box is shared)."""
-    cpu0, wall0, stall0 = time.process_time(), time.perf_counter(), _cpu_stall_us()
+    cpu0, wall0, stalls0 = time.process_time(), time.perf_counter(), {r: _stall_us(r) for r in ("cpu", "io")}
     extra: dict[str, float] = {}
     if name == "hf":
         seconds, tokens, ids, subtracted = time_hf(system, prompts, output_len, pad_id)
         extra = {"subtraction_seconds": subtracted, "subtraction_tok_s": tokens / subtracted}
     else:
         seconds, tokens, ids = time_engine(system, prompts, output_len)
-    wall, stall1 = time.perf_counter() - wall0, _cpu_stall_us()
-    # cpu_share: CPU time granted per thread-second of wall time; well below 1 means other
-    # processes took the cores. cpu_pressure: fraction of wall time some task waited for a CPU.
+    wall = time.perf_counter() - wall0
+    # cpu_share: CPU time granted per thread-second of wall time; well below 1 means the sample
+    # did not get both cores. *_pressure: fraction of wall time some task waited for a CPU / on I/O
+    # (a low share with no pressure means the process was off-CPU for another reason).
     extra["cpu_share"] = (time.process_time() - cpu0) / (wall * torch.get_num_threads())
-    if stall0 is not None and stall1 is not None:
-        extra["cpu_pressure"] = (stall1 - stall0) / 1e6 / wall
+    for resource, before in stalls0.items():
+        after = _stall_us(resource)
+        if before is not None and after is not None:
+            extra[f"{resource}_pressure"] = (after - before) / 1e6 / wall
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, **extra}, ids
 
 
@@ -205,28 +212,37 @@ def machine_info() -> dict[str, Any]:
 def _row(system: str, dtype: str, bs: int, samples: list[dict[str, float]], output_len: int) -> dict[str, Any]:
     tok_s = statistics.median(s["tok_s"] for s in samples)
     ms_step = statistics.median(s["seconds"] * 1000 / (output_len - 1) for s in samples)
-    return {
+    row: dict[str, Any] = {
         "system": system, "dtype": dtype, "batch_size": bs, "tok_s": tok_s, "ms_per_step": ms_step,
         "best_tok_s": max(s["tok_s"] for s in samples), "cpu_share": statistics.median(s["cpu_share"] for s in samples),
-        "cpu_pressure": statistics.median(p) if (p := [s["cpu_pressure"] for s in samples if "cpu_pressure" in s]) else None,
         "samples": samples,
     }
+    for key in ("cpu_pressure", "io_pressure"):
+        values = [s[key] for s in samples if key in s]
+        row[key] = statistics.median(values) if values else None
+    return row
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     hf = {(r["dtype"], r["batch_size"]): r["tok_s"] for r in rows if r["system"] == "hf"}
     best_hf = {bs: max(v for (_, b), v in hf.items() if b == bs) for (_, bs) in hf}
-    header = f"{'system':<14}{'dtype':<10}{'batch':>6}{'tok/s':>9}{'best':>8}{'ms/step':>9}{'vs HF':>8}{'vs best HF':>12}{'cpu share':>11}"
+    header = (
+        f"{'system':<14}{'dtype':<10}{'batch':>6}{'tok/s':>9}{'best':>8}{'ms/step':>9}"
+        f"{'vs HF':>8}{'vs best HF':>12}{'cpu share':>11}{'clean':>7}"
+    )
     print(header + "\n" + "-" * len(header))
     for r in rows:
         ratio = r["tok_s"] / hf[(r["dtype"], r["batch_size"])] if (r["dtype"], r["batch_size"]) in hf else None
         best = r["tok_s"] / best_hf[r["batch_size"]] if r["batch_size"] in best_hf else None
+        clean = f"{sum(x['cpu_share'] >= CLEAN_SHARE for x in r['samples'])}/{len(r['samples'])}"
         print(
-            f"{r['system']:<14}{r['dtype']:<10}{r['batch_size']:>6}{r['tok_s']:>9.1f}{r['best_tok_s']:>8.1f}{r['ms_per_step']:>9.1f}"
-            f"{(f'{ratio:.2f}x' if ratio else '-'):>8}{(f'{best:.2f}x' if best else '-'):>12}{r['cpu_share']:>11.2f}"
+            f"{r['system']:<14}{r['dtype']:<10}{r['batch_size']:>6}{r['tok_s']:>9.1f}{r['best_tok_s']:>8.1f}"
+            f"{r['ms_per_step']:>9.1f}{(f'{ratio:.2f}x' if ratio else '-'):>8}{(f'{best:.2f}x' if best else '-'):>12}"
+            f"{r['cpu_share']:>11.2f}{clean:>7}"
         )
     print("tok/s, ms/step: medians over repeats; best: fastest sample; vs best HF: against the faster HF dtype at that\n"
-          "batch size; cpu share: CPU time granted / (wall x threads), well below 1 means the box was contended.")
+          "batch size; cpu share: median CPU time granted / (wall x threads); clean: samples with a share >= "
+          f"{CLEAN_SHARE}.\nFewer clean samples than repeats: other processes took the cores; rerun on a quiet box.")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -234,8 +250,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from engine.cli import engine_config_from_args
     from engine.engine import Engine
+    from graphs.buckets import parse_sizes
 
-    batch_sizes, dtypes = _sizes(args.batch_sizes), [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    batch_sizes, dtypes = parse_sizes(args.batch_sizes) or [], [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if args.output_len < 2 or args.input_len < 1 or args.repeats < 1 or not batch_sizes:
         raise ValueError("need --output-len >= 2, --input-len >= 1, --repeats >= 1 and at least one batch size")
     if args.threads:
@@ -248,17 +265,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         variants.append(("engine-eager", True))
     results: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["engine"] + sys.argv[1:]) if os.path.basename(sys.argv[0]) == "engine" else " ".join(sys.argv),
+        "command": " ".join((["engine"] if os.path.basename(sys.argv[0]) == "engine" else sys.argv[:1]) + sys.argv[1:]),
         "machine": machine_info(),
         "settings": {
             "model": args.model or "embedded SmolLM2-135M-Instruct GGUF", "batch_sizes": batch_sizes, "dtypes": dtypes,
             "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
             "capture_sizes": capture, "max_num_seqs": max_seqs, "greedy": True, "ignore_eos": True,
-            "decode_timing": {
-                "engine": "first token of every row (prefill step) to last token, via Engine.stream",
-                "hf": "step 1 (prefill) to step output_len of generate, timestamped by a no-op logits processor",
-                "hf_cross_check": "subtraction_*: generate(output_len) - generate(1)",
-            },
+            "decode_timing": "from the step giving every row its first token (prefill) to the last token; engine: "
+            "Engine.stream timestamps; hf: no-op logits processor timestamps (subtraction_*: generate(N) - generate(1))",
         },
         "rows": [],
     }
@@ -267,10 +281,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         systems: dict[str, Any] = {}
         for name, eager in variants:
             start = time.perf_counter()
-            cfg = engine_config_from_args(args, dtype=dtype, capture_sizes=capture, max_num_seqs=max_seqs, disable_graphs=eager)
-            systems[name] = Engine(cfg)
+            systems[name] = Engine(
+                engine_config_from_args(args, dtype=dtype, capture_sizes=capture, max_num_seqs=max_seqs, disable_graphs=eager)
+            )
             results.setdefault("engine_build_seconds", {})[f"{name}/{dtype}"] = time.perf_counter() - start
-        tokenizer = next(iter(systems.values())).tokenizer
+        first = next(iter(systems.values()))
+        tokenizer, vocab_size = first.tokenizer, first.model_config.vocab_size
         hf_model = None if args.skip_hf else load_hf_model(args.model, args.load_format, dtype)
         if hf_model is not None:
             systems["hf"] = hf_model
@@ -280,12 +296,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "attn_implementation": hf_model.config._attn_implementation,
                 "packed_gguf_modules": sum("gguf" in type(m).__name__.lower() for m in hf_model.modules()),
             }
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        candidates = (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
+        pad_id = next((i for i in candidates if i is not None), 0)  # prompts are equal-length: never read
         samples: dict[tuple[str, int], list[dict[str, float]]] = {(s, b): [] for s in systems for b in batch_sizes}
         last_ids: dict[tuple[str, int], list[list[int]]] = {}
         bar = tqdm(total=len(batch_sizes) * args.repeats * len(systems), desc=f"bench {dtype}", unit="run")
         for bs in batch_sizes:
-            prompts = build_prompts(tokenizer, bs, args.input_len)
+            prompts = build_prompts(tokenizer, bs, args.input_len, vocab_size)
             for name, system in systems.items():  # warm-up: allocator, prefill shapes, HF caches
                 bar.set_postfix_str(f"warm-up {name} bs={bs}")
                 measure(name, system, prompts, 2, pad_id)
