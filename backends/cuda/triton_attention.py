@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.layers.attention import AttentionMetadata
-from engine.layers.ops import define_op
+from engine.layers.ops import define_decode_attention_op
 from engine.layers.torch_attention import extend_attention
 
 _KERNEL = None
@@ -145,17 +145,7 @@ def triton_paged_decode(
     return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, scale)
 
 
-def _triton_paged_decode_fake(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale):  # noqa: ANN001, ANN202
-    return torch.empty_like(q)
-
-
-define_op(
-    "triton_paged_decode",
-    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_indices, "
-    "Tensor page_table, Tensor seq_lens, int page_size, float scale) -> Tensor",
-    triton_paged_decode,
-    _triton_paged_decode_fake,
-)
+define_decode_attention_op("triton_paged_decode", triton_paged_decode)
 
 
 class TritonAttentionBackend:

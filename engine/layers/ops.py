@@ -15,6 +15,22 @@ import torch
 
 _LIBRARY = torch.library.Library("engine", "FRAGMENT")
 
+# Every backend's decode-attention op stores this step's k/v at slot_indices (mutating the
+# caches) and attends over the page table: one schema, so backends stay interchangeable.
+DECODE_ATTENTION_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_indices, "
+    "Tensor page_table, Tensor seq_lens, int page_size, float scale) -> Tensor"
+)
+
+
+def _decode_attention_fake(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale):  # noqa: ANN001, ANN202
+    return torch.empty_like(q)
+
+
+def define_decode_attention_op(name: str, impl: Callable[..., torch.Tensor]) -> None:
+    """engine::<name> with the shared decode-attention schema."""
+    define_op(name, DECODE_ATTENTION_SCHEMA, impl, _decode_attention_fake)
+
 
 def define_op(name: str, schema: str, impl: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]) -> None:
     """engine::<name>(<schema>) implemented by `impl` on every device, `fake` for tracing."""

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.attention import AttentionMetadata
-from engine.layers.ops import define_op
+from engine.layers.ops import define_decode_attention_op
 
 
 def gather_context(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -119,17 +119,7 @@ def paged_decode_attention(
     return out.squeeze(2)
 
 
-def _paged_decode_attention_fake(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale):  # noqa: ANN001, ANN202
-    return torch.empty_like(q)
-
-
-define_op(
-    "paged_decode_attention",
-    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_indices, "
-    "Tensor page_table, Tensor seq_lens, int page_size, float scale) -> Tensor",
-    paged_decode_attention,
-    _paged_decode_attention_fake,
-)
+define_decode_attention_op("paged_decode_attention", paged_decode_attention)
 
 
 def extend_attention(
