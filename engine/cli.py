@@ -1,4 +1,4 @@
-"""`engine run` and `engine bench` on the command line."""
+"""`engine run`, `engine serve`, `engine bench` and `engine bench serving` on the command line."""
 
 from __future__ import annotations
 
@@ -34,6 +34,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--compile-decode", action=argparse.BooleanOptionalAction, default=None,
         help="cuda/rocm: torch.compile the decode step before capturing graphs (default from configs/<device>.yaml)",
     )
+    group.add_argument(
+        "--disable-prefix-caching", "--disable-radix-cache", dest="disable_prefix_caching", action="store_true",
+        help="do not reuse the KV of cached prompt prefixes",
+    )
+    group.add_argument(
+        "--chunked-prefill-size", type=int, default=None,
+        help="prefill at most this many prompt tokens per step (<= 0: off; default from configs/<device>.yaml)",
+    )
+    group.add_argument("--debug-kv-invariant", action="store_true", help="check the KV pool invariant after every step")
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -55,6 +64,9 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object):  # n
         disable_graphs=args.disable_graphs,
         strict_graphs=args.strict_graphs,
         compile_decode=args.compile_decode,
+        enable_prefix_caching=not args.disable_prefix_caching,
+        chunked_prefill_size=args.chunked_prefill_size,
+        debug_kv_invariant=args.debug_kv_invariant,
         seed=args.seed,
     )
     values.update(overrides)
@@ -136,6 +148,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
+    # `engine bench serving ...`: an optional sub-command, so plain `engine bench` keeps working.
+    bench_sub = bench.add_subparsers(dest="bench_command", required=False)
+    serving = bench_sub.add_parser("serving", help="online benchmark of an OpenAI-compatible server")
+    from engine.bench_serving import add_bench_serving_args, cmd_bench_serving
+
+    add_bench_serving_args(serving)
+    serving.set_defaults(func=cmd_bench_serving)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    from engine.server.launch import add_serve_args, cmd_serve
+
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

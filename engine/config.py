@@ -32,6 +32,9 @@ class EngineConfig:
     disable_graphs: bool = False
     strict_graphs: bool = False  # raise if anything compiles after warm-up
     compile_decode: bool | None = None  # cuda/rocm: torch.compile the step before capturing it
+    enable_prefix_caching: bool = True
+    chunked_prefill_size: int | None = None  # tokens of prompt per step; <= 0 disables chunking
+    debug_kv_invariant: bool = False  # check the KV pool invariant after every step
     seed: int = 0
     device_config: dict[str, Any] = field(default_factory=dict)  # the YAML, as read
 

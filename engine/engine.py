@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from typing import Iterator, Sequence
 
@@ -13,11 +14,13 @@ from backends import get_platform
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequestError
 from engine.kv_cache import KVPool
+from engine.kv_manager import KVCacheManager
 from engine.loader import load_model, resolve_model_source
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.stats import EngineStats, StatsLogger
 from engine.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,15 +55,26 @@ class Engine:
         self.model.set_attention_backend(backend)
         self.platform.prepare_model(self.model, {**self.config.device_config, **self.config.__dict__})
         self.kv_pool = self._allocate_kv_pool()
+        self.kv_manager = KVCacheManager(self.kv_pool.allocator, self.kv_pool.page_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.kv_pool.allocator, self.kv_pool.page_size, int(self.config.max_num_seqs), int(self.config.max_prefill_tokens)
+            self.kv_manager,
+            int(self.config.max_num_seqs),
+            int(self.config.max_prefill_tokens),
+            self.config.chunked_prefill_size,
+            self.max_model_len,
         )
-        self.runner = ModelRunner(self.model, self.kv_pool, self.device, self.platform.slot_index_dtype, self._graph_runner())
+        self.runner = ModelRunner(
+            self.model, self.kv_pool, self.kv_manager, self.device, self.platform.slot_index_dtype, self._graph_runner()
+        )
+        # Debug mode: the pool invariant after every step (ENGINE_DEBUG_KV=1 or debug_kv_invariant).
+        self.debug_kv = bool(self.config.debug_kv_invariant) or os.environ.get("ENGINE_DEBUG_KV", "") not in ("", "0")
+        self.stats_logger = StatsLogger(self)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
 
     # ---- construction -------------------------------------------------------------
     def _allocate_kv_pool(self) -> KVPool:
+        self.context_limit_reason = ""
         cfg, mc = self.config, self.model_config
         page_size = int(cfg.page_size)
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cfg.kv_torch_dtype)
@@ -78,6 +92,7 @@ class Engine:
             # A request of the full context must fit alone, or it could wait (or preempt itself) forever.
             logger.warning("KV pool holds %d tokens: context length lowered from %d", capacity, self.max_model_len)
             self.max_model_len = capacity
+            self.context_limit_reason = f" (lowered to the KV pool's {capacity} tokens)"
         pool = KVPool(mc.num_hidden_layers, num_pages, page_size, mc.num_key_value_heads, mc.head_dim, cfg.kv_torch_dtype, self.device)
         logger.info("KV pool: %d pages x %d tokens (%.1f MiB)", num_pages - 1, page_size, pool.nbytes() / 2**20)
         return pool
@@ -117,8 +132,8 @@ class Engine:
             raise InvalidRequestError(f"token id {max(token_ids)} is outside the vocabulary ({self.model_config.vocab_size})")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
-                f"prompt has {len(token_ids)} tokens; the context length is {self.max_model_len}, "
-                "leaving no room for a new token"
+                f"prompt has {len(token_ids)} tokens; the context length is {self.max_model_len}"
+                f"{self.context_limit_reason}, leaving no room for a new token"
             )
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -152,10 +167,11 @@ class Engine:
                 self._requests.pop(request.request_id, None)
                 self.scheduler.finish(request, "abort")
             raise
-        outputs = []
-        for request, token in zip(step.requests, tokens):
-            request.num_cached_tokens = request.num_tokens
-            outputs.append(self._append_token(request, token))
+        self.scheduler.on_step_done(step)
+        outputs = [self._append_token(request, token) for request, token in zip(step.sampled_requests, tokens)]
+        if self.debug_kv:
+            self.check_kv_invariant()
+        self.stats_logger.maybe_log()
         return outputs
 
     def _append_token(self, request: Request, token: int) -> RequestOutput:
@@ -175,6 +191,7 @@ class Engine:
             self.scheduler.finish(request, reason)
             self._requests.pop(request.request_id, None)
         new_text = self._releasable_text(request, finished=reason is not None)
+        wants_logprobs = params.logprobs is not None
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -185,6 +202,9 @@ class Engine:
             finish_reason=reason,
             new_token_ids=[token],
             new_text=new_text,
+            logprobs=list(request.output_logprobs) if wants_logprobs else None,
+            new_logprobs=request.output_logprobs[-1:] if wants_logprobs else None,
+            prompt_logprobs=request.prompt_logprobs if params.prompt_logprobs is not None else None,
         )
 
     @staticmethod
@@ -261,10 +281,15 @@ class Engine:
 
     # ---- introspection ------------------------------------------------------------------
     def check_kv_invariant(self) -> None:
-        self.kv_pool.allocator.check_invariant()
+        """free + evictable + protected + in use == total pages; raises with the numbers if not."""
+        self.kv_manager.check_invariant()
 
     def kv_pages_in_use(self) -> int:
-        return self.kv_pool.allocator.num_in_use
+        """Pages held by live requests (cached pages nobody uses are free to evict, so not counted)."""
+        return self.kv_manager.pages_in_use
+
+    def stats(self) -> EngineStats:
+        return EngineStats.collect(self)
 
 
 def _first_stop(text: str, stops: list[str], previous_len: int) -> int | None:

@@ -15,7 +15,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [tokens]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [batch] rows of the hidden states that are sampled
+    logits_indices: torch.Tensor  # [sampled] rows of the hidden states that are sampled
     requests: list[Request]
 
     @property
@@ -34,8 +34,14 @@ def build_forward_batch(
     page_size: int,
     device: torch.device,
     slot_dtype: torch.dtype = torch.int64,
+    extend_lens: list[int] | None = None,
+    sample_mask: list[bool] | None = None,
 ) -> ForwardBatch:
-    """Host-side lists first, then one transfer per tensor."""
+    """Host-side lists first, then one transfer per tensor.
+
+    Extend runs extend_lens[i] tokens of request i from its first uncached one (a chunk, or all
+    of them); only requests in sample_mask get a row in logits_indices.
+    """
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -44,17 +50,22 @@ def build_forward_batch(
     logits_indices: list[int] = []
     width = max(len(pages_of[r.request_id]) for r in requests)
     page_rows: list[list[int]] = []
-    for request in requests:
+    for index, request in enumerate(requests):
         pages = pages_of[request.request_id]
         tokens = request.all_token_ids
-        start = request.num_tokens - 1 if is_decode else request.num_cached_tokens
-        for position in range(start, request.num_tokens):
+        if is_decode:
+            start, end = request.num_tokens - 1, request.num_tokens
+        else:
+            start = request.num_cached_tokens
+            end = start + extend_lens[index] if extend_lens is not None else request.num_tokens
+        for position in range(start, end):
             input_ids.append(tokens[position])
             positions.append(position)
             slots.append(slot_of(pages, position, page_size))
-        seq_lens.append(request.num_tokens)
+        seq_lens.append(end)
         query_start_loc.append(len(input_ids))
-        logits_indices.append(len(input_ids) - 1)
+        if sample_mask is None or sample_mask[index]:
+            logits_indices.append(len(input_ids) - 1)
         page_rows.append(pages + [0] * (width - len(pages)))
 
     def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:

@@ -52,16 +52,40 @@ class PageAllocator:
         self._free.extend(reversed(pages))
         return len(pages)
 
+    def disown(self, owner: str, count: int) -> list[int]:
+        """Hand the owner's first `count` pages to someone else (the prefix cache) without freeing them."""
+        pages = self._owned.get(owner, [])
+        if count > len(pages):
+            raise ValueError(f"{owner} owns {len(pages)} pages, cannot hand over {count}")
+        moved, self._owned[owner] = pages[:count], pages[count:]
+        if not self._owned[owner]:
+            del self._owned[owner]
+        return moved
+
+    def release(self, pages: list[int]) -> None:
+        """Return pages nobody owns any more (evicted from the prefix cache, or duplicates of cached ones)."""
+        self._free.extend(reversed(pages))
+
     def pages_of(self, owner: str) -> list[int]:
         return self._owned.get(owner, [])
 
-    def check_invariant(self) -> None:
-        """free + in use == total, and no page is both free and owned, or owned twice."""
+    def check_invariant(self, cached_pages: list[int] | None = None) -> None:
+        """free + cached + in use == total; no page is free and held, held twice, or page 0.
+
+        `cached_pages` are the pages the prefix cache holds (evictable or protected).
+        """
         owned = [p for pages in self._owned.values() for p in pages]
-        if len(self._free) + len(owned) != self.total:
-            raise AssertionError(f"KV leak: free {len(self._free)} + in use {len(owned)} != total {self.total}")
-        if len(set(owned) | set(self._free)) != self.total or 0 in owned or 0 in self._free:
-            raise AssertionError("KV pages double-booked or page 0 handed out")
+        cached = cached_pages or []
+        if len(self._free) + len(cached) + len(owned) != self.total:
+            raise AssertionError(
+                f"KV leak: free {len(self._free)} + cached {len(cached)} + in use {len(owned)} != total {self.total}"
+            )
+        everything = set(owned) | set(self._free) | set(cached)
+        if len(everything) != self.total or 0 in everything:
+            raise AssertionError(
+                f"KV pages double-booked or page 0 handed out: {len(everything)} distinct of {self.total} "
+                f"(free {len(self._free)}, cached {len(cached)}, in use {len(owned)})"
+            )
 
 
 class KVPool:

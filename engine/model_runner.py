@@ -6,15 +6,18 @@ import logging
 
 import torch
 
-from engine.forward_batch import build_forward_batch
+from engine.forward_batch import ForwardBatch, build_forward_batch
 from engine.kv_cache import KVPool
+from engine.kv_manager import KVCacheManager
 from engine.layers.attention import step_context
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import sample
+from engine.sampler import record_prompt_logprobs, sample
 from engine.scheduler import ScheduledStep
 from graphs.runner import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions per full-vocabulary logits slice (echo + logprobs)
 
 
 class ModelRunner:
@@ -22,12 +25,14 @@ class ModelRunner:
         self,
         model: LlamaForCausalLM,
         kv_pool: KVPool,
+        kv_manager: KVCacheManager,
         device: torch.device,
         slot_dtype: torch.dtype,
         graph_runner: DecodeGraphRunner | None,
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
+        self.kv_manager = kv_manager
         self.device = device
         self.slot_dtype = slot_dtype
         self.graph_runner = graph_runner
@@ -35,11 +40,18 @@ class ModelRunner:
         self.eager_steps = 0
 
     @torch.no_grad()
-    def logits(self, step: ScheduledStep) -> torch.Tensor:
-        allocator = self.kv_pool.allocator
-        pages = {r.request_id: allocator.pages_of(r.request_id) for r in step.requests}
+    def logits(self, step: ScheduledStep) -> torch.Tensor | None:
+        """Logits [sampled requests, vocab]; None when no request samples (chunks of long prompts only)."""
+        pages = {r.request_id: self.kv_manager.page_table(r) for r in step.requests}
         batch = build_forward_batch(
-            step.requests, step.is_decode, pages, self.kv_pool.page_size, self.device, self.slot_dtype
+            step.requests,
+            step.is_decode,
+            pages,
+            self.kv_pool.page_size,
+            self.device,
+            self.slot_dtype,
+            extend_lens=None if step.is_decode else step.extend_lens,
+            sample_mask=step.sample_mask,
         )
         if step.is_decode and self.graph_runner is not None and self.graph_runner.can_run(batch.batch_size):
             self.graph_steps += 1
@@ -48,9 +60,34 @@ class ModelRunner:
         with step_context(self.model.attention_backend, batch.meta):
             hidden = self.model(batch.input_ids, batch.positions, self.kv_pool.caches, batch.meta)
         if not step.is_decode:
+            self._record_prompt_logprobs(hidden, batch)
+            if not any(step.sample_mask):
+                return None
             hidden = hidden[batch.logits_indices]
         return self.model.compute_logits(hidden)
 
+    def _record_prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch) -> None:
+        """Echo with logprobs (server): logits of every prompt token, only for requests that ask.
+
+        A separate path so that the usual extend still computes logits for one row per request.
+        """
+        starts = batch.meta.query_start_loc
+        if starts is None:
+            return
+        for index, request in enumerate(batch.requests):
+            if request.params.prompt_logprobs is None:
+                continue
+            positions = batch.positions[starts[index] : starts[index + 1]].tolist()
+            # In slices: full-vocabulary logits for a whole 8k-token chunk would take gigabytes.
+            for begin in range(starts[index], starts[index + 1], PROMPT_LOGPROB_ROWS):
+                end = min(begin + PROMPT_LOGPROB_ROWS, starts[index + 1])
+                offset = begin - starts[index]
+                logits = self.model.compute_logits(hidden[begin:end])
+                record_prompt_logprobs(request, logits, positions[offset : offset + end - begin])
+
     def run(self, step: ScheduledStep) -> list[int]:
-        """Next token of every request in the step."""
-        return sample(self.logits(step), step.requests)
+        """Next token of every request in step.sampled_requests."""
+        logits = self.logits(step)
+        if logits is None:
+            return []
+        return sample(logits, step.sampled_requests)

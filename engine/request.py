@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one token, with the most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
 
 
 class RequestStatus(enum.Enum):
@@ -30,6 +40,15 @@ class Request:
     num_text_sent: int = 0  # characters of output_text already streamed
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    # KV held through the prefix cache: a cached prefix shared with other requests (locked while
+    # this request lives) and the radix node that ends it; private pages follow in the page table.
+    shared_pages: list[int] = field(default_factory=list)
+    cache_node: Any = None
+    # Filled by the sampler when params.logprobs is set: one entry per output token.
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Filled during the extend step when params.prompt_logprobs is set: entry 0 is None
+    # (nothing predicts the first prompt token), as in vLLM and OpenAI's echo.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -57,3 +76,7 @@ class RequestOutput:
     finish_reason: str | None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    # Only when the request asked for them (params.logprobs / params.prompt_logprobs).
+    logprobs: list[TokenLogprob] | None = None  # every output token so far
+    new_logprobs: list[TokenLogprob] | None = None  # those of new_token_ids
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once complete

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request
+from engine.request import Request, TokenLogprob
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -47,7 +47,55 @@ def _top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits [batch, vocab] float32 -> one token id per request."""
+    """logits [batch, vocab] float32 -> one token id per request.
+
+    Requests with params.logprobs get a TokenLogprob appended to output_logprobs.
+    """
+    logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    # Raw logprobs of the model (vLLM's default): taken before penalties and temperature,
+    # and before _apply_penalties edits the logits in place.
+    raw_logprobs = logits[logprob_rows].float().log_softmax(dim=-1) if logprob_rows else None
+    chosen = _sample(logits, requests)
+    if raw_logprobs is not None:
+        for top_k in {requests[row].params.logprobs or 0 for row in logprob_rows}:
+            # One batched gather/top-k (and one host transfer) per distinct top_k, not one per row.
+            positions = [p for p, row in enumerate(logprob_rows) if (requests[row].params.logprobs or 0) == top_k]
+            entries = _token_logprobs(raw_logprobs[positions], [chosen[logprob_rows[p]] for p in positions], top_k)
+            for position, entry in zip(positions, entries):
+                requests[logprob_rows[position]].output_logprobs.append(entry)
+    return chosen
+
+
+def _token_logprobs(logprobs: torch.Tensor, token_ids: list[int], top_k: int) -> list[TokenLogprob]:
+    """logprobs [n, vocab] -> each row's entry for token_ids[row], with its top_k alternatives."""
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in token_ids]
+    if top_k > 0:
+        values, ids = logprobs.topk(top_k, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return [TokenLogprob(int(t), float(lp), top) for t, lp, top in zip(token_ids, chosen, tops)]
+
+
+def record_prompt_logprobs(request: Request, logits: torch.Tensor, positions: list[int]) -> None:
+    """Append prompt-token logprobs from the logits [len(positions), vocab] of one extend segment.
+
+    The logits at position p predict prompt token p + 1. Entries are appended only where they
+    extend the list in order, so a recompute after preemption (or a later chunk) adds nothing twice.
+    """
+    prompt = request.prompt_token_ids
+    if request.prompt_logprobs is None:
+        request.prompt_logprobs = [None]
+    rows = [row for row, position in enumerate(positions) if position + 1 < len(prompt)]
+    start = len(request.prompt_logprobs)  # the next prompt position without an entry
+    rows = [row for row in rows if positions[row] + 1 >= start]
+    if not rows or positions[rows[0]] + 1 != start:
+        return
+    logprobs = logits[rows].float().log_softmax(dim=-1)
+    targets = [prompt[positions[row] + 1] for row in rows]
+    request.prompt_logprobs.extend(_token_logprobs(logprobs, targets, request.params.prompt_logprobs or 0))
+
+
+def _sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     _apply_penalties(logits, requests)
     greedy_ids = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs; each one is a top-k over the vocabulary
+
 
 @dataclass
 class SamplingParams:
@@ -22,6 +24,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
+    prompt_logprobs: int | None = None  # the same for every prompt token (echo)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,5 +56,12 @@ class SamplingParams:
             problems.append(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop strings must be non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):
+                problems.append(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+        # torch.Generator.manual_seed takes any 64-bit value, signed or unsigned.
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            problems.append(f"seed must be a 64-bit integer, got {self.seed!r}")
         if problems:
             raise InvalidRequestError("invalid sampling parameters: " + "; ".join(problems))

@@ -1,115 +1,252 @@
-"""Continuous batching: requests join and leave the running batch every step.
+"""Continuous batching with prefix reuse, chunked prefill and retraction under memory pressure.
 
-A step is either an extend (prefill of newly admitted requests) or a decode of
-every running request. Pages are allocated on demand; when a decode step
-cannot get a page, the most recently admitted request is preempted and later
-recomputed (vLLM's recompute policy), so no request is ever stuck.
+A step is either an extend (prefill, possibly one chunk of a long prompt) or a
+decode of every running request. Policies, after SGLang's scheduler:
+
+- admission: a waiting request first reuses its longest cached prefix; it is
+  admitted only if the pages it needs leave a reserve for the running
+  requests' future tokens (their remaining max_tokens x `new_token_ratio`,
+  a ratio that decays while decoding goes well and resets on a retraction),
+  so that new prefills do not starve running decodes;
+- chunked prefill: at most `chunked_prefill_size` prompt tokens run per step;
+  (the budget of one extend step, shared by its requests); a prompt that does
+  not fit continues over several steps, one request at a time, and a
+  decode step for the running requests runs between two of its chunks;
+- retraction: when decode cannot get a page even after evicting cached pages,
+  the request that costs least to redo (fewest tokens) gives its pages back
+  (its computed pages stay in the prefix cache) and goes back to the front of
+  the queue; it is recomputed later and continues where it left off.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from os.path import commonprefix
 
-from engine.kv_cache import PageAllocator
+from engine.errors import InvalidRequestError
+from engine.kv_manager import KVCacheManager, pages_needed
 from engine.request import Request, RequestStatus
+
+# SGLang's defaults for the decode reserve ratio.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.14
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 
 
 @dataclass
 class ScheduledStep:
     is_decode: bool
     requests: list[Request]
-    # extend only: tokens of each request to run this step (all of its uncached tokens)
+    # extend only: tokens of each request that run this step (a chunk, or all uncached tokens)
     extend_lens: list[int]
+    # whether each request's step ends at its last token, so it samples a next token
+    sample_mask: list[bool] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if not self.sample_mask:
+            if self.is_decode:
+                self.sample_mask = [True] * len(self.requests)
+            else:
+                self.sample_mask = [r.num_cached_tokens + n == r.num_tokens for r, n in zip(self.requests, self.extend_lens)]
 
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    return (num_tokens + page_size - 1) // page_size
+    @property
+    def sampled_requests(self) -> list[Request]:
+        return [r for r, sampled in zip(self.requests, self.sample_mask) if sampled]
 
 
 class Scheduler:
     def __init__(
         self,
-        allocator: PageAllocator,
-        page_size: int,
+        kv: KVCacheManager,
         max_num_seqs: int,
         max_prefill_tokens: int,
+        chunked_prefill_size: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
-        self.allocator = allocator
-        self.page_size = page_size
+        self.kv = kv
+        self.page_size = kv.page_size
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+        self.max_model_len = max_model_len or kv.total_pages * kv.page_size
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # prefilled; decoding
+        self.chunked: Request | None = None  # the one request part-way through a chunked prefill
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.num_retractions = 0
+        self._decode_owed = False  # a chunk just ran: decode the running requests before the next one
 
     def add(self, request: Request) -> None:
+        if pages_needed(request.num_tokens + 1, self.page_size) > self.kv.total_pages:
+            # Engine.add_request keeps prompts under max_model_len, which the pool always holds.
+            raise InvalidRequestError(
+                f"request {request.request_id} needs {request.num_tokens + 1} tokens of KV; "
+                f"the pool holds {self.kv.total_pages * self.page_size}"
+            )
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.chunked)
 
+    @property
+    def num_prefilling(self) -> int:
+        return 1 if self.chunked is not None else 0
+
+    # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> ScheduledStep | None:
-        step = self._schedule_extend()
-        if step is not None:
-            return step
-        if not self.running:
-            return None
-        self._reserve_decode_pages()
-        return ScheduledStep(True, list(self.running), [])
+        if not (self._decode_owed and self.running):
+            step = self._schedule_extend()
+            if step is not None:
+                return step
+        self._decode_owed = False
+        if self.running:
+            self._reserve_decode_pages()
+        if self.running:
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+            return ScheduledStep(True, list(self.running), [])
+        return self._schedule_extend()  # everything was retracted: start over with a prefill
 
-    def _schedule_extend(self) -> ScheduledStep | None:
-        admitted: list[Request] = []
-        tokens = 0
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
-            request = self.waiting[0]
-            new_tokens = request.num_tokens - request.num_cached_tokens
-            if admitted and tokens + new_tokens > self.max_prefill_tokens:
-                break
-            # +1 token of headroom so the first decode step does not preempt at once.
-            need = pages_needed(request.num_tokens + 1, self.page_size) - len(self.allocator.pages_of(request.request_id))
-            if need > self.allocator.num_free:
-                break
-            self.allocator.allocate(request.request_id, need)
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            admitted.append(request)
-            tokens += new_tokens
-        if not admitted:
-            return None
-        self.running.extend(admitted)
-        return ScheduledStep(False, admitted, [r.num_tokens - r.num_cached_tokens for r in admitted])
-
-    def _reserve_decode_pages(self) -> None:
-        """Each running request needs a slot for the token it feeds this step."""
-        index = 0
-        while index < len(self.running):
-            request = self.running[index]
-            need = pages_needed(request.num_tokens, self.page_size) - len(self.allocator.pages_of(request.request_id))
-            if need <= 0:
-                index += 1
-                continue
-            if need <= self.allocator.num_free:
-                self.allocator.allocate(request.request_id, need)
-                index += 1
-                continue
-            victim = self.running.pop()  # newest admitted goes back to the queue
-            self._preempt(victim)
-            if victim is request:
-                break
-
-    def _preempt(self, request: Request) -> None:
-        self.allocator.free(request.request_id)
-        request.num_cached_tokens = 0
-        request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
-        self.waiting.appendleft(request)
+    def on_step_done(self, step: ScheduledStep) -> None:
+        """The step's k/v are in the pool: advance each request and cache its computed pages."""
+        if step.is_decode:
+            for request in step.requests:
+                request.num_cached_tokens = request.num_tokens
+            return
+        for request, n, sampled in zip(step.requests, step.extend_lens, step.sample_mask):
+            request.num_cached_tokens += n
+            self.kv.stats.computed_tokens += n
+            self.kv.cache_computed(request)
+            if sampled:
+                self.running.append(request)
+        self._decode_owed = self.chunked is not None
 
     def finish(self, request: Request, reason: str) -> None:
-        """Release a request's pages, whatever state it is in."""
+        """Release a request's pages, whatever state it is in; its computed pages stay cached."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.allocator.free(request.request_id)
+        self.kv.release(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if self.chunked is request:
+            self.chunked = None
+
+    # ---- extend -------------------------------------------------------------------------
+    def _schedule_extend(self) -> ScheduledStep | None:
+        budget = min(self.max_prefill_tokens, self.chunked_prefill_size or self.max_prefill_tokens)
+        requests: list[Request] = []
+        lens: list[int] = []
+        if self.chunked is not None:
+            request = self.chunked
+            n = min(request.num_tokens - request.num_cached_tokens, budget)
+            if not self.kv.allocate(request, self._tokens_to_hold(request, n)):
+                return None  # decodes will finish and free pages
+            requests.append(request)
+            lens.append(n)
+            budget -= n
+            if request.num_cached_tokens + n == request.num_tokens:
+                self.chunked = None
+        reserve = self._decode_reserve_tokens()
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) + len(requests) >= self.max_num_seqs:
+                break
+            self.kv.match_prefix(request)
+            remaining = request.num_tokens - request.num_cached_tokens
+            if self._shares_uncached_prefix(request, requests, lens):
+                # Its prefix is being computed in this very step: wait one step and reuse it.
+                self.kv.undo_match(request)
+                continue
+            if self.chunked_prefill_size is None:
+                if requests and remaining > budget:  # whole prompts only; the first always goes
+                    self.kv.undo_match(request)
+                    break
+                n = remaining
+            else:
+                n = min(remaining, budget)
+                if n < remaining and self.chunked is not None:
+                    self.kv.undo_match(request)
+                    break  # one chunked prefill at a time
+            hold = self._tokens_to_hold(request, n)
+            if not self._admissible(request, hold, reserve, first=not self.running and not requests):
+                self.kv.undo_match(request)
+                break
+            if not self.kv.allocate(request, hold):
+                self.kv.undo_match(request)
+                break
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            if request.num_preemptions == 0:  # a retracted request's redo is not a new query
+                self.kv.stats.query_tokens += request.num_tokens
+                self.kv.stats.hit_tokens += request.num_cached_tokens
+            reserve += self._remaining_budget(request) * self.new_token_ratio
+            requests.append(request)
+            lens.append(n)
+            budget -= n
+            if n < remaining:
+                self.chunked = request
+        if not requests:
+            return None
+        return ScheduledStep(False, requests, lens)
+
+    def _tokens_to_hold(self, request: Request, n: int) -> int:
+        # The step that ends the prompt also needs a slot for the token it samples (fed next step).
+        ends_prompt = request.num_cached_tokens + n == request.num_tokens
+        return request.num_cached_tokens + n + (1 if ends_prompt else 0)
+
+    def _remaining_budget(self, request: Request) -> int:
+        return max(0, min(request.params.max_tokens - len(request.output_token_ids), self.max_model_len - request.num_tokens))
+
+    def _decode_reserve_tokens(self) -> float:
+        return sum(self._remaining_budget(r) for r in self.running) * self.new_token_ratio
+
+    def _admissible(self, request: Request, hold: int, reserve: float, first: bool) -> bool:
+        """Pages for this request, and a reserve left for what running requests will still write."""
+        table = len(request.shared_pages) + len(self.kv.allocator.pages_of(request.request_id))
+        need = pages_needed(hold, self.page_size) - table
+        if first:
+            return need <= self.kv.available_pages  # nothing else runs: admit whatever fits
+        return self.kv.available_pages - need >= pages_needed(int(reserve), self.page_size)
+
+    def _shares_uncached_prefix(self, request: Request, admitted: list[Request], lens: list[int]) -> bool:
+        """Will a request admitted this step cache at least one more full page of this one's prefix?"""
+        if self.kv.tree is None or getattr(request.params, "prompt_logprobs", None) is not None:
+            return False  # no cache, or a request that never reuses it anyway
+        tokens = request.all_token_ids
+        matchable = len(tokens) - 1  # a match always leaves one token to run
+        for other, n in zip(admitted, lens):
+            common = min(len(commonprefix([tokens, other.all_token_ids])), matchable, other.num_cached_tokens + n)
+            if common // self.page_size > request.num_cached_tokens // self.page_size:
+                return True
+        return False
+
+    # ---- decode -------------------------------------------------------------------------
+    def _reserve_decode_pages(self) -> None:
+        """Each running request needs a slot for the token it feeds this step; retract if there is none."""
+        for request in list(self.running):
+            if request not in self.running:
+                continue  # retracted for an earlier request
+            while not self.kv.allocate(request, request.num_tokens):
+                victim = self._cheapest_to_redo()
+                self._retract(victim)
+                if victim is request:
+                    break
+
+    def _cheapest_to_redo(self) -> Request:
+        candidates = list(self.running) + ([self.chunked] if self.chunked is not None else [])
+        # Fewest tokens to recompute; among equals the newest (it has waited least).
+        return min(reversed(candidates), key=lambda r: r.num_tokens if r is not self.chunked else r.num_cached_tokens)
+
+    def _retract(self, request: Request) -> None:
+        self.kv.release(request)  # computed pages stay cached: the redo may find them still there
+        request.num_cached_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_retractions += 1
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        if request is self.chunked:
+            self.chunked = None
+        else:
+            self.running.remove(request)
+        self.waiting.appendleft(request)

@@ -273,8 +273,10 @@ def assert_engine_idle(engine: Engine) -> None:
 def _reset(engine: Engine) -> None:
     for request_id in list(engine._requests):
         engine.abort(request_id)
-    for request in list(engine.scheduler.running) + list(engine.scheduler.waiting):
-        engine.scheduler.finish(request, "abort")
+    scheduler = engine.scheduler
+    stuck = list(scheduler.running) + list(scheduler.waiting) + ([scheduler.chunked] if scheduler.chunked else [])
+    for request in stuck:
+        scheduler.finish(request, "abort")
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import torch
 from engine.engine import Engine
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledStep, pages_needed
+from engine.scheduler import ScheduledStep
 
 NEW_TOKENS = 32
 
@@ -143,15 +143,16 @@ def engine_logits(engine: Engine, token_ids: Sequence[int], next_token: int) -> 
     graph runner when the engine has one; pages come from (and go back to) the engine's allocator.
     """
     request = Request("logits-probe", list(token_ids), SamplingParams(temperature=0.0))
-    allocator = engine.kv_pool.allocator
-    allocator.allocate(request.request_id, pages_needed(len(token_ids) + 1, engine.kv_pool.page_size))
+    kv = engine.kv_manager
+    # Through the KV manager, which evicts cached pages of earlier tests when the pool is full.
+    assert kv.allocate(request, len(token_ids) + 1), "KV pool too small for the probe"
     try:
         prefill = engine.runner.logits(ScheduledStep(False, [request], [len(token_ids)]))[-1].clone()
         request.num_cached_tokens = request.num_tokens
         request.output_token_ids.append(int(next_token))
         decode = engine.runner.logits(ScheduledStep(True, [request], []))[0].clone()
     finally:
-        allocator.free(request.request_id)
+        kv.release(request, cache=False)
     return prefill, decode
 
 

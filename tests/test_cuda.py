@@ -74,3 +74,35 @@ def test_cuda_graph_decode_matches_eager(tmp_path, compile_decode: bool) -> None
             engine.check_kv_invariant()
             assert engine.kv_pages_in_use() == 0
         assert tokens[(page_size, True)] == tokens[(page_size, False)]
+
+
+def test_prefix_cache_chunking_and_retraction_on_cuda_graphs(tmp_path) -> None:
+    """CUDA graphs replaying over pages the prefix cache recycles: same tokens as a plain eager run."""
+    import random
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(3, 512) for _ in range(n)] for n in (200, 90)]
+    prompts = [prefixes[i % 2] + [rng.randrange(3, 512) for _ in range(rng.randint(1, 30))] for i in range(24)]
+    prompts.append([rng.randrange(3, 512) for _ in range(1500)])  # chunked at 256
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    common = dict(model=str(tmp_path), device="cuda", dtype="float32", page_size=16, max_num_seqs=8, debug_kv_invariant=True)
+    reference = Engine(**common, disable_graphs=True, enable_prefix_caching=False, chunked_prefill_size=0, kv_cache_tokens=32768)
+    expected = [o.token_ids for o in reference.generate(prompts, params)]
+    # Tight pool: 2048 tokens for eight sequences of up to ~1500 + the cache, so pages are evicted and retracted.
+    engine = Engine(**common, capture_sizes="1,2,4,8", chunked_prefill_size=256, kv_cache_tokens=2048)
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert got == expected
+    stats = engine.stats()
+    assert engine.runner.graph_steps > 0 and stats.prefix_cache_hit_tokens > 0 and stats.evicted_pages > 0
+    assert engine.kv_pages_in_use() == 0

@@ -60,9 +60,11 @@ class DecodePlan:
             mask = mask[:, None, None, :]
         contiguous_start = None
         if lengths is not None and len(lengths) == 1:
-            first = int(slots[0, 0])
-            if int(slots[0, -1]) - first == max_len - 1:  # slots increase by one per position
-                contiguous_start = first
+            row = slots[0]
+            # Every step must be +1: first and last alone can line up by chance once pages are
+            # recycled out of order (prefix-cache eviction hands back arbitrary pages).
+            if max_len == 1 or bool((row[1:] - row[:-1] == 1).all()):
+                contiguous_start = int(row[0])
         return cls(slots.reshape(-1), page_table.shape[0], max_len, mask, contiguous_start)
 
 

@@ -1,0 +1,216 @@
+"""`engine bench serving`: an online benchmark client for any OpenAI-compatible server.
+
+Sends streaming /v1/completions requests at a fixed concurrency or at a Poisson
+request rate and reports throughput, time to first token (TTFT), inter-token
+latency (ITL, the gaps between streamed chunks, as vLLM's benchmark_serving
+measures it) and end-to-end latency. Prompts are synthetic text of a chosen
+length range, so no dataset is needed; `--ignore-eos` (a vLLM/SGLang extension)
+makes every completion exactly --output-len tokens long.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+WORDS = (
+    "graph engine token batch cache page kernel tensor latency throughput scheduler request model "
+    "layer attention decode prefill stream server client sample logits vocabulary prompt answer "
+    "river mountain city garden window music paper story question morning evening winter summer"
+).split()
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_words: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def add_bench_serving_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root (without /v1)")
+    parser.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=None, help="requests in flight at once")
+    parser.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)")
+    parser.add_argument("--input-len", default="16,128", help="prompt length range in words, MIN,MAX")
+    parser.add_argument("--output-len", default="32,128", help="completion length range in tokens, MIN,MAX")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="send ignore_eos so completions have exactly the requested length")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--output", default=None, help="write the results as JSON here")
+
+
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(",")
+    return int(low), int(high or low)
+
+
+def make_workload(num: int, input_len: str, output_len: str, seed: int) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    (in_lo, in_hi), (out_lo, out_hi) = _range(input_len), _range(output_len)
+    return [
+        (" ".join(rng.choice(WORDS) for _ in range(rng.randint(in_lo, in_hi))), rng.randint(out_lo, out_hi))
+        for _ in range(num)
+    ]
+
+
+async def _one(client, url: str, body: dict, headers: dict, prompt_words: int) -> RequestResult:  # noqa: ANN001
+    result = RequestResult(ok=False, prompt_words=prompt_words)
+    start = time.perf_counter()
+    last = None
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = str(event["error"])
+                    return result
+                if event.get("usage"):
+                    result.output_tokens = int(event["usage"].get("completion_tokens") or 0)
+                if not event.get("choices") or not event["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.itls.append(now - last)
+                last = now
+                chunks += 1
+        result.latency = time.perf_counter() - start
+        result.output_tokens = result.output_tokens or chunks  # servers without usage: one token per chunk
+        result.ok = last is not None
+    except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered), "p99": p99}
+
+
+async def run_benchmark(args: argparse.Namespace) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base = args.base_url.rstrip("/")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        model = args.model
+        if model is None:
+            listing = await client.get(f"{base}/v1/models", headers=headers)
+            listing.raise_for_status()
+            model = listing.json()["data"][0]["id"]
+        workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.seed)
+        gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+        rng = random.Random(args.seed + 1)
+
+        async def send(prompt: str, max_tokens: int) -> RequestResult:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            if args.ignore_eos:
+                body["ignore_eos"] = True
+            if gate is None:
+                return await _one(client, f"{base}/v1/completions", body, headers, len(prompt.split()))
+            async with gate:
+                return await _one(client, f"{base}/v1/completions", body, headers, len(prompt.split()))
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, max_tokens in workload:
+            tasks.append(asyncio.create_task(send(prompt, max_tokens)))
+            if args.request_rate:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    ok = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    summary = {
+        "base_url": base,
+        "model": model,
+        "num_prompts": args.num_prompts,
+        "concurrency": args.concurrency,
+        "request_rate": args.request_rate,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_output_tokens": output_tokens,
+        "ttft_s": _percentiles([r.ttft for r in ok]),
+        "itl_s": _percentiles([gap for r in ok for gap in r.itls]),
+        "e2e_latency_s": _percentiles([r.latency for r in ok]),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+    }
+    summary["requests"] = [asdict(r) | {"itls": None} for r in results]
+    return summary
+
+
+def format_table(s: dict) -> str:
+    ms = lambda v: f"{1000 * v:.1f}"  # noqa: E731
+    rows = [
+        ("concurrency / rate", f"{s['concurrency'] or '-'} / {s['request_rate'] or 'inf'}"),
+        ("completed / failed", f"{s['completed']} / {s['failed']}"),
+        ("duration (s)", f"{s['duration_s']:.2f}"),
+        ("request throughput (req/s)", f"{s['request_throughput']:.2f}"),
+        ("output throughput (tok/s)", f"{s['output_throughput']:.1f}"),
+        ("TTFT median / p99 (ms)", f"{ms(s['ttft_s']['median'])} / {ms(s['ttft_s']['p99'])}"),
+        ("ITL median / p99 (ms)", f"{ms(s['itl_s']['median'])} / {ms(s['itl_s']['p99'])}"),
+        ("E2E latency median / p99 (s)", f"{s['e2e_latency_s']['median']:.2f} / {s['e2e_latency_s']['p99']:.2f}"),
+    ]
+    if "load_avg_1m" in s:
+        rows.append(("load average 1m before / after", f"{s['load_avg_1m']['before']:.2f} / {s['load_avg_1m']['after']:.2f}"))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"serving benchmark: {s['model']} at {s['base_url']}"] + [f"  {k:<{width}}  {v}" for k, v in rows]
+    if s["errors"]:
+        lines.append("  errors: " + "; ".join(s["errors"]))
+    return "\n".join(lines)
+
+
+def cmd_bench_serving(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
+    load_before = os.getloadavg()[0]
+    summary = asyncio.run(run_benchmark(args))
+    # The 1-minute load average around the run: on a shared box, a sign of contention.
+    summary["load_avg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
+    print(format_table(summary))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["failed"] == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_serving", description=__doc__.splitlines()[0])
+    add_bench_serving_args(parser)
+    return cmd_bench_serving(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""Which KV pages each request reads and writes: private pages plus a shared cached prefix.
+
+A request's page table is `request.shared_pages` (a prefix held by the radix
+cache, locked while the request lives) followed by its private pages (owned
+through the PageAllocator). After every extend step, and when a request
+finishes or is retracted, its computed full pages move into the radix cache;
+pages the cache already held for the same tokens are freed and the request's
+table points at the cached ones instead.
+
+Pool invariant: free + evictable + protected + in use == total pages.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.kv_cache import PageAllocator
+from engine.radix_cache import RadixCache
+from engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return (num_tokens + page_size - 1) // page_size
+
+
+@dataclass
+class PrefixCacheStats:
+    query_tokens: int = 0  # prompt tokens of admitted requests
+    hit_tokens: int = 0  # of which served from the cache
+    computed_tokens: int = 0  # prefill tokens actually run through the model
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, allocator: PageAllocator, page_size: int, enable_prefix_cache: bool) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.tree = RadixCache(page_size, allocator.release) if enable_prefix_cache else None
+        self.stats = PrefixCacheStats()
+
+    # ---- capacity ---------------------------------------------------------------------
+    @property
+    def total_pages(self) -> int:
+        return self.allocator.total
+
+    @property
+    def available_pages(self) -> int:
+        """Pages a new allocation can get: free ones plus cached ones nobody is using."""
+        return self.allocator.num_free + (self.tree.evictable_pages if self.tree else 0)
+
+    @property
+    def evictable_pages(self) -> int:
+        return self.tree.evictable_pages if self.tree else 0
+
+    @property
+    def protected_pages(self) -> int:
+        return self.tree.protected_pages if self.tree else 0
+
+    @property
+    def pages_in_use(self) -> int:
+        """Pages live requests hold: their private pages and the cached prefixes they have locked."""
+        return self.allocator.num_in_use + self.protected_pages
+
+    @property
+    def evicted_pages(self) -> int:
+        return self.tree.evicted_pages_total if self.tree else 0
+
+    def page_table(self, request: Request) -> list[int]:
+        return request.shared_pages + self.allocator.pages_of(request.request_id)
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def match_prefix(self, request: Request) -> int:
+        """On admission: reuse the longest cached prefix (leaving at least one token to compute)."""
+        assert not request.shared_pages and not self.allocator.pages_of(request.request_id)
+        if self.tree is None or getattr(request.params, "prompt_logprobs", None) is not None:
+            # Prompt logprobs need logits at every prompt position, so the whole prompt must run.
+            return 0
+        tokens = request.all_token_ids
+        match = self.tree.match_prefix(tokens[: len(tokens) - 1])
+        if match.pages:
+            self.tree.lock(match.node)
+            request.cache_node = match.node
+            request.shared_pages = match.pages
+        request.num_cached_tokens = len(match.pages) * self.page_size
+        return request.num_cached_tokens
+
+    def undo_match(self, request: Request) -> None:
+        """The matched request was not admitted after all: it waits again, holding nothing."""
+        self.release(request, cache=False)
+
+    def allocate(self, request: Request, num_tokens: int) -> bool:
+        """Grow the request's table to hold num_tokens tokens, evicting cached pages if needed."""
+        need = pages_needed(num_tokens, self.page_size) - len(request.shared_pages) - len(self.allocator.pages_of(request.request_id))
+        if need <= 0:
+            return True
+        if need > self.available_pages:
+            return False  # evicting would empty the cache and still not be enough
+        short = need - self.allocator.num_free
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short)
+        if need > self.allocator.num_free:
+            return False
+        self.allocator.allocate(request.request_id, need)
+        return True
+
+    def cache_computed(self, request: Request) -> None:
+        """Move the request's computed full pages into the prefix cache (it keeps reading them)."""
+        if self.tree is None:
+            return
+        full = request.num_cached_tokens // self.page_size
+        shared = len(request.shared_pages)
+        if full <= shared:
+            return
+        table = self.page_table(request)
+        result = self.tree.insert(request.all_token_ids[: full * self.page_size], table[:full])
+        handed_over = self.allocator.disown(request.request_id, full - shared)
+        # Another request may have cached the same tokens meanwhile: keep its pages, free ours.
+        duplicates = [page for page, kept in zip(handed_over, result.pages[shared:full]) if page != kept]
+        if duplicates:
+            self.allocator.release(duplicates)
+        self.tree.lock(result.node)
+        if request.cache_node is not None:
+            self.tree.unlock(request.cache_node)
+        request.cache_node = result.node
+        request.shared_pages = result.pages
+
+    def release(self, request: Request, cache: bool = True) -> None:
+        """The request stops holding pages (finished, aborted or retracted); computed pages stay cached."""
+        if cache:
+            self.cache_computed(request)
+        self.allocator.free(request.request_id)
+        if request.cache_node is not None:
+            assert self.tree is not None
+            self.tree.unlock(request.cache_node)
+        request.cache_node = None
+        request.shared_pages = []
+        # Nothing of its KV is held any more; a later release (or a redo) starts from zero.
+        request.num_cached_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        if self.tree is not None:
+            self.tree.reset()
+
+    # ---- checks -----------------------------------------------------------------------
+    def check_invariant(self) -> None:
+        """free + evictable + protected + in use == total, with no page counted twice."""
+        cached = self.tree.all_pages() if self.tree else []
+        if self.tree is not None:
+            self.tree.check_counts()
+        free, in_use = self.allocator.num_free, self.allocator.num_in_use
+        if free + self.evictable_pages + self.protected_pages + in_use != self.total_pages:
+            raise AssertionError(
+                f"KV pool invariant broken: free {free} + evictable {self.evictable_pages} + protected "
+                f"{self.protected_pages} + in use {in_use} != total {self.total_pages}"
+            )
+        self.allocator.check_invariant(cached)

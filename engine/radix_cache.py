@@ -1,0 +1,207 @@
+"""Radix tree from token ids to the KV pages that hold them (SGLang's RadixCache, page-aligned).
+
+Every edge holds a whole number of pages: with page_size > 1 only full pages
+are cached, so a match is always page-aligned and a page is never shared by
+two different continuations. A node's `lock_ref` counts the running requests
+whose prefix passes through it; unlocked nodes are evictable, least recently
+used leaves first. The tree owns the pages it holds: eviction hands them back
+through `free_pages`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+
+@dataclass(eq=False)
+class RadixNode:
+    key: tuple[int, ...]  # this edge's tokens, a multiple of page_size long
+    pages: list[int]  # one page id per page_size tokens of key
+    parent: "RadixNode | None"
+    children: dict[tuple[int, ...], "RadixNode"] = field(default_factory=dict)  # by first page of key
+    lock_ref: int = 0
+    last_access: int = 0
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+
+@dataclass
+class MatchResult:
+    pages: list[int]  # pages of the longest cached prefix, in order
+    node: RadixNode  # deepest node of the match (lock it to protect the pages)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+
+class RadixCache:
+    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]) -> None:
+        self.page_size = page_size
+        self.free_pages = free_pages
+        self.root = RadixNode((), [], None, lock_ref=1)  # the root is never evicted
+        self._clock = itertools.count(1)
+        self.evictable_pages = 0
+        self.protected_pages = 0
+        self.evicted_pages_total = 0
+
+    @property
+    def total_pages(self) -> int:
+        return self.evictable_pages + self.protected_pages
+
+    # ---- lookup -----------------------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """Longest cached page-aligned prefix of token_ids; touches it for LRU."""
+        node, pages, offset = self.root, [], 0
+        usable = len(token_ids) - len(token_ids) % self.page_size
+        now = next(self._clock)
+        while offset < usable:
+            child = node.children.get(self._page_key(token_ids, offset))
+            if child is None:
+                break
+            matched = self._common_pages(child.key, token_ids, offset, usable)
+            if matched < len(child.pages):
+                child = self._split(child, matched)
+            child.last_access = now
+            pages.extend(child.pages)
+            offset += len(child.key)
+            node = child
+        return MatchResult(pages, node)
+
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> MatchResult:
+        """Cache token_ids (page-aligned) held in `pages`; returns the pages the tree now holds for them.
+
+        Where the tree already had a prefix, its pages are kept and the caller's pages for that
+        part are not taken (the caller frees any that differ); the rest become the tree's.
+        """
+        usable = len(pages) * self.page_size
+        if len(token_ids) < usable:
+            raise ValueError(f"{len(pages)} pages need {usable} tokens, got {len(token_ids)}")
+        node, held, offset = self.root, [], 0
+        now = next(self._clock)
+        while offset < usable:
+            child = node.children.get(self._page_key(token_ids, offset))
+            if child is None:
+                first = offset // self.page_size
+                leaf = RadixNode(tuple(token_ids[offset:usable]), list(pages[first:]), node, last_access=now)
+                node.children[self._page_key(token_ids, offset)] = leaf
+                self.evictable_pages += len(leaf.pages)
+                held.extend(leaf.pages)
+                return MatchResult(held, leaf)
+            matched = self._common_pages(child.key, token_ids, offset, usable)
+            if matched < len(child.pages):
+                child = self._split(child, matched)
+            child.last_access = now
+            held.extend(child.pages)
+            offset += len(child.key)
+            node = child
+        return MatchResult(held, node)
+
+    # ---- protection -------------------------------------------------------------------
+    def lock(self, node: RadixNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_pages -= len(node.pages)
+                self.protected_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: RadixNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise AssertionError("radix cache: unlock of a node that is not locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.protected_pages -= len(node.pages)
+                self.evictable_pages += len(node.pages)
+            node = node.parent  # type: ignore[assignment]
+
+    # ---- eviction ---------------------------------------------------------------------
+    def evict(self, num_pages: int) -> int:
+        """Free at least num_pages pages (if that many are evictable), least recently used leaves first."""
+        heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._evictable_leaves()]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[self._page_key(leaf.key, 0)]
+            self.evictable_pages -= len(leaf.pages)
+            self.free_pages(leaf.pages)
+            freed += len(leaf.pages)
+            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self.evicted_pages_total += freed
+        return freed
+
+    def reset(self) -> None:
+        """Drop every unlocked node (e.g. when the cache is switched off or the weights change)."""
+        self.evict(self.evictable_pages)
+
+    # ---- introspection ------------------------------------------------------------------
+    def all_pages(self) -> list[int]:
+        pages, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            pages.extend(node.pages)
+            stack.extend(node.children.values())
+        return pages
+
+    def check_counts(self) -> None:
+        """The incremental evictable/protected counters agree with a walk of the tree."""
+        evictable = protected = 0
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.lock_ref < 0 or any(c.lock_ref > node.lock_ref for c in node.children.values()):
+                raise AssertionError("radix cache: a child is locked more than its parent")
+            if node.lock_ref:
+                protected += len(node.pages)
+            else:
+                evictable += len(node.pages)
+            stack.extend(node.children.values())
+        if (evictable, protected) != (self.evictable_pages, self.protected_pages):
+            raise AssertionError(
+                f"radix cache counts: walk found evictable {evictable}, protected {protected}; "
+                f"counters say {self.evictable_pages}, {self.protected_pages}"
+            )
+
+    # ---- internals ----------------------------------------------------------------------
+    def _page_key(self, token_ids: Sequence[int], offset: int) -> tuple[int, ...]:
+        return tuple(token_ids[offset : offset + self.page_size])
+
+    def _common_pages(self, key: tuple[int, ...], token_ids: Sequence[int], offset: int, limit: int) -> int:
+        """Whole pages at the start of key that equal token_ids[offset:limit]."""
+        n = min(len(key), limit - offset)
+        i = 0
+        while i < n and key[i] == token_ids[offset + i]:
+            i += 1
+        return i // self.page_size
+
+    def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
+        """Cut node after num_pages pages; returns the new upper part (which keeps node's locks)."""
+        cut = num_pages * self.page_size
+        parent = node.parent
+        assert parent is not None and 0 < num_pages < len(node.pages)
+        upper = RadixNode(node.key[:cut], node.pages[:num_pages], parent, lock_ref=node.lock_ref, last_access=node.last_access)
+        parent.children[self._page_key(node.key, 0)] = upper
+        node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], upper
+        upper.children[self._page_key(node.key, 0)] = node
+        return upper
+
+    def _evictable_leaves(self) -> list[RadixNode]:
+        leaves, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.is_leaf:
+                if node.lock_ref == 0:
+                    leaves.append(node)
+            else:
+                stack.extend(node.children.values())
+        return leaves

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`engine serve`): FastAPI + uvicorn over one engine thread."""

@@ -1,0 +1,194 @@
+"""Turning an OpenAI request into prompt token ids and SamplingParams, and logprobs back into JSON.
+
+Tokenization happens here, on the event loop, not on the engine thread (as vLLM
+does it in its API server): the engine thread only runs steps, and the server
+knows every prompt's length before queueing it, for usage and the context check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Sequence
+
+from engine.errors import InvalidRequestError
+from engine.request import TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.server.errors import APIError
+from engine.server.protocol import (
+    ChatChoiceLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    SamplingFields,
+    TopLogprob,
+)
+from engine.tokenizer import encode_prompt
+
+
+@dataclass
+class ModelInfo:
+    """What the server needs to know about the model besides the engine thread."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any  # the server's own copy: the engine thread decodes with the engine's one
+
+
+class Tokens:
+    """Token id -> text and bytes for logprobs, cached (the same ids recur all the time)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.text = lru_cache(maxsize=65536)(self._text)
+
+    def _text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+
+
+def completion_prompts(model: ModelInfo, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[str | None, list[int]]]:
+    """(text if given as text, token ids) of each prompt of a /v1/completions request."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [list(prompt)]
+    else:
+        items = list(prompt)
+    if not items:
+        raise APIError("prompt must not be empty", param="prompt")
+    prompts = []
+    for item in items:
+        try:
+            ids = encode_prompt(model.tokenizer, item)
+        except InvalidRequestError as exc:
+            raise APIError(str(exc), param="prompt") from exc
+        check_token_ids(model, ids, "prompt")
+        prompts.append((item if isinstance(item, str) else None, ids))
+    return prompts
+
+
+def chat_prompt(model: ModelInfo, messages: Sequence[ChatMessage], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
+    """Token ids of a conversation through the model's chat template."""
+    tokenizer = model.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError("this model has no chat template; use /v1/completions", param="messages")
+    conversation = []
+    for message in messages:
+        content = message.content
+        if isinstance(content, list):
+            # Text parts only (this is a text model); vLLM joins them with newlines too.
+            content = "\n".join(part.text for part in content)
+        conversation.append({"role": message.role, "content": content or ""})
+    try:
+        ids = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **(kwargs or {})
+        )
+    except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation is bad input
+        raise APIError(f"cannot apply the chat template: {exc}", param="messages") from exc
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    ids = list(ids)
+    if not ids:
+        raise APIError("the conversation renders to an empty prompt", param="messages")
+    return ids
+
+
+def check_token_ids(model: ModelInfo, ids: Sequence[int], param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < model.vocab_size]
+    if bad:
+        raise APIError(f"token id {bad[0]} is outside the vocabulary (size {model.vocab_size})", param=param)
+
+
+def resolve_max_tokens(model: ModelInfo, prompt_len: int, requested: int | None, param: str = "max_tokens") -> int:
+    """The completion budget; over-long requests are a 400, as in vLLM, not a silent cut."""
+    if prompt_len >= model.max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {model.max_model_len} tokens. However, your prompt has "
+            f"{prompt_len} tokens, leaving no room for a completion.",
+            param="prompt" if param == "max_tokens" else "messages",
+        )
+    if requested is None:
+        return model.max_model_len - prompt_len
+    if requested < 1:
+        raise APIError(f"{param} must be at least 1, got {requested}", param=param)
+    if prompt_len + requested > model.max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {model.max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion). "
+            f"Please reduce the length of the prompt or {param}.",
+            param=param,
+        )
+    return requested
+
+
+def derived_seed(seed: int | None, choice: int) -> int | None:
+    """Choice i of n gets seed + i (wrapped to 64 bits): reproducible, yet the choices differ."""
+    if seed is None:
+        return None
+    value = seed + choice
+    return value if value < 2**64 else value - 2**64
+
+
+def sampling_params(
+    req: SamplingFields, max_tokens: int, seed: int | None, logprobs: int | None, prompt_logprobs: int | None
+) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            skip_special_tokens=req.skip_special_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+    except InvalidRequestError as exc:
+        raise APIError(str(exc)) from exc
+
+
+# ---- logprobs --------------------------------------------------------------------------------
+
+
+def completion_logprobs(
+    tokens: Tokens, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """The legacy shape for these tokens; text offsets start at `offset`. Returns it and the next offset."""
+    out = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, entries):
+        text = tokens.text(token_id)
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(entry.logprob)
+        top = {tokens.text(t): lp for t, lp in entry.top}
+        top.setdefault(text, entry.logprob)  # the sampled token is always listed, as in vLLM
+        out.top_logprobs.append(top)
+    return out, offset
+
+
+def chat_logprobs(tokens: Tokens, entries: Sequence[TokenLogprob], top_k: int) -> ChatChoiceLogprobs:
+    content = []
+    for entry in entries:
+        text = tokens.text(entry.token_id)
+        top = [TopLogprob(token=tokens.text(t), logprob=lp, bytes=list(tokens.text(t).encode())) for t, lp in entry.top[:top_k]]
+        content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(text.encode()), top_logprobs=top))
+    return ChatChoiceLogprobs(content=content)

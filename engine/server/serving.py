@@ -1,0 +1,286 @@
+"""/v1/completions and /v1/chat/completions: queue the choices, then answer in one body or as SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestGroup
+from engine.server.errors import APIError, error_body
+from engine.server.params import (
+    ModelInfo,
+    Tokens,
+    chat_logprobs,
+    chat_prompt,
+    completion_logprobs,
+    completion_prompts,
+    derived_seed,
+    resolve_max_tokens,
+    sampling_params,
+)
+from engine.server.protocol import (
+    MAX_CHOICES,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    UsageInfo,
+    random_id,
+)
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+@dataclass
+class Choice:
+    """One engine request: a (prompt, sample) pair of the HTTP request."""
+
+    index: int
+    prompt_text: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = ""
+    final: RequestOutput | None = None
+    text_offset: int = 0  # streaming completions with logprobs: where the next token's text starts
+    sent_role: bool = False
+    sent_prompt: bool = False  # echo: the prompt goes out with the first chunk
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, model: ModelInfo) -> None:
+        self.engine = engine
+        self.model = model
+        self.tokens = Tokens(model.tokenizer)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model.name:
+            raise APIError(f"The model `{name}` does not exist; this server serves `{self.model.name}`.", param="model")
+
+    # ---- /v1/completions --------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        self.check_model(req.model)
+        if req.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        prompts = completion_prompts(self.model, req.prompt)
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise APIError(f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
+        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        choices = []
+        for p, (text, ids) in enumerate(prompts):
+            max_tokens = resolve_max_tokens(self.model, len(ids), req.max_tokens)
+            for i in range(req.n):
+                params = sampling_params(req, max_tokens, derived_seed(req.seed, i), req.logprobs, prompt_logprobs)
+                choices.append(Choice(p * req.n + i, text, ids, params))
+        request_id = random_id("cmpl")
+        group = await self._start(request_id, choices)
+        usage_prompt = sum(len(ids) for _, ids in prompts)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = self._sse(group, choices, lambda c, o: self._completion_chunk(req, request_id, c, o), include_usage,
+                             lambda usage: {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                                            "model": self.model.name, "choices": [], "usage": usage.model_dump()},
+                             usage_prompt)
+            return StreamingResponse(body, media_type="text/event-stream")
+        await self._collect(group, choices, raw)
+        response = CompletionResponse(
+            id=request_id,
+            model=self.model.name,
+            choices=[self._completion_choice(req, c) for c in choices],
+            usage=_usage(usage_prompt, choices),
+        )
+        return JSONResponse(response.model_dump())
+
+    def _completion_choice(self, req: CompletionRequest, choice: Choice) -> CompletionChoice:
+        final = choice.final
+        assert final is not None
+        text = final.text
+        logprobs = None
+        if req.echo:
+            text = self._prompt_text(choice) + text
+        if req.logprobs is not None:
+            ids, entries = [], []
+            if req.echo:
+                ids += choice.prompt_ids
+                entries += final.prompt_logprobs or [None] * len(choice.prompt_ids)
+            ids += final.token_ids
+            entries += final.logprobs or []
+            logprobs, _ = completion_logprobs(self.tokens, ids, entries, 0)
+        item = CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=final.finish_reason)
+        if req.return_token_ids:
+            item.prompt_token_ids, item.token_ids = list(choice.prompt_ids), list(final.token_ids)
+        return item
+
+    def _completion_chunk(self, req: CompletionRequest, request_id: str, choice: Choice, output: RequestOutput) -> dict | None:
+        text = output.new_text
+        ids: list[int] = []
+        entries: list = []
+        if req.echo and not choice.sent_prompt:
+            choice.sent_prompt = True
+            text = self._prompt_text(choice) + text
+            ids += choice.prompt_ids
+            entries += output.prompt_logprobs or [None] * len(choice.prompt_ids)
+        if not text and not output.finished and req.logprobs is None:
+            return None  # text held back (a possible stop string): nothing to say yet
+        logprobs = None
+        if req.logprobs is not None:
+            ids += output.new_token_ids
+            entries += output.new_logprobs or []
+            logprobs, choice.text_offset = completion_logprobs(self.tokens, ids, entries, choice.text_offset)
+        item = CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=output.finish_reason)
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model.name,
+                "choices": [item.model_dump()]}
+
+    def _prompt_text(self, choice: Choice) -> str:
+        if choice.prompt_text is not None:
+            return choice.prompt_text
+        return self.model.tokenizer.decode(choice.prompt_ids) if self.model.tokenizer is not None else ""
+
+    # ---- /v1/chat/completions -----------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        ids = chat_prompt(self.model, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        budget, param = req.max_tokens, "max_tokens"
+        if req.max_completion_tokens is not None:
+            budget, param = req.max_completion_tokens, "max_completion_tokens"
+        max_tokens = resolve_max_tokens(self.model, len(ids), budget, param)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        choices = [
+            Choice(i, None, ids, sampling_params(req, max_tokens, derived_seed(req.seed, i), logprobs, None))
+            for i in range(req.n)
+        ]
+        request_id = random_id("chatcmpl")
+        created = int(time.time())
+        group = await self._start(request_id, choices)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = self._sse(group, choices, lambda c, o: self._chat_chunk(req, request_id, created, c, o), include_usage,
+                             lambda usage: ChatCompletionChunk(id=request_id, created=created, model=self.model.name,
+                                                               choices=[], usage=usage).model_dump(),
+                             len(ids))
+            return StreamingResponse(body, media_type="text/event-stream")
+        await self._collect(group, choices, raw)
+        response = ChatCompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.model.name,
+            choices=[
+                ChatChoice(
+                    index=c.index,
+                    message=AssistantMessage(content=c.final.text),
+                    logprobs=chat_logprobs(self.tokens, c.final.logprobs or [], logprobs) if logprobs is not None else None,
+                    finish_reason=c.final.finish_reason,
+                )
+                for c in choices
+                if c.final is not None
+            ],
+            usage=_usage(len(ids), choices),
+        )
+        return JSONResponse(response.model_dump())
+
+    def _chat_chunk(self, req: ChatCompletionRequest, request_id: str, created: int, choice: Choice, output: RequestOutput) -> dict | None:
+        delta = DeltaMessage(content=output.new_text)
+        if not choice.sent_role:
+            choice.sent_role = True
+            delta.role = "assistant"
+        elif not output.new_text and not output.finished and not req.logprobs:
+            return None
+        logprobs = None
+        if req.logprobs:
+            logprobs = chat_logprobs(self.tokens, output.new_logprobs or [], req.top_logprobs or 0)
+        chunk = ChatCompletionChunk(
+            id=request_id, created=created, model=self.model.name,
+            choices=[ChatStreamChoice(index=choice.index, delta=delta, logprobs=logprobs, finish_reason=output.finish_reason)],
+        )
+        return chunk.model_dump(exclude_none=True)
+
+    # ---- shared -----------------------------------------------------------------------------------
+    async def _start(self, request_id: str, choices: list[Choice]) -> RequestGroup:
+        group = RequestGroup(self.engine)
+        try:
+            for choice in choices:
+                choice.request_id = f"{request_id}-{choice.index}"
+                await group.add(choice.request_id, choice.prompt_ids, choice.params)
+        except BaseException as exc:
+            group.abort()  # a later choice was rejected: the earlier ones must not run on
+            if isinstance(exc, EngineDeadError):
+                raise APIError(str(exc), status=503) from exc
+            raise
+        logger.debug("request %s: %d choice(s), prompt %d tokens", request_id, len(choices), len(choices[0].prompt_ids))
+        return group
+
+    async def _collect(self, group: RequestGroup, choices: list[Choice], raw: Request) -> None:
+        """Wait for every choice; abort them all if the client hangs up first."""
+        by_id = {c.request_id: c for c in choices}
+
+        async def drain() -> None:
+            async for output in group.outputs():
+                if output.finished:
+                    by_id[output.request_id].final = output
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await raw.is_disconnected():
+                    logger.debug("client of %s went away: aborting", next(iter(by_id)))
+                    task.cancel()
+                    raise APIError("client disconnected", status=499)
+            task.result()
+        except (RequestFailedError, EngineDeadError) as exc:
+            raise APIError(str(exc), status=503 if isinstance(exc, EngineDeadError) else 500) from exc
+        finally:
+            if not task.done():
+                task.cancel()
+            group.abort()
+
+    async def _sse(
+        self,
+        group: RequestGroup,
+        choices: list[Choice],
+        chunk_of: Callable[[Choice, RequestOutput], dict | None],
+        include_usage: bool,
+        usage_chunk: Callable[[UsageInfo], dict],
+        prompt_tokens: int,
+    ) -> AsyncIterator[str]:
+        """Server-Sent Events until `data: [DONE]`; a cancelled stream (client gone) aborts its requests."""
+        by_id = {c.request_id: c for c in choices}
+        try:
+            async for output in group.outputs():
+                choice = by_id[output.request_id]
+                if output.finished:
+                    choice.final = output
+                chunk = chunk_of(choice, output)
+                if chunk is not None:
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            if include_usage:
+                yield f"data: {json.dumps(usage_chunk(_usage(prompt_tokens, choices)))}\n\n"
+        except (RequestFailedError, EngineDeadError) as exc:
+            # Headers are gone already: the error travels as an event, as vLLM does.
+            yield f"data: {json.dumps(error_body(str(exc), 503 if isinstance(exc, EngineDeadError) else 500))}\n\n"
+        finally:
+            group.abort()
+        yield "data: [DONE]\n\n"
+
+
+def _usage(prompt_tokens: int, choices: list[Choice]) -> UsageInfo:
+    completion = sum(len(c.final.token_ids) for c in choices if c.final is not None)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)

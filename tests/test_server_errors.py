@@ -1,0 +1,170 @@
+"""Bad input gets a 4xx in OpenAI's error shape, never a 500, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.engine import Engine
+from engine.server.app import build_app
+from server_helpers import MODEL, ServerProcess, shared_server
+
+LONG_PROMPT = "hello " * 2100  # more tokens than the 2048-token context
+MSG = [{"role": "user", "content": "hi"}]
+
+# (name, method, path, body (dict -> JSON, str -> raw bytes, None -> no body), expected status)
+CASES: list[tuple[str, str, str, Any, int]] = [
+    ("not json", "POST", "/v1/completions", "{bad json", 400),
+    ("truncated json", "POST", "/v1/completions", '{"prompt": "hi"', 400),
+    ("json array body", "POST", "/v1/completions", "[1, 2]", 400),
+    ("empty body", "POST", "/v1/completions", "", 400),
+    ("json string body", "POST", "/v1/chat/completions", '"hello"', 400),
+    ("missing prompt", "POST", "/v1/completions", {"model": MODEL}, 400),
+    ("prompt is a number", "POST", "/v1/completions", {"prompt": 5}, 400),
+    ("prompt is a dict", "POST", "/v1/completions", {"prompt": {"a": 1}}, 400),
+    ("empty prompt string", "POST", "/v1/completions", {"prompt": ""}, 400),
+    ("empty prompt list", "POST", "/v1/completions", {"prompt": []}, 400),
+    ("negative token id", "POST", "/v1/completions", {"prompt": [1, -5]}, 400),
+    ("token id beyond vocab", "POST", "/v1/completions", {"prompt": [1, 10**9]}, 400),
+    ("unknown model", "POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 400),
+    ("unknown model (chat)", "POST", "/v1/chat/completions", {"model": "gpt-9", "messages": MSG}, 400),
+    ("max_tokens negative", "POST", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400),
+    ("max_tokens zero", "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("max_tokens a string", "POST", "/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400),
+    ("max_tokens beyond context", "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400),
+    ("max_completion_tokens beyond context", "POST", "/v1/chat/completions",
+     {"messages": MSG, "max_completion_tokens": 5000}, 400),
+    ("prompt over the context", "POST", "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 1}, 400),
+    ("chat prompt over the context", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400),
+    ("temperature -1", "POST", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400),
+    ("temperature a string", "POST", "/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400),
+    ("top_p 2", "POST", "/v1/completions", {"prompt": "hi", "top_p": 2}, 400),
+    ("top_p 0", "POST", "/v1/chat/completions", {"messages": MSG, "top_p": 0}, 400),
+    ("top_k -5", "POST", "/v1/completions", {"prompt": "hi", "top_k": -5}, 400),
+    ("min_p 1.5", "POST", "/v1/completions", {"prompt": "hi", "min_p": 1.5}, 400),
+    ("presence_penalty 3", "POST", "/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400),
+    ("frequency_penalty -3", "POST", "/v1/chat/completions", {"messages": MSG, "frequency_penalty": -3}, 400),
+    ("repetition_penalty 0", "POST", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400),
+    ("n 0", "POST", "/v1/completions", {"prompt": "hi", "n": 0}, 400),
+    ("n huge", "POST", "/v1/completions", {"prompt": "hi", "n": 100000}, 400),
+    ("seed beyond 64 bits", "POST", "/v1/completions", {"prompt": "hi", "seed": 2**70}, 400),
+    ("logprobs 50", "POST", "/v1/completions", {"prompt": "hi", "logprobs": 50}, 400),
+    ("top_logprobs without logprobs", "POST", "/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, 400),
+    ("top_logprobs 99", "POST", "/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 99}, 400),
+    ("stop is a number", "POST", "/v1/completions", {"prompt": "hi", "stop": 7}, 400),
+    ("empty stop string", "POST", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400),
+    ("stream is a list", "POST", "/v1/completions", {"prompt": "hi", "stream": [1]}, 400),
+    ("suffix", "POST", "/v1/completions", {"prompt": "hi", "suffix": "end"}, 400),
+    ("missing messages", "POST", "/v1/chat/completions", {"model": MODEL}, 400),
+    ("empty messages", "POST", "/v1/chat/completions", {"messages": []}, 400),
+    ("messages not a list", "POST", "/v1/chat/completions", {"messages": "hi"}, 400),
+    ("bad role", "POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("missing role", "POST", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400),
+    ("content a number", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 42}]}, 400),
+    ("image content part", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ("message is a string", "POST", "/v1/chat/completions", {"messages": ["hi"]}, 400),
+    ("detokenize bad ids", "POST", "/detokenize", {"tokens": [-1]}, 400),
+    ("detokenize ids not a list", "POST", "/detokenize", {"tokens": "abc"}, 400),
+    ("tokenize neither prompt nor messages", "POST", "/tokenize", {}, 400),
+    ("unknown route", "GET", "/v1/nothing", None, 404),
+    ("unknown route (post)", "POST", "/v2/completions", {"prompt": "hi"}, 404),
+    ("wrong method", "GET", "/v1/completions", None, 405),
+]
+
+
+@pytest.fixture(scope="module")
+def server() -> ServerProcess:
+    return shared_server()
+
+
+def _send(base: str, method: str, path: str, body: Any) -> httpx.Response:
+    kwargs: dict[str, Any] = {"timeout": 60}
+    if isinstance(body, str):
+        kwargs.update(content=body.encode(), headers={"content-type": "application/json"})
+    elif body is not None:
+        kwargs["json"] = body
+    return httpx.request(method, base + path, **kwargs)
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+    return error
+
+
+def test_malformed_request_table(server: ServerProcess) -> None:
+    assert len(CASES) >= 30
+    failures = []
+    for name, method, path, body, status in CASES:
+        response = _send(server.base_url, method, path, body)
+        try:
+            assert_openai_error(response, status)
+        except (AssertionError, json.JSONDecodeError) as exc:
+            failures.append(f"{name}: {exc}")
+    assert not failures, "\n".join(failures)
+    # Nothing was queued, nothing leaked, and the server still answers a normal request.
+    server.wait_idle()
+    ok = _send(server.base_url, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert "Traceback" not in server.log()
+
+
+def test_openai_client_raises_bad_request(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    assert "temperature" in info.value.message
+
+
+def test_api_key_guards_v1_routes(smol_engine: Engine) -> None:
+    """In-process app over the shared eager engine (no second server process to start)."""
+    app = build_app(smol_engine, api_key="s3cret")
+    with TestClient(app) as http:
+        assert_openai_error(http.get("/v1/models"), 401)
+        assert_openai_error(http.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        assert_openai_error(http.get("/v1/models", headers={"Authorization": "Basic s3cret"}), 401)
+        assert_openai_error(http.post("/v1/completions", json={"prompt": "hi"}), 401)
+        good = {"Authorization": "Bearer s3cret"}
+        assert http.get("/v1/models", headers=good).json()["data"][0]["id"] == MODEL
+        response = http.post("/v1/completions", headers=good, json={"prompt": "Hi", "max_tokens": 2, "ignore_eos": True})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+        assert http.get("/health").status_code == 200  # not a /v1 route
+        assert_openai_error(http.get("/nope", headers=good), 404)
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_lives_on(smol_engine: Engine) -> None:
+    """Fault injection (the real engine; one step made to raise): the request gets an error, not a hang."""
+    app = build_app(smol_engine)
+    runner = smol_engine.runner
+    original = runner.run
+    calls = {"n": 0}
+
+    def fail_once(step):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected step failure")
+        return original(step)
+
+    runner.run = fail_once  # type: ignore[method-assign]
+    try:
+        with TestClient(app) as http:
+            failed = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+            assert_openai_error(failed, 500)
+            assert "injected step failure" in failed.json()["error"]["message"]
+            ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+            assert http.get("/health").status_code == 200
+    finally:
+        del runner.run  # back to the class's method
+    assert smol_engine.kv_pages_in_use() == 0

@@ -1,0 +1,41 @@
+"""SIGTERM while a request streams: the stream is finished, then the process exits with status 0.
+
+Runs last among the server tests (file order) and stops the shared server process.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import httpx
+
+from server_helpers import MODEL, take_shared_server
+
+
+def test_sigterm_finishes_running_streams_and_exits_cleanly() -> None:
+    server = take_shared_server()
+    body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 48, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events = []
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 2:
+                server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(60) == 0, server.log()[-3000:]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    # The running request was allowed to finish (graceful shutdown), not cut off.
+    assert chunks[-1]["usage"]["completion_tokens"] == 48
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    log = server.log()
+    assert "engine thread stopped" in log and "Traceback" not in log
+    # The port is closed: new requests are refused.
+    try:
+        httpx.get(f"{server.base_url}/health", timeout=2)
+        raise AssertionError("server still answering after shutdown")
+    except httpx.ConnectError:
+        pass
