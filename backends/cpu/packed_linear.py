@@ -12,12 +12,16 @@ attention is) uses it when present.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.cpu.native import load
 from engine.layers.ops import define_op
 
 logger = logging.getLogger(__name__)
@@ -25,11 +29,51 @@ logger = logging.getLogger(__name__)
 _PACKED_ATTR = "_engine_onednn_packed"
 
 
+# The native GEMV (kernels/gemv_bf16.c) wins for a few rows over weights that stream from memory;
+# for bigger batches oneDNN's AMX kernels win, and for one very large matrix (the lm head)
+# oneDNN's own streaming is faster.
+GEMV_MAX_ROWS = 4
+GEMV_MAX_WEIGHT_BYTES = 16 * 2**20
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     packed = getattr(weight, _PACKED_ATTR, None)
     if packed is None:
         return F.linear(x, weight, bias)
+    if x.dtype == torch.bfloat16 and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and weight.nbytes <= GEMV_MAX_WEIGHT_BYTES:
+        out = native_gemv_bf16(x, weight, bias)
+        if out is not None:
+            return out
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def native_gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ weight.T (+ bias) through kernels/gemv_bf16.c; None where it does not apply here."""
+    kernel = _gemv_kernel()
+    n, k = weight.shape
+    if kernel is None or k % 32 or n % 4 or not weight.is_contiguous() or (bias is not None and bias.dtype != torch.bfloat16):
+        return None
+    rows = x.reshape(-1, k).contiguous()
+    out = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+    status = kernel(rows.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(), rows.shape[0], n, k)
+    return out if status == 0 else None
+
+
+@lru_cache(maxsize=None)
+def _gemv_kernel() -> Any:
+    lib = load("gemv_bf16")
+    if lib is None:
+        return None
+    fn = lib.gemv_bf16
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    # Probe once: -1 means this CPU (or compiler) has no AVX512-BF16.
+    x, w = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(4, 32, dtype=torch.bfloat16)
+    y = torch.empty(1, 4, dtype=torch.bfloat16)
+    if fn(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 1, 4, 32) != 0:
+        logger.info("native bf16 GEMV unavailable on this CPU (no AVX512-BF16): oneDNN for every batch")
+        return None
+    return fn
 
 
 def _packed_linear_fake(x, weight, bias):  # noqa: ANN001, ANN202

@@ -34,9 +34,9 @@ class CpuPlatform(Platform):
             return MemoryInfo(pages * page_size, os.sysconf("SC_AVPHYS_PAGES") * page_size)
 
     def attention_backend(self):  # noqa: ANN201
-        from engine.layers.torch_attention import TorchAttentionBackend
+        from backends.cpu.attention import CpuAttentionBackend
 
-        return TorchAttentionBackend()
+        return CpuAttentionBackend()
 
     def prepare_model(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
         from backends.cpu.packed_linear import onednn_packing_supported, pack_linear_weights

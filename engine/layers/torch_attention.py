@@ -186,11 +186,24 @@ class TorchAttentionBackend:
             # where this CPU's SDPA is ~6x faster than in bfloat16 at batch 16, and more accurate.
             q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
         if meta.is_decode:
-            out = torch.ops.engine.paged_decode_attention(
-                q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale
-            )
+            out = self.decode(q, k, v, k_cache, v_cache, meta, scale)
         else:
             k_cache.index_copy_(0, meta.slot_indices, k)
             v_cache.index_copy_(0, meta.slot_indices, v)
             out = extend_attention(q, k_cache, v_cache, meta, scale)
         return out.to(out_dtype)
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query token per request, q already in the cache's dtype; subclasses swap the op."""
+        return torch.ops.engine.paged_decode_attention(
+            q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale
+        )

@@ -1,0 +1,87 @@
+"""Build and load the CPU's native kernels (plain C, compiled once per machine with gcc).
+
+Plain C with OpenMP, not a torch C++ extension: it compiles in a fraction of a
+second (no torch headers), so a fresh machine pays nothing noticeable, and it
+is called through ctypes, which releases the GIL. Built with -march=native,
+so the cache key includes the CPU's feature flags; loaded after torch, its
+libgomp resolves to the one torch already holds, so it shares torch's OpenMP
+threads (inductor's generated C++ works the same way). When gcc is missing or
+the build fails, the caller falls back to torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from functools import lru_cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+# -ffast-math: vectorised expf from glibc's libmvec and reassociated dot products; the kernels
+# never produce or test for inf/NaN (softmax subtracts the row maximum first).
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+LIBS = ["-lmvec", "-lm"]
+DISABLE_ENV = "ENGINE_CPU_NATIVE_KERNELS"  # "0" turns the native kernels off
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("ENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "graph-engine")
+    return Path(root) / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def build(name: str, compiler: str = "gcc") -> Path:
+    """kernels/<name>.c -> a cached shared library; raises on a failed build."""
+    source = KERNEL_DIR / f"{name}.c"
+    version = subprocess.run([compiler, "-dumpfullversion"], capture_output=True, text=True, check=True).stdout.strip()
+    key = hashlib.sha256(
+        "\0".join([source.read_text(), " ".join(CFLAGS + LIBS), compiler, version, _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"{name}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *CFLAGS, "-o", str(built), str(source), *LIBS], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {source.name}: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: concurrent engines never load a half-written file
+    logger.info("built native CPU kernel %s in %.2f s (%s)", name, time.perf_counter() - start, target)
+    return target
+
+
+@lru_cache(maxsize=None)
+def load(name: str) -> ctypes.CDLL | None:
+    """The kernel library, or None (disabled, no compiler, or the build failed: logged once)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    if shutil.which("gcc") is None:
+        logger.warning("gcc not found: CPU attention falls back to torch ops (slower)")
+        return None
+    import torch  # noqa: F401 - torch's libgomp must be loaded before the kernel's
+
+    try:
+        return ctypes.CDLL(str(build(name)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("native CPU kernel %s unavailable, falling back to torch ops: %s", name, exc)
+        return None

@@ -1,0 +1,125 @@
+"""The CPU's native kernels (backends/cpu/kernels/*.c) against torch references.
+
+Skipped where gcc is missing (the engine then runs the torch fallbacks, which
+the rest of the suite covers); the bf16 GEMV also needs AVX512-BF16.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backends.cpu.attention import cpu_paged_decode, native_decode_supported
+from backends.cpu.packed_linear import _gemv_kernel, native_gemv_bf16
+from engine.layers.torch_attention import paged_decode_attention
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="native CPU kernels need gcc")
+
+
+def random_paged_batch(seq_lens: list[int], page_size: int, kv_heads: int, dim: int, seed: int) -> dict[str, Any]:
+    """Caches with every request's pages scattered over the pool (never page 0), and this step's k/v."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(1, max(-(-n // page_size) for n in seq_lens))
+    num_pages = 1 + sum(-(-n // page_size) for n in seq_lens) + 3
+    pages = (torch.randperm(num_pages - 1, generator=generator) + 1).tolist()
+    page_table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    for row, length in enumerate(seq_lens):
+        for column in range(-(-length // page_size)):
+            page_table[row, column] = pages.pop()
+    last = torch.tensor([max(n, 1) - 1 for n in seq_lens])
+    slots = page_table[torch.arange(len(seq_lens)), last // page_size].long() * page_size + last % page_size
+    slots = torch.where(torch.tensor(seq_lens) > 0, slots, torch.zeros_like(slots))  # padding rows write slot 0
+    shape = (num_pages * page_size, kv_heads, dim)
+    return dict(
+        k_cache=torch.randn(shape, generator=generator),
+        v_cache=torch.randn(shape, generator=generator),
+        slot_indices=slots,
+        page_table=page_table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        k=torch.randn(len(seq_lens), kv_heads, dim, generator=generator),
+        v=torch.randn(len(seq_lens), kv_heads, dim, generator=generator),
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(
+    "seq_lens,heads,kv_heads",
+    [
+        ([1], 4, 4),  # one token of context, no GQA
+        ([37], 9, 3),  # SmolLM2's heads
+        ([5, 200, 64, 1, 130], 8, 2),  # ragged batch, long enough to run on several threads
+        ([300] * 16, 9, 3),
+    ],
+)
+def test_native_paged_decode_matches_torch(seq_lens: list[int], heads: int, kv_heads: int, page_size: int) -> None:
+    batch = random_paged_batch(seq_lens, page_size, kv_heads, 64, seed=len(seq_lens) + heads)
+    q = torch.randn(len(seq_lens), heads, 64)
+    assert native_decode_supported(q, batch["k_cache"], batch["page_table"], batch["seq_lens"])
+    expected_caches = (batch["k_cache"].clone(), batch["v_cache"].clone())
+    want = paged_decode_attention(q, batch["k"], batch["v"], *expected_caches, batch["slot_indices"], batch["page_table"],
+                                  batch["seq_lens"], page_size, 0.125)
+    got = cpu_paged_decode(q, batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], batch["slot_indices"],
+                           batch["page_table"], batch["seq_lens"], page_size, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(batch["k_cache"], expected_caches[0])  # the step's k/v were stored the same way
+
+
+def test_native_paged_decode_zero_length_rows_give_zeros() -> None:
+    """Rows of a padded batch that the graph runner marks with length 0 must not read garbage."""
+    batch = random_paged_batch([0, 20], 16, 2, 64, seed=3)
+    q = torch.randn(2, 4, 64)
+    out = cpu_paged_decode(q, batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], batch["slot_indices"],
+                           batch["page_table"], batch["seq_lens"], 16, 0.125)
+    assert torch.equal(out[0], torch.zeros(4, 64)) and torch.isfinite(out[1]).all()
+
+
+def test_other_dtypes_fall_back_to_torch() -> None:
+    batch = random_paged_batch([10], 16, 2, 64, seed=4)
+    q = torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    assert not native_decode_supported(q, batch["k_cache"].bfloat16(), batch["page_table"], batch["seq_lens"])
+
+
+gemv_required = pytest.mark.skipif(_gemv_kernel() is None, reason="this CPU has no AVX512-BF16")
+
+
+@gemv_required
+@pytest.mark.parametrize("rows,n,k,with_bias", [(1, 960, 576, False), (3, 576, 1536, True), (4, 3072, 576, False), (1, 4, 32, True)])
+def test_native_gemv_is_float32_math_rounded_once(rows: int, n: int, k: int, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    weight = (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16() if with_bias else None
+    got = native_gemv_bf16(x, weight, bias)
+    exact = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # Float32 accumulation in a different order than the exact sum: at most one bf16 rounding step apart.
+    ulp = exact.abs().clamp_min(1e-30) * 2.0**-7
+    assert ((got.float() - exact).abs() <= ulp + 1e-6).all()
+
+
+@gemv_required
+def test_native_gemv_declines_shapes_it_does_not_handle() -> None:
+    x = torch.randn(1, 40).bfloat16()
+    assert native_gemv_bf16(x, torch.randn(8, 40).bfloat16(), None) is None  # k % 32 != 0
+    assert native_gemv_bf16(torch.randn(1, 64).bfloat16(), torch.randn(6, 64).bfloat16(), None) is None  # n % 4 != 0
+
+
+@gemv_required
+def test_smollm2_bfloat16_decode_with_native_kernels_tracks_float32_transformers(
+    engine_cache: Callable[..., Any], smol_hf: tuple[Any, Any]
+) -> None:
+    """The bf16 engine (native GEMV at batch 1, native attention over a float32 cache) vs HF in float32."""
+    from helpers import engine_logits
+
+    engine = engine_cache(None, dtype="bfloat16", kv_cache_dtype="float32", max_num_seqs=1)
+    model, tokenizer = smol_hf
+    prompt = tokenizer("The capital of France is Paris. The capital of Italy is", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0, -1].float()
+    _, decode = engine_logits(engine, prompt[:-1], prompt[-1])  # the last prompt token fed as a decode step
+    assert int(decode.argmax()) == int(want.argmax())
+    assert F.cosine_similarity(decode.float(), want, dim=0) > 0.995
