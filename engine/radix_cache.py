@@ -57,20 +57,7 @@ class RadixCache:
     # ---- lookup -----------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         """Longest cached page-aligned prefix of token_ids; touches it for LRU."""
-        node, pages, offset = self.root, [], 0
-        usable = len(token_ids) - len(token_ids) % self.page_size
-        now = next(self._clock)
-        while offset < usable:
-            child = node.children.get(self._page_key(token_ids, offset))
-            if child is None:
-                break
-            matched = self._common_pages(child.key, token_ids, offset, usable)
-            if matched < len(child.pages):
-                child = self._split(child, matched)
-            child.last_access = now
-            pages.extend(child.pages)
-            offset += len(child.key)
-            node = child
+        node, pages, _ = self._descend(token_ids, len(token_ids) - len(token_ids) % self.page_size)
         return MatchResult(pages, node)
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> MatchResult:
@@ -82,25 +69,14 @@ class RadixCache:
         usable = len(pages) * self.page_size
         if len(token_ids) < usable:
             raise ValueError(f"{len(pages)} pages need {usable} tokens, got {len(token_ids)}")
-        node, held, offset = self.root, [], 0
-        now = next(self._clock)
-        while offset < usable:
-            child = node.children.get(self._page_key(token_ids, offset))
-            if child is None:
-                first = offset // self.page_size
-                leaf = RadixNode(tuple(token_ids[offset:usable]), list(pages[first:]), node, last_access=now)
-                node.children[self._page_key(token_ids, offset)] = leaf
-                self.evictable_pages += len(leaf.pages)
-                held.extend(leaf.pages)
-                return MatchResult(held, leaf)
-            matched = self._common_pages(child.key, token_ids, offset, usable)
-            if matched < len(child.pages):
-                child = self._split(child, matched)
-            child.last_access = now
-            held.extend(child.pages)
-            offset += len(child.key)
-            node = child
-        return MatchResult(held, node)
+        node, held, offset = self._descend(token_ids, usable)
+        if offset == usable:
+            return MatchResult(held, node)
+        first = offset // self.page_size
+        leaf = RadixNode(tuple(token_ids[offset:usable]), list(pages[first:]), node, last_access=next(self._clock))
+        node.children[self._page_key(token_ids, offset)] = leaf
+        self.evictable_pages += len(leaf.pages)
+        return MatchResult(held + leaf.pages, leaf)
 
     # ---- protection -------------------------------------------------------------------
     def lock(self, node: RadixNode) -> None:
@@ -173,6 +149,27 @@ class RadixCache:
             )
 
     # ---- internals ----------------------------------------------------------------------
+    def _descend(self, token_ids: Sequence[int], usable: int) -> tuple[RadixNode, list[int], int]:
+        """Follow token_ids[:usable] down the tree as far as it matches, splitting an edge matched part-way.
+
+        Returns the deepest matched node, the pages along the way, and how many tokens matched;
+        every node on the path is touched for LRU.
+        """
+        node, pages, offset = self.root, [], 0
+        now = next(self._clock)
+        while offset < usable:
+            child = node.children.get(self._page_key(token_ids, offset))
+            if child is None:
+                break
+            matched = self._common_pages(child.key, token_ids, offset, usable)
+            if matched < len(child.pages):
+                child = self._split(child, matched)
+            child.last_access = now
+            pages.extend(child.pages)
+            offset += len(child.key)
+            node = child
+        return node, pages, offset
+
     def _page_key(self, token_ids: Sequence[int], offset: int) -> tuple[int, ...]:
         return tuple(token_ids[offset : offset + self.page_size])
 
