@@ -23,7 +23,8 @@ from conftest import REPO_ROOT
 MODEL = "SmolLM2-135M-Instruct"
 # float32 so the greedy output can be compared token for token with the shared smol_engine
 # (float32, eager); graphs for batch sizes 1-8 and max 8 sequences, so 64 requests queue.
-SERVER_ARGS = ["--dtype", "float32", "--capture-sizes", "1,2,4,8", "--max-num-seqs", "8", "--kv-cache-tokens", "8192"]
+SERVER_ARGS = ["--dtype", "float32", "--capture-sizes", "1,2,4,8", "--max-num-seqs", "8", "--kv-cache-tokens", "8192",
+               "--torch-threads", "1"]
 START_TIMEOUT_S = 420
 
 

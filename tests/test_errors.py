@@ -352,3 +352,7 @@ def test_engine_built_after_errors_is_clean(tiny_checkpoints: dict[str, str]) ->
         Engine(model="/nope", **ENGINE_OPTIONS)
     engine = track(Engine(model=tiny_checkpoints["qwen2"], **ENGINE_OPTIONS))
     assert len(engine.generate([[3, 4, 5]], greedy(3))[0].token_ids) == 3
+
+
+def test_serve_rejects_a_bad_thread_count_before_loading_anything() -> None:
+    assert_cli_error(run_cli("serve", "--torch-threads", "0"), "--torch-threads", ">= 1")

@@ -20,6 +20,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGINT/SIGTERM, seconds to let running requests finish before aborting them")
     group.add_argument("--uvicorn-log-level", default="warning")
+    group.add_argument(
+        "--torch-threads", type=int, default=None,
+        help="intra-op threads for the engine (default: torch's). On a small CPU box, one fewer than the "
+        "cores leaves a core to the HTTP side (vLLM's CPU backend likewise reserves cores for its frontend)",
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -29,6 +34,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.engine import Engine
     from engine.server.app import API_KEY_ENV, build_app
 
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            raise ValueError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+        import torch
+
+        torch.set_num_threads(args.torch_threads)  # before anything compiles or starts a thread pool
     start = time.perf_counter()
     engine = Engine(engine_config_from_args(args))
     logger.info("engine ready in %.1f s", time.perf_counter() - start)
