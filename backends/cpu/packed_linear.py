@@ -2,7 +2,7 @@
 
 MKL's GEMV on this class of CPU streams weights at ~12 GB/s, oneDNN with
 weights reordered ahead of time into its blocked layout at ~18-20 GB/s (and
-uses AMX for bfloat16 batches), which nearly halves a SmolLM2 decode step.
+uses AVX512-BF16, or AMX where the CPU has it, for bfloat16 batches), which nearly halves a SmolLM2 decode step.
 This is what inductor's freezing pass does (mkldnn._linear_pointwise), but
 freezing bakes weights into the graph as constants, which would stop the 30
 decoder layers from sharing one compiled graph. So the packed copy hangs off
@@ -30,7 +30,7 @@ _PACKED_ATTR = "_engine_onednn_packed"
 
 
 # The native GEMV (kernels/gemv_bf16.c) wins for a few rows over weights that stream from memory;
-# for bigger batches oneDNN's AMX kernels win, and for one very large matrix (the lm head)
+# for bigger batches oneDNN's blocked GEMM kernels win, and for one very large matrix (the lm head)
 # oneDNN's own streaming is faster.
 GEMV_MAX_ROWS = 4
 GEMV_MAX_WEIGHT_BYTES = 16 * 2**20
