@@ -12,6 +12,7 @@ import torch
 
 from backends import get_platform
 from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, InvalidRequestError
 from engine.kv_cache import KVPool
 from engine.kv_manager import KVCacheManager
@@ -178,8 +179,11 @@ class Engine:
         params = request.params
         request.output_token_ids.append(token)
         if self.tokenizer is not None:
-            request.output_text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+            if request.detokenizer is None:
+                request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            request.output_text += request.detokenizer.step(request.output_token_ids)
         reason = None
+        cut = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
         elif params.stop and (cut := _first_stop(request.output_text, params.stop, request.num_text_sent)) is not None:
@@ -188,6 +192,9 @@ class Engine:
         elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
+            if request.detokenizer is not None and cut is None:
+                # Whatever was held back (a character cut off by the last token) belongs to the final text.
+                request.output_text = request.detokenizer.flush(request.output_token_ids)
             self.scheduler.finish(request, reason)
             self._requests.pop(request.request_id, None)
         new_text = self._releasable_text(request, finished=reason is not None)

@@ -38,6 +38,7 @@ class Request:
     num_cached_tokens: int = 0  # tokens whose k/v are in the pool
     output_text: str = ""
     num_text_sent: int = 0  # characters of output_text already streamed
+    detokenizer: Any = None  # IncrementalDetokenizer, made on the first output token
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     # KV held through the prefix cache: a cached prefix shared with other requests (locked while
