@@ -63,7 +63,7 @@ def random_paged_batch(seq_lens: list[int], page_size: int, kv_heads: int, dim: 
 def test_native_paged_decode_matches_torch(seq_lens: list[int], heads: int, kv_heads: int, page_size: int) -> None:
     batch = random_paged_batch(seq_lens, page_size, kv_heads, 64, seed=len(seq_lens) + heads)
     q = torch.randn(len(seq_lens), heads, 64)
-    assert native_decode_supported(q, batch["k_cache"], batch["page_table"], batch["seq_lens"])
+    assert native_decode_supported(q, batch["k_cache"], batch["v_cache"], batch["page_table"], batch["seq_lens"])
     expected_caches = (batch["k_cache"].clone(), batch["v_cache"].clone())
     want = paged_decode_attention(q, batch["k"], batch["v"], *expected_caches, batch["slot_indices"], batch["page_table"],
                                   batch["seq_lens"], page_size, 0.125)
@@ -82,10 +82,28 @@ def test_native_paged_decode_zero_length_rows_give_zeros() -> None:
     assert torch.equal(out[0], torch.zeros(4, 64)) and torch.isfinite(out[1]).all()
 
 
-def test_other_dtypes_fall_back_to_torch() -> None:
-    batch = random_paged_batch([10], 16, 2, 64, seed=4)
-    q = torch.randn(1, 4, 64, dtype=torch.bfloat16)
-    assert not native_decode_supported(q, batch["k_cache"].bfloat16(), batch["page_table"], batch["seq_lens"])
+def test_what_the_kernel_cannot_read_falls_back_to_torch() -> None:
+    batch = random_paged_batch([10, 30], 16, 2, 64, seed=4)
+    q = torch.randn(2, 4, 64)
+    args = (batch["page_table"], batch["seq_lens"])
+    assert not native_decode_supported(q.bfloat16(), batch["k_cache"].bfloat16(), batch["v_cache"].bfloat16(), *args)
+    assert not native_decode_supported(q, batch["k_cache"], batch["v_cache"].bfloat16(), *args)
+    # A strided view of a bigger cache: the kernel would read the wrong rows, so torch runs it.
+    wide_k = torch.randn(batch["k_cache"].shape[0], 4, 64)
+    wide_v = torch.randn_like(wide_k)
+    k_view, v_view = wide_k[:, ::2], wide_v[:, ::2]
+    assert not native_decode_supported(q, k_view, v_view, *args)
+    want = paged_decode_attention(q, batch["k"], batch["v"], k_view.clone(), v_view.clone(), batch["slot_indices"], *args, 16, 0.125)
+    got = cpu_paged_decode(q, batch["k"], batch["v"], k_view, v_view, batch["slot_indices"], *args, 16, 0.125)
+    torch.testing.assert_close(got, want)
+
+
+def test_loading_the_kernels_leaves_subnormals_alone() -> None:
+    """Linking with -ffast-math would turn on flush-to-zero for the whole process (crtfastmath.o)."""
+    load("paged_decode")
+    load("gemv_bf16")
+    tiny = torch.tensor([1e-39]) * 1.0
+    assert tiny.item() != 0.0
 
 
 gemv_required = pytest.mark.skipif(_gemv_kernel() is None, reason="this CPU has no AVX512-BF16")

@@ -30,17 +30,26 @@ def _kernel() -> Any:
     fn = lib.paged_decode_f32
     if fn.argtypes is None:
         fn.restype = _I
-        fn.argtypes = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P]
+        fn.argtypes = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I]
     return fn
 
 
-def native_decode_supported(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor) -> bool:
+def native_decode_supported(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor
+) -> bool:
+    """The kernel reads raw float32 [slots, kv_heads, dim] caches and int32 tables; anything else goes to torch."""
     return (
         q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and k_cache.dtype == torch.float32
-        and page_table.dtype == torch.int32
-        and seq_lens.dtype == torch.int32
+        and q.dim() == 3
+        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and k_cache.shape == v_cache.shape
+        and k_cache.dim() == 3
+        and q.shape[-1] == k_cache.shape[-1]
+        and q.shape[1] % k_cache.shape[1] == 0
+        and page_table.dtype == seq_lens.dtype == torch.int32
+        and page_table.shape[0] == seq_lens.shape[0] == q.shape[0]
         and _kernel() is not None
     )
 
@@ -58,7 +67,7 @@ def cpu_paged_decode(
     scale: float,
 ) -> torch.Tensor:
     """Store this step's k/v, then attend over each request's pages in place."""
-    if not native_decode_supported(q, k_cache, page_table, seq_lens):
+    if not native_decode_supported(q, k_cache, v_cache, page_table, seq_lens):
         return paged_decode_attention(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale)
     k_cache.index_copy_(0, slot_indices, k)
     v_cache.index_copy_(0, slot_indices, v)
@@ -68,7 +77,7 @@ def cpu_paged_decode(
     batch, heads, dim = q.shape
     status = _kernel()(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(), page_table.shape[1],
-        seq_lens.data_ptr(), batch, heads, k_cache.shape[1], dim, page_size, scale, out.data_ptr(),
+        seq_lens.data_ptr(), batch, heads, k_cache.shape[1], dim, page_size, scale, out.data_ptr(), torch.get_num_threads(),
     )
     if status != 0:
         raise MemoryError("native paged decode attention could not allocate its scratch buffer")

@@ -26,8 +26,11 @@ logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 # -ffast-math: vectorised expf from glibc's libmvec and reassociated dot products; the kernels
-# never produce or test for inf/NaN (softmax subtracts the row maximum first).
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# never produce or test for inf/NaN (softmax subtracts the row maximum first). Compile only:
+# linking a shared library with -ffast-math pulls in crtfastmath.o, whose constructor turns on
+# flush-to-zero for the whole process (torch included) the moment the library loads.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+LDFLAGS = ["-shared", "-fopenmp"]
 LIBS = ["-lmvec", "-lm"]
 DISABLE_ENV = "ENGINE_CPU_NATIVE_KERNELS"  # "0" turns the native kernels off
 
@@ -53,7 +56,7 @@ def build(name: str, compiler: str = "gcc") -> Path:
     source = KERNEL_DIR / f"{name}.c"
     version = subprocess.run([compiler, "-dumpfullversion"], capture_output=True, text=True, check=True).stdout.strip()
     key = hashlib.sha256(
-        "\0".join([source.read_text(), " ".join(CFLAGS + LIBS), compiler, version, _cpu_flags()]).encode()
+        "\0".join([source.read_text(), " ".join(CFLAGS + LDFLAGS + LIBS), compiler, version, _cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{key}.so"
     if target.exists():
@@ -61,10 +64,14 @@ def build(name: str, compiler: str = "gcc") -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *CFLAGS, "-o", str(built), str(source), *LIBS], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {source.name}: {result.stderr.strip()[-2000:]}")
+        built, obj = Path(scratch) / target.name, Path(scratch) / f"{name}.o"
+        for command in (
+            [compiler, *CFLAGS, "-c", "-o", str(obj), str(source)],
+            [compiler, *LDFLAGS, "-o", str(built), str(obj), *LIBS],
+        ):
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed on {source.name}: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: concurrent engines never load a half-written file
     logger.info("built native CPU kernel %s in %.2f s (%s)", name, time.perf_counter() - start, target)
     return target

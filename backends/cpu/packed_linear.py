@@ -50,12 +50,19 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def native_gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x @ weight.T (+ bias) through kernels/gemv_bf16.c; None where it does not apply here."""
     kernel = _gemv_kernel()
+    if kernel is None or weight.dim() != 2 or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+        return None
     n, k = weight.shape
-    if kernel is None or k % 32 or n % 4 or not weight.is_contiguous() or (bias is not None and bias.dtype != torch.bfloat16):
+    if k % 32 or n % 4 or x.shape[-1] != k or x.dtype != torch.bfloat16:
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,) or not bias.is_contiguous()):
         return None
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
-    status = kernel(rows.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(), rows.shape[0], n, k)
+    status = kernel(
+        rows.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
+        rows.shape[0], n, k, torch.get_num_threads(),
+    )
     return out if status == 0 else None
 
 
@@ -66,11 +73,11 @@ def _gemv_kernel() -> Any:
         return None
     fn = lib.gemv_bf16
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     # Probe once: -1 means this CPU (or compiler) has no AVX512-BF16.
     x, w = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(4, 32, dtype=torch.bfloat16)
     y = torch.empty(1, 4, dtype=torch.bfloat16)
-    if fn(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 1, 4, 32) != 0:
+    if fn(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 1, 4, 32, 1) != 0:
         logger.info("native bf16 GEMV unavailable on this CPU (no AVX512-BF16): oneDNN for every batch")
         return None
     return fn

@@ -8,6 +8,7 @@ contexts are, without recompiling.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterator
@@ -68,19 +69,20 @@ class DecodePlan:
         return cls(slots.reshape(-1), page_table.shape[0], max_len, mask, contiguous_start)
 
 
-_current_plan: DecodePlan | None = None
+# Per thread: two engines stepping in two threads (servers in one process) must not see each other's plan.
+_plans = threading.local()
 
 
 @contextmanager
 def decode_plan(meta: AttentionMetadata, dtype: torch.dtype) -> Iterator[DecodePlan]:
     """Make one step's plan visible to every layer's paged_decode_attention call."""
-    global _current_plan
     plan = DecodePlan.build(meta.page_table, meta.seq_lens, meta.page_size, dtype)
-    previous, _current_plan = _current_plan, plan
+    previous = getattr(_plans, "current", None)
+    _plans.current = plan
     try:
         yield plan
     finally:
-        _current_plan = previous
+        _plans.current = previous
 
 
 def paged_decode_attention(
@@ -98,7 +100,7 @@ def paged_decode_attention(
     """One query token per request: store its k/v, attend over its pages. q [B, H, D] -> [B, H, D]."""
     k_cache.index_copy_(0, slot_indices, k)
     v_cache.index_copy_(0, slot_indices, v)
-    plan = _current_plan
+    plan = getattr(_plans, "current", None)
     if plan is None or plan.batch_size != q.shape[0]:
         plan = DecodePlan.build(page_table, seq_lens, page_size, q.dtype)
     shape = (plan.batch_size, plan.context_len, k_cache.shape[1], k_cache.shape[2])

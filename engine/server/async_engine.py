@@ -137,7 +137,10 @@ class AsyncEngine:
             self.error = exc
         finally:
             self._abort_all(EngineDeadError("the server is shutting down" if self.error is None else f"engine failed: {self.error}"))
-            self._update_stats()
+            try:
+                self._update_stats()
+            except Exception:  # noqa: BLE001 - a dead engine may not report; the thread must still end
+                logger.exception("final stats update failed")
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -100,7 +100,7 @@ class _CacheCollector:
             family.add_metric([self.model_name], value)
             yield family
         gauges = [
-            ("engine:prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.", core.prefix_cache_hit_rate),
+            ("engine:prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache, since the server started.", core.prefix_cache_hit_rate),
             ("engine:kv_pages_cached", "KV pages held only by the prefix cache (evictable).", core.kv_pages_cached),
         ]
         for name, doc, value in gauges:

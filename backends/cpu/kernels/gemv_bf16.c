@@ -9,6 +9,7 @@
  * torch's OpenMP threads (see native.py).
  *
  * x: [m, k], w: [n, k], bias: [n] or NULL, y: [m, n]; k % 32 == 0, n % 4 == 0.
+ * threads: torch's intra-op thread count (omp_set_num_threads is per calling thread).
  * Returns 0, or -1 where the CPU or compiler lacks AVX512-BF16 (the caller falls back).
  */
 #include <stdint.h>
@@ -22,6 +23,7 @@
 static inline uint16_t to_bf16(float value) {
     uint32_t bits;
     memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0; /* NaN: the rounding below would carry into inf */
     bits += 0x7FFFu + ((bits >> 16) & 1u); /* round to nearest even, as torch's conversion does */
     return (uint16_t)(bits >> 16);
 }
@@ -33,9 +35,10 @@ static inline float from_bf16(uint16_t value) {
     return out;
 }
 
-int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m, int n, int k) {
+int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m, int n, int k, int threads) {
     if (k % 32 != 0 || n % 4 != 0) return -2;
-#pragma omp parallel for schedule(static)
+    if (threads < 1) threads = 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int row = 0; row < n; row += 4) {
         const uint16_t *w0 = w + (int64_t)row * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
         if (row + PREFETCH_ROWS + 4 <= n) {
@@ -64,8 +67,8 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16
 
 #else
 
-int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m, int n, int k) {
-    (void)x; (void)w; (void)bias; (void)y; (void)m; (void)n; (void)k;
+int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m, int n, int k, int threads) {
+    (void)x; (void)w; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)threads;
     return -1;
 }
 

@@ -67,19 +67,21 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
 
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *page_table,
                      int width, const int32_t *seq_lens, int batch, int heads, int kv_heads, int dim,
-                     int page_size, float scale, float *out) {
+                     int page_size, float scale, float *out, int threads) {
     int max_len = 1;
     int64_t work = 0;
     for (int b = 0; b < batch; ++b) {
         max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
         work += seq_lens[b];
     }
+    /* torch's thread count, passed in: omp_set_num_threads is per calling thread, and a thread
+       that has not run a torch op yet would otherwise get the OpenMP default. */
+    if (threads < 1) threads = 1;
     /* One scores row per head, per thread; allocated once, before the fork. */
-    const int threads = omp_get_max_threads();
     float *scratch = (float *)malloc(sizeof(float) * (size_t)threads * heads * max_len);
     if (scratch == NULL) return -1;
     /* Small steps (a lone short context) run on the calling thread: the fork/join would cost more. */
-#pragma omp parallel for schedule(dynamic, 1) if (work * kv_heads >= PARALLEL_MIN_ROWS)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (work * kv_heads >= PARALLEL_MIN_ROWS)
     for (int b = 0; b < batch; ++b) {
         const int len = seq_lens[b];
         const int64_t offset = (int64_t)b * heads * dim;
