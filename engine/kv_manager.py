@@ -78,7 +78,7 @@ class KVCacheManager:
     def match_prefix(self, request: Request) -> int:
         """On admission: reuse the longest cached prefix (leaving at least one token to compute)."""
         assert not request.shared_pages and not self.allocator.pages_of(request.request_id)
-        if self.tree is None or getattr(request.params, "prompt_logprobs", None) is not None:
+        if self.tree is None or request.params.prompt_logprobs is not None:
             # Prompt logprobs need logits at every prompt position, so the whole prompt must run.
             return 0
         tokens = request.all_token_ids

@@ -211,7 +211,7 @@ class Scheduler:
 
     def _shares_uncached_prefix(self, request: Request, admitted: list[Request], lens: list[int]) -> bool:
         """Will a request admitted this step cache at least one more full page of this one's prefix?"""
-        if self.kv.tree is None or getattr(request.params, "prompt_logprobs", None) is not None:
+        if self.kv.tree is None or request.params.prompt_logprobs is not None:
             return False  # no cache, or a request that never reuses it anyway
         tokens = request.all_token_ids
         matchable = len(tokens) - 1  # a match always leaves one token to run

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from contextlib import nullcontext
+from functools import lru_cache
 from typing import Any, ContextManager
 
 import torch
@@ -23,14 +24,15 @@ from engine.layers.torch_attention import TorchAttentionBackend, paged_decode_at
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
+@lru_cache(maxsize=None)
 def _kernel() -> Any:
+    """The ctypes function, typed once (looked up on every decode layer: keep it a cache hit)."""
     lib = load("paged_decode")
     if lib is None:
         return None
     fn = lib.paged_decode_f32
-    if fn.argtypes is None:
-        fn.restype = _I
-        fn.argtypes = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I]
+    fn.restype = _I
+    fn.argtypes = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I]
     return fn
 
 
@@ -39,7 +41,8 @@ def native_decode_supported(
 ) -> bool:
     """The kernel reads raw float32 [slots, kv_heads, dim] caches and int32 tables; anything else goes to torch."""
     return (
-        q.device.type == "cpu"
+        _kernel() is not None
+        and q.device.type == "cpu"
         and q.dim() == 3
         and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
         and k_cache.is_contiguous()
@@ -50,7 +53,6 @@ def native_decode_supported(
         and q.shape[1] % k_cache.shape[1] == 0
         and page_table.dtype == seq_lens.dtype == torch.int32
         and page_table.shape[0] == seq_lens.shape[0] == q.shape[0]
-        and _kernel() is not None
     )
 
 

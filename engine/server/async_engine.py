@@ -38,18 +38,6 @@ class RequestFailedError(RuntimeError):
 
 
 @dataclass
-class LoopStats:
-    """A snapshot the engine thread rewrites after every step; read by /metrics and /health."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_pages_used: int = 0
-    kv_pages_total: int = 0
-    steps: int = 0
-    engine: EngineStats | None = None  # the engine's own counters (prefix cache, evictions, retractions)
-
-
-@dataclass
 class _Stream:
     """Engine-thread bookkeeping of one request: where its outputs go, and its timings."""
 
@@ -75,13 +63,12 @@ class AsyncEngine:
     def __init__(self, engine: Engine, observer: StepObserver | None = None) -> None:
         self.engine = engine
         self.observer = observer or StepObserver()
-        self.stats = LoopStats()
+        self.snapshot: EngineStats = engine.stats()  # rewritten after every step; read by /metrics
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._update_stats()
 
     # ---- event-loop side ------------------------------------------------------------------
     def start(self) -> None:
@@ -181,7 +168,6 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001
             self._fail_step(exc)
             return
-        self.stats.steps += 1
         now = time.perf_counter()
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         for output in outputs:
@@ -214,7 +200,7 @@ class AsyncEngine:
         logger.exception("engine step failed")
         scheduler = self.engine.scheduler
         live_requests = list(scheduler.running) + list(scheduler.waiting)
-        chunked = getattr(scheduler, "chunked", None)  # a request part-way through a chunked prefill
+        chunked = scheduler.chunked  # a request part-way through a chunked prefill
         if chunked is not None:
             live_requests.append(chunked)
         live = {r.request_id for r in live_requests}
@@ -246,12 +232,7 @@ class AsyncEngine:
                 _call_soon(command[4], _settle, command[6], error)
 
     def _update_stats(self) -> None:
-        core = self.engine.stats()
-        self.stats.engine = core
-        self.stats.running = core.num_running + core.num_prefilling
-        self.stats.waiting = core.num_waiting
-        self.stats.kv_pages_used = core.kv_pages_in_use
-        self.stats.kv_pages_total = core.kv_pages_total
+        self.snapshot = self.engine.stats()  # one reference swap: scrapes on the event loop see a whole snapshot
 
 
 class RequestGroup:

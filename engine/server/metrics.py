@@ -1,18 +1,20 @@
 """Prometheus metrics for /metrics (prometheus_client), with vLLM-like names under `engine:`.
 
 A registry per app (not the global one) so that several apps in one process, as in
-tests, do not collide. Gauges read the engine thread's stats snapshot when scraped;
-counters and histograms are fed by the engine thread through a StepObserver.
+tests, do not collide. Queue, KV and prefix-cache series are read from the engine's
+latest stats snapshot when scraped; token counters and latency histograms are fed by
+the engine thread through a StepObserver.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from engine.server.async_engine import LoopStats, StepObserver
+from engine.server.async_engine import StepObserver
+from engine.stats import EngineStats
 
 # Buckets in seconds: CPU steps are tens of ms, a queued first token can take many seconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -21,22 +23,12 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
 class ServerMetrics:
-    def __init__(self, stats: LoopStats, model_name: str) -> None:
+    def __init__(self, snapshot: Callable[[], EngineStats], model_name: str) -> None:
+        """snapshot: the engine's latest EngineStats (AsyncEngine rewrites it after every step)."""
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
-
-        def gauge(name: str, doc: str, read) -> None:  # noqa: ANN001
-            Gauge(name, doc, labels, registry=r).labels(model_name).set_function(read)
-
-        gauge("engine:num_requests_running", "Requests in the running batch.", lambda: stats.running)
-        gauge("engine:num_requests_waiting", "Requests queued for admission.", lambda: stats.waiting)
-        gauge("engine:kv_pages_used", "KV cache pages held by requests.", lambda: stats.kv_pages_used)
-        gauge("engine:kv_pages_total", "KV cache pages in the pool.", lambda: stats.kv_pages_total)
-        gauge(
-            "engine:kv_cache_usage_perc", "Fraction of KV pages in use (0 to 1).",
-            lambda: stats.kv_pages_used / stats.kv_pages_total if stats.kv_pages_total else 0.0,
-        )
+        r.register(_EngineStatsCollector(snapshot, model_name))
         self.prompt_tokens = Counter("engine:prompt_tokens", "Prompt tokens admitted.", labels, registry=r).labels(model_name)
         self.generation_tokens = Counter(
             "engine:generation_tokens", "Tokens generated.", labels, registry=r
@@ -53,7 +45,6 @@ class ServerMetrics:
             "engine:e2e_request_latency_seconds", "Time from arrival to the last token.", labels, buckets=E2E_BUCKETS, registry=r
         ).labels(model_name)
         self.model_name = model_name
-        r.register(_CacheCollector(stats, model_name))
 
     def observer(self) -> StepObserver:
         return StepObserver(
@@ -73,37 +64,40 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class _CacheCollector:
-    """Prefix-cache and memory-pressure counters, read from the engine's own totals when scraped."""
+def _engine_series(s: EngineStats) -> list[tuple[str, str, str, float]]:
+    """(kind, name, help, value) of every series read from the engine's own counters."""
+    return [
+        ("gauge", "engine:num_requests_running", "Requests in the running batch (a chunked prefill included).",
+         s.num_running + s.num_prefilling),
+        ("gauge", "engine:num_requests_waiting", "Requests queued for admission.", s.num_waiting),
+        ("gauge", "engine:kv_pages_used", "KV cache pages held by requests.", s.kv_pages_in_use),
+        ("gauge", "engine:kv_pages_total", "KV cache pages in the pool.", s.kv_pages_total),
+        ("gauge", "engine:kv_cache_usage_perc", "Fraction of KV pages in use (0 to 1).",
+         s.kv_pages_in_use / s.kv_pages_total if s.kv_pages_total else 0.0),
+        ("gauge", "engine:kv_pages_cached", "KV pages held only by the prefix cache (evictable).", s.kv_pages_cached),
+        ("gauge", "engine:prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache, since start.",
+         s.prefix_cache_hit_rate),
+        ("counter", "engine:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_query_tokens),
+        ("counter", "engine:prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hit_tokens),
+        ("counter", "engine:prefill_computed_tokens", "Prompt tokens run through the model (redone work included).",
+         s.prefill_computed_tokens),
+        ("counter", "engine:kv_pages_evicted", "Cached KV pages evicted to make room.", s.evicted_pages),
+        ("counter", "engine:num_preemptions", "Requests retracted under KV memory pressure.", s.num_retractions),
+    ]
 
-    def __init__(self, stats: LoopStats, model_name: str) -> None:
-        self.stats = stats
+
+class _EngineStatsCollector:
+    """Queue, KV pool and prefix-cache series, read from one engine snapshot per scrape."""
+
+    def __init__(self, snapshot: Callable[[], EngineStats], model_name: str) -> None:
+        self.snapshot = snapshot
         self.model_name = model_name
 
     def describe(self) -> list[Metric]:
-        return []  # collected lazily: the engine's snapshot may not exist yet at registration
+        return []  # collected lazily, from whatever snapshot is current at scrape time
 
     def collect(self) -> Iterator[Metric]:
-        core = self.stats.engine
-        if core is None:
-            return
-        counters = [
-            ("engine:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", core.prefix_cache_query_tokens),
-            ("engine:prefix_cache_hits", "Prompt tokens served from the prefix cache.", core.prefix_cache_hit_tokens),
-            ("engine:prefill_computed_tokens", "Prompt tokens run through the model (redone work included).",
-             core.prefill_computed_tokens),
-            ("engine:kv_pages_evicted", "Cached KV pages evicted to make room.", core.evicted_pages),
-            ("engine:num_preemptions", "Requests retracted under KV memory pressure.", core.num_retractions),
-        ]
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], value)
-            yield family
-        gauges = [
-            ("engine:prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache, since the server started.", core.prefix_cache_hit_rate),
-            ("engine:kv_pages_cached", "KV pages held only by the prefix cache (evictable).", core.kv_pages_cached),
-        ]
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+        for kind, name, doc, value in _engine_series(self.snapshot()):
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
