@@ -104,7 +104,8 @@ class Platform(abc.ABC):
         """Path of configs/<name>.yaml with this platform's default settings."""
         return os.path.join(CONFIG_DIR, f"{self.name}.yaml")
 
-    def default_dtype(self) -> torch.dtype:
+    def default_dtype(self, max_batch: int = 1) -> torch.dtype:
+        """The model dtype when the user asks for none; max_batch: the largest decode batch it will run."""
         return torch.bfloat16
 
     def set_seed(self, seed: int) -> None:

@@ -35,6 +35,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     chunked_prefill_size: int | None = None  # tokens of prompt per step; <= 0 disables chunking
     debug_kv_invariant: bool = False  # check the KV pool invariant after every step
+    warmup: bool = True  # one short request through the real step path at start-up (first-call costs)
     seed: int = 0
     device_config: dict[str, Any] = field(default_factory=dict)  # the YAML, as read
 
@@ -52,7 +53,8 @@ class EngineConfig:
                 values[f.name] = defaults[f.name]
         resolved = replace(self, **values, device_config=defaults)
         if resolved.dtype == "auto":
-            resolved.dtype = defaults.get("dtype") or str(platform.default_dtype()).replace("torch.", "")
+            max_batch = min(int(resolved.max_num_seqs or 1), int(resolved.max_capture_size or resolved.max_num_seqs or 1))
+            resolved.dtype = defaults.get("dtype") or str(platform.default_dtype(max_batch)).replace("torch.", "")
         if resolved.dtype not in DTYPES:
             raise EngineError(f"unknown dtype {resolved.dtype!r}; choose one of {', '.join(DTYPES)} or auto")
         if resolved.kv_cache_dtype == "auto":

@@ -13,14 +13,14 @@ import torch
 from backends import get_platform
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineError, InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError, RequestFailedError
 from engine.kv_cache import KVPool
-from engine.kv_manager import KVCacheManager
+from engine.kv_manager import KVCacheManager, PrefixCacheStats
 from engine.loader import load_model, resolve_model_source
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import INIT_NEW_TOKEN_RATIO, ScheduledStep, Scheduler
 from engine.stats import EngineStats, StatsLogger
 from engine.tokenizer import encode_prompt, load_tokenizer
 
@@ -72,6 +72,32 @@ class Engine:
         self.stats_logger = StatsLogger(self)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        if self.config.warmup:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One short request through the real step path (prefill, decode, sampling, detokenizing).
+
+        Whatever is lazy on a first call (oneDNN's JIT for a new shape, lazily
+        imported modules, first touch of the KV pool, a graph's first replay) is
+        paid here, at start-up, and not by the first user; the log says how long
+        it took. It leaves no trace: the prefix cache, its counters, the step
+        counters and the scheduler's admission ratio are reset afterwards.
+        """
+        prompt_len = min(4, self.max_model_len - 2)  # room for two new tokens: one prefill, one decode step
+        if prompt_len < 1:
+            return
+        start = time.perf_counter()
+        request_id = "engine-warm-up"
+        self.add_request([0] * prompt_len, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), request_id=request_id)
+        while self.has_unfinished():
+            self.step()
+        self._requests.pop(request_id, None)
+        self.kv_manager.reset_prefix_cache()
+        self.kv_manager.stats = PrefixCacheStats()
+        self.scheduler.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.runner.graph_steps = self.runner.eager_steps = 0
+        logger.info("warm-up request (%d-token prefill, 1 decode step) took %.2f s", prompt_len, time.perf_counter() - start)
 
     # ---- construction -------------------------------------------------------------
     def _allocate_kv_pool(self) -> KVPool:
@@ -156,24 +182,68 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; outputs of every request that produced a token."""
+        """Run one scheduled step; outputs of every request that produced a token (or failed)."""
         step = self.scheduler.schedule()
         if step is None:
             return []
+        rewind = _generator_states(step.sampled_requests)
         try:
-            tokens = self.runner.run(step)
-        except Exception:
-            # Nothing is lost: the failed requests release their pages before the error surfaces.
-            for request in step.requests:
-                self._requests.pop(request.request_id, None)
-                self.scheduler.finish(request, "abort")
-            raise
-        self.scheduler.on_step_done(step)
-        outputs = [self._append_token(request, token) for request, token in zip(step.sampled_requests, tokens)]
+            done = [(step, self.runner.run(step))]
+            failed: list[tuple[Request, Exception]] = []
+        except Exception as exc:  # noqa: BLE001 - isolated below: only the culprit fails
+            done, failed = self._isolate_failure(step, exc, rewind)
+        for part, _ in done:
+            self.scheduler.on_step_done(part)
+        outputs = [self._append_token(r, t) for part, tokens in done for r, t in zip(part.sampled_requests, tokens)]
+        outputs += [self._fail_request(request, exc) for request, exc in failed]
         if self.debug_kv:
             self.check_kv_invariant()
         self.stats_logger.maybe_log()
         return outputs
+
+    def _isolate_failure(
+        self, step: ScheduledStep, error: Exception, rewind: dict[int, torch.Tensor]
+    ) -> tuple[list[tuple[ScheduledStep, list[int]]], list[tuple[Request, Exception]]]:
+        """A step raised: re-run it in halves until the request(s) that make it fail are alone.
+
+        Re-running is safe: a step writes each token's k/v to the same slot
+        every time, and seeded generators are rewound to where the step began,
+        so every other request gets exactly the token it would have had.
+        """
+        if len(step.requests) == 1:
+            logger.error("request %s failed its step: %s: %s", step.requests[0].request_id, type(error).__name__, error,
+                         exc_info=error)
+            return [], [(step.requests[0], error)]
+        logger.warning("a step of %d requests failed (%s: %s): re-running it in parts to find the culprit",
+                       len(step.requests), type(error).__name__, error)
+        done: list[tuple[ScheduledStep, list[int]]] = []
+        failed: list[tuple[Request, Exception]] = []
+        half = len(step.requests) // 2
+        for part in (slice(0, half), slice(half, None)):
+            sub = ScheduledStep(step.is_decode, step.requests[part], step.extend_lens[part], step.sample_mask[part])
+            _rewind_generators(sub.sampled_requests, rewind)
+            try:
+                done.append((sub, self.runner.run(sub)))
+            except Exception as exc:  # noqa: BLE001
+                sub_done, sub_failed = self._isolate_failure(sub, exc, rewind)
+                done += sub_done
+                failed += sub_failed
+        return done, failed
+
+    def _fail_request(self, request: Request, error: Exception) -> RequestOutput:
+        """The culprit of a failed step: its pages are freed, and its output carries the error."""
+        self._requests.pop(request.request_id, None)
+        self.scheduler.finish(request, "abort")
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=request.output_text,
+            finished=True,
+            finish_reason="error",
+            error=f"generation failed: {type(error).__name__}: {error}",
+        )
 
     def _append_token(self, request: Request, token: int) -> RequestOutput:
         params = request.params
@@ -259,6 +329,8 @@ class Engine:
                     if output.request_id in pending:
                         if output.finished:
                             pending.discard(output.request_id)
+                        if output.error is not None:
+                            raise RequestFailedError(f"request {output.request_id}: {output.error}")
                         yield output
         finally:
             for request_id in pending:
@@ -307,3 +379,14 @@ def _first_stop(text: str, stops: list[str], previous_len: int) -> int | None:
         if index != -1 and (best is None or index < best):
             best = index
     return best
+
+
+def _generator_states(requests: list[Request]) -> dict[int, torch.Tensor]:
+    """The RNG state of each seeded request's generator (cheap: seeded requests only)."""
+    return {id(r): r.generator.get_state() for r in requests if r.generator is not None}
+
+
+def _rewind_generators(requests: list[Request], states: dict[int, torch.Tensor]) -> None:
+    for request in requests:
+        if request.generator is not None and id(request) in states:
+            request.generator.set_state(states[id(request)])

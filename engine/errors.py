@@ -15,3 +15,7 @@ class UnsupportedArchitectureError(ModelLoadError):
 
 class InvalidRequestError(EngineError, ValueError):
     """A request (prompt or sampling parameters) is invalid."""
+
+
+class RequestFailedError(EngineError):
+    """A step failed because of this request; it was dropped (pages freed) and the others went on."""

@@ -34,7 +34,7 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_cached_tokens: int = 0  # tokens whose k/v are in the pool
     output_text: str = ""
     num_text_sent: int = 0  # characters of output_text already streamed
@@ -81,3 +81,5 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # every output token so far
     new_logprobs: list[TokenLogprob] | None = None  # those of new_token_ids
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once complete
+    # Set when this request's step failed because of it (finish_reason "error"); the others went on.
+    error: str | None = None

@@ -34,12 +34,13 @@ def _top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     vocab = logits.shape[1]
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    # Keep the smallest prefix whose mass reaches top_p. The first token always stays, even where
+    # top_p rounds to 0 in float32 (1e-300): a row with nothing left would softmax to NaN.
     cumulative_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(cumulative_before >= top_p.unsqueeze(1), float("-inf"))
+    sorted_logits = sorted_logits.masked_fill((cumulative_before >= top_p.unsqueeze(1)) & (ranks > 0), float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     threshold = probs[:, :1] * min_p.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(probs < threshold, float("-inf"))
@@ -115,6 +116,11 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype),
         )
     probs = scaled.softmax(dim=-1)
+    # Non-finite logits (a broken model or kernel) would make multinomial raise for the whole batch:
+    # such a row takes its argmax instead, so the rows beside it still sample.
+    broken = ~torch.isfinite(probs).all(dim=-1)
+    if bool(broken.any()):
+        probs[broken] = torch.nn.functional.one_hot(greedy_ids[rows][broken], probs.shape[-1]).to(probs.dtype)
     chosen = greedy_ids.clone()
     for position, row in enumerate(random_rows):
         generator = requests[row].generator

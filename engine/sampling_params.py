@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs; each one is a top-k over the vocabulary
+# Below this temperature a row is greedy (vLLM's _SAMPLING_EPS): dividing logits by a tiny positive
+# temperature overflows float32 to inf, and the softmax of inf is NaN.
+GREEDY_TEMPERATURE = 1e-5
+MAX_TOP_K = 2**31 - 1  # larger values are "the whole vocabulary"; the sampler clamps to the vocabulary size
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # logits scaled by at most 100x: still finite
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -34,34 +43,55 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
+        """Every value a sampler could choke on is refused here, so one request can never fail a batch."""
         problems = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            problems.append(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
-            problems.append(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2 <= self.presence_penalty <= 2:
-            problems.append(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= self.frequency_penalty <= 2:
-            problems.append(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+        bad_floats = [name for name in floats if not _is_finite_number(getattr(self, name))]
+        for name in bad_floats:
+            problems.append(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        checks = {
+            "temperature": (lambda v: v >= 0, "must be >= 0"),
+            "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+            "min_p": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+            "repetition_penalty": (
+                lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+                f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}]",
+            ),
+            "presence_penalty": (lambda v: -2 <= v <= 2, "must be in [-2, 2]"),
+            "frequency_penalty": (lambda v: -2 <= v <= 2, "must be in [-2, 2]"),
+        }
+        for name, (ok, rule) in checks.items():
+            if name not in bad_floats and not ok(getattr(self, name)):
+                problems.append(f"{name} {rule}, got {getattr(self, name)!r}")
+        if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or 1 <= self.top_k <= MAX_TOP_K):
+            problems.append(f"top_k must be -1 (disabled) or an integer in [1, {MAX_TOP_K}], got {self.top_k!r}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop strings must be non-empty strings")
+        elif len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            problems.append(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LENGTH} characters each")
+        if not isinstance(self.stop_token_ids, list) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            problems.append("stop_token_ids must be non-negative integers")
+        elif len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            problems.append(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 problems.append(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
         # torch.Generator.manual_seed takes any 64-bit value, signed or unsigned.
-        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
             problems.append(f"seed must be a 64-bit integer, got {self.seed!r}")
         if problems:
             raise InvalidRequestError("invalid sampling parameters: " + "; ".join(problems))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from graphs.compiled_step import CompiledDecodeStep, compile_count, raise_compile_limits
+from graphs.compiled_step import CompiledDecodeStep, compile_count
 from graphs.runner import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
@@ -35,11 +35,13 @@ class CompiledDecodeRunner(DecodeGraphRunner):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        # Two compiled functions (layer, head) per size, plus slack.
-        raise_compile_limits(4 * len(self.capture_sizes) + 8)
         options = dict(compile_options or {})
         backend = options.pop("backend", "inductor")
-        self.step = CompiledDecodeStep(self.model, self.kv_caches, dynamic=False, backend=backend, options=options)
+        # One entry per size in each piece (layer, head), plus slack.
+        self.step = CompiledDecodeStep(
+            self.model, self.kv_caches, dynamic=False, backend=backend, options=options,
+            max_entries=2 * len(self.capture_sizes) + 8,
+        )
         self.strict = strict
         self.skip_guards = skip_guards
         self.compiles_after_warmup = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import types
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -43,13 +43,25 @@ def compile_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def raise_compile_limits(entries: int) -> None:
-    """Each capture size is its own compiled entry; dynamo's default limit (8) is too low."""
+def compile_limits(entries: int) -> ContextManager[Any]:
+    """dynamo's recompile limits raised to at least `entries` inside the block, restored after it.
+
+    Each capture size is its own compiled entry and dynamo's default limit (8)
+    is too low, but torch's config is process-wide: setting it for good would
+    change every other torch.compile user in the process. `config.patch`
+    restores the old values on exit (and is a few microseconds per step).
+    """
     import torch._dynamo
 
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, entries)
-    if hasattr(torch._dynamo.config, "recompile_limit"):
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, entries)
+    config: Any = torch._dynamo.config
+    names = set(config.get_config_copy())
+    changes: dict[str, int] = {}
+    for canonical, old in (("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit", "accumulated_cache_size_limit")):
+        name = canonical if canonical in names else old
+        if name in names:
+            wanted = entries if "accumulated" not in name else 8 * entries
+            changes[name] = max(int(getattr(config, name)), wanted)
+    return config.patch(changes)
 
 
 _copies = itertools.count()
@@ -76,9 +88,11 @@ class CompiledDecodeStep:
         dynamic: bool | None = False,
         backend: str = "inductor",
         options: dict[str, Any] | None = None,
+        max_entries: int = 8,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.max_entries = max_entries  # compiled entries per piece this step may hold (one per capture size)
         compile_kwargs: dict[str, Any] = {"dynamic": dynamic, "fullgraph": True, "backend": backend}
         if options:
             compile_kwargs["options"] = options
@@ -87,7 +101,7 @@ class CompiledDecodeStep:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.model.model.embed_tokens(input_ids)
-        with step_context(self.model.attention_backend, meta):
+        with compile_limits(self.max_entries), step_context(self.model.attention_backend, meta):
             for layer, (k_cache, v_cache) in zip(self.model.model.layers, self.kv_caches):
                 hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, meta)
         return self.head_fn(self.model, hidden)

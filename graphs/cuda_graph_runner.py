@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
-from graphs.compiled_step import CompiledDecodeStep, raise_compile_limits
+from graphs.compiled_step import CompiledDecodeStep
 from graphs.runner import DecodeGraphRunner
 
 
@@ -43,8 +43,7 @@ class CudaGraphRunner(DecodeGraphRunner):
         super().__init__(*args, **kwargs)
         self.compiled_step: CompiledDecodeStep | None = None
         if compile_step:
-            raise_compile_limits(16)
-            self.compiled_step = CompiledDecodeStep(self.model, self.kv_caches, dynamic=None)
+            self.compiled_step = CompiledDecodeStep(self.model, self.kv_caches, dynamic=None, max_entries=16)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None

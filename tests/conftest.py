@@ -31,6 +31,9 @@ if REPO_ROOT not in sys.path:
 
 torch.set_num_threads(TEST_THREADS)
 
+# Every test must leave torch's dynamo/inductor config as it found it (tests/torch_config_guard.py).
+pytest_plugins = ["torch_config_guard", "pytester"]
+
 from engine.engine import Engine  # noqa: E402
 from engine.loader.resolve import default_model_path  # noqa: E402
 
@@ -248,6 +251,30 @@ def engine_cache() -> Callable[..., Engine]:
 def smol_engine(engine_cache: Callable[..., Engine]) -> Engine:
     """SmolLM2 eager, page size 16: the workhorse for text-level tests."""
     return engine_cache(None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU with every fast path switched off
+# ---------------------------------------------------------------------------------------------
+
+FAST_PATHS_OFF = {"ENGINE_CPU_NATIVE_KERNELS": "0", "ENGINE_CPU_ONEDNN_PACKING": "0", "ENGINE_CPU_HIDE_FEATURES": "all"}
+
+
+@pytest.fixture
+def cpu_fast_paths_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Native kernels, oneDNN packing and every CPU feature switched off, as on the barest x86-64 CPU.
+
+    Engines built inside take the torch fallbacks; the switches and the cached choices are
+    restored afterwards, so later engines get this CPU's fast paths again.
+    """
+    from backends.cpu.platform import forget_cpu_paths
+
+    for name, value in FAST_PATHS_OFF.items():
+        monkeypatch.setenv(name, value)
+    forget_cpu_paths()
+    yield
+    monkeypatch.undo()
+    forget_cpu_paths()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 """The CPU's native kernels (backends/cpu/kernels/*.c) against torch references.
 
 No skips: gcc is already a requirement of the CPU graph path (inductor compiles C++ with it), so
-the kernels must build wherever the tests run. The bf16 GEMV exists exactly where the CPU has
-AVX512-BF16; the linear tests go through the engine's op, so they check whichever path runs.
+the kernels must build wherever the tests run, unless the environment switches them off
+(ENGINE_CPU_NATIVE_KERNELS=0, as CI's second pass does), and then the same tests check the torch
+fallback. Which paths exist is asked exactly as the engine asks (backends/cpu/features.py): the bf16
+GEMV where the CPU has AVX512-BF16, oneDNN bf16 packing where it has AVX512BW/VL/DQ or
+AVX-NE-CONVERT; the linear tests go through the engine's op, so they check whichever path runs.
 """
 
 from __future__ import annotations
@@ -14,20 +17,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.cpu.attention import cpu_paged_decode, native_decode_supported
-from backends.cpu.native import load
-from backends.cpu.packed_linear import _gemv_kernel, native_gemv_bf16, pack_linear_weights
+from backends.cpu.attention import cpu_paged_decode, native_decode_available, native_decode_supported
+from backends.cpu.features import native_gemv_bf16_supported
+from backends.cpu.native import load, native_kernels_enabled
+from backends.cpu.packed_linear import _PACKED_ATTR, _gemv_kernel, native_gemv_bf16, onednn_packing_supported, pack_linear_weights
 from engine.layers.torch_attention import paged_decode_attention
 
 
-def cpu_has_avx512_bf16() -> bool:
-    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
-        return " avx512_bf16" in handle.read()
-
-
 def test_the_kernels_build_here() -> None:
-    assert load("paged_decode") is not None
-    assert (_gemv_kernel() is not None) == cpu_has_avx512_bf16()
+    assert (load("paged_decode") is not None) == native_kernels_enabled()
+    assert (_gemv_kernel() is not None) == (native_kernels_enabled() and native_gemv_bf16_supported())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packing_guards_itself(dtype: torch.dtype) -> None:
+    """pack_linear_weights packs only what this CPU can run; the rest keeps F.linear and still works."""
+    layer = nn.Linear(64, 32, dtype=dtype)
+    pack_linear_weights(layer, batch_hint=4)
+    assert hasattr(layer.weight, _PACKED_ATTR) == onednn_packing_supported(dtype)
+    x = torch.randn(3, 64, dtype=dtype)
+    torch.testing.assert_close(torch.ops.engine.linear(x, layer.weight, layer.bias), F.linear(x, layer.weight, layer.bias),
+                               atol=2e-2, rtol=2e-2)
 
 
 def random_paged_batch(seq_lens: list[int], page_size: int, kv_heads: int, dim: int, seed: int) -> dict[str, Any]:
@@ -68,7 +78,8 @@ def random_paged_batch(seq_lens: list[int], page_size: int, kv_heads: int, dim: 
 def test_native_paged_decode_matches_torch(seq_lens: list[int], heads: int, kv_heads: int, page_size: int) -> None:
     batch = random_paged_batch(seq_lens, page_size, kv_heads, 64, seed=len(seq_lens) + heads)
     q = torch.randn(len(seq_lens), heads, 64)
-    assert native_decode_supported(q, batch["k_cache"], batch["v_cache"], batch["page_table"], batch["seq_lens"])
+    supported = native_decode_supported(q, batch["k_cache"], batch["v_cache"], batch["page_table"], batch["seq_lens"])
+    assert supported == native_decode_available()
     expected_caches = (batch["k_cache"].clone(), batch["v_cache"].clone())
     want = paged_decode_attention(q, batch["k"], batch["v"], *expected_caches, batch["slot_indices"], batch["page_table"],
                                   batch["seq_lens"], page_size, 0.125)
@@ -123,7 +134,7 @@ def test_bf16_decode_linear_is_float32_math_rounded_once(rows: int, n: int, k: i
     pack_linear_weights(layer, batch_hint=16)
     x = torch.randn(rows, k, generator=generator).bfloat16()
     got = torch.ops.engine.linear(x, layer.weight, layer.bias)
-    if cpu_has_avx512_bf16():
+    if _gemv_kernel() is not None:
         assert torch.equal(got, native_gemv_bf16(x, layer.weight, layer.bias))  # the native kernel ran
     exact = F.linear(x.float(), layer.weight.float(), layer.bias.float() if with_bias else None)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)

@@ -15,7 +15,7 @@ import torch
 
 from engine.engine import Engine
 from graphs.compiled_runner import compile_count
-from helpers import NEW_TOKENS, engine_logits, get_engine, greedy, hf_greedy, hf_last_logits, run_staggered
+from helpers import NEW_TOKENS, engine_logits, get_engine, graph_options, greedy, hf_greedy, hf_last_logits, run_staggered
 
 # (mode, page size): every model runs these.
 MODES = [("eager", 16), ("eager", 1), ("graphs", 16)]
@@ -82,6 +82,25 @@ def test_smollm2_greedy_matches_hf(
     for i, output in enumerate(run.outputs):
         assert output.prompt_token_ids == prompt_ids[i]  # same tokenization as HF
         assert output.text == tokenizer.decode(expected[i], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_smollm2_matches_hf_with_every_cpu_fast_path_off(
+    cpu_fast_paths_off: None, smol_reference: tuple, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fallbacks a CPU without AVX512, without gcc or without oneDNN would run, in float32."""
+    from backends.cpu.attention import native_decode_available
+    from backends.cpu.packed_linear import _PACKED_ATTR
+    from conftest import track
+
+    options = graph_options(16) if mode == "graphs" else dict(max_num_seqs=4)
+    with caplog.at_level("INFO", logger="backends.cpu.platform"):
+        engine = track(Engine(device="cpu", dtype="float32", kv_cache_tokens=2048, **{"disable_graphs": True, **options}))
+    assert not native_decode_available()
+    assert not any(hasattr(p, _PACKED_ATTR) for p in engine.model.parameters())
+    assert "linear: F.linear float32" in caplog.text and "decode attention: torch ops" in caplog.text
+    _, expected = smol_reference
+    check_run(engine, mode, SMOL_PROMPTS, SMOL_ARRIVALS, expected)
 
 
 # ---------------------------------------------------------------------------------------------

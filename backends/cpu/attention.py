@@ -36,6 +36,11 @@ def _kernel() -> Any:
     return fn
 
 
+def native_decode_available() -> bool:
+    """The native kernel built and loaded here (not switched off, gcc present)."""
+    return _kernel() is not None
+
+
 def native_decode_supported(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor
 ) -> bool:

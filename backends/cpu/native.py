@@ -77,10 +77,15 @@ def build(name: str, compiler: str = "gcc") -> Path:
     return target
 
 
+def native_kernels_enabled() -> bool:
+    """False when the environment switches the native kernels off (torch ops everywhere)."""
+    return os.environ.get(DISABLE_ENV, "1") != "0"
+
+
 @lru_cache(maxsize=None)
 def load(name: str) -> ctypes.CDLL | None:
     """The kernel library, or None (disabled, no compiler, or the build failed: logged once)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if not native_kernels_enabled():
         return None
     if shutil.which("gcc") is None:
         logger.warning("gcc not found: CPU attention falls back to torch ops (slower)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from functools import lru_cache
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.cpu.features import native_gemv_bf16_supported, onednn_linear_supported
 from backends.cpu.native import load
 from engine.layers.ops import define_op
 
@@ -68,6 +70,8 @@ def native_gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 @lru_cache(maxsize=None)
 def _gemv_kernel() -> Any:
+    if not native_gemv_bf16_supported():
+        return None  # never load code built for instructions this CPU (or ENGINE_CPU_HIDE_FEATURES) lacks
     lib = load("gemv_bf16")
     if lib is None:
         return None
@@ -90,23 +94,36 @@ def _packed_linear_fake(x, weight, bias):  # noqa: ANN001, ANN202
 define_op("linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor", packed_linear, _packed_linear_fake)
 
 
+PACKING_ENV = "ENGINE_CPU_ONEDNN_PACKING"  # "0" turns oneDNN packing off (plain F.linear)
+
+
 def onednn_packing_supported(dtype: torch.dtype) -> bool:
-    if not torch.backends.mkldnn.is_available():
+    """Packing applies to this dtype on this CPU (and is not switched off by the environment)."""
+    if os.environ.get(PACKING_ENV, "1") == "0":
         return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return dtype == torch.float32
+    return onednn_linear_supported(dtype)
 
 
 @torch.no_grad()
-def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:
-    """Attach a oneDNN-packed copy to every nn.Linear weight; returns the bytes added."""
+def pack_linear_weights(model: nn.Module, batch_hint: int, quiet: bool = False) -> int:
+    """Attach a oneDNN-packed copy to every nn.Linear weight the CPU can pack; returns the bytes added.
+
+    The guard is here, not in the callers: a weight whose dtype this CPU cannot
+    pack keeps the plain F.linear path, so no caller can reach a kernel the CPU lacks.
+    """
     added = 0
+    refused: set[torch.dtype] = set()
     for module in model.modules():
         if isinstance(module, nn.Linear) and not hasattr(module.weight, _PACKED_ATTR):
+            if not onednn_packing_supported(module.weight.dtype):
+                refused.add(module.weight.dtype)
+                continue
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), batch_hint)
             setattr(module.weight, _PACKED_ATTR, packed)
             module.use_packed = True
             added += module.weight.nbytes
-    logger.info("packed linear weights for oneDNN (batch hint %d, %.1f MiB)", batch_hint, added / 2**20)
+    if refused and not quiet:
+        logger.info("oneDNN packing not used for %s on this CPU: plain F.linear", ", ".join(map(str, sorted(refused, key=str))))
+    if added and not quiet:
+        logger.info("packed linear weights for oneDNN (batch hint %d, %.1f MiB)", batch_hint, added / 2**20)
     return added

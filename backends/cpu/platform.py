@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
 
 from backends.base import CaptureSettings, MemoryInfo, Platform
+
+logger = logging.getLogger(__name__)
 
 
 def _meminfo_bytes(field: str) -> int:
@@ -39,11 +42,15 @@ class CpuPlatform(Platform):
         return CpuAttentionBackend()
 
     def prepare_model(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
-        from backends.cpu.packed_linear import onednn_packing_supported, pack_linear_weights
+        from backends.cpu.packed_linear import pack_linear_weights
 
+        packed = 0
+        if settings.get("onednn_packed_linear", True):
+            # oneDNN picks its blocked layout for the batch sizes it will see: the largest captured one.
+            packed = pack_linear_weights(model, batch_hint=max(settings.get("capture_sizes") or [16]))
         dtype = next(model.parameters()).dtype
-        if settings.get("onednn_packed_linear", True) and onednn_packing_supported(dtype):
-            pack_linear_weights(model, batch_hint=int(settings.get("max_capture_size") or 16))
+        kv_dtype = settings.get("kv_cache_dtype", str(dtype).replace("torch.", ""))
+        logger.info("CPU paths: %s", describe_cpu_paths(dtype, str(kv_dtype), packed > 0, self.dtype_reason))
 
     def capture_settings(self) -> CaptureSettings:
         return CaptureSettings(kind="compile", compile_backend="inductor")
@@ -53,10 +60,46 @@ class CpuPlatform(Platform):
 
         return CompiledDecodeRunner
 
-    def default_dtype(self) -> torch.dtype:
-        # With oneDNN-packed weights, bfloat16 is the fastest at every batch size on CPUs
-        # with native bf16 (AVX512-BF16 / AMX): half the bytes streamed per decode step.
-        # Without it, bf16 is emulated and float32 wins.
-        if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
+    dtype_reason = "requested"
+
+    def default_dtype(self, max_batch: int = 1) -> torch.dtype:
+        from backends.cpu.dtype_probe import choose_dtype
+
+        choice = choose_dtype(max_batch)
+        self.dtype_reason = f"chosen{' (cached)' if choice.cached else ''} by {choice.reason}"
+        return getattr(torch, choice.dtype)
+
+
+def describe_cpu_paths(dtype: torch.dtype, kv_dtype: str, packed: bool, dtype_reason: str) -> str:
+    """One line: the ISA, the model dtype and why, and which kernel each hot op runs on."""
+    from backends.cpu.attention import native_decode_available
+    from backends.cpu.features import cpu_features
+    from backends.cpu.packed_linear import GEMV_MAX_ROWS, _gemv_kernel
+
+    name = str(dtype).replace("torch.", "")
+    if packed:
+        linear = f"oneDNN-packed {name}"
+        if dtype == torch.bfloat16 and _gemv_kernel() is not None:
+            linear += f" + native AVX512-BF16 GEMV at batch <= {GEMV_MAX_ROWS}"
+    else:
+        linear = f"F.linear {name} (oneDNN packing off or unsupported)"
+    if kv_dtype == "float32" and native_decode_available():
+        attention = "native paged kernel over a float32 KV cache"
+    else:
+        attention = f"torch ops over a {kv_dtype} KV cache"
+    return (
+        f"{cpu_features().describe()}, {torch.get_num_threads()} threads; model {name} ({dtype_reason}); "
+        f"linear: {linear}; decode attention: {attention}"
+    )
+
+
+def forget_cpu_paths() -> None:
+    """Drop the cached path choices, so the next engine re-reads the environment switches.
+
+    For tests that switch the native kernels, oneDNN packing or CPU features off
+    within one process; an engine already built keeps the paths it chose.
+    """
+    from backends.cpu import attention, features, native, packed_linear
+
+    for cached in (features.cpu_features, native.load, attention._kernel, packed_linear._gemv_kernel):
+        cached.cache_clear()

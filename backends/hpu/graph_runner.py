@@ -29,6 +29,7 @@ from backends.hpu.bucketing import (
     page_table_width,
     resolve_bucket_config,
 )
+from graphs.compiled_step import compile_limits
 
 logger = logging.getLogger(__name__)
 
@@ -109,16 +110,6 @@ def move_batch(batch: PaddedDecodeBatch, device: torch.device | str) -> PaddedDe
 def slice_logits(logits: torch.Tensor, num_real: int) -> torch.Tensor:
     """Drop the padded rows' outputs."""
     return logits[:num_real]
-
-
-def raise_recompile_limit(entries: int) -> None:
-    """Every bucket is its own compiled entry; dynamo's default limit (8) would fall back to eager."""
-    config: Any = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):  # new name, old name
-        if hasattr(config, name):
-            setattr(config, name, max(int(getattr(config, name)), entries))
-    if hasattr(config, "accumulated_cache_size_limit"):
-        config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 8 * entries)
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -212,7 +203,6 @@ class HpuDecodeRunner:
             import habana_frameworks.torch as htorch
 
             return htorch.hpu.wrap_in_hpu_graph(_StepModule(step), disable_tensor_cache=True)
-        raise_recompile_limit(len(self.buckets) + 8)
         inner = torch._dynamo.lookup_backend(compile_backend) if isinstance(compile_backend, str) else compile_backend
 
         def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -220,7 +210,14 @@ class HpuDecodeRunner:
             self.dynamo_compiles += 1
             return inner(gm, example_inputs)
 
-        return torch.compile(step, backend=counting_backend, dynamic=False)
+        compiled = torch.compile(step, backend=counting_backend, dynamic=False)
+        entries = len(self.buckets) + 8  # every bucket is its own compiled entry
+
+        def within_limits(*args: Any, **kwargs: Any) -> torch.Tensor:
+            with compile_limits(entries):
+                return compiled(*args, **kwargs)
+
+        return within_limits
 
     def shape_key(self, bucket: tuple[int, int]) -> tuple[int, int]:
         """What the step's shapes depend on: (bs, page-table width), or (bs, blocks) with block metadata."""

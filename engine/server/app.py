@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
-import hmac
 import logging
 import os
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.engine import Engine
 from engine.server.async_engine import AsyncEngine
 from engine.server.errors import APIError, error_response, install_error_handlers
+from engine.server.guard import GuardMiddleware, GuardSettings
 from engine.server.metrics import ServerMetrics
-from engine.server.params import ModelInfo, chat_prompt, check_token_ids
+from engine.server.params import ModelInfo, chat_prompt, check_prompt_size, check_token_ids
 from engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,6 +34,7 @@ from engine.server.serving import Serving
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "ENGINE_API_KEY"
+SHUTDOWN_MARGIN_S = 1.0  # open requests are failed this long before uvicorn's shutdown deadline
 
 
 def default_model_name(engine: Engine) -> str:
@@ -41,52 +44,63 @@ def default_model_name(engine: Engine) -> str:
     return os.path.basename(os.path.normpath(model)) or str(model)
 
 
-def build_app(engine: Engine, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+@dataclass
+class ServerSettings:
+    """What the operator decides about the HTTP side (flags of `engine serve`, docs/server.md)."""
+
+    api_key: str | None = None
+    open_metrics: bool = False  # /metrics without the key (prefix-cache counters reveal others' prompts)
+    enable_docs: bool = False  # /docs, /redoc and /openapi.json (behind the key when one is set)
+    allowed_hosts: tuple[str, ...] | None = None  # Host header allow-list; None: any
+    max_body_bytes: int = 8 * 2**20
+    body_timeout_s: float = 30.0
+    max_pending_requests: int = 1024  # engine requests (prompts x n) queued or running; more: 503 + Retry-After
+    trust_request_chat_template: bool = False  # let requests supply their own Jinja chat template
+    guard_stats: dict = field(default_factory=dict)
+
+
+def build_app(
+    engine: Engine, model_name: str | None = None, api_key: str | None = None, settings: ServerSettings | None = None
+) -> FastAPI:
     """An app serving `engine`; the engine thread starts and stops with the app's lifespan."""
-    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    settings = settings or ServerSettings()
+    settings.api_key = api_key or settings.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = settings.api_key
     name = model_name or default_model_name(engine)
-    # The server tokenizes on the event loop while the engine thread decodes: separate objects,
-    # so the two threads never share a tokenizer's mutable state.
+    # The server tokenizes on its own worker thread while the engine thread decodes: separate
+    # objects, so the two threads never share a tokenizer's mutable state.
     tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
     model = ModelInfo(name, engine.max_model_len, int(engine.model_config.vocab_size), tokenizer)
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(lambda: async_engine.snapshot, name)
     async_engine.observer = metrics.observer()
-    serving = Serving(async_engine, model)
+    serving = Serving(async_engine, model, settings.max_pending_requests, settings.trust_request_chat_template)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        watcher = asyncio.ensure_future(_end_streams_before_the_deadline(app, async_engine))
         logger.info("serving %s (context %d tokens)%s", name, model.max_model_len, ", API key required" if api_key else "")
         try:
             yield
         finally:
+            watcher.cancel()
             # Uvicorn has already waited for open responses (its graceful-shutdown timeout);
             # anything still queued now is aborted and its stream told so.
             async_engine.shutdown()
+            serving.close()
 
-    app = FastAPI(title="graph-engine OpenAI-compatible API", lifespan=lifespan)
+    docs = {} if settings.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="graph-engine OpenAI-compatible API", lifespan=lifespan, **docs)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    app.state.settings = settings
     install_error_handlers(app)
-
-    async def require_key(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        # Constant-time compare: the key must not leak through response timing.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError("invalid or missing API key (send Authorization: Bearer <key>)", status=401)
-
-    @app.middleware("http")
-    async def log_requests(request: Request, call_next):  # noqa: ANN001, ANN202
-        start = time.perf_counter()
-        response = await call_next(request)
-        logger.debug("%s %s -> %d (%.1f ms)", request.method, request.url.path, response.status_code,
-                     1000 * (time.perf_counter() - start))
-        return response
+    open_paths = {"/health"} | ({"/metrics"} if settings.open_metrics else set())
+    guard = GuardSettings(api_key, frozenset(open_paths), settings.allowed_hosts, settings.max_body_bytes, settings.body_timeout_s)
+    settings.guard_stats = guard.stats
+    app.add_middleware(GuardMiddleware, settings=guard)
 
     @app.get("/health")
     async def health() -> Response:
@@ -98,39 +112,68 @@ def build_app(engine: Engine, model_name: str | None = None, api_key: str | None
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(require_key)])
-    async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, created=created, root=name, max_model_len=model.max_model_len)])
+    def card() -> ModelCard:
+        return ModelCard(id=name, created=created, root=name, max_model_len=model.max_model_len)
 
-    @app.post("/v1/completions", dependencies=[Depends(require_key)])
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        if model_id != name:
+            raise APIError(f"The model `{model_id}` does not exist; this server serves `{name}`.", status=404, param="model")
+        return card()
+
+    @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         return await serving.completions(req, raw)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(req, raw)
 
-    # Like vLLM, the key guards the /v1 routes; /tokenize and /detokenize only read the tokenizer.
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = chat_prompt(model, req.messages, req.add_generation_prompt, None)
+            ids = await serving.off_loop(chat_prompt, model, req.messages, req.add_generation_prompt, None)
         elif model.tokenizer is None:
             raise APIError("this model has no tokenizer", param="prompt")
         else:
-            ids = list(model.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)) if req.prompt else []
+            check_prompt_size(model, req.prompt, "prompt")
+            ids = await serving.off_loop(lambda: list(model.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": model.max_model_len})
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:
         serving.check_model(req.model)
         check_token_ids(model, req.tokens, "tokens")
+        if len(req.tokens) > model.max_model_len:
+            raise APIError(f"at most {model.max_model_len} tokens (the context length)", param="tokens")
         if model.tokenizer is None:
             raise APIError("this model has no tokenizer", param="tokens")
-        return JSONResponse({"prompt": model.tokenizer.decode(req.tokens)})
+        return JSONResponse({"prompt": await serving.off_loop(model.tokenizer.decode, req.tokens)})
 
     return app
 
+
+async def _end_streams_before_the_deadline(app: FastAPI, async_engine: AsyncEngine) -> None:
+    """On SIGTERM, end every open request with an error just before uvicorn's graceful-shutdown deadline.
+
+    Uvicorn cancels whatever is still running at its deadline, which would cut
+    streams mid-chunk with no error event and no [DONE]; failing them a moment
+    earlier lets each stream end properly and each non-streaming request get
+    a JSON 503.
+    """
+    server = None
+    while server is None or not server.should_exit:
+        await asyncio.sleep(0.1)
+        server = getattr(app.state, "uvicorn_server", None)
+    timeout = server.config.timeout_graceful_shutdown
+    if timeout is None:
+        return
+    await asyncio.sleep(max(0.0, timeout - SHUTDOWN_MARGIN_S))
+    async_engine.fail_all("the server is shutting down")

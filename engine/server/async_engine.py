@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from engine.engine import Engine
-from engine.errors import EngineError
+from engine.errors import EngineError, RequestFailedError
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -31,10 +31,6 @@ IDLE_POLL_S = 0.5  # how long an idle engine thread blocks on the command queue
 
 class EngineDeadError(RuntimeError):
     """The engine thread is gone (shut down, or a bug killed it)."""
-
-
-class RequestFailedError(RuntimeError):
-    """A step raised while this request was in it; the request was dropped, the engine lives on."""
 
 
 @dataclass
@@ -99,6 +95,10 @@ class AsyncEngine:
         """Abort on the engine thread (its KV pages are freed there, before the next step)."""
         self._commands.put(("abort", request_id))
 
+    def fail_all(self, message: str) -> None:
+        """End every open request with EngineDeadError(message) (shutdown); the thread keeps running."""
+        self._commands.put(("fail_all", message))
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort whatever is left and stop the thread (after the HTTP server stopped taking requests)."""
         self._stop.set()
@@ -155,6 +155,8 @@ class AsyncEngine:
             self._streams[request_id] = _Stream(loop, outputs, time.perf_counter())
             self.observer.on_prompt_tokens(len(prompt_token_ids))
             loop.call_soon_threadsafe(_settle, accepted, None)
+        elif kind == "fail_all":
+            self._abort_all(EngineDeadError(command[1]), reject_queued_adds=False)
         elif kind == "abort":
             request_id = command[1]
             if self._streams.pop(request_id, None) is not None:
@@ -174,6 +176,12 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue  # aborted while the step ran
+            if output.error is not None:
+                # This request made its step fail (the engine re-ran the others without it).
+                self.observer.on_finished("error", now - stream.arrival)
+                deliveries.setdefault(stream.loop, []).append((stream.queue, RequestFailedError(output.error)))
+                del self._streams[output.request_id]
+                continue
             self._observe(stream, output, now)
             deliveries.setdefault(stream.loop, []).append((stream.queue, output))
             if output.finished:
@@ -214,7 +222,7 @@ class AsyncEngine:
             self.engine.abort(request_id)
             _call_soon(stream.loop, _deliver, [(stream.queue, error)])
 
-    def _abort_all(self, error: BaseException) -> None:
+    def _abort_all(self, error: BaseException, reject_queued_adds: bool = True) -> None:
         for request_id, stream in list(self._streams.items()):
             try:
                 self.engine.abort(request_id)
@@ -223,7 +231,7 @@ class AsyncEngine:
             _call_soon(stream.loop, _deliver, [(stream.queue, error)])
         self._streams.clear()
         # Commands that arrived too late: reject adds so their handlers do not wait forever.
-        while True:
+        while reject_queued_adds:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -241,10 +249,11 @@ class RequestGroup:
     One queue keeps the choices' outputs in step order, so a stream interleaves them naturally.
     """
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, on_done: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished: set[str] = set()
+        self._on_done = on_done  # called once, on the first abort(): every way out calls it
 
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         await self.engine.add_request(request_id, prompt_token_ids, params, self.queue)
@@ -264,6 +273,9 @@ class RequestGroup:
         for request_id in self.unfinished:
             self.engine.abort(request_id)
         self.unfinished.clear()
+        if self._on_done is not None:
+            on_done, self._on_done = self._on_done, None
+            on_done()
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

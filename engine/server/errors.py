@@ -27,7 +27,8 @@ _TYPES = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
-    413: "BadRequestError",
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
     422: "UnprocessableEntityError",
     429: "RateLimitError",
     503: "ServiceUnavailableError",
@@ -37,20 +38,30 @@ _TYPES = {
 class APIError(Exception):
     """Raised by route handlers; rendered by the handler registered in install_error_handlers."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, type_: str | None = None) -> None:
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, type_: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.headers = headers
         self.type = type_ or _TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
 
 
-def error_response(message: str, status: int, param: str | None = None, type_: str | None = None) -> JSONResponse:
+def error_response(
+    message: str, status: int, param: str | None = None, type_: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     body = ErrorResponse(
         error=ErrorInfo(message=message, type=type_ or _TYPES.get(status, "InternalServerError"), param=param, code=status)
     )
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+    headers = dict(headers or {})
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    if status >= 500:
+        headers.setdefault("Connection", "close")  # the client should not reuse a connection after a server error
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers or None)
 
 
 def error_body(message: str, status: int = 500) -> dict:
@@ -74,7 +85,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param, exc.type)
+        return error_response(exc.message, exc.status, exc.param, exc.type, exc.headers)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
@@ -92,7 +103,4 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else phrase
         return error_response(message, exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error serving %s %s", request.method, request.url.path)
-        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+    # Anything else is a bug: GuardMiddleware (engine/server/guard.py) answers it with a JSON 500.

@@ -20,6 +20,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGINT/SIGTERM, seconds to let running requests finish before aborting them")
     group.add_argument("--uvicorn-log-level", default="warning")
+    limits = parser.add_argument_group("server limits and access (docs/server.md)")
+    limits.add_argument("--max-connections", type=int, default=2048,
+                        help="open connections beyond this get a 503 straight away (the open-files limit is raised to fit)")
+    limits.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a connection may take to send a complete request head (slowloris, idle sockets)")
+    limits.add_argument("--timeout-keep-alive", type=float, default=5.0, help="idle seconds before a keep-alive connection closes")
+    limits.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408 after)")
+    limits.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get a 413, unread")
+    limits.add_argument("--max-pending-requests", type=int, default=1024,
+                        help="engine requests (prompts x n) in flight; more get a 503 with Retry-After")
+    limits.add_argument("--allowed-hosts", default=None,
+                        help="comma-separated Host header values accepted (default: loopback names when bound to "
+                        "loopback, any otherwise; '*' for any)")
+    limits.add_argument("--open-metrics", action="store_true", help="serve /metrics without the API key")
+    limits.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json (behind the key if one is set)")
+    limits.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let requests supply their own chat template through chat_template_kwargs")
     group.add_argument(
         "--torch-threads", type=int, default=None,
         help="intra-op threads for the engine (default: torch's). On a small CPU box, one fewer than the "
@@ -32,7 +49,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from engine.cli import engine_config_from_args
     from engine.engine import Engine
-    from engine.server.app import API_KEY_ENV, build_app
+    from engine.server.app import API_KEY_ENV, ServerSettings, build_app
+    from engine.server.connections import guarded_protocol, raise_fd_limit
+
+    for name in ("max_connections", "max_body_bytes", "max_pending_requests"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("header_timeout", "timeout_keep_alive", "body_timeout"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
 
     if args.torch_threads is not None:
         if args.torch_threads < 1:
@@ -43,7 +68,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     engine = Engine(engine_config_from_args(args))
     logger.info("engine ready in %.1f s", time.perf_counter() - start)
-    app = build_app(engine, args.served_model_name, args.api_key or os.environ.get(API_KEY_ENV))
+    settings = ServerSettings(
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        open_metrics=args.open_metrics,
+        enable_docs=args.enable_docs,
+        allowed_hosts=allowed_hosts(args.allowed_hosts, args.host),
+        max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
+        max_pending_requests=args.max_pending_requests,
+        trust_request_chat_template=args.trust_request_chat_template,
+    )
+    app = build_app(engine, args.served_model_name, settings=settings)
+    # Each connection holds a descriptor: lift the soft limit so the connection cap, not EMFILE, decides.
+    fd_limit = raise_fd_limit(max(65536, 2 * args.max_connections))
+    max_connections = min(args.max_connections, max(64, fd_limit - 256))  # room for the engine's own files
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -51,13 +89,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level,
         access_log=False,  # one debug line per request comes from our own middleware
         timeout_graceful_shutdown=max(0.0, args.shutdown_timeout),
+        timeout_keep_alive=args.timeout_keep_alive,
+        http=guarded_protocol(max_connections, args.header_timeout),
+        h11_max_incomplete_event_size=64 * 1024,  # request line + headers; larger gets a 400
+        backlog=2048,
     )
     server = uvicorn.Server(config)
+    app.state.uvicorn_server = server  # the shutdown watcher reads its should_exit and deadline
     # Uvicorn re-raises the signal that stopped it once it has shut down gracefully; with these
     # handlers in place that re-raise is a no-op, so a SIGTERM/SIGINT shutdown exits with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _after_shutdown)
-    logger.info("listening on http://%s:%d", args.host, args.port)
+    logger.info("listening on http://%s:%d (max %d connections, open-files limit %d, header timeout %.0f s, body limit "
+                "%d bytes)", args.host, args.port, max_connections, fd_limit, args.header_timeout, args.max_body_bytes)
     server.run()
     logger.info("server stopped")
     return 0
@@ -65,3 +109,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _after_shutdown(signum: int, frame: object) -> None:
     logger.info("signal %d: shutdown already complete", signum)
+
+
+def allowed_hosts(flag: str | None, bind_host: str) -> tuple[str, ...] | None:
+    """The Host allow-list: as given, else loopback names for a loopback bind (DNS rebinding), else any."""
+    from engine.server.guard import LOOPBACK_HOSTS
+
+    if flag:
+        hosts = tuple(h.strip().lower() for h in flag.split(",") if h.strip())
+        return None if "*" in hosts else hosts
+    if bind_host in LOOPBACK_HOSTS or bind_host.startswith("127."):
+        return LOOPBACK_HOSTS + ((bind_host,) if bind_host not in LOOPBACK_HOSTS else ())
+    return None

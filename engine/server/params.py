@@ -51,6 +51,45 @@ class Tokens:
 
 # ---- prompts ------------------------------------------------------------------------------------
 
+# A token is rarely more than a few characters, so a text prompt longer than this many characters
+# per token of context cannot fit: refused before it costs any tokenizing.
+MAX_CHARS_PER_TOKEN = 32
+# Keys of apply_chat_template a request may not set through chat_template_kwargs: the template
+# itself (unless the operator trusts requests with it) and the arguments the server decides.
+RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict", "return_tensors",
+                            "tokenizer_kwargs", "continue_final_message", "padding", "truncation", "max_length"}
+TEMPLATE_KWARGS = {"chat_template"}
+
+
+def check_prompt_size(model: ModelInfo, text: str, param: str) -> None:
+    """Text that cannot fit the context is refused before tokenizing it; so is unencodable text."""
+    limit = model.max_model_len * MAX_CHARS_PER_TOKEN
+    if len(text) > limit:
+        raise APIError(f"{param} has {len(text)} characters; at most {limit} fit the context of "
+                       f"{model.max_model_len} tokens", param=param)
+    check_encodable(text, param)
+
+
+def check_encodable(text: str, param: str) -> None:
+    """A lone surrogate (JSON "\\ud800") is not text: refuse it, naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(f"{param} is not valid Unicode text ({exc.reason} at character {exc.start})", param=param) from exc
+
+
+def check_chat_template_kwargs(kwargs: dict[str, Any] | None, trust_request_chat_template: bool) -> dict[str, Any] | None:
+    """vLLM's and SGLang's rule: a request-supplied template only where the operator allows it."""
+    if not kwargs:
+        return kwargs
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+    if not trust_request_chat_template and set(kwargs) & TEMPLATE_KWARGS:
+        raise APIError("request-supplied chat templates are refused (the operator can allow them with "
+                       "--trust-request-chat-template)", param="chat_template_kwargs")
+    return kwargs
+
 
 def completion_prompts(model: ModelInfo, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[str | None, list[int]]]:
     """(text if given as text, token ids) of each prompt of a /v1/completions request."""
@@ -64,6 +103,8 @@ def completion_prompts(model: ModelInfo, prompt: str | list[str] | list[int] | l
         raise APIError("prompt must not be empty", param="prompt")
     prompts = []
     for item in items:
+        if isinstance(item, str):
+            check_prompt_size(model, item, "prompt")
         try:
             ids = encode_prompt(model.tokenizer, item)
         except InvalidRequestError as exc:
@@ -79,12 +120,18 @@ def chat_prompt(model: ModelInfo, messages: Sequence[ChatMessage], add_generatio
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError("this model has no chat template; use /v1/completions", param="messages")
     conversation = []
-    for message in messages:
+    total = 0
+    for index, message in enumerate(messages):
         content = message.content
         if isinstance(content, list):
             # Text parts only (this is a text model); vLLM joins them with newlines too.
             content = "\n".join(part.text for part in content)
+        total += len(content or "")
+        check_encodable(content or "", f"messages[{index}].content")
         conversation.append({"role": message.role, "content": content or ""})
+    if total > model.max_model_len * MAX_CHARS_PER_TOKEN:
+        raise APIError(f"the messages have {total} characters; at most {model.max_model_len * MAX_CHARS_PER_TOKEN} "
+                       f"fit the context of {model.max_model_len} tokens", param="messages")
     try:
         ids = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **(kwargs or {})

@@ -3,6 +3,8 @@
 Requests accept unknown fields and ignore them, as vLLM does, so clients that send
 OpenAI-only options (user, logit_bias, ...) keep working. vLLM's extra sampling
 fields (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, ...) are real.
+Types are strict, as OpenAI's are: `true` or `1.0` is not a token id, "5" is not a count.
+Text with a lone surrogate ("\\ud800" in JSON) is refused naming its field.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_CHOICES = 128  # n x prompts per request: a cap so one request cannot flood the queue
 
@@ -21,7 +23,38 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBase(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        where = _first_lone_surrogate(data, "")
+        if where is not None:
+            raise ValueError(f"{where or 'the body'} is not valid Unicode text (a lone surrogate)")
+        return data
+
+
+def _first_lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (key or value) that UTF-8 cannot encode, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and _first_lone_surrogate(key, "") is not None:
+                return f"a field name in {path}" if path else "a field name"
+            found = _first_lone_surrogate(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _first_lone_surrogate(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
 
 
 class StreamOptions(OpenAIBase):

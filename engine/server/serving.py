@@ -6,21 +6,24 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestGroup
+from engine.errors import RequestFailedError
+from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestGroup
 from engine.server.errors import APIError, error_body
 from engine.server.params import (
     ModelInfo,
     Tokens,
     chat_logprobs,
     chat_prompt,
+    check_chat_template_kwargs,
     completion_logprobs,
     completion_prompts,
     derived_seed,
@@ -44,6 +47,7 @@ from engine.server.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 
@@ -64,10 +68,26 @@ class Choice:
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, model: ModelInfo) -> None:
+    def __init__(
+        self, engine: AsyncEngine, model: ModelInfo, max_pending: int = 1024, trust_request_chat_template: bool = False
+    ) -> None:
         self.engine = engine
         self.model = model
         self.tokens = Tokens(model.tokenizer)
+        self.max_pending = max_pending
+        self.trust_request_chat_template = trust_request_chat_template
+        self.pending = 0  # engine requests (choices) admitted and not yet done, counted on the event loop
+        # Tokenizing, chat templating and detokenizing big inputs would stall the event loop (and
+        # /health with it). One worker thread: the server's tokenizer copy is used by one thread at a
+        # time, and HF tokenizers release the GIL while they encode.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """fn(*args) on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model.name:
@@ -78,7 +98,7 @@ class Serving:
         self.check_model(req.model)
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
-        prompts = completion_prompts(self.model, req.prompt)
+        prompts = await self.off_loop(completion_prompts, self.model, req.prompt)
         if len(prompts) * req.n > MAX_CHOICES:
             raise APIError(f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
@@ -157,7 +177,8 @@ class Serving:
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        ids = chat_prompt(self.model, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        kwargs = check_chat_template_kwargs(req.chat_template_kwargs, self.trust_request_chat_template)
+        ids = await self.off_loop(chat_prompt, self.model, req.messages, req.add_generation_prompt, kwargs)
         budget, param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             budget, param = req.max_completion_tokens, "max_completion_tokens"
@@ -214,7 +235,13 @@ class Serving:
 
     # ---- shared -----------------------------------------------------------------------------------
     async def _start(self, request_id: str, choices: list[Choice]) -> RequestGroup:
-        group = RequestGroup(self.engine)
+        if self.pending + len(choices) > self.max_pending:
+            raise APIError(
+                f"the server has {self.pending} requests in flight (limit {self.max_pending}); retry later",
+                status=503, headers={"Retry-After": "1"},
+            )
+        self.pending += len(choices)
+        group = RequestGroup(self.engine, on_done=lambda: self._release(len(choices)))
         try:
             for choice in choices:
                 choice.request_id = f"{request_id}-{choice.index}"
@@ -279,6 +306,10 @@ class Serving:
         finally:
             group.abort()
         yield "data: [DONE]\n\n"
+
+
+    def _release(self, count: int) -> None:
+        self.pending -= count
 
 
 def _usage(prompt_tokens: int, choices: list[Choice]) -> UsageInfo:
