@@ -42,6 +42,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--chunked-prefill-size", type=int, default=None,
         help="prefill at most this many prompt tokens per step (<= 0: off; default from configs/<device>.yaml)",
     )
+    group.add_argument(
+        "--max-decode-stall-ms", type=float, default=None,
+        help="while requests decode, cap the prompt tokens of an extend step so it takes at most this long "
+        "(<= 0: off; default from configs/<device>.yaml)",
+    )
     group.add_argument("--debug-kv-invariant", action="store_true", help="check the KV pool invariant after every step")
     group.add_argument("--seed", type=int, default=0)
 
@@ -66,6 +71,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object):  # n
         compile_decode=args.compile_decode,
         enable_prefix_caching=not args.disable_prefix_caching,
         chunked_prefill_size=args.chunked_prefill_size,
+        max_decode_stall_ms=args.max_decode_stall_ms,
         debug_kv_invariant=args.debug_kv_invariant,
         seed=args.seed,
     )

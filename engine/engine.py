@@ -63,6 +63,7 @@ class Engine:
             int(self.config.max_prefill_tokens),
             self.config.chunked_prefill_size,
             self.max_model_len,
+            float(self.config.max_decode_stall_ms) / 1000.0 if (self.config.max_decode_stall_ms or 0) > 0 else None,
         )
         self.runner = ModelRunner(
             self.model, self.kv_pool, self.kv_manager, self.device, self.platform.slot_index_dtype, self._graph_runner()
@@ -187,8 +188,11 @@ class Engine:
         if step is None:
             return []
         rewind = _generator_states(step.sampled_requests)
+        start = time.perf_counter()
         try:
             done = [(step, self.runner.run(step))]
+            if not step.is_decode:
+                self.scheduler.record_extend_time(sum(step.extend_lens), time.perf_counter() - start)
             failed: list[tuple[Request, Exception]] = []
         except Exception as exc:  # noqa: BLE001 - isolated below: only the culprit fails
             done, failed = self._isolate_failure(step, exc, rewind)

@@ -26,7 +26,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: `request in running` must not compare every field (O(n) per test)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

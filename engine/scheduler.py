@@ -32,6 +32,7 @@ from engine.request import Request, RequestStatus
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+MIN_STALL_BUDGET = 32  # prompt tokens per extend step however slow the steps are: prefill must progress
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Scheduler:
         max_prefill_tokens: int,
         chunked_prefill_size: int | None = None,
         max_model_len: int | None = None,
+        max_decode_stall_s: float | None = None,
     ) -> None:
         self.kv = kv
         self.page_size = kv.page_size
@@ -75,7 +77,12 @@ class Scheduler:
         self.chunked: Request | None = None  # the one request part-way through a chunked prefill
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
-        self._decode_owed = False  # a chunk just ran: decode the running requests before the next one
+        self._decode_owed = False  # an extend just ran: decode the running requests before the next one
+        # Fairness: while requests decode, an extend step may hold them up at most this long. The
+        # engine reports how long extend steps take per token (extend_seconds_per_token, an EMA),
+        # and the prompt-token budget shrinks to fit (never below MIN_STALL_BUDGET tokens).
+        self.max_decode_stall_s = max_decode_stall_s
+        self.extend_seconds_per_token: float | None = None
 
     def add(self, request: Request) -> None:
         if pages_needed(request.num_tokens + 1, self.page_size) > self.kv.total_pages:
@@ -119,7 +126,9 @@ class Scheduler:
             self.kv.cache_computed(request)
             if sampled:
                 self.running.append(request)
-        self._decode_owed = self.chunked is not None
+        # Running requests get a decode step between two extend steps (a chunk of a long prompt or a
+        # batch of new prompts alike): a burst of arrivals cannot starve the streams already running.
+        self._decode_owed = True
 
     def finish(self, request: Request, reason: str) -> None:
         """Release a request's pages, whatever state it is in; its computed pages stay cached."""
@@ -134,8 +143,25 @@ class Scheduler:
             self.chunked = None
 
     # ---- extend -------------------------------------------------------------------------
+    def record_extend_time(self, tokens: int, seconds: float) -> None:
+        """How long an extend step of `tokens` prompt tokens took (fed by the engine)."""
+        if tokens <= 0:
+            return
+        per_token = seconds / tokens
+        previous = self.extend_seconds_per_token
+        self.extend_seconds_per_token = per_token if previous is None else 0.7 * previous + 0.3 * per_token
+
+    def _stall_budget(self) -> int | None:
+        """Prompt tokens one extend step may take while others decode (None: no limit)."""
+        if self.max_decode_stall_s is None or not self.running or not self.extend_seconds_per_token:
+            return None
+        return max(MIN_STALL_BUDGET, int(self.max_decode_stall_s / self.extend_seconds_per_token))
+
     def _schedule_extend(self) -> ScheduledStep | None:
         budget = min(self.max_prefill_tokens, self.chunked_prefill_size or self.max_prefill_tokens)
+        stall_budget = self._stall_budget()
+        if stall_budget is not None and self.chunked_prefill_size is not None:
+            budget = min(budget, stall_budget)
         requests: list[Request] = []
         lens: list[int] = []
         if self.chunked is not None:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
+import time
 
 import httpx
 
-from server_helpers import MODEL, take_shared_server
+from server_helpers import MODEL, start_server, take_shared_server
 
 
 def test_sigterm_finishes_running_streams_and_exits_cleanly() -> None:
@@ -39,3 +41,38 @@ def test_sigterm_finishes_running_streams_and_exits_cleanly() -> None:
         raise AssertionError("server still answering after shutdown")
     except httpx.ConnectError:
         pass
+
+
+def test_requests_still_running_at_the_shutdown_deadline_end_cleanly() -> None:
+    """--shutdown-timeout 3 with longer requests: each stream ends with an error event and [DONE], each
+    non-streaming request gets a JSON 503, and the process exits on time with status 0."""
+    server = start_server("--shutdown-timeout", "3", log_name="server-deadline")
+    try:
+        long_body = {"model": MODEL, "prompt": "Tell me a very long story", "max_tokens": 1800, "ignore_eos": True}
+        results: dict[str, object] = {}
+
+        def non_streaming() -> None:
+            results["plain"] = httpx.post(f"{server.base_url}/v1/completions", json=long_body, timeout=60)
+
+        plain = threading.Thread(target=non_streaming)
+        plain.start()
+        events = []
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**long_body, "stream": True}, timeout=60) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 3:
+                    signalled = time.monotonic()
+                    server.process.send_signal(signal.SIGTERM)
+        plain.join(30)
+        assert server.process.wait(30) == 0, server.log()[-3000:]
+        assert time.monotonic() - signalled < 10
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])
+        assert error["error"]["code"] == 503 and "shutting down" in error["error"]["message"]
+        response = results["plain"]
+        assert response.status_code == 503 and response.json()["error"]["code"] == 503  # type: ignore[attr-defined]
+        assert "Traceback" not in server.log()
+    finally:
+        server.stop()

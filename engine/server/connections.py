@@ -46,7 +46,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
 
     class GuardedH11Protocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
-        _waiting_for_head = False
+        _head_bytes = 0  # bytes received since the head deadline was armed
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -55,11 +55,20 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
                 transport.write(REFUSE_503)
                 transport.close()
                 return
-            self._arm_head_timer()
+            self._arm_head_timer()  # a new connection must send a whole request head in time
+
+        def data_received(self, data: bytes) -> None:
+            between_requests = self.cycle is None or self.cycle.response_complete
+            if between_requests and self._head_timer is None:
+                self._arm_head_timer()  # the next request on a keep-alive connection: the same deadline
+            self._head_bytes += len(data)
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._cancel_head_timer()  # a request head arrived: the body has its own timeout
 
         def _arm_head_timer(self) -> None:
             self._cancel_head_timer()
-            self._waiting_for_head = True
+            self._head_bytes = 0
             self._head_timer = self.loop.call_later(header_timeout_s, self._head_timed_out)
 
         def _cancel_head_timer(self) -> None:
@@ -69,21 +78,13 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
 
         def _head_timed_out(self) -> None:
             self._head_timer = None
-            if self._waiting_for_head and not self.transport.is_closing():
-                logger.debug("closing a connection that sent no complete request head in %.0f s", header_timeout_s)
+            if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+                return
+            if self._head_bytes:
+                # Part of a request came in (slowloris): say why before closing.
+                logger.debug("closing a connection whose request head took over %.0f s", header_timeout_s)
                 self.transport.write(_TIMEOUT_408)
-                self.transport.close()
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self._waiting_for_head and self.cycle is not None and not self.cycle.response_complete:
-                self._waiting_for_head = False  # a request head arrived: the body has its own timeout
-                self._cancel_head_timer()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm_head_timer()  # the next request on this keep-alive connection gets the same deadline
+            self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_head_timer()

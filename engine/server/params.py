@@ -37,16 +37,90 @@ class ModelInfo:
 
 
 class Tokens:
-    """Token id -> text and bytes for logprobs, cached (the same ids recur all the time)."""
+    """Token id -> text and raw bytes for logprobs, cached (the same ids recur all the time)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.text = lru_cache(maxsize=65536)(self._text)
+        self.raw_bytes = lru_cache(maxsize=65536)(self._raw_bytes)
 
     def _text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+    def _raw_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: a character split over tokens shows up as its parts, as in OpenAI's `bytes`."""
+        if self.tokenizer is None:
+            return self._text(token_id).encode()
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return self._text(token_id).encode()
+        if piece in getattr(self.tokenizer, "all_special_tokens", ()):
+            return piece.encode()
+        return piece_bytes(piece) or self._text(token_id).encode("utf-8", errors="replace")
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed (printable stand-ins for the 256 byte values)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) \
+        + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    codes, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes)}
+
+
+def piece_bytes(piece: str) -> bytes | None:
+    """Bytes of a vocabulary piece: byte-level BPE (GPT-2, Llama 3, Qwen), SentencePiece byte fallback
+    (<0xE2>) or SentencePiece text (with its U+2581 for a space); None if it is neither."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    decoder = _byte_decoder()
+    if all(char in decoder for char in piece):
+        return bytes(decoder[char] for char in piece)
+    if "\u2581" in piece:
+        return piece.replace("\u2581", " ").encode()
+    return None
+
+
+class TokenTextJoiner:
+    """Per-token text that joins to the output text: a character split over several tokens belongs
+    to the token that completes it (the earlier ones get ""), never a U+FFFD per part."""
+
+    def __init__(self, tokens: Tokens, skip_special_tokens: bool = True) -> None:
+        self.tokens = tokens
+        self.pending = b""
+        special = getattr(tokens.tokenizer, "all_special_ids", None) if skip_special_tokens else None
+        self.skipped_ids = frozenset(special or ())  # not in the text, so "" in the joined form (EOS)
+
+    def piece(self, token_id: int) -> str:
+        if self.tokens.tokenizer is None:
+            return self.tokens.text(token_id)
+        if token_id in self.skipped_ids:
+            return ""
+        self.pending += self.tokens.raw_bytes(token_id)
+        for end in range(len(self.pending), max(-1, len(self.pending) - 4), -1):
+            try:
+                text = self.pending[:end].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            self.pending = self.pending[end:]
+            return text
+        # Not a UTF-8 prefix at all (invalid bytes): give up on joining them, as the decoder does.
+        return self.flush()
+
+    def flush(self) -> str:
+        """What is left of a character cut off by the end of the output, as the detokenizer renders it."""
+        text, self.pending = self.pending.decode("utf-8", errors="replace"), b""
+        return text
 
 
 # ---- prompts ------------------------------------------------------------------------------------
@@ -212,12 +286,20 @@ def sampling_params(
 
 
 def completion_logprobs(
-    tokens: Tokens, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], offset: int
+    tokens: Tokens, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], offset: int,
+    joiner: TokenTextJoiner | None = None, final: bool = True,
 ) -> tuple[CompletionLogprobs, int]:
-    """The legacy shape for these tokens; text offsets start at `offset`. Returns it and the next offset."""
+    """The legacy shape for these tokens; text offsets start at `offset`. Returns it and the next offset.
+
+    `joiner` carries a split character across calls (streaming); the tokens' texts join to the text.
+    `final`: these tokens end the output, so a character they leave cut off is rendered now.
+    """
+    joiner = joiner or TokenTextJoiner(tokens)
     out = CompletionLogprobs()
-    for token_id, entry in zip(token_ids, entries):
-        text = tokens.text(token_id)
+    for index, (token_id, entry) in enumerate(zip(token_ids, entries)):
+        text = joiner.piece(token_id)
+        if final and index == len(token_ids) - 1:
+            text += joiner.flush()
         out.tokens.append(text)
         out.text_offset.append(offset)
         offset += len(text)
@@ -232,10 +314,18 @@ def completion_logprobs(
     return out, offset
 
 
-def chat_logprobs(tokens: Tokens, entries: Sequence[TokenLogprob], top_k: int) -> ChatChoiceLogprobs:
+def chat_logprobs(
+    tokens: Tokens, entries: Sequence[TokenLogprob], top_k: int, joiner: TokenTextJoiner | None = None,
+    final: bool = True,
+) -> ChatChoiceLogprobs:
+    """OpenAI's chat shape: `bytes` are each token's own bytes; `token` texts join to the content."""
+    joiner = joiner or TokenTextJoiner(tokens)
     content = []
-    for entry in entries:
-        text = tokens.text(entry.token_id)
-        top = [TopLogprob(token=tokens.text(t), logprob=lp, bytes=list(tokens.text(t).encode())) for t, lp in entry.top[:top_k]]
-        content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(text.encode()), top_logprobs=top))
+    for index, entry in enumerate(entries):
+        text = joiner.piece(entry.token_id)
+        if final and index == len(entries) - 1:
+            text += joiner.flush()
+        top = [TopLogprob(token=tokens.text(t), logprob=lp, bytes=list(tokens.raw_bytes(t))) for t, lp in entry.top[:top_k]]
+        raw = b"" if entry.token_id in joiner.skipped_ids else tokens.raw_bytes(entry.token_id)  # a skipped EOS: ""
+        content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(raw), top_logprobs=top))
     return ChatChoiceLogprobs(content=content)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
@@ -20,6 +21,7 @@ from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestGrou
 from engine.server.errors import APIError, error_body
 from engine.server.params import (
     ModelInfo,
+    TokenTextJoiner,
     Tokens,
     chat_logprobs,
     chat_prompt,
@@ -63,6 +65,7 @@ class Choice:
     request_id: str = ""
     final: RequestOutput | None = None
     text_offset: int = 0  # streaming completions with logprobs: where the next token's text starts
+    joiner: TokenTextJoiner | None = None  # streaming logprobs: a character split over chunks
     sent_role: bool = False
     sent_prompt: bool = False  # echo: the prompt goes out with the first chunk
 
@@ -73,7 +76,10 @@ class Serving:
     ) -> None:
         self.engine = engine
         self.model = model
-        self.tokens = Tokens(model.tokenizer)
+        # Two tokenizer copies, one per thread: the loop's (stream chunks) and the worker's (prompts,
+        # whole responses); an HF tokenizer must not be used by two threads at once.
+        self.tokens = Tokens(copy.deepcopy(model.tokenizer) if model.tokenizer is not None else None)
+        self.worker_tokens = Tokens(model.tokenizer)
         self.max_pending = max_pending
         self.trust_request_chat_template = trust_request_chat_template
         self.pending = 0  # engine requests (choices) admitted and not yet done, counted on the event loop
@@ -119,13 +125,17 @@ class Serving:
                              usage_prompt)
             return StreamingResponse(body, media_type="text/event-stream")
         await self._collect(group, choices, raw)
-        response = CompletionResponse(
-            id=request_id,
-            model=self.model.name,
-            choices=[self._completion_choice(req, c) for c in choices],
-            usage=_usage(usage_prompt, choices),
-        )
-        return JSONResponse(response.model_dump())
+
+        def build() -> dict:
+            # Off the loop: thousands of logprob entries (echo) take seconds to build and would stall streams.
+            return CompletionResponse(
+                id=request_id,
+                model=self.model.name,
+                choices=[self._completion_choice(req, c) for c in choices],
+                usage=_usage(usage_prompt, choices),
+            ).model_dump()
+
+        return JSONResponse(await self.off_loop(build))
 
     def _completion_choice(self, req: CompletionRequest, choice: Choice) -> CompletionChoice:
         final = choice.final
@@ -133,7 +143,7 @@ class Serving:
         text = final.text
         logprobs = None
         if req.echo:
-            text = self._prompt_text(choice) + text
+            text = self._prompt_text(choice, self.worker_tokens) + text
         if req.logprobs is not None:
             ids, entries = [], []
             if req.echo:
@@ -141,7 +151,9 @@ class Serving:
                 entries += final.prompt_logprobs or [None] * len(choice.prompt_ids)
             ids += final.token_ids
             entries += final.logprobs or []
-            logprobs, _ = completion_logprobs(self.tokens, ids, entries, 0)
+            logprobs, _ = completion_logprobs(
+                self.worker_tokens, ids, entries, 0, TokenTextJoiner(self.worker_tokens, choice.params.skip_special_tokens)
+            )
         item = CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=final.finish_reason)
         if req.return_token_ids:
             item.prompt_token_ids, item.token_ids = list(choice.prompt_ids), list(final.token_ids)
@@ -153,7 +165,7 @@ class Serving:
         entries: list = []
         if req.echo and not choice.sent_prompt:
             choice.sent_prompt = True
-            text = self._prompt_text(choice) + text
+            text = self._prompt_text(choice, self.tokens) + text
             ids += choice.prompt_ids
             entries += output.prompt_logprobs or [None] * len(choice.prompt_ids)
         if not text and not output.finished and req.logprobs is None:
@@ -162,15 +174,18 @@ class Serving:
         if req.logprobs is not None:
             ids += output.new_token_ids
             entries += output.new_logprobs or []
-            logprobs, choice.text_offset = completion_logprobs(self.tokens, ids, entries, choice.text_offset)
+            choice.joiner = choice.joiner or TokenTextJoiner(self.tokens, choice.params.skip_special_tokens)
+            logprobs, choice.text_offset = completion_logprobs(self.tokens, ids, entries, choice.text_offset, choice.joiner,
+                                                               final=output.finished)
         item = CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=output.finish_reason)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model.name,
                 "choices": [item.model_dump()]}
 
-    def _prompt_text(self, choice: Choice) -> str:
+    @staticmethod
+    def _prompt_text(choice: Choice, tokens: Tokens) -> str:
         if choice.prompt_text is not None:
             return choice.prompt_text
-        return self.model.tokenizer.decode(choice.prompt_ids) if self.model.tokenizer is not None else ""
+        return tokens.tokenizer.decode(choice.prompt_ids) if tokens.tokenizer is not None else ""
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
@@ -199,23 +214,28 @@ class Serving:
                              len(ids))
             return StreamingResponse(body, media_type="text/event-stream")
         await self._collect(group, choices, raw)
-        response = ChatCompletionResponse(
-            id=request_id,
-            created=created,
-            model=self.model.name,
-            choices=[
-                ChatChoice(
-                    index=c.index,
-                    message=AssistantMessage(content=c.final.text),
-                    logprobs=chat_logprobs(self.tokens, c.final.logprobs or [], logprobs) if logprobs is not None else None,
-                    finish_reason=c.final.finish_reason,
-                )
-                for c in choices
-                if c.final is not None
-            ],
-            usage=_usage(len(ids), choices),
-        )
-        return JSONResponse(response.model_dump())
+
+        def build() -> dict:
+            return ChatCompletionResponse(
+                id=request_id,
+                created=created,
+                model=self.model.name,
+                choices=[
+                    ChatChoice(
+                        index=c.index,
+                        message=AssistantMessage(content=c.final.text),
+                        logprobs=chat_logprobs(self.worker_tokens, c.final.logprobs or [], logprobs,
+                                               TokenTextJoiner(self.worker_tokens, c.params.skip_special_tokens))
+                        if logprobs is not None else None,
+                        finish_reason=c.final.finish_reason,
+                    )
+                    for c in choices
+                    if c.final is not None
+                ],
+                usage=_usage(len(ids), choices),
+            ).model_dump()
+
+        return JSONResponse(await self.off_loop(build))
 
     def _chat_chunk(self, req: ChatCompletionRequest, request_id: str, created: int, choice: Choice, output: RequestOutput) -> dict | None:
         delta = DeltaMessage(content=output.new_text)
@@ -226,7 +246,9 @@ class Serving:
             return None
         logprobs = None
         if req.logprobs:
-            logprobs = chat_logprobs(self.tokens, output.new_logprobs or [], req.top_logprobs or 0)
+            choice.joiner = choice.joiner or TokenTextJoiner(self.tokens, choice.params.skip_special_tokens)
+            logprobs = chat_logprobs(self.tokens, output.new_logprobs or [], req.top_logprobs or 0, choice.joiner,
+                                     final=output.finished)
         chunk = ChatCompletionChunk(
             id=request_id, created=created, model=self.model.name,
             choices=[ChatStreamChoice(index=choice.index, delta=delta, logprobs=logprobs, finish_reason=output.finish_reason)],

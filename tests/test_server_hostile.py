@@ -1,0 +1,458 @@
+"""The server under attack: every hostile request is a 4xx in OpenAI's shape, and no client costs another.
+
+Against the real `engine serve` process (server_helpers): a table of hostile bodies, raw HTTP
+(idle sockets, slowloris, a 100 MB body), clients that hang up on non-streaming requests, poisoned
+requests beside healthy ones, and a soak. In-process (TestClient): auth before work.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import os
+import random
+import resource
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.engine import Engine
+from engine.server.app import ServerSettings, build_app
+from server_helpers import MODEL, ServerProcess, shared_server
+from test_server_errors import CASES as BASIC_CASES
+from test_server_errors import _send, assert_openai_error
+
+MSG = [{"role": "user", "content": "hi"}]
+SURROGATE = "\ud800"
+
+# Sampling poisons, each sent to both endpoints.
+POISONED_FIELDS: list[tuple[str, Any]] = [
+    ("temperature", "NaN"), ("temperature", "Infinity"), ("temperature", "-Infinity"), ("temperature", -1e-300),
+    ("top_k", 2**63), ("top_k", 2**31), ("top_k", -2), ("top_k", 1.5), ("top_k", True),
+    ("top_p", "NaN"), ("top_p", 0.0), ("top_p", -0.5), ("top_p", 1.0000001),
+    ("min_p", "NaN"), ("min_p", -0.1), ("min_p", 2),
+    ("repetition_penalty", "NaN"), ("repetition_penalty", 1e-300), ("repetition_penalty", "Infinity"),
+    ("repetition_penalty", 1e6), ("repetition_penalty", -1),
+    ("presence_penalty", "NaN"), ("presence_penalty", 2.5), ("frequency_penalty", "-Infinity"),
+    ("seed", 1.5), ("seed", "7"), ("seed", True), ("seed", -(2**64)),
+    ("n", "2"), ("n", 1.0), ("n", True), ("n", -1),
+    ("max_tokens", 1.0), ("max_tokens", "5"), ("max_tokens", True), ("max_tokens", 2**70),
+    ("stop", ["x"] * 100), ("stop", ["y" * 5000]), ("stop", [1, 2]), ("stop", {"a": 1}),
+    ("stop_token_ids", [True]), ("stop_token_ids", [1.0]), ("stop_token_ids", [-1]), ("stop_token_ids", list(range(2000))),
+    ("ignore_eos", "yes"), ("ignore_eos", 1), ("stream", "true"), ("skip_special_tokens", 0),
+]
+
+
+def _raw_json(body: dict[str, Any]) -> str:
+    """JSON with NaN/Infinity spelled as bare tokens, as a hostile client sends them."""
+    text = json.dumps(body)
+    for token in ("NaN", "Infinity", "-Infinity"):
+        text = text.replace(f'"{token}"', token)
+    return text
+
+
+def _poison_cases() -> list[tuple[str, str, str, Any, int]]:
+    cases = []
+    for name, value in POISONED_FIELDS:
+        cases.append((f"completions {name}={value!r}"[:60], "POST", "/v1/completions", _raw_json({"prompt": "hi", name: value}), 400))
+        cases.append((f"chat {name}={value!r}"[:60], "POST", "/v1/chat/completions", _raw_json({"messages": MSG, name: value}), 400))
+    return cases
+
+
+OTHER_CASES: list[tuple[str, str, str, Any, int]] = [
+    # Unencodable text anywhere: 400 naming the field, never a 500.
+    ("surrogate prompt", "POST", "/v1/completions", {"prompt": SURROGATE}, 400),
+    ("surrogate in a prompt list", "POST", "/v1/completions", {"prompt": ["ok", "a" + SURROGATE]}, 400),
+    ("surrogate model", "POST", "/v1/completions", {"prompt": "hi", "model": SURROGATE}, 400),
+    ("surrogate stop", "POST", "/v1/completions", {"prompt": "hi", "stop": [SURROGATE]}, 400),
+    ("surrogate chat content", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": SURROGATE}]}, 400),
+    ("surrogate chat part", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "x" + SURROGATE}]}]}, 400),
+    ("surrogate chat name", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": SURROGATE}]}, 400),
+    ("surrogate field name", "POST", "/v1/completions", {"prompt": "hi", SURROGATE: 1}, 400),
+    ("surrogate tokenize", "POST", "/tokenize", {"prompt": SURROGATE}, 400),
+    ("surrogate tokenize messages", "POST", "/tokenize", {"messages": [{"role": "user", "content": SURROGATE}]}, 400),
+    # Strict types for token ids and counts.
+    ("bool token ids", "POST", "/v1/completions", {"prompt": [True, False]}, 400),
+    ("float token ids", "POST", "/v1/completions", {"prompt": [1.0, 2.0]}, 400),
+    ("string token ids", "POST", "/v1/completions", {"prompt": [["1", "2"]]}, 400),
+    ("mixed token ids", "POST", "/v1/completions", {"prompt": [1, "a"]}, 400),
+    ("nested too deep", "POST", "/v1/completions", {"prompt": [[[1]]]}, 400),
+    ("detokenize bools", "POST", "/detokenize", {"tokens": [True]}, 400),
+    ("detokenize floats", "POST", "/detokenize", {"tokens": [1.5]}, 400),
+    ("detokenize too many", "POST", "/detokenize", {"tokens": [1] * 5000}, 400),
+    ("logprobs true (completions)", "POST", "/v1/completions", {"prompt": "hi", "logprobs": True}, 400),
+    ("echo a string", "POST", "/v1/completions", {"prompt": "hi", "echo": "yes"}, 400),
+    ("chat logprobs 1", "POST", "/v1/chat/completions", {"messages": MSG, "logprobs": 1}, 400),
+    ("role a number", "POST", "/v1/chat/completions", {"messages": [{"role": 1, "content": "hi"}]}, 400),
+    ("content a dict", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": {"text": "hi"}}]}, 400),
+    ("part without text", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400),
+    ("messages null", "POST", "/v1/chat/completions", {"messages": None}, 400),
+    ("stream_options a list", "POST", "/v1/completions", {"prompt": "hi", "stream_options": [1]}, 400),
+    # Sizes: text that cannot fit the context is refused before tokenizing.
+    ("prompt of 2M characters", "POST", "/v1/completions", {"prompt": "a" * 2_000_000, "max_tokens": 1}, 400),
+    ("chat of 2M characters", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "b" * 2_000_000}]}, 400),
+    ("tokenize 2M characters", "POST", "/tokenize", {"prompt": "c" * 2_000_000}, 400),
+    ("1000 prompts", "POST", "/v1/completions", {"prompt": ["hi"] * 1000, "max_tokens": 1}, 400),
+    ("n x prompts over the cap", "POST", "/v1/completions", {"prompt": ["hi"] * 20, "n": 10, "max_tokens": 1}, 400),
+    # Request-supplied chat templates and reserved template arguments.
+    ("request chat template", "POST", "/v1/chat/completions",
+     {"messages": MSG, "chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}x{% endfor %}"}}, 400),
+    ("template kwarg tokenize", "POST", "/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {"tokenize": False}}, 400),
+    ("template kwarg conversation", "POST", "/v1/chat/completions",
+     {"messages": MSG, "chat_template_kwargs": {"conversation": []}}, 400),
+    ("template kwargs a list", "POST", "/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": [1]}, 400),
+    # Routes.
+    ("unknown model retrieve", "GET", "/v1/models/gpt-9", None, 404),
+    ("docs are off", "GET", "/docs", None, 404),
+    ("openapi is off", "GET", "/openapi.json", None, 404),
+    ("redoc is off", "GET", "/redoc", None, 404),
+    ("delete a model", "DELETE", "/v1/models", None, 405),
+    ("put completions", "PUT", "/v1/completions", {"prompt": "hi"}, 405),
+    ("path traversal", "GET", "/../../etc/passwd", None, 404),
+    ("null body", "POST", "/v1/completions", "null", 400),
+    ("number body", "POST", "/v1/completions", "42", 400),
+    ("deeply nested json", "POST", "/v1/completions", "[" * 100_000 + "]" * 100_000, 400),
+    ("invalid utf-8 body", "POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400),
+    ("NaN bare in prompt list", "POST", "/v1/completions", '{"prompt": [NaN]}', 400),
+]
+
+CASES = BASIC_CASES + _poison_cases() + OTHER_CASES
+LEAKS = ("Traceback", "/work/", "site-packages", 'File "', ".py\"", "line ")
+
+
+@pytest.fixture(scope="module")
+def server() -> ServerProcess:
+    return shared_server()
+
+
+def _send_any(base: str, method: str, path: str, body: Any) -> httpx.Response:
+    """Bodies as raw bytes: dicts through json.dumps, which writes a lone surrogate as the escape "\\ud800"."""
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    if isinstance(body, bytes):
+        return httpx.request(method, base + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    return _send(base, method, path, body)
+
+
+def test_hostile_request_table(server: ServerProcess) -> None:
+    assert len(CASES) >= 150, len(CASES)
+    failures = []
+    for name, method, path, body, status in CASES:
+        response = _send_any(server.base_url, method, path, body)
+        try:
+            error = assert_openai_error(response, status)
+            leaked = [needle for needle in LEAKS if needle in error["message"]]
+            assert not leaked, f"message leaks {leaked}: {error['message'][:200]}"
+        except (AssertionError, json.JSONDecodeError) as exc:
+            failures.append(f"{name}: {str(exc)[:300]}")
+    assert not failures, f"{len(failures)} of {len(CASES)} failed:\n" + "\n".join(failures)
+    server.wait_idle()
+    ok = _send(server.base_url, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert "Traceback" not in server.log()
+
+
+def test_model_can_be_retrieved(server: ServerProcess) -> None:
+    card = httpx.get(f"{server.base_url}/v1/models/{MODEL}", timeout=10).json()
+    assert card["id"] == MODEL and card["object"] == "model"
+
+
+def _greedy(prompt: str) -> dict[str, Any]:
+    return {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Water boils at",
+           "The quick brown fox", "My favourite colour is", "In 1969,"]
+
+
+@pytest.mark.parametrize("poison", [("temperature", "NaN"), ("temperature", 1e-37), ("top_k", 2**63), ("top_p", 1e-300),
+                                    ("repetition_penalty", "NaN"), ("repetition_penalty", 1e-300)])
+def test_one_poisoned_request_among_eight_costs_the_others_nothing(server: ServerProcess, poison: tuple[str, Any]) -> None:
+    """8 requests arrive together, one poisoned: the 7 others get exactly their solo tokens."""
+    solo = {p: _send(server.base_url, "POST", "/v1/completions", _greedy(p)).json()["choices"][0]["text"] for p in PROMPTS}
+    name, value = poison
+    bad = _raw_json({"prompt": "Poison", "max_tokens": 8, "ignore_eos": True, name: value})
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        poisoned = pool.submit(_send, server.base_url, "POST", "/v1/completions", bad)
+        healthy = {p: pool.submit(_send, server.base_url, "POST", "/v1/completions", _greedy(p)) for p in PROMPTS}
+        response = poisoned.result()
+        for prompt, future in healthy.items():
+            result = future.result()
+            assert result.status_code == 200, result.text
+            assert result.json()["choices"][0]["text"] == solo[prompt]
+    if (name, value) in (("temperature", 1e-37), ("top_p", 1e-300)):
+        assert response.status_code == 200  # legal: greedy (tiny temperature) or the top token only
+    else:
+        assert_openai_error(response, 400)
+    server.wait_idle()
+
+
+def _running(server: ServerProcess) -> float:
+    return server.metrics()["engine:num_requests_running"]
+
+
+def test_non_streaming_clients_that_hang_up_are_aborted_within_a_second(server: ServerProcess) -> None:
+    server.wait_idle()
+    body = json.dumps({"prompt": "Tell me everything", "max_tokens": 1500, "ignore_eos": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    sockets = []
+    for _ in range(4):
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(request)
+        sockets.append(sock)
+    deadline = time.monotonic() + 30
+    while _running(server) < 4:
+        assert time.monotonic() < deadline, "the requests never started"
+        time.sleep(0.05)
+    time.sleep(0.5)  # decoding now
+    for sock in sockets:
+        sock.close()
+    hung_up = time.monotonic()
+    while _running(server) > 0:
+        assert time.monotonic() - hung_up < 1.5, "abandoned requests still running"
+        time.sleep(0.05)
+    assert time.monotonic() - hung_up <= 1.5
+    values = server.wait_idle(5)
+    assert values["engine:kv_pages_used"] == 0
+
+
+def _raise_client_fd_limit(needed: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < needed:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(needed, hard), hard))
+
+
+def test_1100_idle_sockets_do_not_lock_out_new_clients(server: ServerProcess) -> None:
+    _raise_client_fd_limit(4096)
+    idle = []
+    try:
+        for _ in range(1100):
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        start = time.monotonic()
+        response = httpx.get(f"{server.base_url}/health", timeout=5)
+        assert response.status_code == 200 and time.monotonic() - start < 1.0
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_slowloris_headers_are_cut_off_at_the_header_timeout(server: ServerProcess) -> None:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    start = time.monotonic()
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+        received = b""
+        while time.monotonic() - start < 8:
+            try:
+                sock.sendall(b"X-a: b\r\n")  # one header line every 0.3 s, never the blank line
+            except OSError:
+                break
+            sock.settimeout(0.3)
+            try:
+                chunk = sock.recv(4096)
+            except socket.timeout:
+                continue
+            if not chunk:
+                break
+            received += chunk
+        assert time.monotonic() - start < 6, "the slow client was not cut off"
+        assert received.startswith(b"HTTP/1.1 408") or received == b""
+    finally:
+        sock.close()
+    assert httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200
+
+
+def test_a_100_mb_body_gets_413_before_it_is_sent(server: ServerProcess) -> None:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 104857600\r\n\r\n{\"prompt\": \"")
+        answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert b"connection: close" in answer.lower()
+    finally:
+        sock.close()
+
+
+def test_unknown_host_header_is_refused(server: ServerProcess) -> None:
+    """The server is bound to loopback: a rebound DNS name must not reach it."""
+    response = httpx.get(f"{server.base_url}/v1/models", headers={"Host": "evil.example"}, timeout=10)
+    assert_openai_error(response, 400)
+    assert httpx.get(f"{server.base_url}/v1/models", headers={"Host": f"localhost:{server.port}"}, timeout=10).status_code == 200
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(server: ServerProcess) -> None:
+    """Tokenizing runs off the event loop: /health stays fast while the largest legal prompt is processed."""
+    prompt = "word " * 12_000  # just under the character limit, over the context in tokens: a 400 after tokenizing
+    result: dict[str, Any] = {}
+
+    def send() -> None:
+        result["response"] = _send(server.base_url, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    latencies = []
+    while thread.is_alive():
+        start = time.monotonic()
+        httpx.get(f"{server.base_url}/health", timeout=5)
+        latencies.append(time.monotonic() - start)
+    thread.join()
+    assert_openai_error(result["response"], 400)
+    # The loop answers in a few ms; the bound is loose for a loaded 2-core box (the engine thread and
+    # the tokenizer thread share it), and still far below the seconds a tokenize on the loop took.
+    assert max(latencies) < 0.5, latencies
+
+
+def test_auth_is_checked_before_the_body_is_read(smol_engine: Engine) -> None:
+    app = build_app(smol_engine, settings=ServerSettings(api_key="s3cret"))
+    good = {"Authorization": "Bearer s3cret"}
+    with TestClient(app) as http:
+        assert_openai_error(http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 401)
+        assert_openai_error(http.post("/tokenize", json={"prompt": "hi"}), 401)
+        assert_openai_error(http.post("/detokenize", json={"tokens": [1]}), 401)
+        assert_openai_error(http.get("/metrics"), 401)
+        assert_openai_error(http.get("/v1/models/" + MODEL), 401)
+        assert_openai_error(http.get("/docs"), 401)
+        assert http.get("/health").status_code == 200
+        assert http.get("/metrics", headers=good).status_code == 200
+        assert_openai_error(http.get("/docs", headers=good), 404)
+    opened = build_app(smol_engine, settings=ServerSettings(api_key="s3cret", open_metrics=True, enable_docs=True))
+    with TestClient(opened) as http:
+        assert http.get("/metrics").status_code == 200
+        assert_openai_error(http.get("/openapi.json"), 401)  # docs on, but behind the key
+        assert http.get("/openapi.json", headers=good).status_code == 200
+
+
+def test_queue_limit_answers_503_with_retry_after(smol_engine: Engine) -> None:
+    app = build_app(smol_engine, settings=ServerSettings(max_pending_requests=2))
+    with TestClient(app) as http:
+        response = http.post("/v1/completions", json={"prompt": "hi", "n": 3, "max_tokens": 1})
+        assert_openai_error(response, 503)
+        assert response.headers["retry-after"] == "1"
+        ok = http.post("/v1/completions", json={"prompt": "hi", "n": 2, "max_tokens": 1})
+        assert ok.status_code == 200
+        assert app.state.async_engine is not None
+    assert smol_engine.kv_pages_in_use() == 0
+
+
+def test_an_unexpected_error_is_json_and_closes_the_connection(smol_engine: Engine) -> None:
+    app = build_app(smol_engine)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("/secret/path/file.py exploded")
+
+    with TestClient(app) as http:
+        response = http.get("/boom")
+        error = assert_openai_error(response, 500)
+        assert "/secret" not in error["message"] and response.headers["connection"] == "close"
+
+
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:"))
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+SOAK_REQUESTS = int(os.environ.get("ENGINE_SOAK_REQUESTS", "2000"))
+
+
+def test_soak_with_disconnects_and_hostile_requests(server: ServerProcess) -> None:
+    """2,000 requests, 20% hanging up, 5% hostile: pool back to 0, descriptors flat, RSS within 10%."""
+    rng = random.Random(5)
+    pid = server.process.pid
+    hostile = [case for case in CASES if case[4] == 400 and case[2].startswith("/v1/") and not isinstance(case[3], bytes)]
+
+    def one(index: int) -> str:
+        kind = rng.random()
+        if kind < 0.05:
+            _name, method, path, body, status = hostile[index % len(hostile)]
+            assert _send_any(server.base_url, method, path, body).status_code == status
+            return "hostile"
+        body = {"prompt": f"Request {index} says", "max_tokens": 1 + index % 4, "ignore_eos": True, "stream": index % 3 == 0}
+        if kind < 0.25:
+            try:  # hangs up before the answer
+                httpx.post(f"{server.base_url}/v1/completions", json={**body, "max_tokens": 64}, timeout=0.05)
+            except httpx.TimeoutException:
+                pass
+            return "hung up"
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return "ok"
+
+    baseline_rss = baseline_fds = 0
+    counts: dict[str, int] = {}
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        for start in range(0, SOAK_REQUESTS, 200):
+            for outcome in pool.map(one, range(start, min(start + 200, SOAK_REQUESTS))):
+                counts[outcome] = counts.get(outcome, 0) + 1
+            if start == 0:
+                server.wait_idle(30)
+                baseline_rss, baseline_fds = _rss_kb(pid), _open_fds(pid)
+    values = server.wait_idle(30)
+    assert values["engine:kv_pages_used"] == 0
+    assert counts.get("hung up", 0) > SOAK_REQUESTS // 10 and counts.get("hostile", 0) > 0
+    time.sleep(1.0)  # let the keep-alive and header timeouts close what the clients left open
+    assert _open_fds(pid) <= baseline_fds + 16, (baseline_fds, _open_fds(pid))
+    assert _rss_kb(pid) <= 1.10 * baseline_rss, (baseline_rss, _rss_kb(pid))
+    assert not math.isnan(values["engine:kv_pages_used"])
+
+
+def test_a_heavy_request_does_not_stall_a_running_stream(server: ServerProcess) -> None:
+    """Long prompts with echo and 20 logprobs beside a stream: the stream never waits more than 1 s."""
+    server.wait_idle()
+    arrivals: list[float] = []
+    heavy_started = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "Count slowly:", "max_tokens": 160, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=300) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+                    if len(arrivals) == 5:
+                        heavy_started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert heavy_started.wait(60)
+    heavy = {"prompt": ["word " * 1400] * 4, "max_tokens": 1, "echo": True, "logprobs": 20}
+    heavy_start = time.monotonic()
+    response = httpx.post(f"{server.base_url}/v1/completions", json=heavy, timeout=600)
+    heavy_end = time.monotonic()
+    reader.join(300)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"][0]["logprobs"]["tokens"]) > 1400
+    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if heavy_start <= b <= heavy_end]
+    assert during, "the stream ended before the heavy request began"
+    assert max(during) <= 1.0, f"stream stalled {max(during):.2f} s by a heavy request (gaps: {sorted(during)[-5:]})"
+
+
+@pytest.mark.parametrize("text", ["日本語の文章", "héllo wörld ñ", "emoji 🙂🚀 end", "Ελληνικά και русский"])
+def test_logprob_tokens_join_to_the_text_and_bytes_are_the_tokens_own(server: ServerProcess, text: str) -> None:
+    """Characters split over tokens: token texts still join to the text; `bytes` are each token's raw bytes."""
+    echo = httpx.post(f"{server.base_url}/v1/completions",
+                      json={"prompt": text, "max_tokens": 1, "echo": True, "logprobs": 2, "temperature": 0}, timeout=60).json()
+    choice = echo["choices"][0]
+    assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    assert "\ufffd" not in "".join(choice["logprobs"]["tokens"][:-1])
+    offsets = choice["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    chat = httpx.post(f"{server.base_url}/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": f"Repeat exactly: {text}"}], "max_tokens": 12,
+                            "logprobs": True, "top_logprobs": 2, "temperature": 0}, timeout=60).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    message = chat["choices"][0]["message"]["content"]
+    assert "".join(entry["token"] for entry in content) == message
+    assert bytes(b for entry in content for b in entry["bytes"]).decode("utf-8", errors="replace") == message
