@@ -38,11 +38,17 @@ def _device_ms(platform_sync, fn, iters: int) -> float:  # noqa: ANN001
     return statistics.median(samples)
 
 
-def measure_decode(engine: Engine, batch_size: int, context: int, iters: int) -> dict[str, Any]:
-    """Prefill batch_size random prompts of `context` tokens, then time decode steps."""
+SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1)  # the issue's sampling workload
+
+
+def measure_decode(
+    engine: Engine, batch_size: int, context: int, iters: int, sampled: bool = False, eager: bool = True
+) -> dict[str, Any]:
+    """Prefill batch_size random prompts of `context` tokens, then time decode steps (greedy, or SAMPLED)."""
     vocab = engine.model_config.vocab_size
     generator = torch.Generator().manual_seed(batch_size)
-    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    extra = SAMPLED if sampled else {"temperature": 0.0}
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True, **extra)
     ids = []
     for _ in range(batch_size):
         prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
@@ -52,16 +58,20 @@ def measure_decode(engine: Engine, batch_size: int, context: int, iters: int) ->
     sync = engine.platform.synchronize
     engine.step()  # one decode so the static buffers hold this batch
     runner = engine.runner.graph_runner
-    result: dict[str, Any] = {"batch_size": batch_size, "context": context}
-    if runner is not None:
+    nan = float("nan")
+    result: dict[str, Any] = {"batch_size": batch_size, "context": context, "sampling": extra,
+                              "graph_replay_ms": nan, "eager_forward_ms": nan, "engine_step_eager_ms": nan}
+    if runner is not None and not sampled:
         padded = runner.padded_size(batch_size)
         result["graph_replay_ms"] = _device_ms(sync, lambda: runner._replay(padded), iters)
-        with torch.no_grad():
-            result["eager_forward_ms"] = _device_ms(sync, lambda: runner.step_eager(padded), iters)
-        result["engine_step_graph_ms"] = _device_ms(sync, engine.step, iters)
+        if eager:
+            with torch.no_grad():
+                result["eager_forward_ms"] = _device_ms(sync, lambda: runner.step_eager(padded), iters)
+    result["engine_step_graph_ms"] = _device_ms(sync, engine.step, iters)
+    if eager and not sampled:
         engine.runner.graph_runner = None
-    result["engine_step_eager_ms"] = _device_ms(sync, engine.step, iters)
-    engine.runner.graph_runner = runner
+        result["engine_step_eager_ms"] = _device_ms(sync, engine.step, iters)
+        engine.runner.graph_runner = runner
     for request_id in ids:
         engine.abort(request_id)
     engine.check_kv_invariant()
@@ -100,6 +110,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--capture-sizes", default=None)
     parser.add_argument("--compile-decode", default="0,1", help="comma list of 0/1: graphs of the eager step, of the compiled step")
+    parser.add_argument("--sampled-batch-sizes", default="", help="also time full steps with top-p/top-k/temperature/penalty")
+    parser.add_argument("--skip-eager", action="store_true", help="no eager-step timings (saves device time)")
     parser.add_argument("--parity-model", default=None, help="also check graph vs eager tokens on this model")
     parser.add_argument("--parity-dtypes", default="float32,bfloat16")
     parser.add_argument("--output", default="bench_results/gpu_decode.json")
@@ -123,17 +135,25 @@ def main() -> None:
                 "startup_s": time.perf_counter() - start,
                 "capture": {"sizes": runner.capture_sizes, "seconds": runner.capture_seconds,
                             "graph_memory_mib": runner.graph_memory_bytes / 2**20},
-                "decode": [measure_decode(engine, int(b), args.context, args.iters) for b in args.batch_sizes.split(",")],
+                "decode": [measure_decode(engine, int(b), args.context, args.iters, eager=not args.skip_eager)
+                           for b in args.batch_sizes.split(",")],
+                "sampled": [measure_decode(engine, int(b), args.context, args.iters, sampled=True)
+                            for b in args.sampled_batch_sizes.split(",") if b],
             }
             report["runs"].append(run)
             print(f"model {args.model} ({args.dtype}, compile_decode={compile_decode}); start-up {run['startup_s']:.1f} s; "
                   f"captured {len(runner.capture_sizes)} sizes in {runner.capture_seconds:.1f} s, "
                   f"graph memory {runner.graph_memory_bytes / 2**20:.0f} MiB")
-            print(f"{'bs':>4} {'replay ms':>10} {'eager fwd ms':>13} {'step graph ms':>14} {'step eager ms':>14} {'speedup':>8}")
+            print(f"{'bs':>4} {'replay ms':>10} {'eager fwd ms':>13} {'step graph ms':>14} {'step/replay':>12} {'step eager ms':>14}")
             for row in run["decode"]:
                 print(f"{row['batch_size']:>4} {row['graph_replay_ms']:>10.3f} {row['eager_forward_ms']:>13.3f} "
-                      f"{row['engine_step_graph_ms']:>14.3f} {row['engine_step_eager_ms']:>14.3f} "
-                      f"{row['engine_step_eager_ms'] / row['engine_step_graph_ms']:>7.2f}x")
+                      f"{row['engine_step_graph_ms']:>14.3f} {row['engine_step_graph_ms'] / row['graph_replay_ms']:>12.2f} "
+                      f"{row['engine_step_eager_ms']:>14.3f}")
+            greedy_by_bs = {row["batch_size"]: row["engine_step_graph_ms"] for row in run["decode"]}
+            for row in run["sampled"]:
+                base = greedy_by_bs.get(row["batch_size"])
+                extra_ms = f", +{row['engine_step_graph_ms'] - base:.3f} ms over greedy" if base else ""
+                print(f"sampled bs {row['batch_size']} ({SAMPLED}): step {row['engine_step_graph_ms']:.3f} ms{extra_ms}")
             del engine, runner
             gc.collect()
             torch.cuda.empty_cache() if torch.cuda.is_available() else None

@@ -11,6 +11,7 @@ from typing import Iterator, Sequence
 import torch
 
 from backends import get_platform
+from engine.batch_state import DecodeBatchState, PenaltyState
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, InvalidRequestError, RequestFailedError
@@ -65,14 +66,23 @@ class Engine:
             self.max_model_len,
             float(self.config.max_decode_stall_ms) / 1000.0 if (self.config.max_decode_stall_ms or 0) > 0 else None,
         )
+        max_pages = -(-self.max_model_len // self.kv_pool.page_size)
+        self.decode_state = DecodeBatchState(
+            int(self.config.max_num_seqs), max_pages, self.kv_pool.page_size, self.device, self.platform.slot_index_dtype,
+            lambda request: (request.shared_pages, self.kv_pool.allocator.pages_of(request.request_id)),
+        )
+        self.decode_state.penalties = PenaltyState(int(self.config.max_num_seqs), int(self.model_config.vocab_size), self.device)
+        self.scheduler.on_leave = self.decode_state.release
         self.runner = ModelRunner(
-            self.model, self.kv_pool, self.kv_manager, self.device, self.platform.slot_index_dtype, self._graph_runner()
+            self.model, self.kv_pool, self.kv_manager, self.device, self.platform.slot_index_dtype, self._graph_runner(),
+            self.decode_state,
         )
         # Debug mode: the pool invariant after every step (ENGINE_DEBUG_KV=1 or debug_kv_invariant).
         self.debug_kv = bool(self.config.debug_kv_invariant) or os.environ.get("ENGINE_DEBUG_KV", "") not in ("", "0")
         self.stats_logger = StatsLogger(self)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        self.last_step_was_decode = False
         if self.config.warmup:
             self._warm_up()
 
@@ -187,6 +197,7 @@ class Engine:
         step = self.scheduler.schedule()
         if step is None:
             return []
+        self.last_step_was_decode = step.is_decode  # benchmarks split time into prefill and decode steps
         rewind = _generator_states(step.sampled_requests)
         start = time.perf_counter()
         try:

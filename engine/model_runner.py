@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from engine.batch_state import DecodeBatchState
 from engine.forward_batch import ForwardBatch, build_forward_batch
 from engine.kv_cache import KVPool
 from engine.kv_manager import KVCacheManager
@@ -29,6 +30,7 @@ class ModelRunner:
         device: torch.device,
         slot_dtype: torch.dtype,
         graph_runner: DecodeGraphRunner | None,
+        decode_state: DecodeBatchState | None = None,
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
@@ -36,23 +38,27 @@ class ModelRunner:
         self.device = device
         self.slot_dtype = slot_dtype
         self.graph_runner = graph_runner
+        self.decode_state = decode_state
         self.graph_steps = 0
         self.eager_steps = 0
 
     @torch.no_grad()
     def logits(self, step: ScheduledStep) -> torch.Tensor | None:
         """Logits [sampled requests, vocab]; None when no request samples (chunks of long prompts only)."""
-        pages = {r.request_id: self.kv_manager.page_table(r) for r in step.requests}
-        batch = build_forward_batch(
-            step.requests,
-            step.is_decode,
-            pages,
-            self.kv_pool.page_size,
-            self.device,
-            self.slot_dtype,
-            extend_lens=None if step.is_decode else step.extend_lens,
-            sample_mask=step.sample_mask,
-        )
+        if step.is_decode and self.decode_state is not None:
+            batch = self.decode_state.decode_batch(step.requests)  # O(batch): rows updated by diffs
+        else:
+            pages = {r.request_id: self.kv_manager.page_table(r) for r in step.requests}
+            batch = build_forward_batch(
+                step.requests,
+                step.is_decode,
+                pages,
+                self.kv_pool.page_size,
+                self.device,
+                self.slot_dtype,
+                extend_lens=None if step.is_decode else step.extend_lens,
+                sample_mask=step.sample_mask,
+            )
         if step.is_decode and self.graph_runner is not None and self.graph_runner.can_run(batch.batch_size):
             self.graph_steps += 1
             return self.graph_runner.run(batch.input_ids, batch.positions, batch.meta)
@@ -90,4 +96,5 @@ class ModelRunner:
         logits = self.logits(step)
         if logits is None:
             return []
-        return sample(logits, step.sampled_requests)
+        penalties = self.decode_state.penalties if step.is_decode and self.decode_state is not None else None
+        return sample(logits, step.sampled_requests, penalties)

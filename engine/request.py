@@ -50,6 +50,15 @@ class Request:
     # Filled during the extend step when params.prompt_logprobs is set: entry 0 is None
     # (nothing predicts the first prompt token), as in vLLM and OpenAI's echo.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Its row in the persistent decode state (engine/batch_state.py) while it decodes, and how many
+    # of its pages that row already holds on the device.
+    batch_row: int | None = None
+    batch_row_pages: int = 0
+
+    @property
+    def last_token_id(self) -> int:
+        """The token the next decode step feeds (no list concatenation: O(1))."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -9,31 +9,67 @@ from __future__ import annotations
 
 import torch
 
+from engine.batch_state import PenaltyState
 from engine.request import Request, TokenLogprob
 
 
-def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
-    for row, request in enumerate(requests):
-        p = request.params
-        if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
-            continue
-        device = logits.device
-        if p.repetition_penalty != 1.0:
-            # HF semantics: every token seen in prompt or output is penalised once.
-            seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=device)
-            values = logits[row, seen]
-            logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if request.output_token_ids and (p.presence_penalty or p.frequency_penalty):
-            # OpenAI semantics: counts over generated tokens only.
-            out = torch.tensor(request.output_token_ids, dtype=torch.long, device=device)
-            counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+def _apply_penalties(logits: torch.Tensor, requests: list[Request], penalties: PenaltyState | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Repetition (HF: every token seen in prompt or output, once), presence and frequency (OpenAI:
+    counts over generated tokens) penalties for the whole batch at once, in place.
+
+    Returns (decode rows, batch positions) of the penalized requests when their state lives in
+    `penalties` (decode steps), so the sampled tokens can be recorded there; else None.
+    """
+    positions = [i for i, r in enumerate(requests) if r.params.has_penalties]
+    if not positions:
+        return None
+    device, vocab = logits.device, logits.shape[1]
+    penalized = [requests[i] for i in positions]
+    index = torch.tensor(positions, device=device)
+    recorded = None
+    if penalties is not None and all(r.batch_row is not None for r in penalized):
+        rows = penalties.rows_for(penalized)
+        assert penalties.seen is not None and penalties.counts is not None
+        seen, counts = penalties.seen[rows], penalties.counts[rows].to(logits.dtype)
+        recorded = (rows, index)
+    else:
+        # The first token after a prefill (no decode row yet): from the token lists, once per request.
+        seen = torch.zeros(len(penalized), vocab, dtype=torch.bool, device=device)
+        counts = torch.zeros(len(penalized), vocab, dtype=logits.dtype, device=device)
+        for row, request in enumerate(penalized):
+            seen[row, torch.tensor(request.all_token_ids, device=device)] = True
+            if request.output_token_ids:
+                out = torch.tensor(request.output_token_ids, device=device)
+                counts[row].index_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
+    column = {"device": device, "dtype": logits.dtype}
+    repetition = torch.tensor([r.params.repetition_penalty for r in penalized], **column).unsqueeze(1)
+    frequency = torch.tensor([r.params.frequency_penalty for r in penalized], **column).unsqueeze(1)
+    presence = torch.tensor([r.params.presence_penalty for r in penalized], **column).unsqueeze(1)
+    values = logits[index]
+    values = torch.where(seen, torch.where(values > 0, values / repetition, values * repetition), values)
+    values = values - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    logits[index] = values
+    return recorded
 
 
-def _top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+TOPK_PATH_MAX_K = 4096  # when every random row has a top_k at most this, candidates come from topk, not a full sort
+
+
+def _candidates(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, max_k: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filtered candidates of each row, best first: (logits [R, K], token ids [R, K]); dropped ones -inf.
+
+    With a top_k on every row (max_k), one topk of max_k replaces the sort of the whole vocabulary
+    (a 49k-entry sort is ~7 ms per 4 rows on a CPU core; a top-50 well under one).
+    """
     vocab = logits.shape[1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    if max_k is not None:
+        sorted_logits, sorted_idx = logits.topk(min(max_k, vocab), dim=-1)
+    else:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    width = sorted_logits.shape[1]
+    ranks = torch.arange(width, device=logits.device).unsqueeze(0)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
@@ -44,19 +80,25 @@ def _top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     probs = sorted_logits.softmax(dim=-1)
     threshold = probs[:, :1] * min_p.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(probs < threshold, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+    return sorted_logits, sorted_idx
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+def sample(logits: torch.Tensor, requests: list[Request], penalties: PenaltyState | None = None) -> list[int]:
     """logits [batch, vocab] float32 -> one token id per request.
 
-    Requests with params.logprobs get a TokenLogprob appended to output_logprobs.
+    Requests with params.logprobs get a TokenLogprob appended to output_logprobs. `penalties`:
+    the decode rows' penalty state (decode steps), updated with the sampled tokens.
     """
     logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     # Raw logprobs of the model (vLLM's default): taken before penalties and temperature,
     # and before _apply_penalties edits the logits in place.
     raw_logprobs = logits[logprob_rows].float().log_softmax(dim=-1) if logprob_rows else None
-    chosen = _sample(logits, requests)
+    recorded = _apply_penalties(logits, requests, penalties)
+    chosen_ids = _sample(logits, requests)
+    if recorded is not None and penalties is not None:
+        rows, index = recorded
+        penalties.record(rows, chosen_ids[index])
+    chosen = chosen_ids.tolist()  # the step's one host sync
     if raw_logprobs is not None:
         for top_k in {requests[row].params.logprobs or 0 for row in logprob_rows}:
             # One batched gather/top-k (and one host transfer) per distinct top_k, not one per row.
@@ -96,34 +138,53 @@ def record_prompt_logprobs(request: Request, logits: torch.Tensor, positions: li
     request.prompt_logprobs.extend(_token_logprobs(logprobs, targets, request.params.prompt_logprobs or 0))
 
 
-def _sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    _apply_penalties(logits, requests)
+def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Token ids [batch] on the logits' device, with no host sync.
+
+    Greedy rows cost one argmax. Random rows are filtered together (temperature, top-k, top-p,
+    min-p); unseeded ones are drawn together by the exponential race (argmax of p / Exp(1), a draw
+    from p, as vLLM and SGLang sample), seeded ones each from its own generator over the whole
+    vocabulary, so a seed gives the same tokens whatever the batch.
+    """
     greedy_ids = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if not random_rows:
-        return greedy_ids.tolist()
+        return greedy_ids
     device = logits.device
     rows = torch.tensor(random_rows, device=device)
     params = [requests[i].params for i in random_rows]
     temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
     scaled = logits[rows] / temperature.unsqueeze(1)
-    needs_filter = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
-    if needs_filter:
-        scaled = _top_k_top_p_min_p(
+    top_ks = [p.top_k for p in params]
+    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        max_k = max(top_ks) if all(0 < k <= TOPK_PATH_MAX_K for k in top_ks) else None
+        candidate_logits, candidate_ids = _candidates(
             scaled,
-            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor(top_ks, device=device),
             torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype),
             torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype),
+            max_k,
         )
-    probs = scaled.softmax(dim=-1)
-    # Non-finite logits (a broken model or kernel) would make multinomial raise for the whole batch:
-    # such a row takes its argmax instead, so the rows beside it still sample.
-    broken = ~torch.isfinite(probs).all(dim=-1)
-    if bool(broken.any()):
-        probs[broken] = torch.nn.functional.one_hot(greedy_ids[rows][broken], probs.shape[-1]).to(probs.dtype)
+    else:  # temperature alone: the whole vocabulary, unsorted
+        candidate_logits = scaled
+        candidate_ids = torch.arange(scaled.shape[1], device=device).expand(scaled.shape[0], -1)
+    probs = candidate_logits.softmax(dim=-1)
+    # Non-finite logits (a broken model or kernel) would make a draw fail or pick garbage for the
+    # whole batch: such a row takes its argmax instead. torch.where: no host sync.
+    broken = ~torch.isfinite(probs).all(dim=-1, keepdim=True)
+    first = torch.zeros_like(probs)
+    first[:, 0] = 1.0
+    probs = torch.where(broken, first, probs)
+    picks = torch.empty(len(random_rows), dtype=torch.long, device=device)
+    seeded = [p for p, row in enumerate(random_rows) if requests[row].generator is not None]
+    unseeded = [p for p, row in enumerate(random_rows) if requests[row].generator is None]
+    if unseeded:
+        index = torch.tensor(unseeded, device=device)
+        race = probs[index] / torch.empty_like(probs[index]).exponential_()
+        picks[index] = candidate_ids[index].gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
+    for position in seeded:
+        full = torch.zeros(logits.shape[1], dtype=probs.dtype, device=device).scatter_(0, candidate_ids[position], probs[position])
+        picks[position] = torch.multinomial(full, 1, generator=requests[random_rows[position]].generator)[0]
     chosen = greedy_ids.clone()
-    for position, row in enumerate(random_rows):
-        generator = requests[row].generator
-        token = torch.multinomial(probs[position], 1, generator=generator)
-        chosen[row] = token[0]
-    return chosen.tolist()
+    chosen[rows] = torch.where(broken.squeeze(1), greedy_ids[rows], picks)
+    return chosen

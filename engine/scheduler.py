@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 from os.path import commonprefix
 
 from engine.errors import InvalidRequestError
@@ -83,6 +84,8 @@ class Scheduler:
         # and the prompt-token budget shrinks to fit (never below MIN_STALL_BUDGET tokens).
         self.max_decode_stall_s = max_decode_stall_s
         self.extend_seconds_per_token: float | None = None
+        # Told when a request stops decoding (finished, aborted, retracted): its decode row is freed.
+        self.on_leave: Callable[[Request], None] = lambda request: None
 
     def add(self, request: Request) -> None:
         if pages_needed(request.num_tokens + 1, self.page_size) > self.kv.total_pages:
@@ -135,6 +138,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv.release(request)
+        self.on_leave(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -174,7 +178,8 @@ class Scheduler:
             budget -= n
             if request.num_cached_tokens + n == request.num_tokens:
                 self.chunked = None
-        reserve = self._decode_reserve_tokens()
+        # The decode reserve is O(running) to compute: only when someone waits to be admitted.
+        reserve = self._decode_reserve_tokens() if self.waiting else 0.0
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) + len(requests) >= self.max_num_seqs:
                 break
@@ -251,8 +256,8 @@ class Scheduler:
     def _reserve_decode_pages(self) -> None:
         """Each running request needs a slot for the token it feeds this step; retract if there is none."""
         for request in list(self.running):
-            if request not in self.running:
-                continue  # retracted for an earlier request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # retracted for an earlier request (O(1): no scan of the running list)
             while not self.kv.allocate(request, request.num_tokens):
                 victim = self._cheapest_to_redo()
                 self._retract(victim)
@@ -266,6 +271,7 @@ class Scheduler:
 
     def _retract(self, request: Request) -> None:
         self.kv.release(request)  # computed pages stay cached: the redo may find them still there
+        self.on_leave(request)  # its pages change: the redo gets a fresh decode row
         request.num_cached_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1

@@ -112,9 +112,9 @@ def test_a_step_that_fails_fails_only_its_culprit(smol_engine: Engine, monkeypat
     poisoned_id = f"poisoned-{culprit}"
     calls = {"failed": 0}
 
-    def sample_that_chokes_on_the_culprit(logits: torch.Tensor, requests: list) -> list[int]:
+    def sample_that_chokes_on_the_culprit(logits: torch.Tensor, requests: list, *rest: Any) -> list[int]:
         # Fails on the culprit's third token (a decode step), after the others' draws in this call.
-        tokens = real_sample(logits, requests)
+        tokens = real_sample(logits, requests, *rest)
         if any(r.request_id == poisoned_id and len(r.output_token_ids) == 2 for r in requests):
             calls["failed"] += 1
             raise RuntimeError("probability tensor contains inf, nan or element < 0")

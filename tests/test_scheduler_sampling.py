@@ -301,3 +301,29 @@ def test_per_request_parameters_inside_one_batch(tiny: Engine) -> None:
         assert output.token_ids == solo(tiny, prompt, p), p
     assert batched[4].finish_reason == "stop" and batched[4].token_ids[-1] == stop_id
     assert len(batched[5].token_ids) == 3
+
+
+def test_presence_and_frequency_penalties_match_a_reference(tiny: Engine, hf_tiny: Callable[[str], Any]) -> None:
+    """OpenAI semantics over generated tokens, from the persistent penalty rows, against HF logits by hand;
+    the rows are built once per request and kept by diffs, batched beside unpenalized requests."""
+    import torch
+
+    from helpers import hf_last_logits
+
+    model = hf_tiny("qwen3")
+    frequency, presence = 1.5, 0.7
+    prompts, expected = PROMPTS[:3], []
+    for prompt in prompts:
+        out: list[int] = []
+        for _ in range(16):
+            logits = hf_last_logits(model, list(prompt) + out).float()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float() if out \
+                else torch.zeros_like(logits)
+            out.append(int((logits - frequency * counts - presence * (counts > 0).float()).argmax()))
+        expected.append(out)
+    assert expected[0] != solo(tiny, prompts[0], greedy(16))  # precondition: the penalties matter here
+    params = [greedy(16, frequency_penalty=frequency, presence_penalty=presence), greedy(16)] * len(prompts)
+    batched = tiny.generate([p for p in prompts for _ in range(2)], params)
+    for index, prompt in enumerate(prompts):
+        assert batched[2 * index].token_ids == expected[index]
+        assert batched[2 * index + 1].token_ids == solo(tiny, prompt, greedy(16))

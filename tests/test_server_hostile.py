@@ -217,11 +217,33 @@ def test_non_streaming_clients_that_hang_up_are_aborted_within_a_second(server: 
         sock.close()
     hung_up = time.monotonic()
     while _running(server) > 0:
-        assert time.monotonic() - hung_up < 1.5, "abandoned requests still running"
+        assert time.monotonic() - hung_up < 1.0, "abandoned requests still running"
         time.sleep(0.05)
-    assert time.monotonic() - hung_up <= 1.5
+    assert time.monotonic() - hung_up <= 1.0
     values = server.wait_idle(5)
     assert values["engine:kv_pages_used"] == 0
+
+
+def test_512_concurrent_clients_are_all_served(server: ServerProcess) -> None:
+    """512 connections at once, each a short streamed request: every one answered, the pool back to 0."""
+    import asyncio
+
+    _raise_client_fd_limit(4096)
+
+    async def one(client: httpx.AsyncClient, index: int) -> int:
+        body = {"prompt": f"Client {index}:", "max_tokens": 2, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", f"{server.base_url}/v1/completions", json=body) as response:
+            lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+        assert response.status_code == 200 and lines[-1] == "data: [DONE]"
+        return response.status_code
+
+    async def main() -> list[int]:
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+        async with httpx.AsyncClient(limits=limits, timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(512)))
+
+    assert asyncio.run(main()) == [200] * 512
+    assert server.wait_idle(30)["engine:kv_pages_used"] == 0
 
 
 def _raise_client_fd_limit(needed: int) -> None:

@@ -25,7 +25,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="open connections beyond this get a 503 straight away (the open-files limit is raised to fit)")
     limits.add_argument("--header-timeout", type=float, default=10.0,
                         help="seconds a connection may take to send a complete request head (slowloris, idle sockets)")
-    limits.add_argument("--timeout-keep-alive", type=float, default=5.0, help="idle seconds before a keep-alive connection closes")
+    limits.add_argument(
+        "--timeout-keep-alive", type=float, default=30.0,
+        help="idle seconds before a keep-alive connection closes; longer than clients' own pool expiry (httpx 5 s, "
+        "aiohttp 15 s), so a client never reuses a connection the server is closing (a dropped request)",
+    )
     limits.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408 after)")
     limits.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get a 413, unread")
     limits.add_argument("--max-pending-requests", type=int, default=1024,

@@ -51,7 +51,7 @@ from engine.server.protocol import (
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
 @dataclass

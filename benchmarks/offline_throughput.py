@@ -1,0 +1,181 @@
+"""Offline throughput: N requests of random token ids and lengths, ignore_eos; HF `generate_batch` beside it.
+
+    PYTHONPATH=. python benchmarks/offline_throughput.py --device cuda --model llama-3-8b --load-format dummy \
+        --num-requests 1000 --input-len 256,768 --output-len 128,384 --hf-requests 300 --output offline.json
+
+Prints a table and writes JSON: output and total tokens/s, wall time, the time spent in
+prefill (extend) steps and in decode steps, decode steps x their median graph-replay time
+(what the decode part would cost if the host added nothing), and HF transformers'
+continuous-batching `generate_batch` (paged sdpa, CUDA graphs on by its default) on the first
+--hf-requests of the same requests, all in one process and one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+
+def make_requests(count: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(vocab) for _ in range(rng.randint(*input_len))], rng.randint(*output_len))
+        for _ in range(count)
+    ]
+
+
+def run_engine(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+    sync = engine.platform.synchronize
+    for prompt, out_len in requests:
+        engine.add_request(prompt, SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
+    prefill_s = decode_s = 0.0
+    decode_steps = 0
+    decode_batch: list[int] = []
+    generated = 0
+    sync()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - step_start
+        generated += sum(len(o.new_token_ids) for o in outputs)
+        if engine.last_step_was_decode:
+            decode_s += elapsed
+            decode_steps += 1
+            decode_batch.append(len(outputs))
+        else:
+            prefill_s += elapsed
+    sync()
+    wall = time.perf_counter() - start
+    prompt_tokens = sum(len(p) for p, _ in requests)
+    return {
+        "requests": len(requests),
+        "wall_s": wall,
+        "output_tokens": generated,
+        "output_tok_s": generated / wall,
+        "total_tok_s": (generated + prompt_tokens) / wall,
+        "prefill_steps_s": prefill_s,
+        "decode_steps_s": decode_s,
+        "decode_steps": decode_steps,
+        "mean_decode_batch": statistics.mean(decode_batch) if decode_batch else 0.0,
+    }
+
+
+def replay_ms_by_batch(engine: Engine, sizes: list[int]) -> dict[int, float]:
+    """Median graph replay time of each captured size (CUDA events), for the decode floor."""
+    runner = engine.runner.graph_runner
+    if runner is None or not hasattr(runner, "graphs"):
+        return {}
+    result = {}
+    for size in sizes:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(10):
+            start.record()
+            runner._replay(size)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        result[size] = statistics.median(samples)
+    return result
+
+
+def run_hf(model_name: str, load_format: str, dtype: str, device: str, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """HF transformers' continuous batching on the same prompts; max_new_tokens = their mean output length."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from engine.loader.resolve import resolve_model_source
+
+    source = resolve_model_source(model_name, load_format)
+    torch_dtype = getattr(torch, dtype)
+    if load_format == "dummy" or source.kind == "preset":
+        model = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch_dtype, attn_implementation="paged|sdpa")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype, attn_implementation="paged|sdpa")
+    model = model.to(device).eval()
+    new_tokens = int(statistics.mean(n for _, n in requests))
+    generation = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    inputs = [prompt for prompt, _ in requests]
+    model.generate_batch(inputs=inputs[:8], generation_config=generation)  # warm-up (graph capture, kernels)
+    torch.cuda.synchronize() if device == "cuda" else None
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs=inputs, generation_config=generation)
+    torch.cuda.synchronize() if device == "cuda" else None
+    wall = time.perf_counter() - start
+    generated = sum(len(o.generated_tokens) for o in outputs.values())
+    del model
+    gc.collect()
+    return {"requests": len(inputs), "max_new_tokens": new_tokens, "wall_s": wall, "output_tokens": generated,
+            "output_tok_s": generated / wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--input-len", default="256,768")
+    parser.add_argument("--output-len", default="128,384")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-requests", type=int, default=300, help="0: skip the HF peer")
+    parser.add_argument("--output", default="bench_results/offline_throughput.json")
+    args = parser.parse_args()
+    input_len = tuple(int(x) for x in args.input_len.split(","))
+    output_len = tuple(int(x) for x in args.output_len.split(","))
+    engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
+                                 max_num_seqs=args.max_num_seqs))
+    requests = make_requests(args.num_requests, input_len, output_len, engine.model_config.vocab_size, args.seed)
+    report: dict[str, Any] = {"torch": torch.__version__, "device": args.device, "model": args.model,
+                              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                              "input_len": input_len, "output_len": output_len}
+    report["engine"] = run_engine(engine, requests)
+    replay = replay_ms_by_batch(engine, engine.runner.graph_runner.capture_sizes if engine.runner.graph_runner else [])
+    if replay:
+        mean_batch = report["engine"]["mean_decode_batch"]
+        size = min((s for s in replay if s >= mean_batch), default=max(replay))
+        report["engine"]["decode_floor_s"] = report["engine"]["decode_steps"] * replay[size] / 1000.0
+        report["engine"]["replay_ms_by_batch"] = replay
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    _write(args.output, report)  # the engine's figures survive a peer that runs out of time
+    e = report["engine"]
+    print(f"engine: {e['output_tok_s']:.0f} output tok/s, {e['total_tok_s']:.0f} total tok/s in {e['wall_s']:.1f} s; "
+          f"prefill steps {e['prefill_steps_s']:.1f} s, decode steps {e['decode_steps_s']:.1f} s "
+          f"({e['decode_steps']} steps, mean batch {e['mean_decode_batch']:.0f}, floor {e.get('decode_floor_s', float('nan')):.1f} s)",
+          flush=True)
+    if args.hf_requests:
+        report["hf_generate_batch"] = run_hf(args.model, args.load_format, args.dtype, args.device, requests[: args.hf_requests])
+    e = report["engine"]
+    print(f"{'':<28}{'requests':>9}{'wall s':>9}{'out tok/s':>11}{'total tok/s':>12}{'prefill s':>10}{'decode s':>10}{'floor s':>9}")
+    print(f"{'engine':<28}{e['requests']:>9}{e['wall_s']:>9.1f}{e['output_tok_s']:>11.0f}{e['total_tok_s']:>12.0f}"
+          f"{e['prefill_steps_s']:>10.1f}{e['decode_steps_s']:>10.1f}{e.get('decode_floor_s', float('nan')):>9.1f}")
+    if "hf_generate_batch" in report:
+        h = report["hf_generate_batch"]
+        print(f"{'HF generate_batch (paged|sdpa)':<28}{h['requests']:>9}{h['wall_s']:>9.1f}{h['output_tok_s']:>11.0f}")
+    _write(args.output, report)
+
+
+def _write(path: str, report: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()

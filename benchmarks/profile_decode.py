@@ -1,0 +1,57 @@
+"""Where a decode step's host time goes: cProfile over decode steps of a full batch.
+
+    PYTHONPATH=. python benchmarks/profile_decode.py --device cuda --model llama-3-8b --load-format dummy \
+        --batch-sizes 1,256 --context 512 --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-sizes", default="1,256")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--top", type=int, default=22)
+    args = parser.parse_args()
+    engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format))
+    vocab = engine.model_config.vocab_size
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        generator = torch.Generator().manual_seed(batch)
+        ids = [engine.add_request(torch.randint(0, vocab, (args.context,), generator=generator).tolist(),
+                                  SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)) for _ in range(batch)]
+        while len(engine.scheduler.running) < batch:
+            engine.step()
+        for _ in range(5):
+            engine.step()
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.steps):
+            engine.step()
+        profile.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(profile, stream=out)
+        print(f"==== batch {batch}, context {args.context}: {args.steps} decode steps")
+        stats.sort_stats("tottime").print_stats(args.top)
+        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
+        for request_id in ids:
+            engine.abort(request_id)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Persistent decode state: each running request owns a row of a device page table, updated by diffs.
+
+Before this, every decode step rebuilt each request's whole page table (and
+its whole token list) as Python lists and copied them to the device: host
+work that grew with context length. Here (as vLLM's persistent `BlockTable`
+and mini-sglang's device page table) a request gets a row when it first
+decodes and its pages are written once; afterwards a step writes only the
+pages that are new (one every `page_size` tokens). The per-step host work is
+O(batch): for each request its row, last token, position and slot, packed
+into one host tensor and sent in one copy. The page table rows the step needs
+are gathered on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.layers.attention import AttentionMetadata
+from engine.request import Request
+
+
+class DecodeBatchState:
+    def __init__(
+        self,
+        max_rows: int,
+        max_pages: int,
+        page_size: int,
+        device: torch.device,
+        slot_dtype: torch.dtype,
+        pages_of: Callable[[Request], tuple[list[int], list[int]]],
+    ) -> None:
+        """pages_of(request) -> (shared prefix pages, private pages): the request's table in two parts."""
+        self.page_table = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
+        self.max_pages = max_pages
+        self.page_size = page_size
+        self.device = device
+        self.slot_dtype = slot_dtype
+        self.pages_of = pages_of
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self.penalties: PenaltyState | None = None  # set by the engine (needs the vocabulary size)
+        self.rows_written = 0  # page-table entries sent to the device so far (a test reads it)
+
+    @property
+    def rows_in_use(self) -> int:
+        return self.page_table.shape[0] - len(self._free_rows)
+
+    def release(self, request: Request) -> None:
+        """The request stopped decoding (finished, aborted or retracted): its row is free again."""
+        if request.batch_row is not None:
+            if self.penalties is not None:
+                self.penalties.release(request.batch_row)
+            self._free_rows.append(request.batch_row)
+            request.batch_row = None
+            request.batch_row_pages = 0
+
+    def decode_batch(self, requests: list[Request]) -> ForwardBatch:
+        """The decode step's inputs for these running requests: O(batch) host work, two host-to-device copies."""
+        n = len(requests)
+        diff_rows: list[int] = []
+        diff_cols: list[int] = []
+        diff_pages: list[int] = []
+        # Plain Python lists, turned into one tensor at the end (element writes into a tensor cost ~1 us each).
+        row_list, token_list, position_list, slot_list = [], [], [], []
+        page_size = self.page_size
+        for request in requests:
+            shared, private = self.pages_of(request)
+            num_pages = len(shared) + len(private)
+            if request.batch_row is None:
+                request.batch_row = self._free_rows.pop()
+                request.batch_row_pages = 0
+            row = request.batch_row
+            written = request.batch_row_pages
+            if num_pages > written:
+                if num_pages > self.max_pages:
+                    raise ValueError(f"request {request.request_id} has {num_pages} pages; rows hold {self.max_pages}")
+                for column in range(written, num_pages):
+                    diff_rows.append(row)
+                    diff_cols.append(column)
+                    diff_pages.append(shared[column] if column < len(shared) else private[column - len(shared)])
+                request.batch_row_pages = num_pages
+            position = request.num_tokens - 1
+            column = position // page_size
+            page = shared[column] if column < len(shared) else private[column - len(shared)]
+            row_list.append(row)
+            token_list.append(request.last_token_id)
+            position_list.append(position)
+            slot_list.append(page * page_size + position % page_size)
+        if diff_rows:
+            self.rows_written += len(diff_rows)
+            diff = torch.tensor([diff_rows, diff_cols, diff_pages], dtype=torch.int64).to(self.device, non_blocking=True)
+            self.page_table[diff[0], diff[1]] = diff[2].to(torch.int32)
+        on_device = torch.tensor([row_list, token_list, position_list, slot_list], dtype=torch.int64).to(
+            self.device, non_blocking=True
+        )
+        device_positions = on_device[2]
+        meta = AttentionMetadata(
+            is_decode=True,
+            slot_indices=on_device[3].to(self.slot_dtype),
+            page_table=self.page_table.index_select(0, on_device[0]),
+            seq_lens=(device_positions + 1).to(torch.int32),
+            page_size=page_size,
+        )
+        return ForwardBatch(
+            input_ids=on_device[1],
+            positions=device_positions,
+            meta=meta,
+            logits_indices=torch.arange(n, device=self.device),
+            requests=requests,
+        )
+
+
+class PenaltyState:
+    """Per decode row: which tokens the request has seen (prompt + output) and how often it produced each.
+
+    Repetition, presence and frequency penalties used to rebuild these from the
+    token lists in Python for every row at every step (O(context)). Here a row
+    is filled once when its request starts decoding, and each step adds the
+    sampled tokens with one scatter. Allocated on the first penalized request.
+    """
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+        self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, device
+        self.seen: torch.Tensor | None = None  # [rows, vocab] bool
+        self.counts: torch.Tensor | None = None  # [rows, vocab] int32, output tokens only (OpenAI's semantics)
+        self.ready: set[int] = set()  # rows filled for their current request
+
+    def _allocate(self) -> None:
+        if self.seen is None:
+            self.seen = torch.zeros(self.max_rows, self.vocab_size, dtype=torch.bool, device=self.device)
+            self.counts = torch.zeros(self.max_rows, self.vocab_size, dtype=torch.int32, device=self.device)
+
+    def release(self, row: int) -> None:
+        self.ready.discard(row)
+
+    def rows_for(self, requests: list[Request]) -> torch.Tensor:
+        """The rows of these (penalized, decoding) requests, filled first where a row is new."""
+        self._allocate()
+        assert self.seen is not None and self.counts is not None
+        for request in requests:
+            row = request.batch_row
+            assert row is not None, "penalty rows exist for decoding requests only"
+            if row not in self.ready:
+                # O(context) once per request, when it starts decoding (and again after a retraction).
+                self.seen[row].zero_()
+                self.seen[row, torch.tensor(request.all_token_ids, device=self.device)] = True
+                self.counts[row].zero_()
+                if request.output_token_ids:
+                    out = torch.tensor(request.output_token_ids, device=self.device)
+                    self.counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+                self.ready.add(row)
+        return torch.tensor([r.batch_row for r in requests], device=self.device)
+
+    def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """This step's sampled tokens of those rows (device tensors, no host round trip)."""
+        assert self.seen is not None and self.counts is not None
+        self.seen[rows, tokens] = True
+        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
