@@ -56,9 +56,12 @@ class DecodeBatchState:
             request.batch_row = None
             request.batch_row_pages = 0
 
-    def decode_batch(self, requests: list[Request]) -> ForwardBatch:
-        """The decode step's inputs for these running requests: O(batch) host work, two host-to-device copies."""
-        n = len(requests)
+    def host_inputs(self, requests: list[Request]) -> torch.Tensor:
+        """[4, batch] int64 on the host: (input token, position, KV slot, decode row) of each request.
+
+        O(batch): a request's pages are written to its device row once, then only new ones
+        (one every page_size tokens); the diffs go to the device here, in one small copy.
+        """
         diff_rows: list[int] = []
         diff_cols: list[int] = []
         diff_pages: list[int] = []
@@ -92,24 +95,20 @@ class DecodeBatchState:
             self.rows_written += len(diff_rows)
             diff = torch.tensor([diff_rows, diff_cols, diff_pages], dtype=torch.int64).to(self.device, non_blocking=True)
             self.page_table[diff[0], diff[1]] = diff[2].to(torch.int32)
-        on_device = torch.tensor([row_list, token_list, position_list, slot_list], dtype=torch.int64).to(
-            self.device, non_blocking=True
-        )
-        device_positions = on_device[2]
+        return torch.tensor([token_list, position_list, slot_list, row_list], dtype=torch.int64)
+
+    def decode_batch(self, requests: list[Request]) -> ForwardBatch:
+        """The decode step as a ForwardBatch (eager steps, and graph runners that take one)."""
+        on_device = self.host_inputs(requests).to(self.device, non_blocking=True)
+        positions = on_device[1]
         meta = AttentionMetadata(
             is_decode=True,
-            slot_indices=on_device[3].to(self.slot_dtype),
-            page_table=self.page_table.index_select(0, on_device[0]),
-            seq_lens=(device_positions + 1).to(torch.int32),
-            page_size=page_size,
+            slot_indices=on_device[2] if self.slot_dtype == torch.int64 else on_device[2].to(self.slot_dtype),
+            page_table=self.page_table.index_select(0, on_device[3]),
+            seq_lens=(positions + 1).to(torch.int32),
+            page_size=self.page_size,
         )
-        return ForwardBatch(
-            input_ids=on_device[1],
-            positions=device_positions,
-            meta=meta,
-            logits_indices=torch.arange(n, device=self.device),
-            requests=requests,
-        )
+        return ForwardBatch(input_ids=on_device[0], positions=positions, meta=meta, logits_indices=None, requests=requests)
 
 
 class PenaltyState:

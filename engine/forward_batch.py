@@ -15,7 +15,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [tokens]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [sampled] rows of the hidden states that are sampled
+    logits_indices: torch.Tensor | None  # [sampled] rows of the hidden states that are sampled; None: every row (decode)
     requests: list[Request]
 
     @property

@@ -45,8 +45,14 @@ class ModelRunner:
     @torch.no_grad()
     def logits(self, step: ScheduledStep) -> torch.Tensor | None:
         """Logits [sampled requests, vocab]; None when no request samples (chunks of long prompts only)."""
-        if step.is_decode and self.decode_state is not None:
-            batch = self.decode_state.decode_batch(step.requests)  # O(batch): rows updated by diffs
+        runner, state = self.graph_runner, self.decode_state
+        if step.is_decode and state is not None and runner is not None and runner.can_run(len(step.requests)) \
+                and getattr(runner, "fills_from_rows", False):
+            # The graph's static buffers filled straight from the persistent rows: one copy, one gather.
+            self.graph_steps += 1
+            return runner.run_from_rows(state.host_inputs(step.requests), state.page_table)
+        if step.is_decode and state is not None:
+            batch = state.decode_batch(step.requests)  # O(batch): rows updated by diffs
         else:
             pages = {r.request_id: self.kv_manager.page_table(r) for r in step.requests}
             batch = build_forward_batch(

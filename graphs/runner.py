@@ -66,6 +66,17 @@ class DecodeGraphRunner(abc.ABC):
         self.buffers.fill(input_ids, positions, meta, padded)
         return self._replay(padded)[:n]
 
+    def run_from_rows(self, host_inputs: torch.Tensor, rows_table: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] of a decode batch given as the persistent state's rows (DecodeBatchState)."""
+        n = host_inputs.shape[1]
+        padded = self.padded_size(n)
+        self.buffers.fill_from_rows(host_inputs, rows_table, padded)
+        return self._replay(padded)[:n]
+
+    @property
+    def fills_from_rows(self) -> bool:
+        return self.buffers.staging is not None
+
     def step_eager(self, bs: int) -> torch.Tensor:
         """The step as captured: the model over the static buffers' first bs rows."""
         meta = self.buffers.metadata(bs)

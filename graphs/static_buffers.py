@@ -17,19 +17,39 @@ class StaticDecodeBuffers:
     page_table: torch.Tensor  # [max_bs, max_pages] int32
     seq_lens: torch.Tensor  # [max_bs] int32
     page_size: int
+    # [4, max_bs] int64 whose rows ARE input_ids, positions and slot_indices (int64 slots only), and
+    # the decode rows of the persistent state: one host-to-device copy fills all four.
+    staging: torch.Tensor | None = None
 
     @classmethod
     def allocate(
         cls, max_bs: int, max_pages: int, page_size: int, device: torch.device, slot_dtype: torch.dtype
     ) -> "StaticDecodeBuffers":
+        page_table = torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device)
+        seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        if slot_dtype == torch.int64:
+            staging = torch.zeros(4, max_bs, dtype=torch.int64, device=device)
+            return cls(staging[0], staging[1], staging[2], page_table, seq_lens, page_size, staging)
         return cls(
             input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
             positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
             slot_indices=torch.zeros(max_bs, dtype=slot_dtype, device=device),
-            page_table=torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device),
-            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
+            page_table=page_table,
+            seq_lens=seq_lens,
             page_size=page_size,
         )
+
+    def fill_from_rows(self, host_inputs: torch.Tensor, rows_table: torch.Tensor, padded_bs: int) -> None:
+        """Fill from the persistent decode state: host_inputs [4, n] int64 = (tokens, positions, slots,
+        rows) on the host, rows_table the state's device page table. One copy, one gather, one add."""
+        assert self.staging is not None
+        n = host_inputs.shape[1]
+        if rows_table.shape[1] != self.page_table.shape[1]:
+            raise ValueError(f"decode rows hold {rows_table.shape[1]} pages; the graphs were captured for {self.page_table.shape[1]}")
+        self.staging[:, :n].copy_(host_inputs, non_blocking=True)
+        torch.index_select(rows_table, 0, self.staging[3, :n], out=self.page_table[:n])
+        self.seq_lens[:n].copy_(self.positions[:n] + 1)
+        self._pad(n, padded_bs)
 
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, padded_bs: int) -> None:
         """Copy a real batch of n rows in; rows n..padded_bs become dummy rows.
@@ -46,11 +66,18 @@ class StaticDecodeBuffers:
         self.slot_indices[:n].copy_(meta.slot_indices, non_blocking=True)
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         self.page_table[:n, :width].copy_(meta.page_table, non_blocking=True)
-        self.page_table[:n, width:].zero_()
+        if width < self.page_table.shape[1]:
+            self.page_table[:n, width:].zero_()
+        self._pad(n, padded_bs)
+
+    def _pad(self, n: int, padded_bs: int) -> None:
         if padded_bs > n:
-            self.input_ids[n:padded_bs].zero_()
-            self.positions[n:padded_bs].zero_()
-            self.slot_indices[n:padded_bs].zero_()
+            if self.staging is not None:
+                self.staging[:3, n:padded_bs].zero_()
+            else:
+                self.input_ids[n:padded_bs].zero_()
+                self.positions[n:padded_bs].zero_()
+                self.slot_indices[n:padded_bs].zero_()
             self.seq_lens[n:padded_bs].fill_(1)
             self.page_table[n:padded_bs].zero_()
 
