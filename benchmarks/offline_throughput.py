@@ -4,10 +4,9 @@
         --num-requests 1000 --input-len 256,768 --output-len 128,384 --hf-requests 300 --output offline.json
 
 Prints a table and writes JSON: output and total tokens/s, wall time, the time spent in
-prefill (extend) steps and in decode steps, decode steps x their median graph-replay time
-(what the decode part would cost if the host added nothing), and HF transformers'
-continuous-batching `generate_batch` (paged sdpa, CUDA graphs on by its default) on the first
---hf-requests of the same requests, all in one process and one run.
+prefill (extend) steps and in decode steps (with their count and mean batch, to hold against
+`benchmarks/gpu_decode.py`'s replay times), and HF transformers' continuous-batching
+`generate_batch` (paged sdpa) on the first --hf-requests of the same requests, in one process.
 """
 
 from __future__ import annotations
@@ -73,25 +72,6 @@ def run_engine(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[st
     }
 
 
-def replay_ms_by_batch(engine: Engine, sizes: list[int]) -> dict[int, float]:
-    """Median graph replay time of each captured size (CUDA events), for the decode floor."""
-    runner = engine.runner.graph_runner
-    if runner is None or not hasattr(runner, "graphs"):
-        return {}
-    result = {}
-    for size in sizes:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        samples = []
-        for _ in range(10):
-            start.record()
-            runner._replay(size)
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        result[size] = statistics.median(samples)
-    return result
-
-
 def run_hf(model_name: str, load_format: str, dtype: str, device: str, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
     """HF transformers' continuous batching on the same prompts; max_new_tokens = their mean output length."""
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -144,12 +124,6 @@ def main() -> None:
                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                               "input_len": input_len, "output_len": output_len}
     report["engine"] = run_engine(engine, requests)
-    replay = replay_ms_by_batch(engine, engine.runner.graph_runner.capture_sizes if engine.runner.graph_runner else [])
-    if replay:
-        mean_batch = report["engine"]["mean_decode_batch"]
-        size = min((s for s in replay if s >= mean_batch), default=max(replay))
-        report["engine"]["decode_floor_s"] = report["engine"]["decode_steps"] * replay[size] / 1000.0
-        report["engine"]["replay_ms_by_batch"] = replay
     del engine
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -157,17 +131,17 @@ def main() -> None:
     e = report["engine"]
     print(f"engine: {e['output_tok_s']:.0f} output tok/s, {e['total_tok_s']:.0f} total tok/s in {e['wall_s']:.1f} s; "
           f"prefill steps {e['prefill_steps_s']:.1f} s, decode steps {e['decode_steps_s']:.1f} s "
-          f"({e['decode_steps']} steps, mean batch {e['mean_decode_batch']:.0f}, floor {e.get('decode_floor_s', float('nan')):.1f} s)",
+          f"({e['decode_steps']} steps, mean batch {e['mean_decode_batch']:.0f})",
           flush=True)
     if args.hf_requests:
         report["hf_generate_batch"] = run_hf(args.model, args.load_format, args.dtype, args.device, requests[: args.hf_requests])
     e = report["engine"]
-    print(f"{'':<28}{'requests':>9}{'wall s':>9}{'out tok/s':>11}{'total tok/s':>12}{'prefill s':>10}{'decode s':>10}{'floor s':>9}")
-    print(f"{'engine':<28}{e['requests']:>9}{e['wall_s']:>9.1f}{e['output_tok_s']:>11.0f}{e['total_tok_s']:>12.0f}"
-          f"{e['prefill_steps_s']:>10.1f}{e['decode_steps_s']:>10.1f}{e.get('decode_floor_s', float('nan')):>9.1f}")
+    print(f"{'':<32}{'requests':>9}{'wall s':>9}{'out tok/s':>11}{'total tok/s':>12}{'prefill s':>10}{'decode s':>10}")
+    print(f"{'engine':<32}{e['requests']:>9}{e['wall_s']:>9.1f}{e['output_tok_s']:>11.0f}{e['total_tok_s']:>12.0f}"
+          f"{e['prefill_steps_s']:>10.1f}{e['decode_steps_s']:>10.1f}")
     if "hf_generate_batch" in report:
         h = report["hf_generate_batch"]
-        print(f"{'HF generate_batch (paged|sdpa)':<28}{h['requests']:>9}{h['wall_s']:>9.1f}{h['output_tok_s']:>11.0f}")
+        print(f"{'HF generate_batch (paged|sdpa)':<32}{h['requests']:>9}{h['wall_s']:>9.1f}{h['output_tok_s']:>11.0f}")
     _write(args.output, report)
 
 

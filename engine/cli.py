@@ -43,8 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="prefill at most this many prompt tokens per step (<= 0: off; default from configs/<device>.yaml)",
     )
     group.add_argument(
-        "--max-decode-stall-ms", type=float, default=None,
-        help="while requests decode, cap the prompt tokens of an extend step so it takes at most this long "
+        "--max-extend-step-ms", type=float, default=None,
+        help="cap the prompt tokens of an extend step so it takes at most this long, by its measured speed "
         "(<= 0: off; default from configs/<device>.yaml)",
     )
     group.add_argument("--debug-kv-invariant", action="store_true", help="check the KV pool invariant after every step")
@@ -71,7 +71,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object):  # n
         compile_decode=args.compile_decode,
         enable_prefix_caching=not args.disable_prefix_caching,
         chunked_prefill_size=args.chunked_prefill_size,
-        max_decode_stall_ms=args.max_decode_stall_ms,
+        max_extend_step_ms=args.max_extend_step_ms,
         debug_kv_invariant=args.debug_kv_invariant,
         seed=args.seed,
     )

@@ -34,9 +34,9 @@ class EngineConfig:
     compile_decode: bool | None = None  # cuda/rocm: torch.compile the step before capturing it
     enable_prefix_caching: bool = True
     chunked_prefill_size: int | None = None  # tokens of prompt per step; <= 0 disables chunking
-    # While requests decode, shrink the prompt-token budget so one extend step holds them up at most
-    # this long (measured per token; None: the budget alone decides).
-    max_decode_stall_ms: float | None = None
+    # Shrink the prompt-token budget so one extend step takes at most this long (measured per token),
+    # which bounds how long decodes, arrivals and aborts wait behind a prefill (None: the budget alone).
+    max_extend_step_ms: float | None = None
     debug_kv_invariant: bool = False  # check the KV pool invariant after every step
     warmup: bool = True  # one short request through the real step path at start-up (first-call costs)
     seed: int = 0

@@ -64,7 +64,7 @@ class Engine:
             int(self.config.max_prefill_tokens),
             self.config.chunked_prefill_size,
             self.max_model_len,
-            float(self.config.max_decode_stall_ms) / 1000.0 if (self.config.max_decode_stall_ms or 0) > 0 else None,
+            float(self.config.max_extend_step_ms) / 1000.0 if (self.config.max_extend_step_ms or 0) > 0 else None,
         )
         max_pages = -(-self.max_model_len // self.kv_pool.page_size)
         self.decode_state = DecodeBatchState(
@@ -249,16 +249,7 @@ class Engine:
         """The culprit of a failed step: its pages are freed, and its output carries the error."""
         self._requests.pop(request.request_id, None)
         self.scheduler.finish(request, "abort")
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            text=request.output_text,
-            finished=True,
-            finish_reason="error",
-            error=f"generation failed: {type(error).__name__}: {error}",
-        )
+        return _output(request, "error", error=f"generation failed: {type(error).__name__}: {error}")
 
     def _append_token(self, request: Request, token: int) -> RequestOutput:
         params = request.params
@@ -284,14 +275,9 @@ class Engine:
             self._requests.pop(request.request_id, None)
         new_text = self._releasable_text(request, finished=reason is not None)
         wants_logprobs = params.logprobs is not None
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            text=request.output_text,
-            finished=reason is not None,
-            finish_reason=reason,
+        return _output(
+            request,
+            reason,
             new_token_ids=[token],
             new_text=new_text,
             logprobs=list(request.output_logprobs) if wants_logprobs else None,
@@ -394,6 +380,20 @@ def _first_stop(text: str, stops: list[str], previous_len: int) -> int | None:
         if index != -1 and (best is None or index < best):
             best = index
     return best
+
+
+def _output(request: Request, finish_reason: str | None, **fields: object) -> RequestOutput:
+    """The request's output so far; finished when there is a finish reason."""
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids,
+        token_ids=list(request.output_token_ids),
+        text=request.output_text,
+        finished=finish_reason is not None,
+        finish_reason=finish_reason,
+        **fields,  # type: ignore[arg-type]
+    )
 
 
 def _generator_states(requests: list[Request]) -> dict[int, torch.Tensor]:

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 from os.path import commonprefix
+from typing import Callable
 
 from engine.errors import InvalidRequestError
 from engine.kv_manager import KVCacheManager, pages_needed
@@ -33,7 +33,7 @@ from engine.request import Request, RequestStatus
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
-MIN_STALL_BUDGET = 32  # prompt tokens per extend step however slow the steps are: prefill must progress
+MIN_EXTEND_BUDGET = 32  # prompt tokens per extend step however slow the steps are: prefill must progress
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Scheduler:
         max_prefill_tokens: int,
         chunked_prefill_size: int | None = None,
         max_model_len: int | None = None,
-        max_decode_stall_s: float | None = None,
+        max_extend_step_s: float | None = None,
     ) -> None:
         self.kv = kv
         self.page_size = kv.page_size
@@ -79,10 +79,11 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
         self._decode_owed = False  # an extend just ran: decode the running requests before the next one
-        # Fairness: while requests decode, an extend step may hold them up at most this long. The
-        # engine reports how long extend steps take per token (extend_seconds_per_token, an EMA),
-        # and the prompt-token budget shrinks to fit (never below MIN_STALL_BUDGET tokens).
-        self.max_decode_stall_s = max_decode_stall_s
+        # Fairness and responsiveness: an extend step may take at most this long, so running decodes,
+        # new arrivals and aborts wait at most that. The engine reports how long extend steps take per
+        # token (extend_seconds_per_token, an EMA), and the prompt-token budget shrinks to fit (never
+        # below MIN_EXTEND_BUDGET tokens).
+        self.max_extend_step_s = max_extend_step_s
         self.extend_seconds_per_token: float | None = None
         # Told when a request stops decoding (finished, aborted, retracted): its decode row is freed.
         self.on_leave: Callable[[Request], None] = lambda request: None
@@ -155,15 +156,15 @@ class Scheduler:
         previous = self.extend_seconds_per_token
         self.extend_seconds_per_token = per_token if previous is None else 0.7 * previous + 0.3 * per_token
 
-    def _stall_budget(self) -> int | None:
-        """Prompt tokens one extend step may take while others decode (None: no limit)."""
-        if self.max_decode_stall_s is None or not self.running or not self.extend_seconds_per_token:
+    def _time_budget(self) -> int | None:
+        """Prompt tokens one extend step may take to stay within max_extend_step_s (None: no limit)."""
+        if self.max_extend_step_s is None or not self.extend_seconds_per_token:
             return None
-        return max(MIN_STALL_BUDGET, int(self.max_decode_stall_s / self.extend_seconds_per_token))
+        return max(MIN_EXTEND_BUDGET, int(self.max_extend_step_s / self.extend_seconds_per_token))
 
     def _schedule_extend(self) -> ScheduledStep | None:
         budget = min(self.max_prefill_tokens, self.chunked_prefill_size or self.max_prefill_tokens)
-        stall_budget = self._stall_budget()
+        stall_budget = self._time_budget()
         if stall_budget is not None and self.chunked_prefill_size is not None:
             budget = min(budget, stall_budget)
         requests: list[Request] = []

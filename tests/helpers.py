@@ -153,6 +153,7 @@ def engine_logits(engine: Engine, token_ids: Sequence[int], next_token: int) -> 
         decode = engine.runner.logits(ScheduledStep(True, [request], []))[0].clone()
     finally:
         kv.release(request, cache=False)
+        engine.decode_state.release(request)  # the decode step gave it a persistent row
     return prefill, decode
 
 
