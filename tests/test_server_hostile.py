@@ -428,6 +428,7 @@ def test_soak_with_disconnects_and_hostile_requests(server: ServerProcess) -> No
     assert values["engine:kv_pages_used"] == 0
     assert counts.get("hung up", 0) > SOAK_REQUESTS // 10 and counts.get("hostile", 0) > 0
     time.sleep(1.0)  # let the keep-alive and header timeouts close what the clients left open
+    print(f"soak: {counts}; fds {baseline_fds} -> {_open_fds(pid)}; RSS {baseline_rss} -> {_rss_kb(pid)} KiB")
     assert _open_fds(pid) <= baseline_fds + 16, (baseline_fds, _open_fds(pid))
     assert _rss_kb(pid) <= 1.10 * baseline_rss, (baseline_rss, _rss_kb(pid))
     assert not math.isnan(values["engine:kv_pages_used"])

@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -56,7 +56,6 @@ class ServerSettings:
     body_timeout_s: float = 30.0
     max_pending_requests: int = 1024  # engine requests (prompts x n) queued or running; more: 503 + Retry-After
     trust_request_chat_template: bool = False  # let requests supply their own Jinja chat template
-    guard_stats: dict = field(default_factory=dict)
 
 
 def build_app(
@@ -99,7 +98,6 @@ def build_app(
     install_error_handlers(app)
     open_paths = {"/health"} | ({"/metrics"} if settings.open_metrics else set())
     guard = GuardSettings(api_key, frozenset(open_paths), settings.allowed_hosts, settings.max_body_bytes, settings.body_timeout_s)
-    settings.guard_stats = guard.stats
     app.add_middleware(GuardMiddleware, settings=guard)
 
     @app.get("/health")

@@ -23,7 +23,7 @@ import hmac
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from engine.server.errors import error_body
@@ -46,7 +46,6 @@ class GuardSettings:
     allowed_hosts: tuple[str, ...] | None = None  # None: any Host header
     max_body_bytes: int = 8 * 2**20
     body_timeout_s: float = 30.0
-    stats: dict[str, int] = field(default_factory=lambda: {"rejected_auth": 0, "rejected_body": 0, "errors": 0})
 
 
 class _BodyTooLarge(Exception):
@@ -82,14 +81,12 @@ class GuardMiddleware:
         try:
             await self.app(scope, self._limited_receive(receive), tracking_send)
         except _BodyTooLarge:
-            self.settings.stats["rejected_body"] += 1
             if not started["response"]:
                 await _send_error(send, 413, f"request body exceeds {self.settings.max_body_bytes} bytes", close=True)
         except asyncio.TimeoutError:
             if not started["response"]:
                 await _send_error(send, 408, f"request body not received within {self.settings.body_timeout_s:g} s", close=True)
         except Exception:  # noqa: BLE001 - a bug: the client still gets the JSON shape, the server lives on
-            self.settings.stats["errors"] += 1
             logger.exception("unexpected error serving %s %s", scope.get("method"), path)
             if not started["response"]:
                 await _send_error(send, 500, "internal server error", close=True)
@@ -104,14 +101,12 @@ class GuardMiddleware:
             scheme, _, token = header.partition(" ")
             # Constant-time compare: the key must not leak through response timing.
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
-                settings.stats["rejected_auth"] += 1
                 return 401, "invalid or missing API key (send Authorization: Bearer <key>)", {"www-authenticate": "Bearer"}
         length = headers.get("content-length")
         if length is not None:
             if not length.strip().isdigit():
                 return 400, "invalid Content-Length header", {}
             if int(length) > settings.max_body_bytes:
-                settings.stats["rejected_body"] += 1
                 return 413, f"request body of {int(length)} bytes exceeds the limit of {settings.max_body_bytes}", {}
         return None
 
