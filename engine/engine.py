@@ -21,7 +21,7 @@ from engine.loader import load_model, resolve_model_source
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import INIT_NEW_TOKEN_RATIO, ScheduledStep, Scheduler
+from engine.scheduler import INIT_NEW_TOKEN_RATIO, MIN_TIMED_EXTEND, ScheduledStep, Scheduler
 from engine.stats import EngineStats, StatsLogger
 from engine.tokenizer import encode_prompt, load_tokenizer
 
@@ -92,10 +92,13 @@ class Engine:
         Whatever is lazy on a first call (oneDNN's JIT for a new shape, lazily
         imported modules, first touch of the KV pool, a graph's first replay) is
         paid here, at start-up, and not by the first user; the log says how long
-        it took. It leaves no trace: the prefix cache, its counters, the step
-        counters and the scheduler's admission ratio are reset afterwards.
+        it took. Its prompt is long enough (MIN_TIMED_EXTEND tokens) to give the
+        scheduler a first measure of the prefill speed, so the extend-step time
+        budget holds from the first request on. Otherwise it leaves no trace: the
+        prefix cache, its counters, the step counters and the scheduler's
+        admission ratio are reset afterwards.
         """
-        prompt_len = min(4, self.max_model_len - 2)  # room for two new tokens: one prefill, one decode step
+        prompt_len = min(MIN_TIMED_EXTEND, self.max_model_len - 2)  # room for two new tokens: prefill, then one decode
         if prompt_len < 1:
             return
         start = time.perf_counter()

@@ -34,6 +34,7 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 MIN_EXTEND_BUDGET = 32  # prompt tokens per extend step however slow the steps are: prefill must progress
+MIN_TIMED_EXTEND = 128  # extend steps this long or longer measure the prefill speed per token
 
 
 @dataclass
@@ -149,8 +150,12 @@ class Scheduler:
 
     # ---- extend -------------------------------------------------------------------------
     def record_extend_time(self, tokens: int, seconds: float) -> None:
-        """How long an extend step of `tokens` prompt tokens took (fed by the engine)."""
-        if tokens <= 0:
+        """How long an extend step of `tokens` prompt tokens took (fed by the engine).
+
+        Steps under MIN_TIMED_EXTEND tokens are not counted: their time is mostly fixed per-step cost,
+        and per token it would shrink the budget of a long prompt far below what its step can take.
+        """
+        if tokens < MIN_TIMED_EXTEND:
             return
         per_token = seconds / tokens
         previous = self.extend_seconds_per_token

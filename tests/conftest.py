@@ -233,11 +233,14 @@ def _key(model: str | None, kwargs: dict[str, Any]) -> tuple:
 def engine_cache() -> Callable[..., Engine]:
     """get(model, **options) -> a session-wide Engine, built once per (model, options).
 
-    Defaults: cpu, float32, page 16, 2048 KV tokens, max_num_seqs 8, eager.
+    Defaults: cpu, float32, page 16, 2048 KV tokens, max_num_seqs 8, eager, and no time budget for
+    extend steps (max_extend_step_ms=0): how prompts split into steps must not depend on how fast
+    this machine happens to be, since tests count steps. The server tests keep the CPU default.
     """
 
     def get(model: str | None, **options: Any) -> Engine:
-        kwargs = dict(device="cpu", dtype="float32", page_size=16, kv_cache_tokens=2048, max_num_seqs=8, disable_graphs=True)
+        kwargs = dict(device="cpu", dtype="float32", page_size=16, kv_cache_tokens=2048, max_num_seqs=8, disable_graphs=True,
+                      max_extend_step_ms=0)
         kwargs.update(options)
         key = _key(model, kwargs)
         if key not in _ENGINES:
