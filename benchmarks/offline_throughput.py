@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
+from engine.cli import add_engine_args, engine_config_from_args
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
@@ -103,27 +103,23 @@ def run_hf(model_name: str, load_format: str, dtype: str, device: str, requests:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--model", default="llama-3-8b")
-    parser.add_argument("--load-format", default="dummy")
-    parser.add_argument("--dtype", default="bfloat16")
+    add_engine_args(parser)  # the engine's own flags: --model, --device, --dtype, --load-format, --max-num-seqs, ...
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--input-len", default="256,768")
     parser.add_argument("--output-len", default="128,384")
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-requests", type=int, default=300, help="0: skip the HF peer")
     parser.add_argument("--output", default="bench_results/offline_throughput.json")
     args = parser.parse_args()
     input_len = tuple(int(x) for x in args.input_len.split(","))
     output_len = tuple(int(x) for x in args.output_len.split(","))
-    engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
-                                 max_num_seqs=args.max_num_seqs))
-    requests = make_requests(args.num_requests, input_len, output_len, engine.model_config.vocab_size, args.seed)
+    engine = Engine(engine_config_from_args(args))
+    dtype = engine.config.dtype
+    requests = make_requests(args.num_requests, input_len, output_len, engine.model_config.vocab_size, args.seed)  # --seed: the engine's flag
     report: dict[str, Any] = {"torch": torch.__version__, "device": args.device, "model": args.model,
                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                               "input_len": input_len, "output_len": output_len}
     report["engine"] = run_engine(engine, requests)
+    engine_device = engine.device
     del engine
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -134,7 +130,7 @@ def main() -> None:
           f"({e['decode_steps']} steps, mean batch {e['mean_decode_batch']:.0f})",
           flush=True)
     if args.hf_requests:
-        report["hf_generate_batch"] = run_hf(args.model, args.load_format, args.dtype, args.device, requests[: args.hf_requests])
+        report["hf_generate_batch"] = run_hf(args.model, args.load_format, dtype, str(engine_device), requests[: args.hf_requests])
     e = report["engine"]
     print(f"{'':<32}{'requests':>9}{'wall s':>9}{'out tok/s':>11}{'total tok/s':>12}{'prefill s':>10}{'decode s':>10}")
     print(f"{'engine':<32}{e['requests']:>9}{e['wall_s']:>9.1f}{e['output_tok_s']:>11.0f}{e['total_tok_s']:>12.0f}"

@@ -13,23 +13,20 @@ import pstats
 
 import torch
 
-from engine.config import EngineConfig
+from engine.cli import add_engine_args, engine_config_from_args
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--model", default="llama-3-8b")
-    parser.add_argument("--load-format", default="dummy")
-    parser.add_argument("--dtype", default="bfloat16")
+    add_engine_args(parser)  # the engine's own flags: --model, --device, --dtype, --load-format, ...
     parser.add_argument("--batch-sizes", default="1,256")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--top", type=int, default=22)
     args = parser.parse_args()
-    engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format))
+    engine = Engine(engine_config_from_args(args))
     vocab = engine.model_config.vocab_size
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         generator = torch.Generator().manual_seed(batch)

@@ -72,7 +72,7 @@ class Engine:
             lambda request: (request.shared_pages, self.kv_pool.allocator.pages_of(request.request_id)),
         )
         self.decode_state.penalties = PenaltyState(int(self.config.max_num_seqs), int(self.model_config.vocab_size), self.device)
-        self.scheduler.on_leave = self.decode_state.release
+        self.kv_manager.on_release = self.decode_state.release
         self.runner = ModelRunner(
             self.model, self.kv_pool, self.kv_manager, self.device, self.platform.slot_index_dtype, self._graph_runner(),
             self.decode_state,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from engine.kv_cache import PageAllocator
 from engine.radix_cache import RadixCache
@@ -43,6 +44,9 @@ class KVCacheManager:
         self.page_size = page_size
         self.tree = RadixCache(page_size, allocator.release) if enable_prefix_cache else None
         self.stats = PrefixCacheStats()
+        # Told whenever a request's pages are released (finished, aborted, retracted, or any other
+        # caller): the persistent decode row that mirrors its page table is freed with them.
+        self.on_release: Callable[[Request], None] = lambda request: None
 
     # ---- capacity ---------------------------------------------------------------------
     @property
@@ -142,6 +146,7 @@ class KVCacheManager:
         request.shared_pages = []
         # Nothing of its KV is held any more; a later release (or a redo) starts from zero.
         request.num_cached_tokens = 0
+        self.on_release(request)
 
     def reset_prefix_cache(self) -> None:
         if self.tree is not None:

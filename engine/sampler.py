@@ -169,12 +169,9 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         candidate_logits = scaled
         candidate_ids = torch.arange(scaled.shape[1], device=device).expand(scaled.shape[0], -1)
     probs = candidate_logits.softmax(dim=-1)
-    # Non-finite logits (a broken model or kernel) would make a draw fail or pick garbage for the
-    # whole batch: such a row takes its argmax instead. torch.where: no host sync.
-    broken = ~torch.isfinite(probs).all(dim=-1, keepdim=True)
-    first = torch.zeros_like(probs)
-    first[:, 0] = 1.0
-    probs = torch.where(broken, first, probs)
+    # Non-finite logits (a broken model or kernel) must not fail the draw for the whole batch: such a
+    # row takes its argmax (the where() at the end; no host sync), and its garbage draw is discarded.
+    broken = ~torch.isfinite(probs).all(dim=-1)
     picks = torch.empty(len(random_rows), dtype=torch.long, device=device)
     seeded = [p for p, row in enumerate(random_rows) if requests[row].generator is not None]
     unseeded = [p for p, row in enumerate(random_rows) if requests[row].generator is None]
@@ -183,8 +180,10 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         race = probs[index] / torch.empty_like(probs[index]).exponential_()
         picks[index] = candidate_ids[index].gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
     for position in seeded:
-        full = torch.zeros(logits.shape[1], dtype=probs.dtype, device=device).scatter_(0, candidate_ids[position], probs[position])
+        # A broken row would make multinomial raise: draw from a harmless stand-in, discarded below.
+        row_probs = torch.where(broken[position], torch.ones_like(probs[position]), probs[position])
+        full = torch.zeros(logits.shape[1], dtype=probs.dtype, device=device).scatter_(0, candidate_ids[position], row_probs)
         picks[position] = torch.multinomial(full, 1, generator=requests[random_rows[position]].generator)[0]
     chosen = greedy_ids.clone()
-    chosen[rows] = torch.where(broken.squeeze(1), greedy_ids[rows], picks)
+    chosen[rows] = torch.where(broken, greedy_ids[rows], picks)
     return chosen

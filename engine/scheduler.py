@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from os.path import commonprefix
-from typing import Callable
 
 from engine.errors import InvalidRequestError
 from engine.kv_manager import KVCacheManager, pages_needed
@@ -86,8 +85,6 @@ class Scheduler:
         # below MIN_EXTEND_BUDGET tokens).
         self.max_extend_step_s = max_extend_step_s
         self.extend_seconds_per_token: float | None = None
-        # Told when a request stops decoding (finished, aborted, retracted): its decode row is freed.
-        self.on_leave: Callable[[Request], None] = lambda request: None
 
     def add(self, request: Request) -> None:
         if pages_needed(request.num_tokens + 1, self.page_size) > self.kv.total_pages:
@@ -140,7 +137,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv.release(request)
-        self.on_leave(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -276,8 +272,7 @@ class Scheduler:
         return min(reversed(candidates), key=lambda r: r.num_tokens if r is not self.chunked else r.num_cached_tokens)
 
     def _retract(self, request: Request) -> None:
-        self.kv.release(request)  # computed pages stay cached: the redo may find them still there
-        self.on_leave(request)  # its pages change: the redo gets a fresh decode row
+        self.kv.release(request)  # computed pages stay cached; the decode row goes with the pages
         request.num_cached_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1

@@ -152,8 +152,7 @@ def engine_logits(engine: Engine, token_ids: Sequence[int], next_token: int) -> 
         request.output_token_ids.append(int(next_token))
         decode = engine.runner.logits(ScheduledStep(True, [request], []))[0].clone()
     finally:
-        kv.release(request, cache=False)
-        engine.decode_state.release(request)  # the decode step gave it a persistent row
+        kv.release(request, cache=False)  # frees its persistent decode row too
     return prefill, decode
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import math
 import os
 import random
 import resource
@@ -362,8 +361,7 @@ def test_queue_limit_answers_503_with_retry_after(smol_engine: Engine) -> None:
         assert_openai_error(response, 503)
         assert response.headers["retry-after"] == "1"
         ok = http.post("/v1/completions", json={"prompt": "hi", "n": 2, "max_tokens": 1})
-        assert ok.status_code == 200
-        assert app.state.async_engine is not None
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
     assert smol_engine.kv_pages_in_use() == 0
 
 
@@ -431,7 +429,6 @@ def test_soak_with_disconnects_and_hostile_requests(server: ServerProcess) -> No
     print(f"soak: {counts}; fds {baseline_fds} -> {_open_fds(pid)}; RSS {baseline_rss} -> {_rss_kb(pid)} KiB")
     assert _open_fds(pid) <= baseline_fds + 16, (baseline_fds, _open_fds(pid))
     assert _rss_kb(pid) <= 1.10 * baseline_rss, (baseline_rss, _rss_kb(pid))
-    assert not math.isnan(values["engine:kv_pages_used"])
 
 
 def test_a_heavy_request_does_not_stall_a_running_stream(server: ServerProcess) -> None:
