@@ -9,6 +9,11 @@ pages that are new (one every `page_size` tokens). The per-step host work is
 O(batch): for each request its row, last token, position and slot, packed
 into one host tensor and sent in one copy. The page table rows the step needs
 are gathered on the device.
+
+The last sampled token of every row lives on the device too (`last_tokens`):
+with overlap scheduling the next step is launched before the host has seen
+that token, so a request with a token still pending feeds it from there
+(its host token is sent as -1), with no host round trip.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ import torch
 from engine.forward_batch import ForwardBatch
 from engine.layers.attention import AttentionMetadata
 from engine.request import Request
+from engine.transfer import host_tensor, to_device
+
+PENDING_TOKEN = -1  # host_inputs' token for a request whose last token is still on the device
 
 
 class DecodeBatchState:
@@ -34,6 +42,7 @@ class DecodeBatchState:
     ) -> None:
         """pages_of(request) -> (shared prefix pages, private pages): the request's table in two parts."""
         self.page_table = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
+        self.last_tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)  # each row's last sampled token
         self.max_pages = max_pages
         self.page_size = page_size
         self.device = device
@@ -56,8 +65,28 @@ class DecodeBatchState:
             request.batch_row = None
             request.batch_row_pages = 0
 
+    def assign_row(self, request: Request) -> int:
+        """The request's decode row, taken from the free rows the first time it samples."""
+        if request.batch_row is None:
+            request.batch_row = self._free_rows.pop()
+            request.batch_row_pages = 0
+        return request.batch_row
+
+    def rows_of(self, requests: list[Request]) -> torch.Tensor:
+        """The decode rows of these requests (assigned where new), on the device."""
+        return to_device([self.assign_row(r) for r in requests], torch.int64, self.device)
+
+    def record_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """A step's sampled tokens, kept on the device: the next decode step feeds them from here."""
+        self.last_tokens.index_copy_(0, rows, token_ids)
+
+    def input_tokens(self, host_tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Each request's input token: the host's where it has it, else the row's last sampled token."""
+        return torch.where(host_tokens >= 0, host_tokens, self.last_tokens.index_select(0, rows))
+
     def host_inputs(self, requests: list[Request]) -> torch.Tensor:
-        """[4, batch] int64 on the host: (input token, position, KV slot, decode row) of each request.
+        """[4, batch] int64 on the host (pinned for CUDA): (input token or PENDING_TOKEN, position,
+        KV slot, decode row) of each request.
 
         O(batch): a request's pages are written to its device row once, then only new ones
         (one every page_size tokens); the diffs go to the device here, in one small copy.
@@ -71,10 +100,7 @@ class DecodeBatchState:
         for request in requests:
             shared, private = self.pages_of(request)
             num_pages = len(shared) + len(private)
-            if request.batch_row is None:
-                request.batch_row = self._free_rows.pop()
-                request.batch_row_pages = 0
-            row = request.batch_row
+            row = self.assign_row(request)
             written = request.batch_row_pages
             if num_pages > written:
                 if num_pages > self.max_pages:
@@ -84,22 +110,22 @@ class DecodeBatchState:
                     diff_cols.append(column)
                     diff_pages.append(shared[column] if column < len(shared) else private[column - len(shared)])
                 request.batch_row_pages = num_pages
-            position = request.num_tokens - 1
+            position = request.num_tokens_with_pending - 1
             column = position // page_size
             page = shared[column] if column < len(shared) else private[column - len(shared)]
             row_list.append(row)
-            token_list.append(request.last_token_id)
+            token_list.append(PENDING_TOKEN if request.num_pending_tokens else request.last_token_id)
             position_list.append(position)
             slot_list.append(page * page_size + position % page_size)
         if diff_rows:
             self.rows_written += len(diff_rows)
-            diff = torch.tensor([diff_rows, diff_cols, diff_pages], dtype=torch.int64).to(self.device, non_blocking=True)
+            diff = to_device([diff_rows, diff_cols, diff_pages], torch.int64, self.device)
             self.page_table[diff[0], diff[1]] = diff[2].to(torch.int32)
-        return torch.tensor([token_list, position_list, slot_list, row_list], dtype=torch.int64)
+        return host_tensor([token_list, position_list, slot_list, row_list], torch.int64, self.device)
 
     def decode_batch(self, requests: list[Request]) -> ForwardBatch:
         """The decode step as a ForwardBatch (eager steps, and graph runners that take one)."""
-        on_device = self.host_inputs(requests).to(self.device, non_blocking=True)
+        on_device = to_device(self.host_inputs(requests), torch.int64, self.device)
         positions = on_device[1]
         meta = AttentionMetadata(
             is_decode=True,
@@ -108,7 +134,9 @@ class DecodeBatchState:
             seq_lens=(positions + 1).to(torch.int32),
             page_size=self.page_size,
         )
-        return ForwardBatch(input_ids=on_device[0], positions=positions, meta=meta, logits_indices=None, requests=requests)
+        input_ids = self.input_tokens(on_device[0], on_device[3])
+        return ForwardBatch(input_ids=input_ids, positions=positions, meta=meta, logits_indices=None, requests=requests,
+                            decode_rows=on_device[3])
 
 
 class PenaltyState:
@@ -134,23 +162,23 @@ class PenaltyState:
     def release(self, row: int) -> None:
         self.ready.discard(row)
 
-    def rows_for(self, requests: list[Request]) -> torch.Tensor:
-        """The rows of these (penalized, decoding) requests, filled first where a row is new."""
+    def fill_new_rows(self, requests: list[Request]) -> None:
+        """Fill the rows of these (penalized) requests where a row is new to its request."""
         self._allocate()
         assert self.seen is not None and self.counts is not None
         for request in requests:
             row = request.batch_row
-            assert row is not None, "penalty rows exist for decoding requests only"
+            assert row is not None, "penalty rows exist for requests with a decode row only"
             if row not in self.ready:
-                # O(context) once per request, when it starts decoding (and again after a retraction).
+                # O(context) once per request, when it first samples (and again after a retraction).
+                # Every token is on the host then: a request is prefilled only with nothing pending.
                 self.seen[row].zero_()
-                self.seen[row, torch.tensor(request.all_token_ids, device=self.device)] = True
+                self.seen[row, to_device(request.all_token_ids, torch.int64, self.device)] = True
                 self.counts[row].zero_()
                 if request.output_token_ids:
-                    out = torch.tensor(request.output_token_ids, device=self.device)
+                    out = to_device(request.output_token_ids, torch.int64, self.device)
                     self.counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
                 self.ready.add(row)
-        return torch.tensor([r.batch_row for r in requests], device=self.device)
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """This step's sampled tokens of those rows (device tensors, no host round trip)."""

@@ -47,6 +47,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="cap the prompt tokens of an extend step so it takes at most this long, by its measured speed "
         "(<= 0: off; default from configs/<device>.yaml)",
     )
+    group.add_argument(
+        "--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
+        help="schedule and prepare the next step while the device runs this one (default from "
+        "configs/<device>.yaml: on for cuda/rocm); --no-overlap-schedule to debug",
+    )
     group.add_argument("--debug-kv-invariant", action="store_true", help="check the KV pool invariant after every step")
     group.add_argument("--seed", type=int, default=0)
 
@@ -72,6 +77,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object):  # n
         enable_prefix_caching=not args.disable_prefix_caching,
         chunked_prefill_size=args.chunked_prefill_size,
         max_extend_step_ms=args.max_extend_step_ms,
+        overlap_schedule=args.overlap_schedule,
         debug_kv_invariant=args.debug_kv_invariant,
         seed=args.seed,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -37,6 +38,9 @@ class EngineConfig:
     # Shrink the prompt-token budget so one extend step takes at most this long (measured per token),
     # which bounds how long decodes, arrivals and aborts wait behind a prefill (None: the budget alone).
     max_extend_step_ms: float | None = None
+    # Launch step N+1 before reading step N's tokens back, so host work hides behind device work
+    # (None: the device's YAML; on for cuda/rocm, off where steps run synchronously).
+    overlap_schedule: bool | None = None
     debug_kv_invariant: bool = False  # check the KV pool invariant after every step
     warmup: bool = True  # one short request through the real step path at start-up (first-call costs)
     seed: int = 0
@@ -55,6 +59,10 @@ class EngineConfig:
             if getattr(self, f.name) is None and f.name in defaults:
                 values[f.name] = defaults[f.name]
         resolved = replace(self, **values, device_config=defaults)
+        overlap_env = os.environ.get("ENGINE_OVERLAP_SCHEDULE", "")
+        if self.overlap_schedule is None and overlap_env:
+            # Between the YAML and an explicit setting: CI runs whole test files with overlap on.
+            resolved.overlap_schedule = overlap_env not in ("0", "false", "off")
         if resolved.dtype == "auto":
             max_batch = min(int(resolved.max_num_seqs or 1), int(resolved.max_capture_size or resolved.max_num_seqs or 1))
             resolved.dtype = defaults.get("dtype") or str(platform.default_dtype(max_batch)).replace("torch.", "")

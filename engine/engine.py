@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
@@ -19,7 +20,8 @@ from engine.kv_cache import KVPool
 from engine.kv_manager import KVCacheManager, PrefixCacheStats
 from engine.loader import load_model, resolve_model_source
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestOutput, RequestStatus
+from engine.request import Request, RequestOutput
+from engine.sampler import SampledTokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import INIT_NEW_TOKEN_RATIO, MIN_TIMED_EXTEND, ScheduledStep, Scheduler
 from engine.stats import EngineStats, StatsLogger
@@ -82,7 +84,10 @@ class Engine:
         self.stats_logger = StatsLogger(self)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
-        self.last_step_was_decode = False
+        self.last_step_was_decode = False  # of the step whose outputs the last step() call returned
+        self.overlap = bool(self.config.overlap_schedule)
+        self._in_flight: _LaunchedStep | None = None  # launched, outputs not yet read back (overlap)
+        logger.info("overlap scheduling %s", "on" if self.overlap else "off")
         if self.config.warmup:
             self._warm_up()
 
@@ -193,35 +198,77 @@ class Engine:
             self.scheduler.finish(request, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; outputs of every request that produced a token (or failed)."""
-        step = self.scheduler.schedule()
-        if step is None:
-            return []
-        self.last_step_was_decode = step.is_decode  # benchmarks split time into prefill and decode steps
-        rewind = _generator_states(step.sampled_requests)
-        start = time.perf_counter()
-        try:
-            done = [(step, self.runner.run(step))]
-            if not step.is_decode:
-                self.scheduler.record_extend_time(sum(step.extend_lens), time.perf_counter() - start)
-            failed: list[tuple[Request, Exception]] = []
-        except Exception as exc:  # noqa: BLE001 - isolated below: only the culprit fails
-            done, failed = self._isolate_failure(step, exc, rewind)
-        for part, _ in done:
-            self.scheduler.on_step_done(part)
-        outputs = [self._append_token(r, t) for part, tokens in done for r, t in zip(part.sampled_requests, tokens)]
-        outputs += [self._fail_request(request, exc) for request, exc in failed]
+        """Run one scheduled step; outputs of every request that produced a token (or failed).
+
+        With overlap scheduling the step is launched first and the outputs returned are those of the
+        step before it, read back while the device runs this one: the host's work (scheduling,
+        building inputs, detokenizing, stop checks) hides behind the device's. Without it (CPU, and
+        `overlap_schedule: false`) each step's own outputs come back.
+        """
+        launched = self._launch(self.scheduler.schedule())
+        previous, self._in_flight = self._in_flight, launched
+        outputs = self._complete(previous) if previous is not None else []
+        if launched is not None and not self.overlap:
+            self._in_flight = None
+            outputs += self._complete(launched)
         if self.debug_kv:
             self.check_kv_invariant()
         self.stats_logger.maybe_log()
         return outputs
 
+    def _launch(self, step: ScheduledStep | None) -> "_LaunchedStep | None":
+        """Put the step on the device; the scheduler advances its requests as if it had run."""
+        if step is None:
+            return None
+        rewind = _generator_states(step.sampled_requests)
+        start = time.perf_counter()
+        try:
+            parts = [(step, self.runner.launch(step))]
+            failed: list[tuple[Request, Exception]] = []
+        except Exception as exc:  # noqa: BLE001 - isolated below: only the culprit fails
+            parts, failed = self._isolate_failure(step, exc, rewind)
+        for part, sampled in parts:
+            self.scheduler.on_step_launched(part)
+            if sampled is not None:
+                sampled.start_copy()
+        for request, _ in failed:
+            # Out of the scheduler now, so no later step includes it; its error output comes with the step's.
+            self._requests.pop(request.request_id, None)
+            self.scheduler.finish(request, "abort")
+        return _LaunchedStep(step.is_decode, parts, failed, start)
+
+    def _complete(self, launched: "_LaunchedStep") -> list[RequestOutput]:
+        """Read a launched step's tokens back (waiting for the device if need be) and hand them out.
+
+        A request that finished or was aborted after the step was launched drops its token: a stop
+        found one step late never lets a token past it out.
+        """
+        outputs: list[RequestOutput] = []
+        for part, sampled in launched.parts:
+            if sampled is None:
+                continue
+            tokens, logprobs = sampled.resolve()
+            for request, token, entry in zip(part.sampled_requests, tokens, logprobs):
+                request.num_pending_tokens -= 1
+                if request.finished:
+                    continue
+                if entry is not None:
+                    request.output_logprobs.append(entry)
+                outputs.append(self._append_token(request, token))
+        if not launched.is_decode:
+            extend_tokens = sum(sum(part.extend_lens) for part, _ in launched.parts)
+            self.scheduler.record_extend_time(extend_tokens, time.perf_counter() - launched.started)
+        for request, error in launched.failed:
+            outputs.append(_output(request, "error", error=f"generation failed: {type(error).__name__}: {error}"))
+        self.last_step_was_decode = launched.is_decode  # benchmarks split time into prefill and decode steps
+        return outputs
+
     def _isolate_failure(
         self, step: ScheduledStep, error: Exception, rewind: dict[int, torch.Tensor]
-    ) -> tuple[list[tuple[ScheduledStep, list[int]]], list[tuple[Request, Exception]]]:
+    ) -> tuple[list[tuple[ScheduledStep, SampledTokens | None]], list[tuple[Request, Exception]]]:
         """A step raised: re-run it in halves until the request(s) that make it fail are alone.
 
         Re-running is safe: a step writes each token's k/v to the same slot
@@ -234,25 +281,19 @@ class Engine:
             return [], [(step.requests[0], error)]
         logger.warning("a step of %d requests failed (%s: %s): re-running it in parts to find the culprit",
                        len(step.requests), type(error).__name__, error)
-        done: list[tuple[ScheduledStep, list[int]]] = []
+        done: list[tuple[ScheduledStep, SampledTokens | None]] = []
         failed: list[tuple[Request, Exception]] = []
         half = len(step.requests) // 2
         for part in (slice(0, half), slice(half, None)):
             sub = ScheduledStep(step.is_decode, step.requests[part], step.extend_lens[part], step.sample_mask[part])
             _rewind_generators(sub.sampled_requests, rewind)
             try:
-                done.append((sub, self.runner.run(sub)))
+                done.append((sub, self.runner.launch(sub)))
             except Exception as exc:  # noqa: BLE001
                 sub_done, sub_failed = self._isolate_failure(sub, exc, rewind)
                 done += sub_done
                 failed += sub_failed
         return done, failed
-
-    def _fail_request(self, request: Request, error: Exception) -> RequestOutput:
-        """The culprit of a failed step: its pages are freed, and its output carries the error."""
-        self._requests.pop(request.request_id, None)
-        self.scheduler.finish(request, "abort")
-        return _output(request, "error", error=f"generation failed: {type(error).__name__}: {error}")
 
     def _append_token(self, request: Request, token: int) -> RequestOutput:
         params = request.params
@@ -373,6 +414,16 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return EngineStats.collect(self)
+
+
+@dataclass
+class _LaunchedStep:
+    """A step on the device whose tokens the host has not read back yet."""
+
+    is_decode: bool
+    parts: list[tuple[ScheduledStep, SampledTokens | None]]  # one, or the parts a failure was split into
+    failed: list[tuple[Request, Exception]]  # requests that made it fail (finished already)
+    started: float  # perf_counter at launch
 
 
 def _first_stop(text: str, stops: list[str], previous_len: int) -> int | None:

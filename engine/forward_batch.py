@@ -8,6 +8,7 @@ import torch
 
 from engine.layers.attention import AttentionMetadata
 from engine.request import Request
+from engine.transfer import to_device as _to_device
 
 
 @dataclass
@@ -17,6 +18,9 @@ class ForwardBatch:
     meta: AttentionMetadata
     logits_indices: torch.Tensor | None  # [sampled] rows of the hidden states that are sampled; None: every row (decode)
     requests: list[Request]
+    # Decode steps from the persistent state: each request's decode row (device), where its sampled
+    # token is kept for the next step and its penalty state lives.
+    decode_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -69,7 +73,7 @@ def build_forward_batch(
         page_rows.append(pages + [0] * (width - len(pages)))
 
     def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return _to_device(values, dtype, device)
 
     meta = AttentionMetadata(
         is_decode=is_decode,

@@ -117,7 +117,9 @@ class KVCacheManager:
         """Move the request's computed full pages into the prefix cache (it keeps reading them)."""
         if self.tree is None:
             return
-        full = request.num_cached_tokens // self.page_size
+        # An abort can come while a launched step still holds the request's newest token on the device:
+        # its k/v may be computed, but the host does not know that token, so it cannot be cached.
+        full = min(request.num_cached_tokens, request.num_tokens) // self.page_size
         shared = len(request.shared_pages)
         if full <= shared:
             return

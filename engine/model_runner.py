@@ -12,7 +12,7 @@ from engine.kv_cache import KVPool
 from engine.kv_manager import KVCacheManager
 from engine.layers.attention import step_context
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import record_prompt_logprobs, sample
+from engine.sampler import SampledTokens, record_prompt_logprobs, sample
 from engine.scheduler import ScheduledStep
 from graphs.runner import DecodeGraphRunner
 
@@ -45,12 +45,16 @@ class ModelRunner:
     @torch.no_grad()
     def logits(self, step: ScheduledStep) -> torch.Tensor | None:
         """Logits [sampled requests, vocab]; None when no request samples (chunks of long prompts only)."""
+        return self._forward(step)[0]
+
+    def _forward(self, step: ScheduledStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits of the sampled requests, their decode rows on the device: None for extend steps)."""
         runner, state = self.graph_runner, self.decode_state
         if step.is_decode and state is not None and runner is not None and runner.can_run(len(step.requests)) \
                 and getattr(runner, "fills_from_rows", False):
-            # The graph's static buffers filled straight from the persistent rows: one copy, one gather.
+            # The graph's static buffers filled straight from the persistent rows: one copy, a few gathers.
             self.graph_steps += 1
-            return runner.run_from_rows(state.host_inputs(step.requests), state.page_table)
+            return runner.run_from_rows(state.host_inputs(step.requests), state)
         if step.is_decode and state is not None:
             batch = state.decode_batch(step.requests)  # O(batch): rows updated by diffs
         else:
@@ -67,16 +71,16 @@ class ModelRunner:
             )
         if step.is_decode and self.graph_runner is not None and self.graph_runner.can_run(batch.batch_size):
             self.graph_steps += 1
-            return self.graph_runner.run(batch.input_ids, batch.positions, batch.meta)
+            return self.graph_runner.run(batch.input_ids, batch.positions, batch.meta), batch.decode_rows
         self.eager_steps += 1
         with step_context(self.model.attention_backend, batch.meta):
             hidden = self.model(batch.input_ids, batch.positions, self.kv_pool.caches, batch.meta)
         if not step.is_decode:
             self._record_prompt_logprobs(hidden, batch)
             if not any(step.sample_mask):
-                return None
+                return None, None
             hidden = hidden[batch.logits_indices]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), batch.decode_rows
 
     def _record_prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch) -> None:
         """Echo with logprobs (server): logits of every prompt token, only for requests that ask.
@@ -97,10 +101,24 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[begin:end])
                 record_prompt_logprobs(request, logits, positions[offset : offset + end - begin])
 
-    def run(self, step: ScheduledStep) -> list[int]:
-        """Next token of every request in step.sampled_requests."""
-        logits = self.logits(step)
+    @torch.no_grad()
+    def launch(self, step: ScheduledStep) -> SampledTokens | None:
+        """Queue the step on the device: forward, sampling, and the sampled tokens kept in the decode
+        rows for the next step. Nothing here waits for the device; None when no request samples."""
+        logits, rows = self._forward(step)
         if logits is None:
-            return []
-        penalties = self.decode_state.penalties if step.is_decode and self.decode_state is not None else None
-        return sample(logits, step.sampled_requests, penalties)
+            return None
+        requests = step.sampled_requests
+        state = self.decode_state
+        if state is None:
+            return sample(logits, requests)
+        if rows is None:
+            rows = state.rows_of(requests)  # an extend: requests that now start decoding get their rows
+        sampled = sample(logits, requests, state.penalties, rows)
+        state.record_sampled(rows, sampled.token_ids)
+        return sampled
+
+    def run(self, step: ScheduledStep) -> list[int]:
+        """Next token of every request in step.sampled_requests (launch, then wait for them)."""
+        sampled = self.launch(step)
+        return [] if sampled is None else sampled.resolve()[0]

@@ -54,6 +54,10 @@ class Request:
     # of its pages that row already holds on the device.
     batch_row: int | None = None
     batch_row_pages: int = 0
+    # Tokens sampled by launched steps that the host has not processed yet (overlap scheduling: the
+    # next step is launched before the last one's tokens are read back). 0 or 1 whenever the
+    # scheduler runs; their k/v positions follow num_tokens.
+    num_pending_tokens: int = 0
 
     @property
     def last_token_id(self) -> int:
@@ -67,6 +71,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens the request has, counting those still on the device: the next step feeds the last."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def finished(self) -> bool:

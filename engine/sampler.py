@@ -7,49 +7,45 @@ generator so a seed reproduces regardless of batch composition.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from engine.batch_state import PenaltyState
 from engine.request import Request, TokenLogprob
+from engine.transfer import HostCopy, to_device
 
 
-def _apply_penalties(logits: torch.Tensor, requests: list[Request], penalties: PenaltyState | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _apply_penalties(
+    logits: torch.Tensor, requests: list[Request], penalties: PenaltyState, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Repetition (HF: every token seen in prompt or output, once), presence and frequency (OpenAI:
     counts over generated tokens) penalties for the whole batch at once, in place.
 
-    Returns (decode rows, batch positions) of the penalized requests when their state lives in
-    `penalties` (decode steps), so the sampled tokens can be recorded there; else None.
+    The seen/counts state lives in each request's decode row (`rows`, on the device). Returns
+    (penalized rows, their batch positions) so the sampled tokens can be recorded there; None when
+    no request is penalized.
     """
     positions = [i for i, r in enumerate(requests) if r.params.has_penalties]
     if not positions:
         return None
-    device, vocab = logits.device, logits.shape[1]
+    device = logits.device
     penalized = [requests[i] for i in positions]
-    index = torch.tensor(positions, device=device)
-    recorded = None
-    if penalties is not None and all(r.batch_row is not None for r in penalized):
-        rows = penalties.rows_for(penalized)
-        assert penalties.seen is not None and penalties.counts is not None
-        seen, counts = penalties.seen[rows], penalties.counts[rows].to(logits.dtype)
-        recorded = (rows, index)
-    else:
-        # The first token after a prefill (no decode row yet): from the token lists, once per request.
-        seen = torch.zeros(len(penalized), vocab, dtype=torch.bool, device=device)
-        counts = torch.zeros(len(penalized), vocab, dtype=logits.dtype, device=device)
-        for row, request in enumerate(penalized):
-            seen[row, torch.tensor(request.all_token_ids, device=device)] = True
-            if request.output_token_ids:
-                out = torch.tensor(request.output_token_ids, device=device)
-                counts[row].index_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
-    column = {"device": device, "dtype": logits.dtype}
-    repetition = torch.tensor([r.params.repetition_penalty for r in penalized], **column).unsqueeze(1)
-    frequency = torch.tensor([r.params.frequency_penalty for r in penalized], **column).unsqueeze(1)
-    presence = torch.tensor([r.params.presence_penalty for r in penalized], **column).unsqueeze(1)
-    values = logits[index]
-    values = torch.where(seen, torch.where(values > 0, values / repetition, values * repetition), values)
-    values = values - frequency * counts - presence * (counts > 0).to(logits.dtype)
-    logits[index] = values
-    return recorded
+    index = to_device(positions, torch.int64, device)
+    penalty_rows = rows.index_select(0, index)
+    penalties.fill_new_rows(penalized)
+    assert penalties.seen is not None and penalties.counts is not None
+    seen, counts = penalties.seen[penalty_rows], penalties.counts[penalty_rows].to(logits.dtype)
+    values = to_device(
+        [[r.params.repetition_penalty for r in penalized], [r.params.frequency_penalty for r in penalized],
+         [r.params.presence_penalty for r in penalized]], torch.float32, device,
+    ).to(logits.dtype).unsqueeze(2)
+    repetition, frequency, presence = values[0], values[1], values[2]
+    scores = logits.index_select(0, index)
+    scores = torch.where(seen, torch.where(scores > 0, scores / repetition, scores * repetition), scores)
+    scores = scores - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    logits.index_copy_(0, index, scores)
+    return penalty_rows, index
 
 
 TOPK_PATH_MAX_K = 4096  # when every random row has a top_k at most this, candidates come from topk, not a full sort
@@ -83,30 +79,98 @@ def _candidates(
     return sorted_logits, sorted_idx
 
 
-def sample(logits: torch.Tensor, requests: list[Request], penalties: PenaltyState | None = None) -> list[int]:
-    """logits [batch, vocab] float32 -> one token id per request.
+@dataclass
+class LogprobGroup:
+    """Logprobs of the rows that asked for the same number of alternatives (device tensors)."""
 
-    Requests with params.logprobs get a TokenLogprob appended to output_logprobs. `penalties`:
-    the decode rows' penalty state (decode steps), updated with the sampled tokens.
+    positions: list[int]  # batch positions of these rows
+    chosen: torch.Tensor  # [m] logprob of each row's sampled token
+    top_values: torch.Tensor | None  # [m, k], best first; None when k == 0
+    top_ids: torch.Tensor | None
+
+
+@dataclass
+class SampledTokens:
+    """One step's draws, still on the device. `resolve()` is the step's one wait for the device.
+
+    Launching the next step does not need them on the host: its input tokens are read from the
+    decode rows on the device (DecodeBatchState.last_tokens). The host copy starts as soon as the
+    step is launched, so when the engine gets to these results they are usually there already.
     """
+
+    token_ids: torch.Tensor  # [n] int64, one per sampled request
+    logprob_groups: list[LogprobGroup] = field(default_factory=list)
+    _copy: HostCopy | None = None
+    _resolved: tuple[list[int], list[TokenLogprob | None]] | None = None
+
+    def start_copy(self) -> "SampledTokens":
+        tensors = [self.token_ids]
+        for group in self.logprob_groups:
+            tensors.append(group.chosen)
+            if group.top_values is not None and group.top_ids is not None:
+                tensors += [group.top_values, group.top_ids]
+        self._copy = HostCopy(tensors)
+        return self
+
+    def resolve(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """(token id per row, TokenLogprob per row or None where the request asked for none)."""
+        if self._resolved is None:
+            if self._copy is None:
+                self.start_copy()
+            assert self._copy is not None
+            host = iter(self._copy.get())
+            tokens = next(host).tolist()
+            entries: list[TokenLogprob | None] = [None] * len(tokens)
+            for group in self.logprob_groups:
+                chosen = next(host).tolist()
+                tops: list[list[tuple[int, float]]] = [[] for _ in group.positions]
+                if group.top_values is not None:
+                    values, ids = next(host).tolist(), next(host).tolist()
+                    tops = [list(zip(i, v)) for i, v in zip(ids, values)]
+                for position, logprob, top in zip(group.positions, chosen, tops):
+                    entries[position] = TokenLogprob(tokens[position], float(logprob), top)
+            self._resolved = (tokens, entries)
+        return self._resolved
+
+
+def sample(
+    logits: torch.Tensor, requests: list[Request], penalties: PenaltyState | None = None, rows: torch.Tensor | None = None
+) -> SampledTokens:
+    """logits [batch, vocab] float32 -> one token id per request, on the device (no host sync).
+
+    `rows`: each request's decode row (device) where the penalty state lives; needed when any
+    request has penalties. Logprobs (params.logprobs) come with the result, for the rows that ask.
+    """
+    device = logits.device
     logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     # Raw logprobs of the model (vLLM's default): taken before penalties and temperature,
     # and before _apply_penalties edits the logits in place.
-    raw_logprobs = logits[logprob_rows].float().log_softmax(dim=-1) if logprob_rows else None
-    recorded = _apply_penalties(logits, requests, penalties)
+    raw_logprobs = None
+    if logprob_rows:
+        raw_logprobs = logits.index_select(0, to_device(logprob_rows, torch.int64, device)).float().log_softmax(dim=-1)
+    recorded = None
+    if any(r.params.has_penalties for r in requests):
+        if penalties is None or rows is None:
+            raise ValueError("penalized requests need their decode rows (DecodeBatchState) to sample")
+        recorded = _apply_penalties(logits, requests, penalties, rows)
     chosen_ids = _sample(logits, requests)
     if recorded is not None and penalties is not None:
-        rows, index = recorded
-        penalties.record(rows, chosen_ids[index])
-    chosen = chosen_ids.tolist()  # the step's one host sync
+        penalty_rows, index = recorded
+        penalties.record(penalty_rows, chosen_ids.index_select(0, index))
+    groups: list[LogprobGroup] = []
     if raw_logprobs is not None:
-        for top_k in {requests[row].params.logprobs or 0 for row in logprob_rows}:
-            # One batched gather/top-k (and one host transfer) per distinct top_k, not one per row.
-            positions = [p for p, row in enumerate(logprob_rows) if (requests[row].params.logprobs or 0) == top_k]
-            entries = _token_logprobs(raw_logprobs[positions], [chosen[logprob_rows[p]] for p in positions], top_k)
-            for position, entry in zip(positions, entries):
-                requests[logprob_rows[position]].output_logprobs.append(entry)
-    return chosen
+        for top_k in sorted({requests[row].params.logprobs or 0 for row in logprob_rows}):
+            # One batched gather/top-k per distinct top_k, not one per row.
+            members = [p for p, row in enumerate(logprob_rows) if (requests[row].params.logprobs or 0) == top_k]
+            positions = [logprob_rows[p] for p in members]
+            group_logprobs = raw_logprobs.index_select(0, to_device(members, torch.int64, device))
+            chosen = chosen_ids.index_select(0, to_device(positions, torch.int64, device))
+            chosen_logprob = group_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+            values = ids = None
+            if top_k > 0:
+                values, ids = group_logprobs.topk(top_k, dim=-1)
+            groups.append(LogprobGroup(positions, chosen_logprob, values, ids))
+    return SampledTokens(chosen_ids, groups)
 
 
 def _token_logprobs(logprobs: torch.Tensor, token_ids: list[int], top_k: int) -> list[TokenLogprob]:
@@ -150,24 +214,24 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if not random_rows:
         return greedy_ids
-    device = logits.device
-    rows = torch.tensor(random_rows, device=device)
+    device, vocab = logits.device, logits.shape[1]
     params = [requests[i].params for i in random_rows]
-    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
-    scaled = logits[rows] / temperature.unsqueeze(1)
-    top_ks = [p.top_k for p in params]
+    top_ks = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
+    # One host-to-device copy for every per-row value: row index, temperature, top-k, top-p, min-p.
+    columns = to_device(
+        [random_rows, [p.temperature for p in params], top_ks, [p.top_p for p in params], [p.min_p for p in params]],
+        torch.float32, device,  # exact: row indices and top-k values stay far below 2**24
+    )
+    rows = columns[0].long()
+    scaled = logits.index_select(0, rows) / columns[1].to(logits.dtype).unsqueeze(1)
     if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
         max_k = max(top_ks) if all(0 < k <= TOPK_PATH_MAX_K for k in top_ks) else None
         candidate_logits, candidate_ids = _candidates(
-            scaled,
-            torch.tensor(top_ks, device=device),
-            torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype),
-            torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype),
-            max_k,
+            scaled, columns[2].long(), columns[3].to(logits.dtype), columns[4].to(logits.dtype), max_k
         )
     else:  # temperature alone: the whole vocabulary, unsorted
         candidate_logits = scaled
-        candidate_ids = torch.arange(scaled.shape[1], device=device).expand(scaled.shape[0], -1)
+        candidate_ids = torch.arange(vocab, device=device).expand(scaled.shape[0], -1)
     probs = candidate_logits.softmax(dim=-1)
     # Non-finite logits (a broken model or kernel) must not fail the draw for the whole batch: such a
     # row takes its argmax (the where() at the end; no host sync), and its garbage draw is discarded.
@@ -176,14 +240,18 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     seeded = [p for p, row in enumerate(random_rows) if requests[row].generator is not None]
     unseeded = [p for p, row in enumerate(random_rows) if requests[row].generator is None]
     if unseeded:
-        index = torch.tensor(unseeded, device=device)
-        race = probs[index] / torch.empty_like(probs[index]).exponential_()
-        picks[index] = candidate_ids[index].gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
+        index = to_device(unseeded, torch.int64, device) if seeded else None
+        group = probs if index is None else probs.index_select(0, index)
+        race = group / torch.empty_like(group).exponential_()
+        group_ids = candidate_ids if index is None else candidate_ids.index_select(0, index)
+        drawn = group_ids.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
+        if index is None:
+            picks = drawn
+        else:
+            picks.index_copy_(0, index, drawn)
     for position in seeded:
         # A broken row would make multinomial raise: draw from a harmless stand-in, discarded below.
         row_probs = torch.where(broken[position], torch.ones_like(probs[position]), probs[position])
-        full = torch.zeros(logits.shape[1], dtype=probs.dtype, device=device).scatter_(0, candidate_ids[position], row_probs)
+        full = torch.zeros(vocab, dtype=probs.dtype, device=device).scatter_(0, candidate_ids[position], row_probs)
         picks[position] = torch.multinomial(full, 1, generator=requests[random_rows[position]].generator)[0]
-    chosen = greedy_ids.clone()
-    chosen[rows] = torch.where(broken, greedy_ids[rows], picks)
-    return chosen
+    return greedy_ids.index_copy(0, rows, torch.where(broken, greedy_ids.index_select(0, rows), picks))

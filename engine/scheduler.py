@@ -111,26 +111,41 @@ class Scheduler:
         self._decode_owed = False
         if self.running:
             self._reserve_decode_pages()
-        if self.running:
+        decoding = [r for r in self.running if not self._finishes_on_pending_token(r)]
+        if decoding:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-            return ScheduledStep(True, list(self.running), [])
-        return self._schedule_extend()  # everything was retracted: start over with a prefill
+            return ScheduledStep(True, decoding, [])
+        return self._schedule_extend()  # everything was retracted (or is finishing): a prefill, if any
 
-    def on_step_done(self, step: ScheduledStep) -> None:
-        """The step's k/v are in the pool: advance each request and cache its computed pages."""
+    def on_step_launched(self, step: ScheduledStep) -> None:
+        """The step is on the device: advance each request as if it had run, cache computed pages.
+
+        Safe before the step has run because the device runs steps in launch order: whatever reads
+        these pages (a later step of the request, or another request reusing the cached prefix)
+        runs after this step has written them. Each sampled request now has one more token pending.
+        """
         if step.is_decode:
             for request in step.requests:
-                request.num_cached_tokens = request.num_tokens
+                request.num_cached_tokens = request.num_tokens_with_pending
+                request.num_pending_tokens += 1
             return
         for request, n, sampled in zip(step.requests, step.extend_lens, step.sample_mask):
             request.num_cached_tokens += n
             self.kv.stats.computed_tokens += n
             self.kv.cache_computed(request)
             if sampled:
+                request.num_pending_tokens += 1
                 self.running.append(request)
         # Running requests get a decode step between two extend steps (a chunk of a long prompt or a
         # batch of new prompts alike): a burst of arrivals cannot starve the streams already running.
         self._decode_owed = True
+
+    def _finishes_on_pending_token(self, request: Request) -> bool:
+        """Its pending token (not yet seen by the host) is its last by length: no step for it."""
+        if not request.num_pending_tokens:
+            return False
+        produced = len(request.output_token_ids) + request.num_pending_tokens
+        return produced >= request.params.max_tokens or request.num_tokens_with_pending >= self.max_model_len
 
     def finish(self, request: Request, reason: str) -> None:
         """Release a request's pages, whatever state it is in; its computed pages stay cached."""
@@ -185,6 +200,8 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) + len(requests) >= self.max_num_seqs:
                 break
+            if request.num_pending_tokens:
+                continue  # retracted with a token still on the device: prefilled once the host has it
             self.kv.match_prefix(request)
             remaining = request.num_tokens - request.num_cached_tokens
             if self._shares_uncached_prefix(request, requests, lens):
@@ -229,7 +246,8 @@ class Scheduler:
         return request.num_cached_tokens + n + (1 if ends_prompt else 0)
 
     def _remaining_budget(self, request: Request) -> int:
-        return max(0, min(request.params.max_tokens - len(request.output_token_ids), self.max_model_len - request.num_tokens))
+        produced = len(request.output_token_ids) + request.num_pending_tokens
+        return max(0, min(request.params.max_tokens - produced, self.max_model_len - request.num_tokens_with_pending))
 
     def _decode_reserve_tokens(self) -> float:
         return sum(self._remaining_budget(r) for r in self.running) * self.new_token_ratio
@@ -258,9 +276,9 @@ class Scheduler:
     def _reserve_decode_pages(self) -> None:
         """Each running request needs a slot for the token it feeds this step; retract if there is none."""
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING:
-                continue  # retracted for an earlier request (O(1): no scan of the running list)
-            while not self.kv.allocate(request, request.num_tokens):
+            if request.status is not RequestStatus.RUNNING or self._finishes_on_pending_token(request):
+                continue  # retracted for an earlier request (O(1): no scan of the running list), or done
+            while not self.kv.allocate(request, request.num_tokens_with_pending):
                 victim = self._cheapest_to_redo()
                 self._retract(victim)
                 if victim is request:

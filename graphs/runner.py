@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from engine.layers.attention import AttentionMetadata, step_context
 from engine.models.llama import LlamaForCausalLM
 from graphs.buckets import smallest_bucket_at_least
 from graphs.static_buffers import StaticDecodeBuffers
+
+if TYPE_CHECKING:
+    from engine.batch_state import DecodeBatchState
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +70,12 @@ class DecodeGraphRunner(abc.ABC):
         self.buffers.fill(input_ids, positions, meta, padded)
         return self._replay(padded)[:n]
 
-    def run_from_rows(self, host_inputs: torch.Tensor, rows_table: torch.Tensor) -> torch.Tensor:
-        """Logits [n, vocab] of a decode batch given as the persistent state's rows (DecodeBatchState)."""
+    def run_from_rows(self, host_inputs: torch.Tensor, state: "DecodeBatchState") -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [n, vocab], decode rows [n]) of a decode batch given as rows of the persistent state."""
         n = host_inputs.shape[1]
         padded = self.padded_size(n)
-        self.buffers.fill_from_rows(host_inputs, rows_table, padded)
-        return self._replay(padded)[:n]
+        rows = self.buffers.fill_from_rows(host_inputs, state, padded)
+        return self._replay(padded)[:n], rows
 
     @property
     def fills_from_rows(self) -> bool:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.batch_state import DecodeBatchState
 
 
 @dataclass
@@ -39,17 +43,22 @@ class StaticDecodeBuffers:
             page_size=page_size,
         )
 
-    def fill_from_rows(self, host_inputs: torch.Tensor, rows_table: torch.Tensor, padded_bs: int) -> None:
+    def fill_from_rows(self, host_inputs: torch.Tensor, state: "DecodeBatchState", padded_bs: int) -> torch.Tensor:
         """Fill from the persistent decode state: host_inputs [4, n] int64 = (tokens, positions, slots,
-        rows) on the host, rows_table the state's device page table. One copy, one gather, one add."""
+        rows) on the host; the page table rows and pending input tokens come from `state` on the
+        device. One copy and a few gathers. Returns the decode rows (a view of the staging buffer)."""
         assert self.staging is not None
         n = host_inputs.shape[1]
+        rows_table = state.page_table
         if rows_table.shape[1] != self.page_table.shape[1]:
             raise ValueError(f"decode rows hold {rows_table.shape[1]} pages; the graphs were captured for {self.page_table.shape[1]}")
         self.staging[:, :n].copy_(host_inputs, non_blocking=True)
-        torch.index_select(rows_table, 0, self.staging[3, :n], out=self.page_table[:n])
+        rows = self.staging[3, :n]
+        self.input_ids[:n].copy_(state.input_tokens(self.input_ids[:n], rows))
+        torch.index_select(rows_table, 0, rows, out=self.page_table[:n])
         self.seq_lens[:n].copy_(self.positions[:n] + 1)
         self._pad(n, padded_bs)
+        return rows
 
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, padded_bs: int) -> None:
         """Copy a real batch of n rows in; rows n..padded_bs become dummy rows.

@@ -7,6 +7,12 @@ the property the real model relies on, checked here over thousands of steps
 with random page sizes, tight pools, chunked prefill, the prefix cache on or
 off, prompt-logprob requests, aborts (of waiting, running and chunked requests)
 and failed steps, far more than model-backed tests can afford.
+
+With overlap, a step is launched (scheduler.on_step_launched) before the
+previous step's tokens are handed back, as Engine.step does: requests carry a
+pending token the host does not know yet, finish one step late, and are
+aborted or retracted while their token is still "on the device". The ledger
+holds the device's view (host tokens + pending ones).
 """
 
 from __future__ import annotations
@@ -29,10 +35,16 @@ class SlotLedger:
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
         self.content: dict[int, tuple[int, ...]] = {}
+        self.pending: dict[int, list[int]] = {}  # id(request) -> its sampled tokens the host has not seen
+
+    def tokens(self, request: Request) -> list[int]:
+        return request.all_token_ids + self.pending.get(id(request), [])
 
     def positions(self, step: ScheduledStep, index: int, request: Request) -> range:
         if step.is_decode:
-            return range(request.num_tokens - 1, request.num_tokens)
+            assert len(self.tokens(request)) == request.num_tokens_with_pending
+            return range(request.num_tokens_with_pending - 1, request.num_tokens_with_pending)
+        assert not request.num_pending_tokens, "a request is prefilled with a token still pending"
         return range(request.num_cached_tokens, request.num_cached_tokens + step.extend_lens[index])
 
     def run(self, step: ScheduledStep, context: str) -> None:
@@ -50,7 +62,7 @@ class SlotLedger:
             positions = self.positions(step, index, request)
             assert positions.start == request.num_cached_tokens and len(positions) > 0
             assert len(table) >= pages_needed(positions.stop, page_size), f"{context}: page table too short"
-            tokens = request.all_token_ids
+            tokens = self.tokens(request)
             for position in range(positions.start):
                 slot = slot_of(table, position, page_size)
                 assert self.content.get(slot) == tuple(tokens[: position + 1]), (
@@ -59,13 +71,13 @@ class SlotLedger:
             # Writes land in private pages only: a shared (cached) page is never overwritten.
             assert positions.start >= len(request.shared_pages) * page_size, f"{context}: write into a shared page"
         for index, request in enumerate(step.requests):
-            table, tokens = self.kv.page_table(request), request.all_token_ids
+            table, tokens = self.kv.page_table(request), self.tokens(request)
             for position in self.positions(step, index, request):
                 self.content[slot_of(table, position, page_size)] = tuple(tokens[: position + 1])
 
 
-def simulate(seed: int, steps: int = 300) -> int:
-    """Random arrivals, aborts and failed steps; returns how many retractions happened."""
+def simulate(seed: int, steps: int = 300, overlap: bool = False) -> int:
+    """Random arrivals, aborts, stops and failed steps; returns how many retractions happened."""
     rng = random.Random(seed)
     page_size = rng.choice([1, 2, 4, 16])
     num_pages = rng.randint(8, 60)
@@ -75,55 +87,73 @@ def simulate(seed: int, steps: int = 300) -> int:
     ledger = SlotLedger(kv)
     stems = [[rng.randrange(1, 5) for _ in range(rng.randint(0, 3 * page_size + 3))] for _ in range(3)]
     live: dict[str, Request] = {}
+    in_flight: list[ScheduledStep] = []
 
-    def finish_sampled(step: ScheduledStep) -> None:
-        scheduler.on_step_done(step)
+    def launch(step: ScheduledStep, context: str) -> None:
+        ledger.run(step, context)
+        scheduler.on_step_launched(step)
+        for request in step.sampled_requests:  # "the device samples": the host sees it on completion
+            ledger.pending.setdefault(id(request), []).append(rng.randrange(1, 5))
+        in_flight.append(step)
+
+    def complete(step: ScheduledStep) -> None:
         for request in step.sampled_requests:
-            request.output_token_ids.append(rng.randrange(1, 5))
-            if len(request.output_token_ids) >= request.params.max_tokens or request.num_tokens >= max_len:
+            token = ledger.pending[id(request)].pop(0)
+            request.num_pending_tokens -= 1
+            if request.finished:
+                continue  # finished or aborted after the step was launched: its token is dropped
+            request.output_token_ids.append(token)
+            stop = rng.random() < 0.05  # a stop token or string, which the scheduler cannot foresee
+            if stop or len(request.output_token_ids) >= request.params.max_tokens or request.num_tokens >= max_len:
                 live.pop(request.request_id, None)
-                scheduler.finish(request, "length")
+                scheduler.finish(request, "stop" if stop else "length")
 
-    for t in range(steps):
-        context = f"seed {seed} step {t}"
-        if rng.random() < 0.4 and len(live) < 12:
+    def step_once(context: str, arrivals: bool) -> bool:
+        if arrivals and rng.random() < 0.4 and len(live) < 12:
             tokens = (rng.choice(stems) + [rng.randrange(1, 5) for _ in range(rng.randint(1, 10))])[: max_len - 2]
             params = SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.0)
             if rng.random() < 0.15:
                 params.prompt_logprobs = 1
-            request = Request(f"r{t}", tokens, params)
+            request = Request(f"r{context}", tokens, params)
             live[request.request_id] = request
             scheduler.add(request)
-        if rng.random() < 0.05 and live:
-            scheduler.finish(live.pop(rng.choice(sorted(live))), "abort")  # waiting, running or chunked
+        if arrivals and rng.random() < 0.05 and live:
+            scheduler.finish(live.pop(rng.choice(sorted(live))), "abort")  # waiting, running, chunked or pending
         step = scheduler.schedule()
         if step is None:
-            assert not scheduler.has_work(), f"{context}: schedule() returned nothing with work left"
-            kv.check_invariant()
-            continue
-        assert len(step.requests) <= scheduler.max_num_seqs
-        ledger.run(step, context)
-        if rng.random() < 0.03:  # the step failed: Engine.step finishes every request in it
-            for request in step.requests:
-                live.pop(request.request_id, None)
-                scheduler.finish(request, "abort")
+            assert in_flight or not scheduler.has_work(), f"{context}: schedule() returned nothing with work left"
         else:
-            finish_sampled(step)
+            assert len(step.requests) <= scheduler.max_num_seqs
+            assert all(not r.finished for r in step.requests), f"{context}: a finished request was scheduled"
+            if arrivals and rng.random() < 0.03:  # the launch failed: Engine.step finishes its requests
+                for request in step.requests:
+                    live.pop(request.request_id, None)
+                    scheduler.finish(request, "abort")
+                step = None
+            else:
+                launch(step, context)
+        # Overlap: the previous step completes after this one is launched; otherwise this one at once.
+        completed = len(in_flight) > (1 if overlap and step is not None else 0)
+        if completed:
+            complete(in_flight.pop(0))
+        assert len(in_flight) <= 1
         kv.check_invariant()
+        return step is not None or completed  # progress
+
+    for t in range(steps):
+        step_once(f"seed {seed} step {t}", arrivals=True)
     for t in range(3000):  # drain: everything left must finish
-        if not scheduler.has_work():
+        if not scheduler.has_work() and not in_flight:
             break
-        step = scheduler.schedule()
-        assert step is not None, f"seed {seed} drain: schedule() returned nothing with work left"
-        ledger.run(step, f"seed {seed} drain {t}")
-        finish_sampled(step)
-        kv.check_invariant()
-    assert not scheduler.has_work(), f"seed {seed}: did not drain"
+        assert step_once(f"seed {seed} drain {t}", arrivals=False), f"seed {seed} drain: nothing scheduled with work left"
+    assert not scheduler.has_work() and not in_flight, f"seed {seed}: did not drain"
     assert kv.pages_in_use == 0
+    assert not any(ledger.pending.values()), "a pending token was never handed back"
     return scheduler.num_retractions
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("block", range(4))
-def test_random_traffic_never_reads_stale_kv_or_leaks(block: int) -> None:
-    retractions = sum(simulate(seed) for seed in range(block * 50, block * 50 + 50))
+def test_random_traffic_never_reads_stale_kv_or_leaks(block: int, overlap: bool) -> None:
+    retractions = sum(simulate(seed, overlap=overlap) for seed in range(block * 50, block * 50 + 50))
     assert retractions > 0  # the tight pools really were tight
