@@ -5,7 +5,10 @@ request rate and reports throughput, time to first token (TTFT), inter-token
 latency (ITL, the gaps between streamed chunks, as vLLM's benchmark_serving
 measures it) and end-to-end latency. Prompts are synthetic text of a chosen
 length range, so no dataset is needed; `--ignore-eos` (a vLLM/SGLang extension)
-makes every completion exactly --output-len tokens long.
+makes every completion exactly --output-len tokens long. With `--token-ids` the
+prompts are random token ids (--input-len in tokens) and every chunk carries its
+token ids (`return_token_ids`, as vLLM streams them): the way to load a server
+whose model has no tokenizer (`--load-format dummy`), whose chunks carry no text.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ def add_bench_serving_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", default="32,128", help="completion length range in tokens, MIN,MAX")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="send ignore_eos so completions have exactly the requested length")
+    parser.add_argument("--token-ids", action="store_true",
+                        help="prompts of random token ids (--input-len in tokens); chunks counted by their token ids")
+    parser.add_argument("--vocab-size", type=int, default=32000, help="--token-ids: ids are drawn below this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--output", default=None, help="write the results as JSON here")
@@ -59,13 +65,21 @@ def _range(text: str) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
-def make_workload(num: int, input_len: str, output_len: str, seed: int) -> list[tuple[str, int]]:
+def make_workload(
+    num: int, input_len: str, output_len: str, seed: int, vocab_size: int | None = None
+) -> list[tuple[str | list[int], int]]:
+    """(prompt, max_tokens) pairs: prompts of words, or of token ids below vocab_size when it is given."""
     rng = random.Random(seed)
     (in_lo, in_hi), (out_lo, out_hi) = _range(input_len), _range(output_len)
-    return [
-        (" ".join(rng.choice(WORDS) for _ in range(rng.randint(in_lo, in_hi))), rng.randint(out_lo, out_hi))
-        for _ in range(num)
-    ]
+    workload: list[tuple[str | list[int], int]] = []
+    for _ in range(num):
+        length = rng.randint(in_lo, in_hi)
+        if vocab_size:
+            prompt: str | list[int] = [rng.randrange(vocab_size) for _ in range(length)]
+        else:
+            prompt = " ".join(rng.choice(WORDS) for _ in range(length))
+        workload.append((prompt, rng.randint(out_lo, out_hi)))
+    return workload
 
 
 async def _one(client, url: str, body: dict, headers: dict, prompt_words: int) -> RequestResult:  # noqa: ANN001
@@ -90,7 +104,7 @@ async def _one(client, url: str, body: dict, headers: dict, prompt_words: int) -
                     return result
                 if event.get("usage"):
                     result.output_tokens = int(event["usage"].get("completion_tokens") or 0)
-                if not event.get("choices") or not event["choices"][0].get("text"):
+                if not event.get("choices") or not (event["choices"][0].get("text") or event["choices"][0].get("token_ids")):
                     continue
                 now = time.perf_counter()
                 if last is None:
@@ -127,19 +141,23 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
             listing = await client.get(f"{base}/v1/models", headers=headers)
             listing.raise_for_status()
             model = listing.json()["data"][0]["id"]
-        workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.seed)
+        workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.seed,
+                                 args.vocab_size if args.token_ids else None)
         gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
         rng = random.Random(args.seed + 1)
 
-        async def send(prompt: str, max_tokens: int) -> RequestResult:
+        async def send(prompt: str | list[int], max_tokens: int) -> RequestResult:
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                     "stream_options": {"include_usage": True}}
             if args.ignore_eos:
                 body["ignore_eos"] = True
+            if args.token_ids:
+                body["return_token_ids"] = True
+            size = len(prompt) if isinstance(prompt, list) else len(prompt.split())
             if gate is None:
-                return await _one(client, f"{base}/v1/completions", body, headers, len(prompt.split()))
+                return await _one(client, f"{base}/v1/completions", body, headers, size)
             async with gate:
-                return await _one(client, f"{base}/v1/completions", body, headers, len(prompt.split()))
+                return await _one(client, f"{base}/v1/completions", body, headers, size)
 
         start = time.perf_counter()
         tasks = []

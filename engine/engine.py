@@ -196,6 +196,15 @@ class Engine:
         request = self._requests.pop(request_id, None)
         if request is not None and not request.finished:
             self.scheduler.finish(request, "abort")
+        self._settle_if_idle()
+
+    def _settle_if_idle(self) -> None:
+        """No live request left: settle the step still on the device (each of its requests finished
+        after it was launched, so every token in it is dropped). An idle engine has nothing in flight."""
+        if self._in_flight is not None and not self.scheduler.has_work():
+            launched, self._in_flight = self._in_flight, None
+            dropped = self._complete(launched)
+            assert not dropped, "a live request in a step the scheduler no longer knows"
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
@@ -214,6 +223,7 @@ class Engine:
         if launched is not None and not self.overlap:
             self._in_flight = None
             outputs += self._complete(launched)
+        self._settle_if_idle()
         if self.debug_kv:
             self.check_kv_invariant()
         self.stats_logger.maybe_log()

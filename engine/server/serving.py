@@ -68,6 +68,7 @@ class Choice:
     joiner: TokenTextJoiner | None = None  # streaming logprobs: a character split over chunks
     sent_role: bool = False
     sent_prompt: bool = False  # echo: the prompt goes out with the first chunk
+    sent_prompt_ids: bool = False  # return_token_ids: the prompt's ids go out with the first chunk
 
 
 class Serving:
@@ -168,7 +169,8 @@ class Serving:
             text = self._prompt_text(choice, self.tokens) + text
             ids += choice.prompt_ids
             entries += output.prompt_logprobs or [None] * len(choice.prompt_ids)
-        if not text and not output.finished and req.logprobs is None:
+        new_ids = req.return_token_ids and bool(output.new_token_ids)
+        if not text and not output.finished and req.logprobs is None and not new_ids:
             return None  # text held back (a possible stop string): nothing to say yet
         logprobs = None
         if req.logprobs is not None:
@@ -178,6 +180,13 @@ class Serving:
             logprobs, choice.text_offset = completion_logprobs(self.tokens, ids, entries, choice.text_offset, choice.joiner,
                                                                final=output.finished)
         item = CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=output.finish_reason)
+        if req.return_token_ids:
+            # vLLM's streaming form: each chunk's new token ids (the prompt's with the first), so a model
+            # without a tokenizer, whose chunks carry no text, still streams.
+            if not choice.sent_prompt_ids:
+                choice.sent_prompt_ids = True
+                item.prompt_token_ids = list(choice.prompt_ids)
+            item.token_ids = list(output.new_token_ids)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model.name,
                 "choices": [item.model_dump()]}
 
