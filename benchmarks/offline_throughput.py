@@ -37,6 +37,9 @@ def make_requests(count: int, input_len: tuple[int, int], output_len: tuple[int,
 
 def run_engine(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
     sync = engine.platform.synchronize
+    graphs = engine.runner.graph_runner
+    if graphs is not None and hasattr(graphs, "replay_events"):
+        graphs.replay_events = []  # the device time of every decode graph, summed below
     for prompt, out_len in requests:
         engine.add_request(prompt, SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
     prefill_s = decode_s = 0.0
@@ -59,6 +62,10 @@ def run_engine(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[st
     sync()
     wall = time.perf_counter() - start
     prompt_tokens = sum(len(p) for p, _ in requests)
+    replay_s = None
+    if graphs is not None and getattr(graphs, "replay_events", None) is not None:
+        replay_s = sum(start_event.elapsed_time(end_event) for start_event, end_event in graphs.replay_events) / 1e3
+        graphs.replay_events = None
     return {
         "requests": len(requests),
         "wall_s": wall,
@@ -69,6 +76,9 @@ def run_engine(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[st
         "decode_steps_s": decode_s,
         "decode_steps": decode_steps,
         "mean_decode_batch": statistics.mean(decode_batch) if decode_batch else 0.0,
+        # Device time of the decode graphs themselves; decode_steps_s / this is the host's overhead.
+        "decode_graph_replay_s": replay_s,
+        "decode_steps_over_replay": decode_s / replay_s if replay_s else None,
     }
 
 
@@ -127,7 +137,8 @@ def main() -> None:
     e = report["engine"]
     print(f"engine: {e['output_tok_s']:.0f} output tok/s, {e['total_tok_s']:.0f} total tok/s in {e['wall_s']:.1f} s; "
           f"prefill steps {e['prefill_steps_s']:.1f} s, decode steps {e['decode_steps_s']:.1f} s "
-          f"({e['decode_steps']} steps, mean batch {e['mean_decode_batch']:.0f})",
+          f"({e['decode_steps']} steps, mean batch {e['mean_decode_batch']:.0f}; graph replays "
+          f"{e['decode_graph_replay_s'] or float('nan'):.1f} s, steps/replays {e['decode_steps_over_replay'] or float('nan'):.2f})",
           flush=True)
     if args.hf_requests:
         report["hf_generate_batch"] = run_hf(args.model, args.load_format, dtype, str(engine_device), requests[: args.hf_requests])

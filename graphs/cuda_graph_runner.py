@@ -47,6 +47,9 @@ class CudaGraphRunner(DecodeGraphRunner):
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        # Benchmarks set a list here to get (start, end) CUDA events around every replay: the device
+        # time of each step's graph, read after the run (benchmarks/offline_throughput.py).
+        self.replay_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
     @torch.no_grad()
     def _capture_all(self, sizes_largest_first: list[int]) -> None:
@@ -74,5 +77,12 @@ class CudaGraphRunner(DecodeGraphRunner):
         return self.compiled_step(buffers.input_ids[:bs], buffers.positions[:bs], buffers.metadata(bs))
 
     def _replay(self, bs: int) -> torch.Tensor:
-        self.graphs[bs].replay()
+        if self.replay_events is None:
+            self.graphs[bs].replay()
+        else:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.graphs[bs].replay()
+            end.record()
+            self.replay_events.append((start, end))
         return self.outputs[bs]

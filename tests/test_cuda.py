@@ -49,17 +49,10 @@ def test_triton_decode_matches_torch_reference(page_size: int, dtype: torch.dtyp
 
 @pytest.mark.parametrize("compile_decode", [False, True])
 def test_cuda_graph_decode_matches_eager(tmp_path, compile_decode: bool) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
 
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    _tiny_llama(tmp_path)
     prompts = [[1, 5, 9], [7] * 40, list(range(3, 90)), [2, 4, 8, 16, 32, 64, 128]]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     tokens = {}
@@ -80,17 +73,10 @@ def test_prefix_cache_chunking_and_retraction_on_cuda_graphs(tmp_path) -> None:
     """CUDA graphs replaying over pages the prefix cache recycles: same tokens as a plain eager run."""
     import random
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
 
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    _tiny_llama(tmp_path, max_positions=4096)
     rng = random.Random(0)
     prefixes = [[rng.randrange(3, 512) for _ in range(n)] for n in (200, 90)]
     prompts = [prefixes[i % 2] + [rng.randrange(3, 512) for _ in range(rng.randint(1, 30))] for i in range(24)]
@@ -106,3 +92,68 @@ def test_prefix_cache_chunking_and_retraction_on_cuda_graphs(tmp_path) -> None:
     stats = engine.stats()
     assert engine.runner.graph_steps > 0 and stats.prefix_cache_hit_tokens > 0 and stats.evicted_pages > 0
     assert engine.kv_pages_in_use() == 0
+
+
+def _tiny_llama(folder, max_positions: int = 1024) -> str:  # noqa: ANN001
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=max_positions, initializer_range=0.2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+def _mixed_params() -> list:
+    from engine.sampling_params import SamplingParams
+
+    return [
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=25, temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.7, min_p=0.05, presence_penalty=0.5, logprobs=2, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=28, temperature=0.0, stop_token_ids=[7], ignore_eos=True),
+    ]
+
+
+def test_overlap_gives_the_tokens_of_the_synchronous_run_on_cuda_graphs(tmp_path) -> None:
+    from engine.engine import Engine
+
+    model = _tiny_llama(tmp_path)
+    prompts = [[1, 5, 9], [7] * 40, list(range(3, 90)), [2, 4, 8, 16, 32, 64, 128]]
+    results = []
+    for overlap in (False, True):
+        engine = Engine(model=model, device="cuda", dtype="float32", page_size=16, capture_sizes="1,2,4",
+                        kv_cache_tokens=4096, overlap_schedule=overlap, debug_kv_invariant=True)
+        outputs = engine.generate(prompts, _mixed_params())
+        results.append([(o.token_ids, o.finish_reason, [(e.token_id, e.logprob) for e in o.logprobs or []]) for o in outputs])
+        assert engine.runner.graph_steps > 0 and engine.kv_pages_in_use() == 0
+    assert results[0] == results[1]
+
+
+def test_overlapped_decode_launch_never_waits_for_the_device(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launching a decode step (inputs, graph replay, sampling with penalties, seeds and logprobs) makes no
+    host-device synchronization: torch's sync debug mode raises on any."""
+    from engine.engine import Engine
+
+    engine = Engine(model=_tiny_llama(tmp_path), device="cuda", dtype="float32", page_size=16, capture_sizes="1,2,4",
+                    kv_cache_tokens=4096, overlap_schedule=True)
+    real_launch = engine._launch
+    checked = {"decode": 0}
+
+    def launch_without_syncs(step):  # noqa: ANN001, ANN202
+        if step is None or not step.is_decode:
+            return real_launch(step)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = real_launch(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert not launched.failed, launched.failed
+        checked["decode"] += 1
+        return launched
+
+    monkeypatch.setattr(engine, "_launch", launch_without_syncs)
+    engine.generate([[1, 5, 9], [7] * 40, list(range(3, 90)), [2, 4, 8]], _mixed_params())
+    assert checked["decode"] > 15

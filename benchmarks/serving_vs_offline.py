@@ -1,0 +1,142 @@
+"""The server against the engine in-process, on the same requests: how much serving costs.
+
+    PYTHONPATH=. python benchmarks/serving_vs_offline.py --concurrency 64,256 --num-prompts 512 \
+        --input-len 512 --output-len 256 --engine-args "--device cuda --model llama-3-8b --load-format dummy" \
+        --output bench_results/serving_vs_offline.json
+
+1. Starts `engine serve` with --engine-args, runs `engine bench serving --token-ids` (streaming
+   /v1/completions of random token-id prompts, ignore_eos) at each concurrency, stops the server.
+2. Builds the same engine in this process and runs the very same requests, at most `concurrency`
+   at a time (a new one starts when one finishes, as the clients do).
+Prints a table and writes JSON: output tok/s of both, their ratio, and the server's TTFT and ITL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from typing import Any
+
+import httpx
+
+from engine.bench_serving import add_bench_serving_args, make_workload, run_benchmark
+from engine.cli import add_engine_args, engine_config_from_args
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+
+def _wait_for_health(url: str, server: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"the server was not ready within {timeout:.0f} s")
+
+
+def serve_and_bench(engine_args: list[str], concurrencies: list[int], bench: argparse.Namespace, port: int,
+                    ready_timeout: float) -> list[dict[str, Any]]:
+    command = [sys.executable, "-m", "engine.cli", "serve", *engine_args, "--port", str(port),
+               "--max-pending-requests", str(max(1024, bench.num_prompts))]
+    print("starting:", shlex.join(command), flush=True)
+    server = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_health(url, server, ready_timeout)
+        results = []
+        for concurrency in concurrencies:
+            bench.base_url, bench.concurrency = url, concurrency
+            summary = asyncio.run(run_benchmark(bench))
+            summary.pop("requests")
+            print(f"server, concurrency {concurrency}: {summary['output_throughput']:.0f} output tok/s, "
+                  f"{summary['completed']} completed, {summary['failed']} failed {summary['errors']}", flush=True)
+            results.append(summary)
+        return results
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def offline(engine: Engine, workload: list[tuple[list[int], int]], concurrency: int) -> dict[str, Any]:
+    """The same requests in-process, at most `concurrency` at once."""
+    queue = deque(workload)
+    live = generated = 0
+
+    def submit() -> None:
+        prompt, max_tokens = queue.popleft()
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+    engine.platform.synchronize()
+    start = time.perf_counter()
+    while queue and live < concurrency:
+        submit()
+        live += 1
+    while engine.has_unfinished():
+        for output in engine.step():
+            generated += len(output.new_token_ids)
+            if output.finished:
+                live -= 1
+                if queue:
+                    submit()
+                    live += 1
+    engine.platform.synchronize()
+    wall = time.perf_counter() - start
+    return {"concurrency": concurrency, "wall_s": wall, "output_tokens": generated, "output_throughput": generated / wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine-args", default="", help="engine flags, for the server and the in-process engine alike")
+    parser.add_argument("--port", type=int, default=30123)
+    parser.add_argument("--ready-timeout", type=float, default=900.0)
+    parser.add_argument("--skip-server", action="store_true", help="only the in-process figures")
+    add_bench_serving_args(parser)
+    parser.set_defaults(concurrency=None, num_prompts=512, input_len="512", output_len="256", token_ids=True,
+                        output="bench_results/serving_vs_offline.json")
+    parser.add_argument("--concurrencies", default="64,256", help="comma list of concurrencies")
+    args = parser.parse_args()
+    concurrencies = [int(c) for c in args.concurrencies.split(",")]
+    engine_args = shlex.split(args.engine_args)
+    report: dict[str, Any] = {"engine_args": engine_args, "num_prompts": args.num_prompts, "input_len": args.input_len,
+                              "output_len": args.output_len}
+    report["server"] = [] if args.skip_server else serve_and_bench(engine_args, concurrencies, args, args.port, args.ready_timeout)
+    engine_parser = argparse.ArgumentParser()
+    add_engine_args(engine_parser)
+    engine = Engine(engine_config_from_args(engine_parser.parse_args(engine_args)))
+    workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.seed, args.vocab_size)
+    report["offline"] = [offline(engine, workload, c) for c in concurrencies]  # type: ignore[arg-type]
+    print(f"{'concurrency':>11} {'server tok/s':>13} {'in-process tok/s':>17} {'ratio':>6} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15}")
+    for index, concurrency in enumerate(concurrencies):
+        local = report["offline"][index]["output_throughput"]
+        if report["server"]:
+            s = report["server"][index]
+            ratio = s["output_throughput"] / local
+            report["offline"][index]["server_ratio"] = ratio
+            print(f"{concurrency:>11} {s['output_throughput']:>13.0f} {local:>17.0f} {ratio:>6.2f} "
+                  f"{1e3 * s['ttft_s']['median']:>7.0f}/{1e3 * s['ttft_s']['p99']:<8.0f} "
+                  f"{1e3 * s['itl_s']['median']:>6.1f}/{1e3 * s['itl_s']['p99']:<8.1f}")
+        else:
+            print(f"{concurrency:>11} {'-':>13} {local:>17.0f}")
+    os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
+    with open(args.output, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
