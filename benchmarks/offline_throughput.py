@@ -4,7 +4,7 @@
         --num-requests 1000 --input-len 256,768 --output-len 128,384 --hf-requests 300 --output offline.json
 
 Prints a table and writes JSON: output and total tokens/s, wall time, the time spent in
-prefill (extend) steps and in decode steps (with their count and mean batch, to hold against
+prefill (extend) steps and in decode steps (on CUDA along the device's timeline) (with their count and mean batch, to hold against
 `benchmarks/gpu_decode.py`'s replay times), and HF transformers' continuous-batching
 `generate_batch` (paged sdpa) on the first --hf-requests of the same requests, in one process.
 """
@@ -40,6 +40,7 @@ def run_engine(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[st
     graphs = engine.runner.graph_runner
     if graphs is not None and hasattr(graphs, "replay_events"):
         graphs.replay_events = []  # the device time of every decode graph, summed below
+    timeline = _DeviceTimeline(engine) if engine.device.type == "cuda" else None
     for prompt, out_len in requests:
         engine.add_request(prompt, SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
     prefill_s = decode_s = 0.0
@@ -48,6 +49,8 @@ def run_engine(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[st
     generated = 0
     sync()
     start = time.perf_counter()
+    if timeline is not None:
+        timeline.start()
     while engine.has_unfinished():
         step_start = time.perf_counter()
         outputs = engine.step()
@@ -62,6 +65,11 @@ def run_engine(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[st
     sync()
     wall = time.perf_counter() - start
     prompt_tokens = sum(len(p) for p, _ in requests)
+    if timeline is not None:
+        # With overlap, a step() call waits for the step before the one it launches, and a launch that
+        # has to synchronize takes the previous step's time with it: on CUDA the split is taken from the
+        # device's own timeline instead (from the end of one launched step's work to the end of the next).
+        prefill_s, decode_s = timeline.split()
     replay_s = None
     if graphs is not None and getattr(graphs, "replay_events", None) is not None:
         replay_s = sum(start_event.elapsed_time(end_event) for start_event, end_event in graphs.replay_events) / 1e3
@@ -80,6 +88,37 @@ def run_engine(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[st
         "decode_graph_replay_s": replay_s,
         "decode_steps_over_replay": decode_s / replay_s if replay_s else None,
     }
+
+
+class _DeviceTimeline:
+    """A CUDA event after every launched step: each step's share of the device timeline."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.marks: list[tuple[bool, torch.cuda.Event]] = []
+        self.origin = torch.cuda.Event(enable_timing=True)
+        launch = engine.runner.launch
+
+        def timed_launch(step):  # noqa: ANN001, ANN202
+            sampled = launch(step)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((step.is_decode, event))
+            return sampled
+
+        engine.runner.launch = timed_launch  # type: ignore[method-assign]
+
+    def start(self) -> None:
+        self.origin.record()
+
+    def split(self) -> tuple[float, float]:
+        """(seconds in prefill steps, seconds in decode steps) along the device's timeline."""
+        torch.cuda.synchronize()
+        seconds = {False: 0.0, True: 0.0}
+        previous = self.origin
+        for is_decode, event in self.marks:
+            seconds[is_decode] += previous.elapsed_time(event) / 1e3
+            previous = event
+        return seconds[False], seconds[True]
 
 
 def run_hf(model_name: str, load_format: str, dtype: str, device: str, requests: list[tuple[list[int], int]]) -> dict[str, Any]:

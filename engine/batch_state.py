@@ -173,7 +173,7 @@ class PenaltyState:
                 # O(context) once per request, when it first samples (and again after a retraction).
                 # Every token is on the host then: a request is prefilled only with nothing pending.
                 self.seen[row].zero_()
-                self.seen[row, to_device(request.all_token_ids, torch.int64, self.device)] = True
+                self.seen[row].index_fill_(0, to_device(request.all_token_ids, torch.int64, self.device), True)
                 self.counts[row].zero_()
                 if request.output_token_ids:
                     out = to_device(request.output_token_ids, torch.int64, self.device)
@@ -183,5 +183,8 @@ class PenaltyState:
     def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """This step's sampled tokens of those rows (device tensors, no host round trip)."""
         assert self.seen is not None and self.counts is not None
-        self.seen[rows, tokens] = True
-        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        # Flat indices and in-place fills/adds: `seen[rows, tokens] = True` copies the scalar to the
+        # device with a blocking copy, a host sync per step.
+        flat = rows * self.vocab_size + tokens
+        self.seen.view(-1).index_fill_(0, flat, True)
+        self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
