@@ -52,7 +52,8 @@ def serve_and_bench(engine_args: list[str], concurrencies: list[int], bench: arg
     command = [sys.executable, "-m", "engine.cli", "serve", *engine_args, "--port", str(port),
                "--max-pending-requests", str(max(1024, bench.num_prompts))]
     print("starting:", shlex.join(command), flush=True)
-    server = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+    server = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": path})
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for_health(url, server, ready_timeout)
