@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.engine import Engine
 from engine.server.async_engine import AsyncEngine
+from engine.server.engine_thread import EngineThread
 from engine.server.errors import APIError, error_response, install_error_handlers
 from engine.server.guard import GuardMiddleware, GuardSettings
 from engine.server.metrics import ServerMetrics
@@ -59,9 +60,13 @@ class ServerSettings:
 
 
 def build_app(
-    engine: Engine, model_name: str | None = None, api_key: str | None = None, settings: ServerSettings | None = None
+    engine: Engine, model_name: str | None = None, api_key: str | None = None, settings: ServerSettings | None = None,
+    engine_thread: EngineThread | None = None,
 ) -> FastAPI:
-    """An app serving `engine`; the engine thread starts and stops with the app's lifespan."""
+    """An app serving `engine`; the engine thread starts and stops with the app's lifespan.
+
+    engine_thread: the thread the engine was built on (`engine serve` builds it there), which then
+    runs its loop; by default a new thread."""
     settings = settings or ServerSettings()
     settings.api_key = api_key or settings.api_key or os.environ.get(API_KEY_ENV) or None
     api_key = settings.api_key
@@ -70,7 +75,7 @@ def build_app(
     # objects, so the two threads never share a tokenizer's mutable state.
     tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
     model = ModelInfo(name, engine.max_model_len, int(engine.model_config.vocab_size), tokenizer)
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, thread=engine_thread)
     metrics = ServerMetrics(lambda: async_engine.snapshot, name)
     async_engine.observer = metrics.observer()
     serving = Serving(async_engine, model, settings.max_pending_requests, settings.trust_request_chat_template)

@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable
 from engine.engine import Engine
 from engine.errors import EngineError, RequestFailedError
 from engine.request import RequestOutput
+from engine.server.engine_thread import EngineThread
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
@@ -56,7 +57,9 @@ class StepObserver:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, observer: StepObserver | None = None) -> None:
+    def __init__(self, engine: Engine, observer: StepObserver | None = None, thread: EngineThread | None = None) -> None:
+        """`thread`: the thread that built the engine, to run its loop too (engine/server/engine_thread.py);
+        by default a new one."""
         self.engine = engine
         self.observer = observer or StepObserver()
         self.snapshot: EngineStats = engine.stats()  # rewritten after every step; read by /metrics
@@ -64,11 +67,11 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = thread or EngineThread()
 
     # ---- event-loop side ------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        self._thread.run_loop(self._run)
         logger.info("engine thread started")
 
     @property

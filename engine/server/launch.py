@@ -55,6 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.engine import Engine
     from engine.server.app import API_KEY_ENV, ServerSettings, build_app
     from engine.server.connections import guarded_protocol, raise_fd_limit
+    from engine.server.engine_thread import EngineThread
 
     for name in ("max_connections", "max_body_bytes", "max_pending_requests"):
         if getattr(args, name) < 1:
@@ -70,7 +71,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.torch_threads)  # before anything compiles or starts a thread pool
     start = time.perf_counter()
-    engine = Engine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    # Built on the thread that will step it: one OpenMP team in the process (engine_thread.py says why).
+    engine_thread = EngineThread()
+    engine = engine_thread.call(lambda: Engine(config))
     logger.info("engine ready in %.1f s", time.perf_counter() - start)
     settings = ServerSettings(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -82,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_pending_requests=args.max_pending_requests,
         trust_request_chat_template=args.trust_request_chat_template,
     )
-    app = build_app(engine, args.served_model_name, settings=settings)
+    app = build_app(engine, args.served_model_name, settings=settings, engine_thread=engine_thread)
     # Each connection holds a descriptor: lift the soft limit so the connection cap, not EMFILE, decides.
     fd_limit = raise_fd_limit(max(65536, 2 * args.max_connections))
     max_connections = min(args.max_connections, max(64, fd_limit - 256))  # room for the engine's own files
