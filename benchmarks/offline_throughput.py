@@ -121,6 +121,36 @@ class _DeviceTimeline:
         return seconds[False], seconds[True]
 
 
+class _SyncReport:
+    """Where the engine synchronizes with the device: torch's sync debug mode, one count per call site."""
+
+    def __init__(self) -> None:
+        import collections
+        import traceback
+        import warnings
+
+        self.sites: collections.Counter = collections.Counter()
+        self._previous = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
+            if "synchronizing CUDA operation" not in str(message):
+                return self._previous(message, category, filename, lineno, file, line)
+            ours = [f"{os.path.relpath(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_stack()
+                    if "/torch/" not in f.filename and "warnings" not in f.filename][-3:]
+            self.sites[" <- ".join(reversed(ours))] += 1
+
+        warnings.showwarning = record
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> dict[str, int]:
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = self._previous
+        return dict(self.sites.most_common())
+
+
 def run_hf(model_name: str, load_format: str, dtype: str, device: str, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
     """HF transformers' continuous batching on the same prompts; max_new_tokens = their mean output length."""
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -157,6 +187,7 @@ def main() -> None:
     parser.add_argument("--input-len", default="256,768")
     parser.add_argument("--output-len", default="128,384")
     parser.add_argument("--hf-requests", type=int, default=300, help="0: skip the HF peer")
+    parser.add_argument("--sync-report", action="store_true", help="CUDA: list where the engine waited for the device")
     parser.add_argument("--output", default="bench_results/offline_throughput.json")
     args = parser.parse_args()
     input_len = tuple(int(x) for x in args.input_len.split(","))
@@ -167,7 +198,12 @@ def main() -> None:
     report: dict[str, Any] = {"torch": torch.__version__, "device": args.device, "model": args.model,
                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                               "input_len": input_len, "output_len": output_len}
+    syncs = _SyncReport() if args.sync_report and torch.cuda.is_available() else None
     report["engine"] = run_engine(engine, requests)
+    if syncs is not None:
+        report["engine"]["host_syncs"] = syncs.stop()  # the timings of this run include the report's own cost
+        for site, count in report["engine"]["host_syncs"].items():
+            print(f"sync x{count}: {site}")
     engine_device = engine.device
     del engine
     gc.collect()

@@ -117,8 +117,3 @@ class ModelRunner:
         sampled = sample(logits, requests, state.penalties, rows)
         state.record_sampled(rows, sampled.token_ids)
         return sampled
-
-    def run(self, step: ScheduledStep) -> list[int]:
-        """Next token of every request in step.sampled_requests (launch, then wait for them)."""
-        sampled = self.launch(step)
-        return [] if sampled is None else sampled.resolve()[0]

@@ -74,6 +74,24 @@ def test_completion_stream_ends_with_done(server: ServerProcess) -> None:
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
+def test_token_id_prompts_stream_their_token_ids(server: ServerProcess, smol_engine: Engine) -> None:
+    """return_token_ids on a stream: every chunk carries its new ids (the prompt's with the first), so a
+    model without a tokenizer still streams; each chunk has exactly CompletionChoice's fields."""
+    from engine.server.protocol import CompletionChoice
+
+    prompt = [1, 504, 3458, 282, 4649, 314]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    choices = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert all(set(c) == set(CompletionChoice.model_fields) and CompletionChoice.model_validate(c) for c in choices)
+    assert choices[0]["prompt_token_ids"] == prompt and all(c["prompt_token_ids"] is None for c in choices[1:])
+    expected = smol_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert [t for c in choices for t in c["token_ids"]] == expected.token_ids
+    assert "".join(c["text"] for c in choices) == expected.text
+
+
 def test_stop_strings_cut_the_text(client: openai.OpenAI) -> None:
     prompt = "1, 2, 3, 4,"
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text

@@ -147,7 +147,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_lives_on(smol_engine: 
     """Fault injection (the real engine; one step made to raise): the request gets an error, not a hang."""
     app = build_app(smol_engine)
     runner = smol_engine.runner
-    original = runner.run
+    original = runner.launch
     calls = {"n": 0}
 
     def fail_once(step):  # noqa: ANN001, ANN202
@@ -156,7 +156,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_lives_on(smol_engine: 
             raise RuntimeError("injected step failure")
         return original(step)
 
-    runner.run = fail_once  # type: ignore[method-assign]
+    runner.launch = fail_once  # type: ignore[method-assign]
     try:
         with TestClient(app) as http:
             failed = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
@@ -166,5 +166,5 @@ def test_a_failing_step_fails_its_requests_and_the_engine_lives_on(smol_engine: 
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
             assert http.get("/health").status_code == 200
     finally:
-        del runner.run  # back to the class's method
+        del runner.launch  # back to the class's method
     assert smol_engine.kv_pages_in_use() == 0

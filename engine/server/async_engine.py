@@ -263,13 +263,27 @@ class RequestGroup:
         self.unfinished.add(request_id)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
+        async for batch in self.output_batches():
+            for output in batch:
+                yield output
+
+    async def output_batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """Outputs in step order, as many at a time as have arrived: a stream that fell behind (many
+        streams, one event loop) catches up with one write per batch instead of one per token."""
         while self.unfinished:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                self.unfinished.discard(item.request_id)
-            yield item
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            batch: list[RequestOutput] = []
+            for item in items:
+                if isinstance(item, BaseException):
+                    if batch:
+                        yield batch  # what came before the failure still goes out
+                    raise item
+                if item.finished:
+                    self.unfinished.discard(item.request_id)
+                batch.append(item)
+            yield batch
 
     def abort(self) -> None:
         """Abort whatever has not finished (a no-op once all have): call it on every way out."""

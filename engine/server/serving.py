@@ -179,16 +179,19 @@ class Serving:
             choice.joiner = choice.joiner or TokenTextJoiner(self.tokens, choice.params.skip_special_tokens)
             logprobs, choice.text_offset = completion_logprobs(self.tokens, ids, entries, choice.text_offset, choice.joiner,
                                                                final=output.finished)
-        item = CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=output.finish_reason)
+        # CompletionChoice's fields as a plain dict: one chunk per token per stream, and pydantic's
+        # model_dump cost more than the JSON encoding itself (a CompletionChoice test holds the shape).
+        item = {"index": choice.index, "text": text, "logprobs": logprobs.model_dump() if logprobs is not None else None,
+                "finish_reason": output.finish_reason, "prompt_token_ids": None, "token_ids": None}
         if req.return_token_ids:
             # vLLM's streaming form: each chunk's new token ids (the prompt's with the first), so a model
             # without a tokenizer, whose chunks carry no text, still streams.
             if not choice.sent_prompt_ids:
                 choice.sent_prompt_ids = True
-                item.prompt_token_ids = list(choice.prompt_ids)
-            item.token_ids = list(output.new_token_ids)
+                item["prompt_token_ids"] = list(choice.prompt_ids)
+            item["token_ids"] = list(output.new_token_ids)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model.name,
-                "choices": [item.model_dump()]}
+                "choices": [item]}
 
     @staticmethod
     def _prompt_text(choice: Choice, tokens: Tokens) -> str:
@@ -322,13 +325,17 @@ class Serving:
         """Server-Sent Events until `data: [DONE]`; a cancelled stream (client gone) aborts its requests."""
         by_id = {c.request_id: c for c in choices}
         try:
-            async for output in group.outputs():
-                choice = by_id[output.request_id]
-                if output.finished:
-                    choice.final = output
-                chunk = chunk_of(choice, output)
-                if chunk is not None:
-                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            async for batch in group.output_batches():
+                events = []
+                for output in batch:
+                    choice = by_id[output.request_id]
+                    if output.finished:
+                        choice.final = output
+                    chunk = chunk_of(choice, output)
+                    if chunk is not None:
+                        events.append(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n")
+                if events:
+                    yield "".join(events)  # one write for the tokens that arrived together
             if include_usage:
                 yield f"data: {json.dumps(usage_chunk(_usage(prompt_tokens, choices)))}\n\n"
         except (RequestFailedError, EngineDeadError) as exc:
