@@ -39,9 +39,16 @@ class DecodeBatchState:
         device: torch.device,
         slot_dtype: torch.dtype,
         pages_of: Callable[[Request], tuple[list[int], list[int]]],
+        mirror_on_host: bool | None = None,
     ) -> None:
-        """pages_of(request) -> (shared prefix pages, private pages): the request's table in two parts."""
+        """pages_of(request) -> (shared prefix pages, private pages): the request's table in two parts.
+        mirror_on_host: keep a host copy of the rows (default: when the device is not the CPU)."""
         self.page_table = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
+        # The same rows on the host, for runners that pad batches on the host (HPU buckets): written
+        # with the same diffs, so such a runner never copies the device table back.
+        if mirror_on_host is None:
+            mirror_on_host = device.type != "cpu"
+        self.host_page_table = torch.zeros(max_rows, max_pages, dtype=torch.int32) if mirror_on_host else self.page_table
         self.last_tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)  # each row's last sampled token
         self.max_pages = max_pages
         self.page_size = page_size
@@ -121,11 +128,31 @@ class DecodeBatchState:
             self.rows_written += len(diff_rows)
             diff = to_device([diff_rows, diff_cols, diff_pages], torch.int64, self.device)
             self.page_table[diff[0], diff[1]] = diff[2].to(torch.int32)
+            if self.host_page_table is not self.page_table:
+                self.host_page_table[diff_rows, diff_cols] = torch.tensor(diff_pages, dtype=torch.int32)
         return host_tensor([token_list, position_list, slot_list, row_list], torch.int64, self.device)
 
-    def decode_batch(self, requests: list[Request]) -> ForwardBatch:
-        """The decode step as a ForwardBatch (eager steps, and graph runners that take one)."""
-        on_device = to_device(self.host_inputs(requests), torch.int64, self.device)
+    def decode_batch(self, requests: list[Request], on_host: bool = False) -> ForwardBatch:
+        """The decode step as a ForwardBatch (eager steps, and graph runners that take one).
+
+        on_host: inputs and page table as host tensors (decode rows still on the device, for the
+        sampler), for runners that pad on the host; every input token must be known to the host then
+        (no overlap scheduling)."""
+        host = self.host_inputs(requests)
+        if on_host:
+            if bool((host[0] == PENDING_TOKEN).any()):
+                raise ValueError("a host-side decode batch needs every input token on the host (overlap scheduling is on)")
+            positions = host[1]
+            meta = AttentionMetadata(
+                is_decode=True,
+                slot_indices=host[2] if self.slot_dtype == torch.int64 else host[2].to(self.slot_dtype),
+                page_table=self.host_page_table.index_select(0, host[3]),
+                seq_lens=(positions + 1).to(torch.int32),
+                page_size=self.page_size,
+            )
+            return ForwardBatch(input_ids=host[0], positions=positions, meta=meta, logits_indices=None, requests=requests,
+                                decode_rows=to_device(host[3], torch.int64, self.device))
+        on_device = to_device(host, torch.int64, self.device)
         positions = on_device[1]
         meta = AttentionMetadata(
             is_decode=True,

@@ -56,7 +56,9 @@ class ModelRunner:
             self.graph_steps += 1
             return runner.run_from_rows(state.host_inputs(step.requests), state)
         if step.is_decode and state is not None:
-            batch = state.decode_batch(step.requests)  # O(batch): rows updated by diffs
+            # O(batch): rows updated by diffs. Host tensors for a graph runner that pads on the host.
+            on_host = runner is not None and getattr(runner, "takes_host_inputs", False) and runner.can_run(len(step.requests))
+            batch = state.decode_batch(step.requests, on_host=on_host)
         else:
             pages = {r.request_id: self.kv_manager.page_table(r) for r in step.requests}
             batch = build_forward_batch(

@@ -215,6 +215,10 @@ def model_step(
 class HpuEngineRunner:
     """HpuDecodeRunner behind the engine's runner interface (engine/engine.py, graphs/runner.py)."""
 
+    # Buckets are chosen and padded on the host (HpuDecodeRunner.pad): the engine hands over host
+    # tensors from the persistent decode state, so no step copies its inputs back from the device.
+    takes_host_inputs = True
+
     def __init__(
         self,
         model: Any,
@@ -261,6 +265,10 @@ class HpuEngineRunner:
             from backends.hpu.attention import HpuFlatMetadata
 
             # The exact (unbucketed) flat layout, built once for all layers.
+            device = self.kv_caches[0][0].device  # the inputs may be host tensors (takes_host_inputs)
+            input_ids, positions = input_ids.to(device), positions.to(device)
+            meta = dataclasses.replace(meta, slot_indices=meta.slot_indices.to(device), page_table=meta.page_table.to(device),
+                                       seq_lens=meta.seq_lens.to(device))
             flat = HpuFlatMetadata.from_page_table(meta.page_table, meta.seq_lens, meta.page_size, torch.float32)
             meta = dataclasses.replace(meta, platform_metadata=flat)
             return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
