@@ -165,6 +165,11 @@ def model_step(
 class NpuEngineRunner:
     """NpuDecodeGraphRunner behind the engine's runner interface (engine/engine.py, graphs/runner.py)."""
 
+    # The captured attention op takes host-side lengths (seq_lens_host, graph.update): the engine
+    # hands over host tensors from the persistent decode state, so no step copies lengths back from
+    # the device before its replay (fill_static_inputs copies host -> device).
+    takes_host_inputs = True
+
     def __init__(
         self,
         model: Any,
