@@ -269,8 +269,9 @@ class Engine:
                     request.output_logprobs.append(entry)
                 outputs.append(self._append_token(request, token))
         if not launched.is_decode:
-            extend_tokens = sum(sum(part.extend_lens) for part, _ in launched.parts)
-            self.scheduler.record_extend_time(extend_tokens, time.perf_counter() - launched.started)
+            lens = [(r, n) for part, _ in launched.parts for r, n in zip(part.requests, part.extend_lens)]
+            logprob_tokens = sum(n for r, n in lens if r.params.prompt_logprobs is not None)
+            self.scheduler.record_extend_time(sum(n for _, n in lens), time.perf_counter() - launched.started, logprob_tokens)
         for request, error in launched.failed:
             outputs.append(_output(request, "error", error=f"generation failed: {type(error).__name__}: {error}"))
         self.last_step_was_decode = launched.is_decode  # benchmarks split time into prefill and decode steps

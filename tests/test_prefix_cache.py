@@ -50,7 +50,10 @@ def run_arrivals(engine: Engine, prompts: list[list[int]], arrivals: list[int], 
 
 
 def tiny_engine(path: str, **options: Any) -> Engine:
-    kwargs = dict(device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=4096, max_num_seqs=8, debug_kv_invariant=True)
+    # No extend-step time budget (max_extend_step_ms=0): these tests count steps, which must not depend on
+    # how fast this machine is (as the shared engines of conftest.py).
+    kwargs = dict(device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=4096, max_num_seqs=8, debug_kv_invariant=True,
+                  max_extend_step_ms=0)
     return track(Engine(model=path, **{**kwargs, **options}))
 
 
