@@ -142,28 +142,22 @@ class DecodeBatchState:
         if on_host:
             if bool((host[0] == PENDING_TOKEN).any()):
                 raise ValueError("a host-side decode batch needs every input token on the host (overlap scheduling is on)")
-            positions = host[1]
-            meta = AttentionMetadata(
-                is_decode=True,
-                slot_indices=host[2] if self.slot_dtype == torch.int64 else host[2].to(self.slot_dtype),
-                page_table=self.host_page_table.index_select(0, host[3]),
-                seq_lens=(positions + 1).to(torch.int32),
-                page_size=self.page_size,
-            )
-            return ForwardBatch(input_ids=host[0], positions=positions, meta=meta, logits_indices=None, requests=requests,
-                                decode_rows=to_device(host[3], torch.int64, self.device))
-        on_device = to_device(host, torch.int64, self.device)
-        positions = on_device[1]
+            inputs, table, rows = host, self.host_page_table, to_device(host[3], torch.int64, self.device)
+            input_ids = host[0]
+        else:
+            inputs, table = to_device(host, torch.int64, self.device), self.page_table
+            rows = inputs[3]
+            input_ids = self.input_tokens(inputs[0], rows)
+        positions = inputs[1]
         meta = AttentionMetadata(
             is_decode=True,
-            slot_indices=on_device[2] if self.slot_dtype == torch.int64 else on_device[2].to(self.slot_dtype),
-            page_table=self.page_table.index_select(0, on_device[3]),
+            slot_indices=inputs[2] if self.slot_dtype == torch.int64 else inputs[2].to(self.slot_dtype),
+            page_table=table.index_select(0, inputs[3]),
             seq_lens=(positions + 1).to(torch.int32),
             page_size=self.page_size,
         )
-        input_ids = self.input_tokens(on_device[0], on_device[3])
         return ForwardBatch(input_ids=input_ids, positions=positions, meta=meta, logits_indices=None, requests=requests,
-                            decode_rows=on_device[3])
+                            decode_rows=rows)
 
 
 class PenaltyState:
