@@ -35,6 +35,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="cuda/rocm: torch.compile the decode step before capturing graphs (default from configs/<device>.yaml)",
     )
     group.add_argument(
+        "--compile-extend", action=argparse.BooleanOptionalAction, default=None,
+        help="torch.compile prefill, chunk and mixed steps, token count dynamic (default from configs/<device>.yaml: "
+        "on for cuda)",
+    )
+    group.add_argument(
+        "--extend-capture-tokens", default=None,
+        help="cuda: token counts to capture extend/mixed-step CUDA graphs for, e.g. 16,64,256 ('' for none; default "
+        "from configs/<device>.yaml)",
+    )
+    group.add_argument(
         "--disable-prefix-caching", "--disable-radix-cache", dest="disable_prefix_caching", action="store_true",
         help="do not reuse the KV of cached prompt prefixes",
     )
@@ -51,6 +61,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
         help="schedule and prepare the next step while the device runs this one (default from "
         "configs/<device>.yaml: on for cuda/rocm); --no-overlap-schedule to debug",
+    )
+    group.add_argument(
+        "--mixed-steps", action=argparse.BooleanOptionalAction, default=None,
+        help="run decodes and prefill chunks in one ragged step (default from configs/<device>.yaml: on for "
+        "cuda/rocm); --no-mixed-steps keeps separate prefill and decode steps",
     )
     group.add_argument("--debug-kv-invariant", action="store_true", help="check the KV pool invariant after every step")
     group.add_argument("--seed", type=int, default=0)
@@ -74,10 +89,13 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object):  # n
         disable_graphs=args.disable_graphs,
         strict_graphs=args.strict_graphs,
         compile_decode=args.compile_decode,
+        compile_extend=args.compile_extend,
+        extend_capture_tokens=args.extend_capture_tokens,
         enable_prefix_caching=not args.disable_prefix_caching,
         chunked_prefill_size=args.chunked_prefill_size,
         max_extend_step_ms=args.max_extend_step_ms,
         overlap_schedule=args.overlap_schedule,
+        mixed_steps=args.mixed_steps,
         debug_kv_invariant=args.debug_kv_invariant,
         seed=args.seed,
     )
@@ -167,6 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_serving_args(serving)
     serving.set_defaults(func=cmd_bench_serving)
+    latency = bench_sub.add_parser("latency", help="one static batch: prefill time and decode ms/step")
+    add_engine_args(latency)
+    from engine.bench_latency import add_bench_latency_args, cmd_bench_latency
+
+    add_bench_latency_args(latency)
+    latency.set_defaults(func=cmd_bench_latency)
+    throughput = bench_sub.add_parser("throughput", help="offline requests of random lengths, HF generate_batch beside")
+    add_engine_args(throughput)
+    from engine.bench_throughput import add_bench_throughput_args, cmd_bench_throughput
+
+    add_bench_throughput_args(throughput)
+    throughput.set_defaults(func=cmd_bench_throughput)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
     from engine.server.launch import add_serve_args, cmd_serve

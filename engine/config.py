@@ -33,6 +33,10 @@ class EngineConfig:
     disable_graphs: bool = False
     strict_graphs: bool = False  # raise if anything compiles after warm-up
     compile_decode: bool | None = None  # cuda/rocm: torch.compile the step before capturing it
+    # Prefill, chunk and mixed steps through torch.compile'd layers, token count dynamic (off with disable_graphs).
+    compile_extend: bool | None = None
+    # cuda/rocm: CUDA graphs of extend and mixed steps for these token counts (None: the YAML; [] or "": none).
+    extend_capture_tokens: list[int] | str | None = None
     enable_prefix_caching: bool = True
     chunked_prefill_size: int | None = None  # tokens of prompt per step; <= 0 disables chunking
     # Shrink the prompt-token budget so one extend step takes at most this long (measured per token),
@@ -41,6 +45,9 @@ class EngineConfig:
     # Launch step N+1 before reading step N's tokens back, so host work hides behind device work
     # (None: the device's YAML; on for cuda/rocm, off where steps run synchronously).
     overlap_schedule: bool | None = None
+    # One ragged step: running decodes and prefill chunks share a step under the token budget
+    # (None: the device's YAML; on for cuda/rocm; off where prefill and decode graphs differ).
+    mixed_steps: bool | None = None
     debug_kv_invariant: bool = False  # check the KV pool invariant after every step
     warmup: bool = True  # one short request through the real step path at start-up (first-call costs)
     seed: int = 0
@@ -63,6 +70,9 @@ class EngineConfig:
         if self.overlap_schedule is None and overlap_env:
             # Between the YAML and an explicit setting: CI runs whole test files with overlap on.
             resolved.overlap_schedule = overlap_env not in ("0", "false", "off")
+        mixed_env = os.environ.get("ENGINE_MIXED_STEPS", "")
+        if self.mixed_steps is None and mixed_env:
+            resolved.mixed_steps = mixed_env not in ("0", "false", "off")
         if resolved.dtype == "auto":
             max_batch = min(int(resolved.max_num_seqs or 1), int(resolved.max_capture_size or resolved.max_num_seqs or 1))
             resolved.dtype = defaults.get("dtype") or str(platform.default_dtype(max_batch)).replace("torch.", "")

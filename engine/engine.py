@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -18,6 +18,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, InvalidRequestError, RequestFailedError
 from engine.kv_cache import KVPool
 from engine.kv_manager import KVCacheManager, PrefixCacheStats
+from engine.layers.attention import AttentionMetadata, step_context
 from engine.loader import load_model, resolve_model_source
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput
@@ -26,6 +27,11 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import INIT_NEW_TOKEN_RATIO, MIN_TIMED_EXTEND, ScheduledStep, Scheduler
 from engine.stats import EngineStats, StatsLogger
 from engine.tokenizer import encode_prompt, load_tokenizer
+from graphs.buckets import parse_sizes
+
+if TYPE_CHECKING:
+    from graphs.compiled_extend import CompiledExtendStep
+    from graphs.extend_graph_runner import ExtendGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +73,7 @@ class Engine:
             self.config.chunked_prefill_size,
             self.max_model_len,
             float(self.config.max_extend_step_ms) / 1000.0 if (self.config.max_extend_step_ms or 0) > 0 else None,
+            mixed_steps=bool(self.config.mixed_steps),
         )
         max_pages = -(-self.max_model_len // self.kv_pool.page_size)
         self.decode_state = DecodeBatchState(
@@ -75,9 +82,11 @@ class Engine:
         )
         self.decode_state.penalties = PenaltyState(int(self.config.max_num_seqs), int(self.model_config.vocab_size), self.device)
         self.kv_manager.on_release = self.decode_state.release
+        graph_runner = self._graph_runner()
+        extend_step = self._extend_step()
         self.runner = ModelRunner(
-            self.model, self.kv_pool, self.kv_manager, self.device, self.platform.slot_index_dtype, self._graph_runner(),
-            self.decode_state,
+            self.model, self.kv_pool, self.kv_manager, self.device, self.platform.slot_index_dtype, graph_runner,
+            self.decode_state, extend_step, self._extend_graphs(extend_step, graph_runner, max_pages),
         )
         # Debug mode: the pool invariant after every step (ENGINE_DEBUG_KV=1 or debug_kv_invariant).
         self.debug_kv = bool(self.config.debug_kv_invariant) or os.environ.get("ENGINE_DEBUG_KV", "") not in ("", "0")
@@ -87,7 +96,8 @@ class Engine:
         self.last_step_was_decode = False  # of the step whose outputs the last step() call returned
         self.overlap = bool(self.config.overlap_schedule)
         self._in_flight: _LaunchedStep | None = None  # launched, outputs not yet read back (overlap)
-        logger.info("overlap scheduling %s", "on" if self.overlap else "off")
+        logger.info("overlap scheduling %s; %s", "on" if self.overlap else "off",
+                    "mixed prefill+decode steps" if self.scheduler.mixed_steps else "separate prefill and decode steps")
         if self.config.warmup:
             self._warm_up()
 
@@ -165,6 +175,38 @@ class Engine:
             **kwargs,
         )
         runner.capture()
+        return runner
+
+    def _extend_step(self) -> "CompiledExtendStep | None":
+        """Prefill, chunk and mixed steps through compiled layers (compile_extend), or None: eager."""
+        if self.config.disable_graphs or not self.config.compile_extend:
+            return None
+        from graphs.compiled_extend import CompiledExtendStep
+
+        logger.info("extend steps: torch.compile'd layers, token count dynamic (compiled on the first prefill)")
+        return CompiledExtendStep(self.model, self.kv_pool.caches, strict=bool(self.config.strict_graphs))
+
+    def _extend_graphs(self, extend_step: "CompiledExtendStep | None", decode_graphs: object, max_pages: int) -> "ExtendGraphRunner | None":
+        """CUDA graphs of extend and mixed steps per token bucket (extend_capture_tokens), or None."""
+        buckets = parse_sizes(self.config.extend_capture_tokens) if self.config.extend_capture_tokens else []
+        if self.config.disable_graphs or not buckets or self.platform.capture_settings().kind != "cuda_graph":
+            return None
+        # No bucket above what one step can hold (the prompt-token budget, plus the decodes of a mixed step).
+        step_tokens = self.scheduler.max_step_tokens()
+        buckets = sorted({min(b, step_tokens) for b in buckets})
+        from graphs.extend_graph_runner import ExtendGraphRunner
+
+        model, caches = self.model, self.kv_pool.caches
+
+        def eager_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            with step_context(model.attention_backend, meta):
+                return model(input_ids, positions, caches, meta)
+
+        runner = ExtendGraphRunner(
+            extend_step if extend_step is not None else eager_step, buckets, int(self.config.max_num_seqs), max_pages,
+            self.kv_pool.page_size, self.device, self.platform.slot_index_dtype,
+        )
+        runner.capture(pool=getattr(decode_graphs, "pool", None))
         return runner
 
     # ---- requests ---------------------------------------------------------------------
@@ -269,7 +311,7 @@ class Engine:
                     request.output_logprobs.append(entry)
                 outputs.append(self._append_token(request, token))
         if not launched.is_decode:
-            lens = [(r, n) for part, _ in launched.parts for r, n in zip(part.requests, part.extend_lens)]
+            lens = [(r, n) for part, _ in launched.parts for r, n in zip(part.extend_requests, part.extend_lens)]
             logprob_tokens = sum(n for r, n in lens if r.params.prompt_logprobs is not None)
             self.scheduler.record_extend_time(sum(n for _, n in lens), time.perf_counter() - launched.started, logprob_tokens)
         for request, error in launched.failed:
@@ -286,17 +328,23 @@ class Engine:
         every time, and seeded generators are rewound to where the step began,
         so every other request gets exactly the token it would have had.
         """
-        if len(step.requests) == 1:
+        if step.is_mixed:
+            parts = step.parts()  # its decode part and its extend part apart first, halved from there
+        elif len(step.requests) == 1:
             logger.error("request %s failed its step: %s: %s", step.requests[0].request_id, type(error).__name__, error,
                          exc_info=error)
             return [], [(step.requests[0], error)]
-        logger.warning("a step of %d requests failed (%s: %s): re-running it in parts to find the culprit",
-                       len(step.requests), type(error).__name__, error)
+        else:
+            logger.warning("a step of %d requests failed (%s: %s): re-running it in parts to find the culprit",
+                           len(step.requests), type(error).__name__, error)
+            half = len(step.requests) // 2
+            parts = [
+                ScheduledStep(step.is_decode, step.requests[part], step.extend_lens[part], step.sample_mask[part])
+                for part in (slice(0, half), slice(half, None))
+            ]
         done: list[tuple[ScheduledStep, SampledTokens | None]] = []
         failed: list[tuple[Request, Exception]] = []
-        half = len(step.requests) // 2
-        for part in (slice(0, half), slice(half, None)):
-            sub = ScheduledStep(step.is_decode, step.requests[part], step.extend_lens[part], step.sample_mask[part])
+        for sub in parts:
             _rewind_generators(sub.sampled_requests, rewind)
             try:
                 done.append((sub, self.runner.launch(sub)))

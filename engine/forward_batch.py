@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.layers.attention import AttentionMetadata
 from engine.request import Request
@@ -83,6 +84,7 @@ def build_forward_batch(
         page_size=page_size,
         query_start_loc=None if is_decode else query_start_loc,
         seq_lens_cpu=None if is_decode else seq_lens,
+        query_starts=None if is_decode else to_device(query_start_loc, torch.int32),
     )
     return ForwardBatch(
         input_ids=to_device(input_ids, torch.int64),
@@ -90,4 +92,38 @@ def build_forward_batch(
         meta=meta,
         logits_indices=to_device(logits_indices, torch.int64),
         requests=requests,
+    )
+
+
+def mixed_forward_batch(decode: ForwardBatch, extend: ForwardBatch, decode_seq_lens: list[int]) -> ForwardBatch:
+    """One ragged step: the decode rows (from the persistent state) first, then the extend requests.
+
+    decode_seq_lens: the decode rows' context lengths on the host (the ragged metadata's host
+    side). Page tables are padded to the wider of the two; every tensor stays on the device.
+    """
+    d = decode.batch_size
+    width = max(decode.meta.page_table.shape[1], extend.meta.page_table.shape[1])
+    tables = [F.pad(t, (0, width - t.shape[1])) for t in (decode.meta.page_table, extend.meta.page_table)]
+    assert extend.meta.query_start_loc is not None and extend.meta.seq_lens_cpu is not None
+    query_start_loc = list(range(d)) + [d + start for start in extend.meta.query_start_loc]
+    device = decode.input_ids.device
+    meta = AttentionMetadata(
+        is_decode=False,
+        slot_indices=torch.cat([decode.meta.slot_indices, extend.meta.slot_indices]),
+        page_table=torch.cat(tables),
+        seq_lens=torch.cat([decode.meta.seq_lens, extend.meta.seq_lens]),
+        page_size=extend.meta.page_size,
+        query_start_loc=query_start_loc,
+        seq_lens_cpu=decode_seq_lens + extend.meta.seq_lens_cpu,
+        query_starts=_to_device(query_start_loc, torch.int32, device),
+        num_decodes=d,
+    )
+    assert extend.logits_indices is not None
+    return ForwardBatch(
+        input_ids=torch.cat([decode.input_ids, extend.input_ids]),
+        positions=torch.cat([decode.positions, extend.positions]),
+        meta=meta,
+        logits_indices=torch.cat([torch.arange(d, device=device), extend.logits_indices + d]),
+        requests=decode.requests + extend.requests,
+        decode_rows=decode.decode_rows,
     )

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.batch_state import DecodeBatchState
-from engine.forward_batch import ForwardBatch, build_forward_batch
+from engine.forward_batch import ForwardBatch, build_forward_batch, mixed_forward_batch
 from engine.kv_cache import KVPool
 from engine.kv_manager import KVCacheManager
 from engine.layers.attention import step_context
@@ -15,6 +16,10 @@ from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SampledTokens, record_prompt_logprobs, sample
 from engine.scheduler import ScheduledStep
 from graphs.runner import DecodeGraphRunner
+
+if TYPE_CHECKING:
+    from graphs.compiled_extend import CompiledExtendStep
+    from graphs.extend_graph_runner import ExtendGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +35,9 @@ class ModelRunner:
         device: torch.device,
         slot_dtype: torch.dtype,
         graph_runner: DecodeGraphRunner | None,
-        decode_state: DecodeBatchState | None = None,
+        decode_state: DecodeBatchState,
+        extend_step: "CompiledExtendStep | None" = None,
+        extend_graphs: "ExtendGraphRunner | None" = None,
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
@@ -39,6 +46,8 @@ class ModelRunner:
         self.slot_dtype = slot_dtype
         self.graph_runner = graph_runner
         self.decode_state = decode_state
+        self.extend_step = extend_step  # compiled prefill/mixed steps; None: eager
+        self.extend_graphs = extend_graphs  # their CUDA graphs per token bucket; None: none
         self.graph_steps = 0
         self.eager_steps = 0
 
@@ -50,39 +59,48 @@ class ModelRunner:
     def _forward(self, step: ScheduledStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(logits of the sampled requests, their decode rows on the device: None for extend steps)."""
         runner, state = self.graph_runner, self.decode_state
-        if step.is_decode and state is not None and runner is not None and runner.can_run(len(step.requests)) \
+        if step.is_decode and runner is not None and runner.can_run(len(step.requests)) \
                 and getattr(runner, "fills_from_rows", False):
             # The graph's static buffers filled straight from the persistent rows: one copy, a few gathers.
             self.graph_steps += 1
             return runner.run_from_rows(state.host_inputs(step.requests), state)
-        if step.is_decode and state is not None:
+        if step.is_decode:
             # O(batch): rows updated by diffs. Host tensors for a graph runner that pads on the host.
             on_host = runner is not None and getattr(runner, "takes_host_inputs", False) and runner.can_run(len(step.requests))
             batch = state.decode_batch(step.requests, on_host=on_host)
         else:
-            pages = {r.request_id: self.kv_manager.page_table(r) for r in step.requests}
-            batch = build_forward_batch(
-                step.requests,
-                step.is_decode,
-                pages,
-                self.kv_pool.page_size,
-                self.device,
-                self.slot_dtype,
-                extend_lens=None if step.is_decode else step.extend_lens,
-                sample_mask=step.sample_mask,
-            )
+            batch = self._extend_batch(step)
         if step.is_decode and self.graph_runner is not None and self.graph_runner.can_run(batch.batch_size):
             self.graph_steps += 1
             return self.graph_runner.run(batch.input_ids, batch.positions, batch.meta), batch.decode_rows
-        self.eager_steps += 1
-        with step_context(self.model.attention_backend, batch.meta):
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_pool.caches, batch.meta)
+        if not step.is_decode and self.extend_graphs is not None and self.extend_graphs.can_run(batch):
+            hidden = self.extend_graphs.run(batch)
+        elif not step.is_decode and self.extend_step is not None:
+            hidden = self.extend_step(batch.input_ids, batch.positions, batch.meta)
+        else:
+            self.eager_steps += 1
+            with step_context(self.model.attention_backend, batch.meta):
+                hidden = self.model(batch.input_ids, batch.positions, self.kv_pool.caches, batch.meta)
         if not step.is_decode:
             self._record_prompt_logprobs(hidden, batch)
             if not any(step.sample_mask):
                 return None, None
             hidden = hidden[batch.logits_indices]
         return self.model.compute_logits(hidden), batch.decode_rows
+
+    def _extend_batch(self, step: ScheduledStep) -> ForwardBatch:
+        """An extend step's batch; a mixed step's decode rows come from the persistent state, first."""
+        requests = step.extend_requests
+        pages = {r.request_id: self.kv_manager.page_table(r) for r in requests}
+        extend = build_forward_batch(
+            requests, False, pages, self.kv_pool.page_size, self.device, self.slot_dtype,
+            extend_lens=step.extend_lens, sample_mask=step.sample_mask[step.num_decodes :],
+        )
+        if not step.is_mixed:
+            return extend
+        decodes = step.decode_requests
+        decode = self.decode_state.decode_batch(decodes)
+        return mixed_forward_batch(decode, extend, [r.num_tokens_with_pending for r in decodes])
 
     def _record_prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch) -> None:
         """Echo with logprobs (server): logits of every prompt token, only for requests that ask.
@@ -93,7 +111,7 @@ class ModelRunner:
         if starts is None:
             return
         for index, request in enumerate(batch.requests):
-            if request.params.prompt_logprobs is None:
+            if index < batch.meta.num_decodes or request.params.prompt_logprobs is None:
                 continue
             positions = batch.positions[starts[index] : starts[index + 1]].tolist()
             # In slices: full-vocabulary logits for a whole 8k-token chunk would take gigabytes.
@@ -112,10 +130,9 @@ class ModelRunner:
             return None
         requests = step.sampled_requests
         state = self.decode_state
-        if state is None:
-            return sample(logits, requests)
-        if rows is None:
-            rows = state.rows_of(requests)  # an extend: requests that now start decoding get their rows
+        if rows is None or step.is_mixed:
+            # An extend: requests that now start decoding get their rows (a mixed step's decodes have theirs).
+            rows = state.rows_of(requests)
         sampled = sample(logits, requests, state.penalties, rows)
         state.record_sampled(rows, sampled.token_ids)
         return sampled

@@ -1,7 +1,11 @@
 """Continuous batching with prefix reuse, chunked prefill and retraction under memory pressure.
 
-A step is either an extend (prefill, possibly one chunk of a long prompt) or a
-decode of every running request. Policies, after SGLang's scheduler:
+A step is an extend (prefill, possibly one chunk of a long prompt), a decode
+of every running request, or with `mixed_steps` both at once: one ragged
+step in which each running request runs one token and prefill chunks fill
+the rest of the token budget (vLLM's "no decoding phase nor prefill phase").
+Pure-decode steps stay pure, so they keep their batch-size graphs. Policies,
+after SGLang's scheduler:
 
 - admission: a waiting request first reuses its longest cached prefix; it is
   admitted only if the pages it needs leave a reserve for the running
@@ -11,7 +15,8 @@ decode of every running request. Policies, after SGLang's scheduler:
 - chunked prefill: at most `chunked_prefill_size` prompt tokens run per step;
   (the budget of one extend step, shared by its requests); a prompt that does
   not fit continues over several steps, one request at a time, and a
-  decode step for the running requests runs between two of its chunks;
+  decode step for the running requests runs between two of its chunks (in
+  the same step as each chunk, with mixed steps);
 - retraction: when decode cannot get a page even after evicting cached pages,
   the request that costs least to redo (fewest tokens) gives its pages back
   (its computed pages stay in the prefix cache) and goes back to the front of
@@ -43,22 +48,45 @@ PROMPT_LOGPROB_TOKEN_WEIGHT = 4.0
 @dataclass
 class ScheduledStep:
     is_decode: bool
-    requests: list[Request]
-    # extend only: tokens of each request that run this step (a chunk, or all uncached tokens)
+    requests: list[Request]  # a mixed step: its decode requests first, then its extend requests
+    # tokens of each extend request that run this step (a chunk, or all uncached tokens)
     extend_lens: list[int]
     # whether each request's step ends at its last token, so it samples a next token
     sample_mask: list[bool] = field(default_factory=list)
+    num_decodes: int = 0  # an extend step's leading decode requests (one token each): a mixed step
 
     def __post_init__(self) -> None:
+        if self.is_decode:
+            self.num_decodes = len(self.requests)
         if not self.sample_mask:
-            if self.is_decode:
-                self.sample_mask = [True] * len(self.requests)
-            else:
-                self.sample_mask = [r.num_cached_tokens + n == r.num_tokens for r, n in zip(self.requests, self.extend_lens)]
+            extend = [r.num_cached_tokens + n == r.num_tokens for r, n in zip(self.extend_requests, self.extend_lens)]
+            self.sample_mask = [True] * self.num_decodes + extend
+
+    @property
+    def is_mixed(self) -> bool:
+        return not self.is_decode and self.num_decodes > 0
+
+    @property
+    def decode_requests(self) -> list[Request]:
+        return self.requests[: self.num_decodes]
+
+    @property
+    def extend_requests(self) -> list[Request]:
+        return self.requests[self.num_decodes :]
 
     @property
     def sampled_requests(self) -> list[Request]:
         return [r for r, sampled in zip(self.requests, self.sample_mask) if sampled]
+
+    def parts(self) -> list["ScheduledStep"]:
+        """A mixed step as its decode step and its extend step (failure isolation re-runs them apart)."""
+        if not self.is_mixed:
+            return [self]
+        d = self.num_decodes
+        return [
+            ScheduledStep(True, self.decode_requests, []),
+            ScheduledStep(False, self.extend_requests, self.extend_lens, self.sample_mask[d:]),
+        ]
 
 
 class Scheduler:
@@ -70,6 +98,7 @@ class Scheduler:
         chunked_prefill_size: int | None = None,
         max_model_len: int | None = None,
         max_extend_step_s: float | None = None,
+        mixed_steps: bool = False,
     ) -> None:
         self.kv = kv
         self.page_size = kv.page_size
@@ -77,6 +106,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.max_model_len = max_model_len or kv.total_pages * kv.page_size
+        self.mixed_steps = mixed_steps
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # prefilled; decoding
         self.chunked: Request | None = None  # the one request part-way through a chunked prefill
@@ -109,6 +139,8 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> ScheduledStep | None:
+        if self.mixed_steps:
+            return self._schedule_mixed()
         if not (self._decode_owed and self.running):
             step = self._schedule_extend()
             if step is not None:
@@ -122,6 +154,20 @@ class Scheduler:
             return ScheduledStep(True, decoding, [])
         return self._schedule_extend()  # everything was retracted (or is finishing): a prefill, if any
 
+    def _schedule_mixed(self) -> ScheduledStep | None:
+        """Every running request decodes; prefill chunks take what is left of the token budget."""
+        if self.running:
+            self._reserve_decode_pages()  # retractions first: their pages may admit no one this step
+        decoding = [r for r in self.running if not self._finishes_on_pending_token(r)]
+        extend = self._schedule_extend(decode_tokens=len(decoding))
+        if decoding:
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        if extend is None:
+            return ScheduledStep(True, decoding, []) if decoding else None
+        if not decoding:
+            return extend
+        return ScheduledStep(False, decoding + extend.requests, extend.extend_lens, num_decodes=len(decoding))
+
     def on_step_launched(self, step: ScheduledStep) -> None:
         """The step is on the device: advance each request as if it had run, cache computed pages.
 
@@ -129,12 +175,12 @@ class Scheduler:
         these pages (a later step of the request, or another request reusing the cached prefix)
         runs after this step has written them. Each sampled request now has one more token pending.
         """
+        for request in step.decode_requests:
+            request.num_cached_tokens = request.num_tokens_with_pending
+            request.num_pending_tokens += 1
         if step.is_decode:
-            for request in step.requests:
-                request.num_cached_tokens = request.num_tokens_with_pending
-                request.num_pending_tokens += 1
             return
-        for request, n, sampled in zip(step.requests, step.extend_lens, step.sample_mask):
+        for request, n, sampled in zip(step.extend_requests, step.extend_lens, step.sample_mask[step.num_decodes :]):
             request.num_cached_tokens += n
             self.kv.stats.computed_tokens += n
             self.kv.cache_computed(request)
@@ -197,12 +243,16 @@ class Scheduler:
             return None
         return max(MIN_EXTEND_BUDGET, int(self.max_extend_step_s / self.extend_seconds_per_token))
 
-    def _schedule_extend(self) -> ScheduledStep | None:
+    def _schedule_extend(self, decode_tokens: int = 0) -> ScheduledStep | None:
+        """decode_tokens: tokens of this step already taken by decodes (a mixed step)."""
         budget = min(self.max_prefill_tokens, self.chunked_prefill_size or self.max_prefill_tokens)
         stall_budget = self._time_budget()
         timed = stall_budget is not None and self.chunked_prefill_size is not None
         if timed:
             budget = min(budget, stall_budget)
+        if decode_tokens:
+            # Never below MIN_EXTEND_BUDGET: a full decode batch must not starve prefill for good.
+            budget = max(budget - decode_tokens, min(budget, MIN_EXTEND_BUDGET))
         requests: list[Request] = []
         lens: list[int] = []
         if self.chunked is not None:
@@ -265,6 +315,14 @@ class Scheduler:
         if not requests:
             return None
         return ScheduledStep(False, requests, lens)
+
+    def max_step_tokens(self) -> int:
+        """The most tokens one step can run: the prompt-token budget (a mixed step's decodes are
+        taken from it, down to MIN_EXTEND_BUDGET left for prefill) or a full decode batch."""
+        budget = min(self.max_prefill_tokens, self.chunked_prefill_size or self.max_prefill_tokens)
+        if self.mixed_steps:
+            budget = max(budget, self.max_num_seqs + MIN_EXTEND_BUDGET)
+        return max(budget, self.max_num_seqs)
 
     def _tokens_to_hold(self, request: Request, n: int) -> int:
         # The step that ends the prompt also needs a slot for the token it samples (fed next step).

@@ -21,6 +21,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TEST_THREADS = int(os.environ.get("ENGINE_TEST_THREADS", "1"))
 os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# No GPU: the Triton kernels run in Triton's CPU interpreter (tests/triton_interpreter.py). Set before
+# anything imports triton, which fixes the mode of triton.language's own helpers at import.
+if not (os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/kfd")):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -73,7 +73,8 @@ def hf_last_logits(model: Any, token_ids: Sequence[int]) -> torch.Tensor:
 
 
 class StepRecorder:
-    """Records (is_decode, batch size) of every step the engine's scheduler hands out.
+    """Records (is_decode, batch size) of every step the engine's scheduler hands out, and for each
+    the number of its decode requests (`num_decodes`: > 0 in an extend step means a mixed step).
 
     Wraps Scheduler.schedule on this one engine instance (observation only: the scheduled step
     is returned unchanged); use as a context manager.
@@ -82,6 +83,12 @@ class StepRecorder:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.steps: list[tuple[bool, int]] = []
+        self.num_decodes: list[int] = []
+
+    @property
+    def extend_sizes(self) -> list[int]:
+        """Requests prefilling in each step that prefills (a mixed step's decodes not counted)."""
+        return [size - n for (is_decode, size), n in zip(self.steps, self.num_decodes) if not is_decode]
 
     @property
     def decode_sizes(self) -> list[int]:
@@ -95,6 +102,7 @@ class StepRecorder:
             step = original()
             if step is not None:
                 self.steps.append((step.is_decode, len(step.requests)))
+                self.num_decodes.append(step.num_decodes)
             return step
 
         scheduler.schedule = schedule  # type: ignore[method-assign]

@@ -157,3 +157,41 @@ def test_overlapped_decode_launch_never_waits_for_the_device(tmp_path, monkeypat
     monkeypatch.setattr(engine, "_launch", launch_without_syncs)
     engine.generate([[1, 5, 9], [7] * 40, list(range(3, 90)), [2, 4, 8]], _mixed_params())
     assert checked["decode"] > 15
+
+
+def test_extend_graphs_give_the_tokens_of_compiled_and_eager_extend_steps(tmp_path) -> None:
+    """Prefill, chunk and mixed steps replayed from CUDA graphs per token bucket (padding request,
+    empty requests), with staggered arrivals and a cached prefix: the tokens of compiled and of
+    eager extend steps, float32."""
+    import random
+
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    model = _tiny_llama(tmp_path, max_positions=4096)
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 512) for _ in range(70)]
+    prompts = [(prefix if i % 3 == 0 else []) + [rng.randrange(3, 512) for _ in range(rng.randint(1, 300))] for i in range(20)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    results = {}
+    for mode, options in {
+        "graphs": dict(extend_capture_tokens="16,64,256,1024"),
+        "compiled": dict(extend_capture_tokens=""),
+        "eager": dict(extend_capture_tokens="", compile_extend=False),
+    }.items():
+        engine = Engine(model=model, device="cuda", dtype="float32", page_size=16, capture_sizes="1,2,4,8", max_num_seqs=8,
+                        kv_cache_tokens=8192, chunked_prefill_size=200, mixed_steps=True, debug_kv_invariant=True, **options)
+        ids, finals = [], {}
+        for step in range(5000):
+            if step % 3 == 0 and len(ids) < len(prompts):
+                ids.append(engine.add_request(prompts[len(ids)], params))
+            for output in engine.step():
+                if output.finished:
+                    finals[output.request_id] = output.token_ids
+            if len(finals) == len(prompts):
+                break
+        results[mode] = [finals[i] for i in ids]
+        if mode == "graphs":
+            assert engine.runner.extend_graphs is not None and engine.runner.extend_graphs.replays > 0
+        assert engine.kv_pages_in_use() == 0
+    assert results["graphs"] == results["compiled"] == results["eager"]

@@ -132,13 +132,15 @@ def test_chunked_prefill_matches_whole_prefill_on_a_long_prompt(long_context_mod
     with StepRecorder(chunked) as recorder:
         got = chunked.generate([long_prompt], params)[0].token_ids
     assert got == whole.generate([long_prompt], params)[0].token_ids
-    extends = [size for is_decode, size in recorder.steps if not is_decode]
+    extends = recorder.extend_sizes
     assert len(extends) == -(-3000 // 256)  # 12 chunks of at most 256 tokens
 
 
-def test_decode_runs_between_the_chunks_of_a_long_prompt(long_context_model: str) -> None:
-    """A short request keeps decoding while a long prompt is prefilled chunk by chunk."""
-    engine = tiny_engine(long_context_model, page_size=16, max_model_len=4096, chunked_prefill_size=256)
+@pytest.mark.parametrize("mixed", [False, True])
+def test_decode_runs_between_the_chunks_of_a_long_prompt(long_context_model: str, mixed: bool) -> None:
+    """A short request keeps decoding while a long prompt is prefilled chunk by chunk: in a decode
+    step after every chunk, or (mixed steps) in the very step of every chunk."""
+    engine = tiny_engine(long_context_model, page_size=16, max_model_len=4096, chunked_prefill_size=256, mixed_steps=mixed)
     rng = random.Random(3)
     short_id = engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     engine.step()  # the short prompt's prefill
@@ -151,6 +153,12 @@ def test_decode_runs_between_the_chunks_of_a_long_prompt(long_context_model: str
                 tokens_of[output.request_id] = len(output.token_ids)
         kinds = [is_decode for is_decode, _ in recorder.steps]
     assert tokens_of == {short_id: 20, long_id: 4}
+    if mixed:
+        # 8 chunk steps, each carrying the short request's decode (256 - 1 prompt tokens each but the last).
+        chunk_steps = [i for i, is_decode in enumerate(kinds) if not is_decode]
+        assert len(chunk_steps) == 8 and all(recorder.num_decodes[i] == 1 for i in chunk_steps)
+        assert chunk_steps == list(range(chunk_steps[0], chunk_steps[0] + 8))  # back to back: nobody waits
+        return
     first_chunk = kinds.index(False)
     last_chunk = len(kinds) - 1 - kinds[::-1].index(False)
     between = kinds[first_chunk : last_chunk + 1]
@@ -207,7 +215,7 @@ def test_identical_prompts_take_two_prefill_steps(tiny_checkpoints: dict[str, st
     with StepRecorder(engine) as recorder:
         outputs = engine.generate([prompt] * 8, GREEDY)
     assert len({tuple(o.token_ids) for o in outputs}) == 1
-    extends = [size for is_decode, size in recorder.steps if not is_decode]
+    extends = recorder.extend_sizes
     assert extends == [1, 7]
     reused = (length - 1) // page_size * page_size
     assert engine.stats().prefill_computed_tokens == length + 7 * (length - reused)
@@ -220,7 +228,7 @@ def test_prompt_logprobs_requests_are_not_held_back(tiny_checkpoints: dict[str, 
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     with StepRecorder(engine) as recorder:
         outputs = engine.generate([prompt] * 3, params)
-    assert [size for is_decode, size in recorder.steps if not is_decode] == [3]
+    assert recorder.extend_sizes == [3]
     assert engine.stats().prefill_computed_tokens == 3 * len(prompt)
     assert all(len(o.prompt_logprobs) == len(prompt) for o in outputs)
 

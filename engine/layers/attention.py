@@ -14,8 +14,11 @@ from torch import nn
 class AttentionMetadata:
     """Everything attention needs for one step; tensors live on the model's device.
 
-    For decode every request contributes one query token; for extend (prefill)
-    `query_start_loc` and `seq_lens_cpu` describe the ragged batch on the host.
+    For decode every request contributes one query token; for extend (prefill
+    chunks, and mixed steps) `query_start_loc` and `seq_lens_cpu` describe the
+    ragged batch on the host and `query_starts` on the device. A mixed step puts
+    its decode rows first: the first `num_decodes` requests have one new token
+    each (a hint; any backend may treat them as short extends).
     The graph runners own static copies of the decode tensors and fill them in place.
     """
 
@@ -26,6 +29,11 @@ class AttentionMetadata:
     page_size: int
     query_start_loc: list[int] | None = None  # extend only: [batch + 1] offsets into the tokens
     seq_lens_cpu: list[int] | None = None  # extend only
+    query_starts: torch.Tensor | None = None  # extend only: query_start_loc on the device, int32
+    num_decodes: int = 0  # extend only: leading requests with one new token each (a mixed step's decodes)
+    # A compiled extend step (graphs/compiled_extend.py): attention runs as the opaque
+    # engine::extend_attention op, which finds this metadata in its step context.
+    opaque_extend: bool = False
     # Backend-specific extras a graph runner prepares (e.g. HPU's flat block list + mapping).
     platform_metadata: Any = None
 
@@ -76,4 +84,6 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
         assert self.backend is not None, "attention backend not set; load the model through engine.loader"
+        if meta.opaque_extend:
+            return torch.ops.engine.extend_attention(q, k, v, kv_cache[0], kv_cache[1], self.scale)
         return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)

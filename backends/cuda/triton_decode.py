@@ -1,0 +1,109 @@
+"""Paged decode attention in Triton (CUDA and ROCm), safe to capture in a graph.
+
+Two kernels, chosen by how many programs the batch gives the GPU:
+
+- one pass, one program per (request, kv head), walking the request's pages
+  up to its sequence length with an online softmax over the GQA group of
+  query heads. At batch 32 and up this fills the GPU on its own.
+- split-K (flash-decoding): at small batch one program per (request, kv
+  head) leaves most SMs idle (8 programs at batch 1 on 132 SMs, whatever the
+  context), so each (request, kv head) is cut into `splits` ranges of its
+  context, each program writes a partial result and its log-sum-exp, and a
+  second small kernel combines them. The split count depends only on the
+  batch size and the GPU, so one captured graph still serves any context
+  length: each program works out its own range from the sequence length on
+  the device, and ranges past the end return at once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from backends.cuda.triton_build import interpreted, load_kernel
+
+MAX_SPLITS = 16
+# Programs per SM the split count aims for; at or above it the one-pass kernel runs.
+PROGRAMS_PER_SM = 2
+
+
+KERNELS = "backends.cuda.kernels.paged_decode"
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_splits(batch: int, kv_heads: int, device: torch.device) -> int:
+    """How many context ranges each (request, kv head) is cut into: enough programs for every SM
+    (PROGRAMS_PER_SM each), a power of two up to MAX_SPLITS; 1 where the batch fills the GPU."""
+    if device.type != "cuda":
+        return 1 if batch * kv_heads >= 64 else 4  # the interpreter (CPU tests): both paths, small
+    target = PROGRAMS_PER_SM * _multiprocessors(device.index or 0)
+    splits = 1
+    while splits < MAX_SPLITS and batch * kv_heads * splits < target:
+        splits *= 2
+    return splits
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """q [B, H, D], caches [slots, KVH, D], page_table [B, pages], seq_lens [B] -> [B, H, D].
+
+    splits: context ranges per (request, kv head); default decode_splits() for this batch."""
+    import triton
+
+    decode_kernel, combine_kernel = load_kernel(KERNELS, "paged_decode_kernel"), load_kernel(KERNELS, "combine_splits_kernel")
+    batch, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    if splits is None:
+        splits = decode_splits(batch, kv_heads, q.device)
+    out = torch.empty_like(q)
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if splits == 1:
+        partial, lse = out.unsqueeze(2), out  # written directly; lse unused
+    else:
+        partial = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    decode_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, page_table, seq_lens, partial, lse,
+        scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        page_table.stride(0),
+        partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
+        PAGE_SIZE=page_size,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
+        HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad,
+        BLOCK_N=64 if head_dim <= 128 else 32,
+        SPLITS=splits,
+        IEEE_FP32=q.dtype == torch.float32 and not interpreted(),
+        num_warps=4,
+    )
+    if splits > 1:
+        combine_kernel[(batch, heads)](
+            partial, lse, out,
+            partial.stride(0), partial.stride(1), partial.stride(2),
+            lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad,
+            SPLITS=splits,
+            num_warps=1 if head_dim <= 64 else 2,
+        )
+    return out

@@ -1,0 +1,158 @@
+"""CUDA graphs of prefill, chunk and mixed steps, keyed by token count.
+
+One graph per token bucket (e.g. 16 ... 8192) of the whole forward pass, up to
+the hidden states; a step of n tokens replays the smallest bucket >= n. What
+makes the attention capturable is that its metadata lives in static buffers
+and that nothing about it is decided on the host: the ragged Triton kernel's
+grid depends only on the bucket and on the most requests a step can hold
+(`max_requests`), and a program finds its request on the device. So the
+buffers hold `max_requests + 1` request rows:
+
+- the step's requests (a mixed step's decode rows are one-token requests here);
+- one padding request that owns the bucket's tokens past the real ones: its
+  k/v go to slot 0 (page 0 is never handed out) and it attends to page 0
+  only, so it stays finite and touches no request. Its page-table row is
+  as wide as the largest bucket needs (all page 0), and its positions (used
+  only by the rotary embedding) cycle within one page, so neither indexes
+  past a table however small the model's context is;
+- empty requests (no tokens), whose programs return at once.
+
+The LM head runs after the replay on the rows that sample (and prompt
+logprobs on the rows that ask), outside the graph. Buckets are captured
+largest first into one memory pool (the decode graphs' when given), after two
+warm-up runs each, with Python's GC frozen, as the decode graphs are.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from engine.forward_batch import ForwardBatch
+from engine.layers.attention import AttentionMetadata
+from graphs.buckets import smallest_bucket_at_least
+from graphs.cuda_graph_runner import frozen_gc
+
+logger = logging.getLogger(__name__)
+
+StepFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+class ExtendGraphRunner:
+    def __init__(
+        self,
+        step_fn: StepFn,
+        token_buckets: list[int],
+        max_requests: int,
+        max_pages: int,
+        page_size: int,
+        device: torch.device,
+        slot_dtype: torch.dtype = torch.int64,
+    ) -> None:
+        """step_fn(input_ids, positions, meta) -> hidden states [tokens, hidden]: the forward captured."""
+        self.step_fn = step_fn
+        self.buckets = sorted(set(token_buckets))
+        self.max_tokens = self.buckets[-1]
+        self.max_requests = max_requests
+        self.page_size = page_size
+        rows = max_requests + 1  # and the padding request
+        # Wide enough for the padding request's context (the largest bucket) as well as for any request.
+        max_pages = max(max_pages, -(-self.max_tokens // page_size))
+        self.input_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
+        self.slot_indices = torch.zeros(self.max_tokens, dtype=slot_dtype, device=device)
+        self.query_starts = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(rows, max_pages, dtype=torch.int32, device=device)
+        self.pad_positions = torch.arange(self.max_tokens, dtype=torch.int64, device=device) % page_size
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.graph_memory_bytes = 0
+        self.replays = 0
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.input_ids.shape[0] <= self.max_tokens and batch.batch_size <= self.max_requests
+
+    def _meta(self, tokens: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            is_decode=False,
+            slot_indices=self.slot_indices[:tokens],
+            page_table=self.page_table,
+            seq_lens=self.seq_lens,
+            page_size=self.page_size,
+            query_starts=self.query_starts,
+        )
+
+    def _fill_dummy(self, tokens: int) -> None:
+        """Every token belongs to the padding request (row 0 here), for warm-up and capture."""
+        self.input_ids[:tokens].zero_()
+        self.positions[:tokens].copy_(self.pad_positions[:tokens])
+        self.slot_indices[:tokens].zero_()
+        self.query_starts.fill_(tokens)
+        self.query_starts[0] = 0
+        self.seq_lens.zero_()
+        self.seq_lens[0] = tokens
+        self.page_table.zero_()
+
+    @torch.no_grad()
+    def capture(self, pool: object | None = None) -> None:
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        start = time.perf_counter()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        with frozen_gc():
+            for tokens in tqdm(sorted(self.buckets, reverse=True), desc="Capturing extend graphs", unit="graph", disable=None):
+                self._fill_dummy(tokens)
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self.step_fn(self.input_ids[:tokens], self.positions[:tokens], self._meta(tokens))
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    self.outputs[tokens] = self.step_fn(self.input_ids[:tokens], self.positions[:tokens], self._meta(tokens))
+                self.graphs[tokens] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
+        logger.info("captured extend graphs for token counts %s in %.1f s, graph memory %.1f MiB",
+                    self.buckets, self.capture_seconds, self.graph_memory_bytes / 2**20)
+
+    def fill(self, batch: ForwardBatch, tokens: int) -> None:
+        """The batch's n tokens and r requests into the buffers; tokens n..bucket become the padding
+        request r (its own positions 0.., slot 0, page 0); requests past it are empty."""
+        meta = batch.meta
+        assert meta.query_starts is not None, "an extend batch without device query offsets"
+        n, r = batch.input_ids.shape[0], batch.batch_size
+        width = meta.page_table.shape[1]
+        if width > self.page_table.shape[1]:
+            raise ValueError(f"page table of {width} pages exceeds the captured {self.page_table.shape[1]}")
+        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:n].copy_(batch.positions, non_blocking=True)
+        self.slot_indices[:n].copy_(meta.slot_indices, non_blocking=True)
+        if tokens > n:
+            self.input_ids[n:tokens].zero_()
+            self.positions[n:tokens].copy_(self.pad_positions[: tokens - n])
+            self.slot_indices[n:tokens].zero_()
+        self.query_starts[: r + 1].copy_(meta.query_starts, non_blocking=True)
+        self.query_starts[r + 1 :].fill_(tokens)
+        self.seq_lens[:r].copy_(meta.seq_lens, non_blocking=True)
+        self.seq_lens[r] = tokens - n
+        self.seq_lens[r + 1 :].zero_()
+        self.page_table[:r, :width].copy_(meta.page_table, non_blocking=True)
+        self.page_table[r].zero_()
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [n tokens, hidden] of the batch (a view of the bucket's static output)."""
+        n = batch.input_ids.shape[0]
+        tokens = smallest_bucket_at_least(self.buckets, n)
+        assert tokens is not None, f"{n} tokens exceed the largest extend graph ({self.max_tokens})"
+        self.fill(batch, tokens)
+        self.graphs[tokens].replay()
+        self.replays += 1
+        return self.outputs[tokens][:n]

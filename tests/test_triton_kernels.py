@@ -1,0 +1,209 @@
+"""The Triton attention kernels against the torch reference (engine.layers.torch_attention).
+
+On a GPU the kernels run compiled, over the full matrix (contexts up to 8k,
+64-request ragged batches, bf16); without one they run in Triton's CPU
+interpreter over a smaller matrix in float32, so the same kernel source is
+checked on every CI machine. Every cache slot no request owns holds NaN:
+a kernel that reads past a request's pages poisons its output.
+"""
+
+from __future__ import annotations
+
+import random
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from engine.layers.attention import AttentionMetadata
+from engine.layers.torch_attention import extend_attention
+from tests.triton_interpreter import interpreter_mode, triton_installed
+
+ON_GPU = torch.cuda.is_available() and torch.version.hip is None
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+pytestmark = pytest.mark.skipif(not ON_GPU and not triton_installed(), reason="needs triton (GPU or interpreter)")
+
+
+def kernel_mode():  # noqa: ANN201
+    return nullcontext() if ON_GPU else interpreter_mode()
+
+
+@dataclass
+class RaggedCase:
+    q: torch.Tensor  # [tokens, H, D]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    page_table: torch.Tensor  # [B, pages] int32
+    seq_lens: list[int]
+    query_lens: list[int]
+    page_size: int
+
+    @property
+    def query_start_loc(self) -> list[int]:
+        starts = [0]
+        for n in self.query_lens:
+            starts.append(starts[-1] + n)
+        return starts
+
+    def reference(self) -> torch.Tensor:
+        """extend_attention in float32 (per request SDPA with a causal mask behind the prefix)."""
+        meta = AttentionMetadata(
+            is_decode=False, slot_indices=torch.empty(0), page_table=self.page_table, seq_lens=torch.tensor(self.seq_lens),
+            page_size=self.page_size, query_start_loc=self.query_start_loc, seq_lens_cpu=self.seq_lens,
+        )
+        return extend_attention(self.q.float(), self.k_cache.float(), self.v_cache.float(), meta, self.q.shape[-1] ** -0.5)
+
+
+def ragged_case(
+    heads: int, kv_heads: int, head_dim: int, page_size: int, query_lens: list[int], prefixes: list[int],
+    dtype: torch.dtype, seed: int = 0,
+) -> RaggedCase:
+    """Scattered pages (a shuffled pool, page 0 never used) and NaN in every slot no request owns."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_lens = [p + n for p, n in zip(prefixes, query_lens)]
+    pages_each = [-(-s // page_size) for s in seq_lens]
+    total_pages = sum(pages_each) + 3  # spare pages stay NaN
+    order = (torch.randperm(total_pages - 1, generator=generator) + 1).tolist()
+    table = torch.zeros(len(seq_lens), max(pages_each), dtype=torch.int32)
+    k_cache = torch.full((total_pages * page_size, kv_heads, head_dim), float("nan"), dtype=torch.float32)
+    v_cache = k_cache.clone()
+    cursor = 0
+    for row, (length, count) in enumerate(zip(seq_lens, pages_each)):
+        table[row, :count] = torch.tensor(order[cursor : cursor + count], dtype=torch.int32)
+        cursor += count
+        # Only the slots the request's tokens own get values.
+        positions = torch.arange(length)
+        slots = table[row, positions // page_size].long() * page_size + positions % page_size
+        k_cache[slots] = torch.randn(length, kv_heads, head_dim, generator=generator)
+        v_cache[slots] = torch.randn(length, kv_heads, head_dim, generator=generator)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=generator)
+    to = dict(device=DEVICE, dtype=dtype)
+    return RaggedCase(q.to(**to), k_cache.to(**to), v_cache.to(**to), table.to(DEVICE), seq_lens, query_lens, page_size)
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return 2e-5 if dtype == torch.float32 else 2e-2
+
+
+def run_ragged(case: RaggedCase) -> torch.Tensor:
+    from backends.cuda.triton_extend import ragged_paged_attention
+
+    starts = torch.tensor(case.query_start_loc, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
+    return ragged_paged_attention(
+        case.q, case.k_cache, case.v_cache, starts, lens, case.page_table, case.page_size, case.q.shape[-1] ** -0.5
+    )
+
+
+def random_batch(rng: random.Random, requests: int, max_context: int) -> tuple[list[int], list[int]]:
+    """Ragged query lengths and prefixes: some without a prefix, some one-token (decode-like)."""
+    query_lens, prefixes = [], []
+    for _ in range(requests):
+        context = rng.randint(1, max_context)
+        kind = rng.random()
+        new = context if kind < 0.3 else (1 if kind < 0.5 else rng.randint(1, context))
+        query_lens.append(new)
+        prefixes.append(context - new)
+    return query_lens, prefixes
+
+
+CPU_CASES = [  # (heads, kv_heads, head_dim, page_size, query_lens, prefixes)
+    (4, 4, 64, 16, [37], [0]),  # MHA, no prefix, several query blocks
+    (8, 2, 64, 1, [5, 40, 1], [0, 20, 33]),  # GQA 4, page size 1, a decode-like row
+    (8, 1, 64, 64, [70, 3], [130, 0]),  # GQA 8, page size 64, a long prefix
+    (4, 4, 128, 16, [17, 1, 33], [16, 200, 0]),  # head dim 128
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page_size,query_lens,prefixes", CPU_CASES)
+def test_ragged_attention_matches_reference(heads, kv_heads, head_dim, page_size, query_lens, prefixes) -> None:  # noqa: ANN001
+    dtype = torch.float32
+    with kernel_mode():
+        case = ragged_case(heads, kv_heads, head_dim, page_size, query_lens, prefixes, dtype)
+        got = run_ragged(case)
+    want = case.reference()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float().cpu(), want.cpu(), atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+# Each (dtype, head dim, group, page size) is its own compiled kernel (~5 s to build): every GQA ratio
+# and page size at head dim 128 in bf16, and the other head dim and float32 over a subset.
+GPU_MATRIX = [(torch.bfloat16, 128, group, page) for group in (1, 4, 8) for page in (1, 16, 64)] + [
+    (torch.bfloat16, 64, 4, 16), (torch.bfloat16, 64, 1, 64), (torch.float32, 128, 4, 16), (torch.float32, 64, 8, 1),
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the full matrix runs compiled on a GPU")
+@pytest.mark.parametrize("dtype,head_dim,group,page_size", GPU_MATRIX)
+def test_ragged_attention_full_matrix(dtype: torch.dtype, head_dim: int, group: int, page_size: int) -> None:
+    rng = random.Random(head_dim * 100 + group * 10 + page_size)
+    for requests, max_context in ((1, 8192), (7, 2048), (64, 300)):
+        query_lens, prefixes = random_batch(rng, requests, max_context)
+        kv_heads = 8 if group < 8 else 4
+        case = ragged_case(kv_heads * group, kv_heads, head_dim, page_size, query_lens, prefixes, dtype, seed=requests)
+        got = run_ragged(case)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.float(), case.reference(), atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+def decode_case(heads: int, kv_heads: int, head_dim: int, page_size: int, seq_lens: list[int], dtype: torch.dtype) -> RaggedCase:
+    """One query token per request at the end of its context."""
+    return ragged_case(heads, kv_heads, head_dim, page_size, [1] * len(seq_lens), [s - 1 for s in seq_lens], dtype)
+
+
+def run_decode(case: RaggedCase, splits: int | None) -> torch.Tensor:
+    from backends.cuda.triton_decode import paged_decode_attention_triton
+
+    lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
+    return paged_decode_attention_triton(
+        case.q, case.k_cache, case.v_cache, case.page_table, lens, case.page_size, case.q.shape[-1] ** -0.5, splits=splits
+    )
+
+
+@pytest.mark.parametrize("splits", [1, 4, 16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_kernel_split_k(splits: int, page_size: int) -> None:
+    """Split-K must equal one pass, including splits past the end of short contexts (seq_len 1)."""
+    dtype = torch.float32
+    with kernel_mode():
+        case = decode_case(8, 2, 64, page_size, [1, 17, 64, 150], dtype)
+        got = run_decode(case, splits)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float().cpu(), case.reference().cpu(), atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="long contexts run compiled on a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_decode_kernel_long_context(dtype: torch.dtype, batch: int) -> None:
+    rng = random.Random(batch)
+    case = decode_case(32, 8, 128, 16, [rng.randint(1, 8192) for _ in range(batch)], dtype)
+    for splits in (None, 1):
+        got = run_decode(case, splits)
+        torch.testing.assert_close(got.float(), case.reference(), atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+def test_mixed_step_through_backend() -> None:
+    """The backend's mixed path: decode rows (decode kernel) first, then ragged extends, one output."""
+    from backends.cuda.triton_attention import TritonAttentionBackend
+
+    dtype = torch.float32
+    with kernel_mode():
+        case = ragged_case(8, 2, 64, 16, [1, 1, 20, 7], [30, 5, 0, 40], dtype)
+        starts = case.query_start_loc
+        meta = AttentionMetadata(
+            is_decode=False,
+            slot_indices=torch.empty(0, dtype=torch.int64, device=DEVICE),
+            page_table=case.page_table,
+            seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE),
+            page_size=case.page_size,
+            query_start_loc=starts,
+            seq_lens_cpu=case.seq_lens,
+            query_starts=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+            num_decodes=2,
+        )
+        no_kv = torch.empty(0, 2, 64, dtype=dtype, device=DEVICE)  # k/v are in the cache already
+        got = TritonAttentionBackend().forward(case.q, no_kv, no_kv, case.k_cache, case.v_cache, meta, 64**-0.5)
+    torch.testing.assert_close(got.float().cpu(), case.reference().cpu(), atol=tolerance(dtype), rtol=tolerance(dtype))

@@ -1,0 +1,51 @@
+"""Running the engine's Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1).
+
+The CI machines have no GPU; the interpreter runs the same kernel source on
+CPU tensors with numpy, so the kernels' logic (ragged blocks, paging, causal
+masks, split-K) is tested everywhere; their speed only on the GPU.
+
+Triton 3.6's interpreter turns a loaded scalar into a one-element array and
+converts it with int(), which numpy >= 2.3 refuses for arrays that are not
+0-d: `range(0, seq_len, BLOCK)` over a loaded length fails. The shim below
+converts such one-element arrays explicitly (tests only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from typing import Iterator
+
+import pytest
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _patch_scalar_index() -> None:
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_engine_scalar_index_patched", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):  # noqa: ANN001, ANN202
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._engine_scalar_index_patched = True
+
+
+@contextlib.contextmanager
+def interpreter_mode() -> Iterator[None]:
+    """Kernels run in the interpreter: tests/conftest.py sets TRITON_INTERPRET=1 before triton is
+    imported (the mode of triton.language's own helpers is fixed then), so here it is only checked."""
+    if not triton_installed():
+        pytest.skip("triton is not installed")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does it without a GPU)")
+    _patch_scalar_index()
+    yield
