@@ -55,6 +55,16 @@ class Engine:
         self.model, self.model_config = load_model(source, self.config.torch_dtype, self.device, self.config.load_format)
         self.tokenizer = load_tokenizer(source.tokenizer_dir)
         self.max_model_len = min(int(self.config.max_model_len), self.model_config.max_position_embeddings)
+        self.context_limit_reason = ""
+        window = self.model_config.sliding_window
+        if window is not None and window < self.max_model_len:
+            # Sliding-window attention is not implemented in the attention paths yet. Up to the window
+            # full causal attention is the same computation exactly (every key is inside the window),
+            # so the context stops there rather than giving wrong tokens past it.
+            logger.warning("the model's attention has a %d-token sliding window, which this engine does not implement "
+                           "yet: context length lowered from %d to %d", window, self.max_model_len, window)
+            self.max_model_len = window
+            self.context_limit_reason = f" (the model's {window}-token sliding window: sliding-window attention is not implemented yet)"
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
@@ -130,7 +140,6 @@ class Engine:
 
     # ---- construction -------------------------------------------------------------
     def _allocate_kv_pool(self) -> KVPool:
-        self.context_limit_reason = ""
         cfg, mc = self.config, self.model_config
         page_size = int(cfg.page_size)
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cfg.kv_torch_dtype)

@@ -34,6 +34,9 @@ class ModelConfig:
     hidden_act: str
     rope_parameters: dict[str, Any]
     eos_token_ids: list[int] = field(default_factory=list)
+    # Attention reaches back at most this many tokens (Mistral-7B-v0.1: 4096; Qwen2/3 with
+    # use_sliding_window). None: full causal attention.
+    sliding_window: int | None = None
     hf_config: Any = None  # the transformers config this was read from
 
     @property
@@ -75,8 +78,18 @@ class ModelConfig:
             hidden_act=getattr(hf_config, "hidden_act", "silu"),
             rope_parameters=_rope_parameters(hf_config),
             eos_token_ids=eos_ids,
+            sliding_window=_sliding_window(hf_config),
             hf_config=hf_config,
         )
+
+
+def _sliding_window(hf_config: Any) -> int | None:
+    """The window the config puts in effect: Mistral's `sliding_window` unless None; Qwen2/Qwen3's
+    only with `use_sliding_window` (their configs carry a window they do not use by default)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or not getattr(hf_config, "use_sliding_window", True):
+        return None
+    return int(window)
 
 
 def _rope_parameters(hf_config: Any) -> dict[str, Any]:
