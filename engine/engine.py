@@ -56,15 +56,6 @@ class Engine:
         self.tokenizer = load_tokenizer(source.tokenizer_dir)
         self.max_model_len = min(int(self.config.max_model_len), self.model_config.max_position_embeddings)
         self.context_limit_reason = ""
-        window = self.model_config.sliding_window
-        if window is not None and window < self.max_model_len:
-            # Sliding-window attention is not implemented in the attention paths yet. Up to the window
-            # full causal attention is the same computation exactly (every key is inside the window),
-            # so the context stops there rather than giving wrong tokens past it.
-            logger.warning("the model's attention has a %d-token sliding window, which this engine does not implement "
-                           "yet: context length lowered from %d to %d", window, self.max_model_len, window)
-            self.max_model_len = window
-            self.context_limit_reason = f" (the model's {window}-token sliding window: sliding-window attention is not implemented yet)"
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
@@ -73,6 +64,7 @@ class Engine:
         if hasattr(backend, "dtype"):
             backend.dtype = self.config.kv_torch_dtype
         self.model.set_attention_backend(backend)
+        self._apply_sliding_window(backend)
         self.platform.prepare_model(self.model, {**self.config.device_config, **self.config.__dict__})
         self.kv_pool = self._allocate_kv_pool()
         self.kv_manager = KVCacheManager(self.kv_pool.allocator, self.kv_pool.page_size, self.config.enable_prefix_caching)
@@ -139,6 +131,25 @@ class Engine:
         logger.info("warm-up request (%d-token prefill, 1 decode step) took %.2f s", prompt_len, time.perf_counter() - start)
 
     # ---- construction -------------------------------------------------------------
+    def _apply_sliding_window(self, backend: object) -> None:
+        """A model whose attention has a sliding window: every attention layer gets it where the backend
+        implements it and the window is the same in every layer (Mistral). Otherwise (HPU, NPU; Qwen2/3's
+        window on some layers only) the context stops at the window, where full causal attention is
+        exactly the windowed computation, rather than giving wrong tokens past it."""
+        window = self.model_config.sliding_window
+        if window is None or window >= self.max_model_len:
+            return  # no position ever reaches past the window
+        uniform = all(w == window for w in self.model_config.layer_windows)
+        if uniform and getattr(backend, "supports_sliding_window", False):
+            self.model.set_sliding_window(window)
+            logger.info("sliding-window attention: %d tokens in every layer", window)
+            return
+        why = "on some layers only" if not uniform else f"not implemented by the {self.platform.name} attention backend"
+        logger.warning("the model's %d-token sliding window is %s: context length lowered from %d to %d",
+                       window, why, self.max_model_len, window)
+        self.max_model_len = window
+        self.context_limit_reason = f" (the model's {window}-token sliding window, {why})"
+
     def _allocate_kv_pool(self) -> KVPool:
         cfg, mc = self.config, self.model_config
         page_size = int(cfg.page_size)

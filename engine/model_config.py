@@ -37,6 +37,7 @@ class ModelConfig:
     # Attention reaches back at most this many tokens (Mistral-7B-v0.1: 4096; Qwen2/3 with
     # use_sliding_window). None: full causal attention.
     sliding_window: int | None = None
+    layer_windows: list[int | None] = field(default_factory=list)  # each layer's window (None: full attention)
     hf_config: Any = None  # the transformers config this was read from
 
     @property
@@ -79,6 +80,7 @@ class ModelConfig:
             rope_parameters=_rope_parameters(hf_config),
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(hf_config),
+            layer_windows=_layer_windows(hf_config),
             hf_config=hf_config,
         )
 
@@ -90,6 +92,18 @@ def _sliding_window(hf_config: Any) -> int | None:
     if not window or not getattr(hf_config, "use_sliding_window", True):
         return None
     return int(window)
+
+
+def _layer_windows(hf_config: Any) -> list[int | None]:
+    """Which layers the window applies to: the config's `layer_types` where it has them
+    ("sliding_attention"), else every layer (Mistral)."""
+    window = _sliding_window(hf_config)
+    types = getattr(hf_config, "layer_types", None)
+    if window is None:
+        return [None] * hf_config.num_hidden_layers
+    if types:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    return [window] * hf_config.num_hidden_layers
 
 
 def _rope_parameters(hf_config: Any) -> dict[str, Any]:

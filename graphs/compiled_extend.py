@@ -48,22 +48,26 @@ def extend_context(backend: Any, meta: AttentionMetadata) -> Iterator[None]:
 
 
 def _extend_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     current = getattr(_context, "current", None)
     if current is None:
         raise RuntimeError("engine::extend_attention called outside extend_context (no step metadata)")
     backend, meta = current
-    return backend.forward(q, k, v, k_cache, v_cache, replace(meta, opaque_extend=False), scale)
+    meta = replace(meta, opaque_extend=False)
+    if window:
+        return backend.forward(q, k, v, k_cache, v_cache, meta, scale, window=window)
+    return backend.forward(q, k, v, k_cache, v_cache, meta, scale)
 
 
-def _extend_attention_fake(q, k, v, k_cache, v_cache, scale):  # noqa: ANN001, ANN202
+def _extend_attention_fake(q, k, v, k_cache, v_cache, scale, window=0):  # noqa: ANN001, ANN202
     return torch.empty_like(q)
 
 
 define_op(
     "extend_attention",
-    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, float scale) -> Tensor",
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, float scale, int window=0) -> Tensor",
     _extend_attention,
     _extend_attention_fake,
 )

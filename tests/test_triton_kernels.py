@@ -47,13 +47,13 @@ class RaggedCase:
             starts.append(starts[-1] + n)
         return starts
 
-    def reference(self) -> torch.Tensor:
+    def reference(self, window: int = 0) -> torch.Tensor:
         """extend_attention in float32 (per request SDPA with a causal mask behind the prefix)."""
         meta = AttentionMetadata(
             is_decode=False, slot_indices=torch.empty(0), page_table=self.page_table, seq_lens=torch.tensor(self.seq_lens),
             page_size=self.page_size, query_start_loc=self.query_start_loc, seq_lens_cpu=self.seq_lens,
         )
-        return extend_attention(self.q.float(), self.k_cache.float(), self.v_cache.float(), meta, self.q.shape[-1] ** -0.5)
+        return extend_attention(self.q.float(), self.k_cache.float(), self.v_cache.float(), meta, self.q.shape[-1] ** -0.5, window)
 
 
 def ragged_case(
@@ -87,13 +87,13 @@ def tolerance(dtype: torch.dtype) -> float:
     return 2e-5 if dtype == torch.float32 else 2e-2
 
 
-def run_ragged(case: RaggedCase) -> torch.Tensor:
+def run_ragged(case: RaggedCase, window: int = 0) -> torch.Tensor:
     from backends.cuda.triton_extend import ragged_paged_attention
 
     starts = torch.tensor(case.query_start_loc, dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
     return ragged_paged_attention(
-        case.q, case.k_cache, case.v_cache, starts, lens, case.page_table, case.page_size, case.q.shape[-1] ** -0.5
+        case.q, case.k_cache, case.v_cache, starts, lens, case.page_table, case.page_size, case.q.shape[-1] ** -0.5, window
     )
 
 
@@ -153,12 +153,13 @@ def decode_case(heads: int, kv_heads: int, head_dim: int, page_size: int, seq_le
     return ragged_case(heads, kv_heads, head_dim, page_size, [1] * len(seq_lens), [s - 1 for s in seq_lens], dtype)
 
 
-def run_decode(case: RaggedCase, splits: int | None) -> torch.Tensor:
+def run_decode(case: RaggedCase, splits: int | None, window: int = 0) -> torch.Tensor:
     from backends.cuda.triton_decode import paged_decode_attention_triton
 
     lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
     return paged_decode_attention_triton(
-        case.q, case.k_cache, case.v_cache, case.page_table, lens, case.page_size, case.q.shape[-1] ** -0.5, splits=splits
+        case.q, case.k_cache, case.v_cache, case.page_table, lens, case.page_size, case.q.shape[-1] ** -0.5, splits=splits,
+        window=window,
     )
 
 
@@ -207,3 +208,20 @@ def test_mixed_step_through_backend() -> None:
         no_kv = torch.empty(0, 2, 64, dtype=dtype, device=DEVICE)  # k/v are in the cache already
         got = TritonAttentionBackend().forward(case.q, no_kv, no_kv, case.k_cache, case.v_cache, meta, 64**-0.5)
     torch.testing.assert_close(got.float().cpu(), case.reference().cpu(), atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_sliding_window_in_both_kernels(window: int) -> None:
+    """Each query sees its last `window` positions: ragged batches (prefixes longer and shorter than
+    the window, chunks straddling it) and split-K decode, against the torch reference."""
+    dtype = torch.float32
+    with kernel_mode():
+        case = ragged_case(8, 2, 64, 16, [37, 5, 1, 60], [0, 90, 20, 3], dtype)
+        got = run_ragged(case, window)
+        decode = decode_case(8, 2, 64, 16, [1, 17, 64, 150], dtype)
+        got_decode = [run_decode(decode, splits, window) for splits in (1, 4)]
+    assert torch.isfinite(got).all()
+    tol = tolerance(dtype)
+    torch.testing.assert_close(got.float().cpu(), case.reference(window).cpu(), atol=tol, rtol=tol)
+    for out in got_decode:
+        torch.testing.assert_close(out.float().cpu(), decode.reference(window).cpu(), atol=tol, rtol=tol)

@@ -72,10 +72,12 @@ def cpu_paged_decode(
     seq_lens: torch.Tensor,
     page_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Store this step's k/v, then attend over each request's pages in place."""
-    if not native_decode_supported(q, k_cache, v_cache, page_table, seq_lens):
-        return paged_decode_attention(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale)
+    """Store this step's k/v, then attend over each request's pages in place (a sliding window:
+    the torch path, which the native kernel does not cover)."""
+    if window > 0 or not native_decode_supported(q, k_cache, v_cache, page_table, seq_lens):
+        return paged_decode_attention(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale, window)
     k_cache.index_copy_(0, slot_indices, k)
     v_cache.index_copy_(0, slot_indices, v)
     q = q.contiguous()
@@ -113,7 +115,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         return torch.ops.engine.cpu_paged_decode(
-            q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale
+            q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale, window
         )

@@ -29,11 +29,12 @@ def triton_paged_decode(
     seq_lens: torch.Tensor,
     page_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Store this step's k/v, then the Triton kernel; one opaque op so torch.compile leaves both alone."""
     k_cache.index_copy_(0, slot_indices, k)
     v_cache.index_copy_(0, slot_indices, v)
-    return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, scale)
+    return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window=window)
 
 
 define_decode_attention_op("triton_paged_decode", triton_paged_decode)
@@ -43,6 +44,7 @@ class TritonAttentionBackend:
     """Decode and ragged extend through the Triton kernels; KV stored with index_copy_ (capturable)."""
 
     name = "triton"
+    supports_sliding_window = True
 
     def forward(
         self,
@@ -53,10 +55,13 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
+        """window: a sliding window (each query sees its last `window` positions); 0 for none."""
         if meta.is_decode:
             return torch.ops.engine.triton_paged_decode(
-                q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale
+                q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale,
+                window,
             )
         k_cache.index_copy_(0, meta.slot_indices, k)  # the whole ragged batch's k/v in one launch
         v_cache.index_copy_(0, meta.slot_indices, v)
@@ -64,15 +69,16 @@ class TritonAttentionBackend:
         decodes = meta.num_decodes
         if decodes == 0:
             return ragged_paged_attention(
-                q, k_cache, v_cache, meta.query_starts, meta.seq_lens, meta.page_table, meta.page_size, scale
+                q, k_cache, v_cache, meta.query_starts, meta.seq_lens, meta.page_table, meta.page_size, scale, window
             )
         out = torch.empty_like(q)
         out[:decodes] = paged_decode_attention_triton(
-            q[:decodes], k_cache, v_cache, meta.page_table[:decodes], meta.seq_lens[:decodes], meta.page_size, scale
+            q[:decodes], k_cache, v_cache, meta.page_table[:decodes], meta.seq_lens[:decodes], meta.page_size, scale,
+            window=window,
         )
         if q.shape[0] > decodes:
             out[decodes:] = ragged_paged_attention(
                 q[decodes:], k_cache, v_cache, meta.query_starts[decodes:] - decodes, meta.seq_lens[decodes:],
-                meta.page_table[decodes:], meta.page_size, scale,
+                meta.page_table[decodes:], meta.page_size, scale, window,
             )
         return out

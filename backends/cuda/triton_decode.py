@@ -57,10 +57,12 @@ def paged_decode_attention_triton(
     page_size: int,
     scale: float,
     splits: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q [B, H, D], caches [slots, KVH, D], page_table [B, pages], seq_lens [B] -> [B, H, D].
 
-    splits: context ranges per (request, kv head); default decode_splits() for this batch."""
+    splits: context ranges per (request, kv head); default decode_splits() for this batch.
+    window: a sliding window (the last `window` positions only); 0 for none."""
     import triton
 
     decode_kernel, combine_kernel = load_kernel(KERNELS, "paged_decode_kernel"), load_kernel(KERNELS, "combine_splits_kernel")
@@ -79,6 +81,7 @@ def paged_decode_attention_triton(
     decode_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, page_table, seq_lens, partial, lse,
         scale,
+        window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),

@@ -55,8 +55,11 @@ def ragged_paged_attention(
     page_table: torch.Tensor,
     page_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """q [tokens, H, D] (request i's tokens at query_start_loc[i]:[i+1]), caches [slots, KVH, D] with
+    """window: a sliding window (each query sees its last `window` positions); 0 for none.
+
+    q [tokens, H, D] (request i's tokens at query_start_loc[i]:[i+1]), caches [slots, KVH, D] with
     this step's k/v already stored, seq_lens [B] context lengths including the new tokens, page_table
     [B, pages] -> [tokens, H, D]. query_start_loc [B + 1] and seq_lens int32 on the device."""
     import triton
@@ -77,6 +80,7 @@ def ragged_paged_attention(
         query_start_loc, seq_lens, page_table,
         num_requests,
         scale * 1.4426950408889634,  # log2(e): the kernel's softmax runs in exp2
+        window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
@@ -89,6 +93,7 @@ def ragged_paged_attention(
         BLOCK_N=block_n,
         HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        WINDOWED=window > 0,
         IEEE_FP32=q.dtype == torch.float32 and not interpreted(),
         num_warps=8 if block_q * group_pad >= 128 else 4,
         num_stages=2,

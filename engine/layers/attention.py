@@ -66,12 +66,16 @@ class AttentionBackend(Protocol):
 class Attention(nn.Module):
     """Stores this step's k/v at the batch's slots and attends over the page table."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        # Each query sees its last `sliding_window` positions (None: all of them). Only backends that
+        # declare supports_sliding_window get a window; for the others the engine keeps the context
+        # within the window instead.
+        self.sliding_window = sliding_window
         self.backend: AttentionBackend | None = None  # set by the model runner
 
     def forward(
@@ -84,6 +88,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
         assert self.backend is not None, "attention backend not set; load the model through engine.loader"
+        window = self.sliding_window or 0
         if meta.opaque_extend:
-            return torch.ops.engine.extend_attention(q, k, v, kv_cache[0], kv_cache[1], self.scale)
+            return torch.ops.engine.extend_attention(q, k, v, kv_cache[0], kv_cache[1], self.scale, window)
+        if window:
+            return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=window)
         return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)

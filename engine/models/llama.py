@@ -148,6 +148,12 @@ class LlamaForCausalLM(nn.Module):
         """Final norm + LM head, in float32 for sampling."""
         return self.lm_head(self.model.norm(hidden)).float()
 
+    def set_sliding_window(self, window: int | None) -> None:
+        """Every attention layer sees each query's last `window` positions (Mistral's sliding window)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.sliding_window = window
+
     def set_attention_backend(self, backend: object) -> None:
         """Every Attention layer runs through this platform's backend."""
         self.attention_backend = backend

@@ -8,6 +8,7 @@ import triton.language as tl
 def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     scale,
+    window,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -27,9 +28,13 @@ def paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + batch)
+    # A sliding window (window > 0): only the last `window` positions are attended to.
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(seq_len - window, 0)
     # This program's range of the context, in whole blocks (SPLITS == 1: all of it).
-    per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-    begin = split * per_split
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, SPLITS), BLOCK_N) * BLOCK_N
+    begin = lo + split * per_split
     end = tl.minimum(begin + per_split, seq_len)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, DIM_PAD)

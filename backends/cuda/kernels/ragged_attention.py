@@ -21,10 +21,10 @@ def _find_request(query_start_ptr, num_requests, block, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, qk_scale, start, end, row_pos,
+    acc, m_i, l_i, q, qk_scale, start, end, row_pos, window,
     k_ptr, v_ptr, table_row_ptr, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
     offs_n, offs_d, d_mask,
-    PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, IEEE_FP32: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
     tokens = start + offs_n
     valid = tokens < end
@@ -39,10 +39,15 @@ def _attend_tile(
     visible = valid[None, :]
     if CAUSAL:
         visible = visible & (tokens[None, :] <= row_pos[:, None])
+    if WINDOWED:
+        visible = visible & (tokens[None, :] > row_pos[:, None] - window)
     qk = tl.where(visible, qk * qk_scale, float("-inf"))  # qk_scale includes log2(e): softmax in exp2
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    # A row that has seen no key yet (a sliding window's first tiles) keeps m = -inf: exponentiate
+    # against 0 then, so its empty tile adds 0 rather than NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
     if IEEE_FP32:
@@ -58,6 +63,7 @@ def ragged_paged_attention_kernel(
     query_start_ptr, seq_lens_ptr, page_table_ptr,
     num_requests,
     qk_scale,
+    window,
     stride_qt, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -70,6 +76,7 @@ def ragged_paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    WINDOWED: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -102,19 +109,29 @@ def ragged_paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
     table_row_ptr = page_table_ptr + request * stride_pb
     last = prefix + tl.minimum(first + BLOCK_Q, q_len)  # one past the block's last position
-    unmasked_end = (prefix + first) // BLOCK_N * BLOCK_N  # every row sees all of [0, unmasked_end)
-    for start in range(0, unmasked_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, qk_scale, start, unmasked_end, row_pos,
-            k_ptr, v_ptr, table_row_ptr, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-            offs_n, offs_d, d_mask, PAGE_SIZE, False, IEEE_FP32,
-        )
-    for start in range(unmasked_end, last, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, qk_scale, start, last, row_pos,
-            k_ptr, v_ptr, table_row_ptr, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-            offs_n, offs_d, d_mask, PAGE_SIZE, True, IEEE_FP32,
-        )
+    if WINDOWED:
+        # From the first key the block's earliest row can see, every tile masked both ways.
+        lowest = tl.maximum(prefix + first - window + 1, 0) // BLOCK_N * BLOCK_N
+        for start in range(lowest, last, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, qk_scale, start, last, row_pos, window,
+                k_ptr, v_ptr, table_row_ptr, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
+                offs_n, offs_d, d_mask, PAGE_SIZE, True, True, IEEE_FP32,
+            )
+    else:
+        unmasked_end = (prefix + first) // BLOCK_N * BLOCK_N  # every row sees all of [0, unmasked_end)
+        for start in range(0, unmasked_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, qk_scale, start, unmasked_end, row_pos, window,
+                k_ptr, v_ptr, table_row_ptr, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
+                offs_n, offs_d, d_mask, PAGE_SIZE, False, False, IEEE_FP32,
+            )
+        for start in range(unmasked_end, last, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, qk_scale, start, last, row_pos, window,
+                k_ptr, v_ptr, table_row_ptr, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
+                offs_n, offs_d, d_mask, PAGE_SIZE, True, False, IEEE_FP32,
+            )
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
