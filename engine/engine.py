@@ -56,6 +56,11 @@ class Engine:
         self.tokenizer = load_tokenizer(source.tokenizer_dir)
         self.max_model_len = min(int(self.config.max_model_len), self.model_config.max_position_embeddings)
         self.context_limit_reason = ""
+        limit = self.model_config.context_limit
+        if limit is not None and limit[0] < self.max_model_len:
+            logger.warning("%s: context length lowered from %d to %d", limit[1], self.max_model_len, limit[0])
+            self.max_model_len = limit[0]
+            self.context_limit_reason = f" ({limit[1]} past {limit[0]} tokens)"
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))

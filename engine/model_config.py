@@ -13,6 +13,7 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "phi3": "phi3",
 }
 
 
@@ -38,6 +39,9 @@ class ModelConfig:
     # use_sliding_window). None: full causal attention.
     sliding_window: int | None = None
     layer_windows: list[int | None] = field(default_factory=list)  # each layer's window (None: full attention)
+    # (tokens, why): the context up to which this engine computes exactly what the checkpoint's
+    # reference does, where a feature past it is not implemented (Phi-3's LongRoPE long factors).
+    context_limit: tuple[int, str] | None = None
     hf_config: Any = None  # the transformers config this was read from
 
     @property
@@ -81,6 +85,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(hf_config),
             layer_windows=_layer_windows(hf_config),
+            context_limit=_context_limit(hf_config),
             hf_config=hf_config,
         )
 
@@ -92,6 +97,18 @@ def _sliding_window(hf_config: Any) -> int | None:
     if not window or not getattr(hf_config, "use_sliding_window", True):
         return None
     return int(window)
+
+
+def _context_limit(hf_config: Any) -> tuple[int, str] | None:
+    """LongRoPE (Phi-3 128k) rotates with its short factors up to original_max_position_embeddings and
+    switches to the long ones past it; only the short table is built here, so the context stops there."""
+    rope = _rope_parameters(hf_config)
+    if rope.get("rope_type") != "longrope":
+        return None
+    original = rope.get("original_max_position_embeddings") or getattr(hf_config, "original_max_position_embeddings", None)
+    if not original:
+        return None
+    return int(original), "LongRoPE's long-context factors are not implemented"
 
 
 def _layer_windows(hf_config: Any) -> list[int | None]:

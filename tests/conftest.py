@@ -124,6 +124,22 @@ TINY_SPECS: dict[str, dict[str, Any]] = {
         shard=None,
         seed=13,
     ),
+    # Phi-3: q/k/v and gate/up fused in the checkpoint itself, untied head.
+    "phi3": dict(
+        config_cls="Phi3Config",
+        kwargs=dict(
+            vocab_size=352,
+            num_hidden_layers=2,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        shard=None,
+        seed=16,
+    ),
     # Mistral: the Llama block under another model_type; no sliding window in effect.
     "mistral": dict(
         config_cls="MistralConfig",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 
@@ -11,6 +12,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
 }
 
 

@@ -20,6 +20,8 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+# Our fused projections and how many checkpoint tensors each is made of (q, k, v; gate, up).
+_FUSED_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
 class Linear(nn.Linear):
@@ -190,7 +192,13 @@ class LlamaForCausalLM(nn.Module):
                     f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)} vs model {tuple(dest.shape)}"
                 )
             dest.copy_(tensor)
-            filled.add(target if rows is None else f"{target}#{shard}")
+            if rows is not None:
+                filled.add(f"{target}#{shard}")
+            elif _FUSED_SHARDS.get(target.rsplit(".", 2)[-2], 0):
+                # A checkpoint that stores the fused projection itself (Phi-3): every shard at once.
+                filled.update(f"{target}#{s}" for s in range(_FUSED_SHARDS[target.rsplit(".", 2)[-2]]))
+            else:
+                filled.add(target)
         missing = [n for n in self._expected_fills(params) if n not in filled]
         if missing:
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
@@ -218,10 +226,9 @@ class LlamaForCausalLM(nn.Module):
         for name in params:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            if "qkv_proj" in name:
-                expected += [f"{name}#{s}" for s in range(3)]
-            elif "gate_up_proj" in name:
-                expected += [f"{name}#{s}" for s in range(2)]
+            fused = _FUSED_SHARDS.get(name.rsplit(".", 2)[-2], 0) if name.count(".") >= 2 else 0
+            if fused:
+                expected += [f"{name}#{s}" for s in range(fused)]
             else:
                 expected.append(name)
         return expected
