@@ -211,7 +211,9 @@ class Engine:
         logger.info("extend steps: torch.compile'd layers, token count dynamic (compiled on the first prefill)")
         return CompiledExtendStep(self.model, self.kv_pool.caches, strict=bool(self.config.strict_graphs))
 
-    def _extend_graphs(self, extend_step: "CompiledExtendStep | None", decode_graphs: object, max_pages: int) -> "ExtendGraphRunner | None":
+    def _extend_graphs(
+        self, extend_step: "CompiledExtendStep | None", decode_graphs: object, max_pages: int
+    ) -> "ExtendGraphRunner | None":
         """CUDA graphs of extend and mixed steps per token bucket (extend_capture_tokens), or None."""
         buckets = parse_sizes(self.config.extend_capture_tokens) if self.config.extend_capture_tokens else []
         if self.config.disable_graphs or not buckets or self.platform.capture_settings().kind != "cuda_graph":
