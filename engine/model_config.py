@@ -14,6 +14,8 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
+    "mixtral": "moe",
+    "qwen3_moe": "moe",
 }
 
 
@@ -42,6 +44,14 @@ class ModelConfig:
     # (tokens, why): the context up to which this engine computes exactly what the checkpoint's
     # reference does, where a feature past it is not implemented (Phi-3's LongRoPE long factors).
     context_limit: tuple[int, str] | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE): experts per MoE layer (0: a dense model), experts each
+    # token takes, each expert's intermediate size, whether the top-k weights are renormalised, and
+    # which layers are MoE (Qwen3-MoE's decoder_sparse_step / mlp_only_layers; the rest dense).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: list[bool] = field(default_factory=list)
     hf_config: Any = None  # the transformers config this was read from
 
     @property
@@ -79,13 +89,14 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama-family configs say so with attention_bias.
             attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             hidden_act=getattr(hf_config, "hidden_act", "silu"),
             rope_parameters=_rope_parameters(hf_config),
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(hf_config),
             layer_windows=_layer_windows(hf_config),
             context_limit=_context_limit(hf_config),
+            **_moe_fields(model_type, hf_config),
             hf_config=hf_config,
         )
 
@@ -97,6 +108,25 @@ def _sliding_window(hf_config: Any) -> int | None:
     if not window or not getattr(hf_config, "use_sliding_window", True):
         return None
     return int(window)
+
+
+def _moe_fields(model_type: str, hf_config: Any) -> dict[str, Any]:
+    """The MoE fields of ModelConfig for Mixtral and Qwen3-MoE (nothing for dense models)."""
+    layers = hf_config.num_hidden_layers
+    if model_type == "mixtral":
+        return dict(num_experts=hf_config.num_local_experts, num_experts_per_tok=hf_config.num_experts_per_tok,
+                    moe_intermediate_size=hf_config.intermediate_size, norm_topk_prob=True, moe_layers=[True] * layers)
+    if model_type == "qwen3_moe":
+        if getattr(hf_config, "shared_expert_intermediate_size", None):
+            raise UnsupportedArchitectureError("MoE with shared experts is not supported yet")
+        step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+        experts = int(hf_config.num_experts)
+        moe = [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers)]
+        return dict(num_experts=experts, num_experts_per_tok=hf_config.num_experts_per_tok,
+                    moe_intermediate_size=hf_config.moe_intermediate_size,
+                    norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)), moe_layers=moe)
+    return {}
 
 
 def _context_limit(hf_config: Any) -> tuple[int, str] | None:

@@ -140,6 +140,42 @@ TINY_SPECS: dict[str, dict[str, Any]] = {
         shard=None,
         seed=16,
     ),
+    # Mixtral: every layer a sparse MoE (4 experts, top 2, renormalised).
+    "mixtral": dict(
+        config_cls="MixtralConfig",
+        kwargs=dict(
+            vocab_size=336,
+            num_hidden_layers=2,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        shard=None,
+        seed=17,
+    ),
+    # Qwen3-MoE: q/k norms, MoE layers 0 and 2 around a dense layer 1 (mlp_only_layers), top-k renormalised.
+    "qwen3_moe": dict(
+        config_cls="Qwen3MoeConfig",
+        kwargs=dict(
+            vocab_size=368,
+            num_hidden_layers=3,
+            head_dim=16,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        shard=None,
+        seed=18,
+    ),
     # Mistral: the Llama block under another model_type; no sliding window in effect.
     "mistral": dict(
         config_cls="MistralConfig",

@@ -88,12 +88,18 @@ class DecoderLayer(nn.Module):
     one layer is reused by every layer of the same shape.
     """
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, moe: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config)
+        if moe:
+            from engine.layers.moe import SparseMoE
+
+            self.mlp: nn.Module = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                            config.num_experts_per_tok, config.norm_topk_prob)
+        else:
+            self.mlp = GatedMLP(config)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -109,7 +115,8 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_parameters, config.hf_config
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers))
+        moe = config.moe_layers or [False] * config.num_hidden_layers
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, moe=moe[i]) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -181,6 +188,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            special = self._load_special(name, tensor, params)
+            if special is not None:
+                filled.update(special)
+                continue
             target, shard = self._target_of(name)
             if target not in params:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no matching parameter ({target})")
@@ -202,6 +213,10 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in self._expected_fills(params) if n not in filled]
         if missing:
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _load_special(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> list[str] | None:
+        """A family's own checkpoint tensors (MoE experts): the fill keys it filled, or None (not one)."""
+        return None
 
     def _target_of(self, name: str) -> tuple[str, int | None]:
         for hf_name, (ours, shard) in self.stacked_params.items():

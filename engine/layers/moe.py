@@ -1,0 +1,89 @@
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): top-k routing, SiLU-gated experts.
+
+Routing as the configs define it: a softmax over all experts in float32, the
+top k, and (Mixtral always; Qwen3-MoE with `norm_topk_prob`) the k weights
+renormalised to sum to one. Expert weights are stacked, [experts, 2 x
+intermediate, hidden] for gate and up (fused, as the dense MLP's) and
+[experts, hidden, intermediate] for down, so a grouped kernel can take them
+as they are.
+
+The experts run as one opaque op (`engine::moe_experts`): its torch
+implementation visits only the experts some token picked (data-dependent
+shapes, which a compiled graph must not see), so a compiled decode step keeps
+static shapes around it. It is not capturable in a CUDA graph (it looks at
+which experts were hit); the engine runs MoE models' CUDA steps without
+graphs until a fused Triton kernel exists.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.ops import define_op
+
+
+def moe_experts(
+    hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """hidden [T, H]; gate_up [E, 2I, H]; down [E, H, I]; expert_ids, weights [T, k] -> [T, H]."""
+    out = torch.zeros_like(hidden)
+    intermediate = down.shape[2]
+    flat_ids = expert_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)  # the token slots, grouped by expert
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    tokens = order // expert_ids.shape[1]
+    slot_weights = weights.flatten()[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = tokens[start : start + count]
+        gate, up = F.linear(hidden[rows], gate_up[expert]).split(intermediate, dim=-1)
+        expert_out = F.linear(F.silu(gate) * up, down[expert])
+        out.index_add_(0, rows, expert_out * slot_weights[start : start + count, None].to(expert_out.dtype))
+        start += count
+    return out
+
+
+def _moe_experts_fake(hidden, gate_up, down, expert_ids, weights):  # noqa: ANN001, ANN202
+    return torch.empty_like(hidden)
+
+
+define_op(
+    "moe_experts",
+    "(Tensor hidden, Tensor gate_up, Tensor down, Tensor expert_ids, Tensor weights) -> Tensor",
+    moe_experts,
+    _moe_experts_fake,
+)
+
+
+class ExpertWeights(nn.Module):
+    """The stacked expert weights (`experts.gate_up_proj`, `experts.down_proj` in our names)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
+        self.experts = ExpertWeights(num_experts, hidden_size, intermediate_size)
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], their weights [T, k] in the hidden dtype)."""
+        probs = torch.softmax(F.linear(hidden, self.gate.weight).float(), dim=-1)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return expert_ids, weights.to(hidden.dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        expert_ids, weights = self.route(hidden)
+        return torch.ops.engine.moe_experts(hidden, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, weights)

@@ -1,0 +1,49 @@
+"""Mixture of experts beyond the HF-parity matrix (test_hf_parity.py runs Mixtral and Qwen3-MoE there)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.engine import Engine
+from engine.errors import ModelLoadError
+from engine.layers.moe import SparseMoE, moe_experts
+from tests.conftest import build_tiny_checkpoint, track
+
+
+def test_experts_op_equals_every_expert_weighted_densely() -> None:
+    """Visiting only the chosen experts gives what all experts weighted by a dense routing matrix give."""
+    torch.manual_seed(0)
+    moe = SparseMoE(hidden_size=32, intermediate_size=24, num_experts=5, top_k=2, renormalize=True)
+    for param in moe.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    hidden = torch.randn(9, 32)
+    expert_ids, weights = moe.route(hidden)
+    dense = torch.zeros(9, 5).scatter_(1, expert_ids, weights)
+    gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
+    want = torch.zeros_like(hidden)
+    for e in range(5):
+        gate, up = (hidden @ gate_up[e].T).split(24, dim=-1)
+        want += dense[:, e : e + 1] * ((torch.nn.functional.silu(gate) * up) @ down[e].T)
+    torch.testing.assert_close(moe_experts(hidden, gate_up, down, expert_ids, weights), want, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(weights.sum(-1), torch.ones(9))
+
+
+def test_qwen3_moe_layers_follow_mlp_only_layers(tiny_checkpoints: dict[str, str]) -> None:
+    engine = track(Engine(model=tiny_checkpoints["qwen3_moe"], device="cpu", dtype="float32", disable_graphs=True,
+                          kv_cache_tokens=256))
+    kinds = [type(layer.mlp).__name__ for layer in engine.model.model.layers]
+    assert kinds == ["SparseMoE", "GatedMLP", "SparseMoE"]
+
+
+def test_a_missing_expert_tensor_is_one_error_naming_it(tmp_path) -> None:  # noqa: ANN001
+    path = build_tiny_checkpoint("mixtral", str(tmp_path / "mixtral"))
+    weights_file = os.path.join(path, "model.safetensors")
+    tensors = load_file(weights_file)
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj#3\.1"):
+        Engine(model=path, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256)
