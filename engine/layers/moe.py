@@ -10,9 +10,9 @@ as they are.
 The experts run as one opaque op (`engine::moe_experts`): its torch
 implementation visits only the experts some token picked (data-dependent
 shapes, which a compiled graph must not see), so a compiled decode step keeps
-static shapes around it. It is not capturable in a CUDA graph (it looks at
-which experts were hit); the engine runs MoE models' CUDA steps without
-graphs until a fused Triton kernel exists.
+static shapes around it (the CPU's graphs). It is not capturable in a device
+graph (it looks at which experts were hit): the engine runs MoE models
+without graphs on every other platform until a fused Triton kernel exists.
 """
 
 from __future__ import annotations
