@@ -29,7 +29,7 @@ import torch
 from engine.layers.attention import AttentionMetadata, step_context
 from engine.layers.ops import define_op
 from engine.models.llama import LlamaForCausalLM
-from graphs.compiled_step import KVCaches, _layer_step, compile_count, compile_limits, private_copy
+from graphs.compiled_step import CompileGuard, KVCaches, _layer_step, compile_count, compile_limits, private_copy
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +73,6 @@ define_op(
 )
 
 
-class RecompileError(RuntimeError):
-    """The compiled extend step would compile again after its first step (strict mode)."""
-
-
 class CompiledExtendStep:
     """model forward (hidden states of every token) for extend and mixed steps, through compiled layers.
 
@@ -88,13 +84,19 @@ class CompiledExtendStep:
     def __init__(self, model: LlamaForCausalLM, kv_caches: KVCaches, backend: str = "inductor", strict: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.strict = strict
         self.layer_fn: Callable[..., torch.Tensor] = torch.compile(
             private_copy(_layer_step), dynamic=None, fullgraph=True, backend=backend
         )
-        self.compiled = False  # the first compiled step has run
-        self.compiles_after_first = 0
+        self.guard = CompileGuard(strict)  # warm once the first compiled step has run
         self.eager_steps = 0
+
+    @property
+    def compiled(self) -> bool:
+        return self.guard.warm
+
+    @property
+    def compiles_after_first(self) -> int:
+        return self.guard.compiles_after_warmup
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         backend = self.model.attention_backend
@@ -107,22 +109,13 @@ class CompiledExtendStep:
         # The token count is dynamic from the first call on: no step size ever compiles again.
         torch._dynamo.mark_dynamic(hidden, 0)
         torch._dynamo.mark_dynamic(positions, 0)
-        stance = "fail_on_recompile" if self.strict and self.compiled else "default"
         before = compile_count()
-        try:
-            with compile_limits(2), torch.compiler.set_stance(stance), step_context(backend, meta), \
-                    extend_context(backend, meta):
-                for layer, (k_cache, v_cache) in zip(self.model.model.layers, self.kv_caches):
-                    hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, meta)
-        except RuntimeError as exc:
-            if self.strict and "recompil" in str(exc).lower():
-                raise RecompileError(f"extend step of {input_ids.shape[0]} tokens would recompile: {exc}") from exc
-            raise
-        compiled = compile_count() - before
-        if compiled and self.compiled:
-            self.compiles_after_first += compiled
-            logger.warning("extend step of %d tokens recompiled (%d graphs)", input_ids.shape[0], compiled)
-        elif compiled:
-            logger.info("compiled the extend step's layer graph (token count dynamic) on a %d-token step", input_ids.shape[0])
-        self.compiled = True
+        with compile_limits(2), self.guard.watch(f"extend step of {input_ids.shape[0]} tokens"), \
+                step_context(backend, meta), extend_context(backend, meta):
+            for layer, (k_cache, v_cache) in zip(self.model.model.layers, self.kv_caches):
+                hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, meta)
+        if not self.guard.warm:
+            logger.info("compiled the extend step's layer graph (token count dynamic, %d graphs) on a %d-token step",
+                        compile_count() - before, input_ids.shape[0])
+            self.guard.warm = True
         return hidden

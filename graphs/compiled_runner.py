@@ -15,14 +15,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from graphs.compiled_step import CompiledDecodeStep, compile_count
+from graphs.compiled_step import CompiledDecodeStep, CompileGuard, RecompileError, compile_count
 from graphs.runner import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 
-
-class RecompileError(RuntimeError):
-    """Something compiled after warm-up: a shape reached the graph that no bucket covers."""
+__all__ = ["CompiledDecodeRunner", "RecompileError", "compile_count"]
 
 
 class CompiledDecodeRunner(DecodeGraphRunner):
@@ -42,10 +40,12 @@ class CompiledDecodeRunner(DecodeGraphRunner):
             self.model, self.kv_caches, dynamic=False, backend=backend, options=options,
             max_entries=2 * len(self.capture_sizes) + 8,
         )
-        self.strict = strict
         self.skip_guards = skip_guards
-        self.compiles_after_warmup = 0
-        self._warm = False
+        self.guard = CompileGuard(strict)
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self.guard.compiles_after_warmup
 
     def _run_size(self, bs: int) -> torch.Tensor:
         buffers = self.buffers
@@ -61,24 +61,11 @@ class CompiledDecodeRunner(DecodeGraphRunner):
             with torch.no_grad():
                 for _ in range(2):
                     self._run_size(bs)
-        self._warm = True
+        self.guard.warm = True
 
     def _replay(self, bs: int) -> torch.Tensor:
         # After warm-up only the guards that tell the sizes apart are evaluated
         # (every entry was compiled for these exact inputs); in strict mode a
         # recompile raises instead of silently compiling on the serving path.
-        stance = "fail_on_recompile" if self.strict and self._warm else "default"
-        before = compile_count()
-        try:
-            with torch.no_grad(), torch.compiler.set_stance(stance, skip_guard_eval_unsafe=self.skip_guards and self._warm):
-                logits = self._run_size(bs)
-        except RuntimeError as exc:
-            if self.strict and "recompil" in str(exc).lower():
-                raise RecompileError(f"decode graph would recompile after warm-up at batch size {bs}: {exc}") from exc
-            raise
-        # Counted around this call only, so other engines compiling elsewhere in the process don't count.
-        compiled = compile_count() - before
-        if compiled and self._warm:
-            self.compiles_after_warmup += compiled
-            logger.warning("decode graph recompiled after warm-up at batch size %d", bs)
-        return logits
+        with torch.no_grad(), self.guard.watch(f"decode graph at batch size {bs}", skip_guards=self.skip_guards):
+            return self._run_size(bs)

@@ -10,8 +10,10 @@ custom op, so the graph never depends on the context length.
 from __future__ import annotations
 
 import itertools
+import logging
 import types
-from typing import Any, Callable, ContextManager
+from contextlib import contextmanager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -19,6 +21,39 @@ from engine.layers.attention import AttentionMetadata, step_context
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+logger = logging.getLogger(__name__)
+
+
+class RecompileError(RuntimeError):
+    """Something compiled after warm-up: a shape reached the graph that no compiled entry covers."""
+
+
+class CompileGuard:
+    """What compiles around a compiled step's calls once it is warm: counted and logged, or in strict
+    mode refused (dynamo's fail_on_recompile stance) with a RecompileError naming the step."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.warm = False  # set once warm-up (or the first compiled call) is over
+        self.compiles_after_warmup = 0
+
+    @contextmanager
+    def watch(self, what: str, skip_guards: bool = False) -> Iterator[None]:
+        """Around one call. skip_guards: once warm, evaluate only the guards that tell entries apart."""
+        stance = "fail_on_recompile" if self.strict and self.warm else "default"
+        before = compile_count()  # counted around this call only: other engines' compiles don't count
+        try:
+            with torch.compiler.set_stance(stance, skip_guard_eval_unsafe=skip_guards and self.warm):
+                yield
+        except RuntimeError as exc:
+            if self.strict and "recompil" in str(exc).lower():
+                raise RecompileError(f"{what} would recompile after warm-up: {exc}") from exc
+            raise
+        compiled = compile_count() - before
+        if compiled and self.warm:
+            self.compiles_after_warmup += compiled
+            logger.warning("%s recompiled after warm-up (%d graphs)", what, compiled)
 
 
 def _layer_step(

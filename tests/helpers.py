@@ -116,6 +116,11 @@ class StepRecorder:
 class StaggeredRun:
     outputs: list[RequestOutput]
     decode_sizes: list[int] = field(default_factory=list)  # batch size of every decode step, in order
+    recorder: "StepRecorder | None" = None  # every step the scheduler handed out (kinds, sizes, decodes)
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return [o.token_ids for o in self.outputs]
 
 
 def run_staggered(
@@ -140,7 +145,7 @@ def run_staggered(
                     finals[index_of[output.request_id]] = output
             step += 1
             assert step < max_steps, "requests did not finish"
-    return StaggeredRun([finals[i] for i in range(len(prompts))], recorder.decode_sizes)
+    return StaggeredRun([finals[i] for i in range(len(prompts))], recorder.decode_sizes, recorder)
 
 
 @torch.no_grad()

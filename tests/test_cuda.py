@@ -167,6 +167,7 @@ def test_extend_graphs_give_the_tokens_of_compiled_and_eager_extend_steps(tmp_pa
 
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
+    from tests.helpers import run_staggered
 
     model = _tiny_llama(tmp_path, max_positions=4096)
     rng = random.Random(5)
@@ -181,16 +182,7 @@ def test_extend_graphs_give_the_tokens_of_compiled_and_eager_extend_steps(tmp_pa
     }.items():
         engine = Engine(model=model, device="cuda", dtype="float32", page_size=16, capture_sizes="1,2,4,8", max_num_seqs=8,
                         kv_cache_tokens=8192, chunked_prefill_size=200, mixed_steps=True, debug_kv_invariant=True, **options)
-        ids, finals = [], {}
-        for step in range(5000):
-            if step % 3 == 0 and len(ids) < len(prompts):
-                ids.append(engine.add_request(prompts[len(ids)], params))
-            for output in engine.step():
-                if output.finished:
-                    finals[output.request_id] = output.token_ids
-            if len(finals) == len(prompts):
-                break
-        results[mode] = [finals[i] for i in ids]
+        results[mode] = run_staggered(engine, prompts, params, [3 * i for i in range(len(prompts))]).token_ids
         if mode == "graphs":
             assert engine.runner.extend_graphs is not None and engine.runner.extend_graphs.replays > 0
         assert engine.kv_pages_in_use() == 0

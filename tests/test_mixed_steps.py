@@ -17,8 +17,8 @@ import pytest
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from tests.conftest import track
-from tests.helpers import StepRecorder
-from tests.test_prefix_cache import run_arrivals, shared_prefix_workload
+from tests.helpers import run_staggered
+from tests.test_prefix_cache import shared_prefix_workload
 
 
 def tiny(path: str, **options: object) -> Engine:
@@ -37,10 +37,10 @@ def test_mixed_steps_give_the_tokens_of_separate_steps(tiny_checkpoints: dict[st
     rng = random.Random(1)
     prompts[5] = [rng.randrange(3, 300) for _ in range(300)]  # chunked: 5 steps of 64 tokens
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    want = run_arrivals(separate, prompts, arrivals, params)
-    with StepRecorder(mixed) as recorder:
-        got = run_arrivals(mixed, prompts, arrivals, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    want = run_staggered(separate, prompts, params, arrivals)
+    got = run_staggered(mixed, prompts, params, arrivals)
+    assert got.token_ids == want.token_ids
+    recorder = got.recorder
     mixed_steps = [n for (is_decode, _), n in zip(recorder.steps, recorder.num_decodes) if not is_decode and n > 0]
     assert len(mixed_steps) >= 5, "decodes never shared a step with a prefill"
     assert mixed.stats().prefix_cache_hit_tokens > 0  # cached prefixes were reused inside mixed steps
@@ -59,16 +59,7 @@ def test_mixed_steps_keep_seeded_sampling_and_stops(tiny_checkpoints: dict[str, 
     arrivals = [0, 0, 1, 2, 2, 5, 8, 9, 13, 20]
 
     def run(engine: Engine) -> list[list[int]]:
-        index_of, finals, step = {}, {}, 0
-        while len(finals) < len(prompts):
-            for i, arrival in enumerate(arrivals):
-                if arrival == step:
-                    index_of[engine.add_request(prompts[i], params[i])] = i
-            for output in engine.step():
-                if output.finished:
-                    finals[index_of[output.request_id]] = output.token_ids
-            step += 1
-        return [finals[i] for i in range(len(prompts))]
+        return run_staggered(engine, prompts, params, arrivals).token_ids
 
     assert run(tiny(path, mixed_steps=True, chunked_prefill_size=32)) == run(tiny(path, mixed_steps=False, chunked_prefill_size=32))
 
@@ -92,20 +83,8 @@ def test_smollm2_mixed_steps_match_separate(engine_cache: Callable[..., Engine])
     prompts = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers: " * 6]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
-    def staggered(engine: Engine) -> list[list[int]]:
-        ids = [engine.add_request(prompts[0], params)]
-        finals: dict[str, list[int]] = {}
-        for step in range(200):
-            if step in (2, 4):
-                ids.append(engine.add_request(prompts[len(ids)], params))
-            for output in engine.step():
-                if output.finished:
-                    finals[output.request_id] = output.token_ids
-            if len(finals) == len(prompts):
-                break
-        return [finals[i] for i in ids]
-
-    assert staggered(mixed) == staggered(separate)
+    arrivals = [0, 2, 4]
+    assert run_staggered(mixed, prompts, params, arrivals).token_ids == run_staggered(separate, prompts, params, arrivals).token_ids
 
 
 @pytest.mark.parametrize("mixed", [False, True])
@@ -119,17 +98,16 @@ def test_compiled_extend_steps_match_eager_and_compile_once(tiny_checkpoints: di
     assert compiled.runner.extend_step is not None
     prompts, arrivals = shared_prefix_workload(eager.model_config.vocab_size, num_requests=16)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    want = run_arrivals(eager, prompts, arrivals, params)
-    with StepRecorder(compiled) as recorder:
-        got = run_arrivals(compiled, prompts, arrivals, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    extend_sizes = {size for is_decode, size in recorder.steps if not is_decode}
+    want = run_staggered(eager, prompts, params, arrivals)
+    got = run_staggered(compiled, prompts, params, arrivals)
+    assert got.token_ids == want.token_ids
+    extend_sizes = {size for is_decode, size in got.recorder.steps if not is_decode}
     assert len(extend_sizes) > 3  # many step sizes went through the one graph
     assert compiled.runner.extend_step.compiled and compiled.runner.extend_step.compiles_after_first == 0
 
 
 def test_strict_mode_never_recompiles_over_a_long_mixed_workload(tiny_checkpoints: dict[str, str]) -> None:
-    """Decode graphs per batch size and the one compiled extend step: over 420-500 steps of staggered
+    """Decode graphs per batch size and the one compiled extend step: over ~400 steps of staggered
     arrivals (every batch size, prompt length and chunk split), nothing compiles after warm-up;
     strict mode would raise if it did."""
     engine = tiny(tiny_checkpoints["llama"], mixed_steps=True, compile_extend=True, disable_graphs=False,
@@ -137,14 +115,9 @@ def test_strict_mode_never_recompiles_over_a_long_mixed_workload(tiny_checkpoint
     rng = random.Random(7)
     arrivals = sorted(rng.randrange(0, 420) for _ in range(70))
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 120))] for _ in arrivals]
-    finished = steps = 0
-    while steps < 500 and (finished < len(prompts) or steps <= arrivals[-1]):
-        for arrival, prompt in zip(arrivals, prompts):
-            if arrival == steps:
-                engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(2, 40), temperature=0.0, ignore_eos=True))
-        finished += sum(o.finished for o in engine.step())
-        steps += 1
-    assert finished == len(prompts)
+    params = [SamplingParams(max_tokens=rng.randint(2, 40), temperature=0.0, ignore_eos=True) for _ in prompts]
+    run = run_staggered(engine, prompts, params, arrivals, max_steps=500)
+    assert len(run.recorder.steps) >= 300  # steps that ran (idle steps between arrivals schedule nothing)
     assert engine.runner.graph_runner.compiles_after_warmup == 0
     extend = engine.runner.extend_step
     assert extend.compiled and extend.compiles_after_first == 0

@@ -19,6 +19,7 @@ from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from tests.conftest import build_tiny_checkpoint, track
+from tests.helpers import run_staggered
 
 WINDOW = 24
 
@@ -46,17 +47,9 @@ def test_windowed_attention_matches_transformers_past_the_window(windowed_mistra
     rng = random.Random(page_size)
     prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (40, 9, 70)]  # past, within, far past the window
     params = SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True)
-    ids, finals = [], {}
-    for step in range(400):
-        if step in (0, 2, 5):  # arriving at different steps, the last one chunked over five steps
-            ids.append(engine.add_request(prompts[len(ids)], params))
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output.token_ids
-        if len(finals) == len(prompts):
-            break
-    for request_id, prompt in zip(ids, prompts):
-        assert finals[request_id] == hf_greedy(windowed_mistral, prompt, 36)
+    # Arriving at different steps, the last one chunked over five steps.
+    got = run_staggered(engine, prompts, params, [0, 2, 5]).token_ids
+    assert got == [hf_greedy(windowed_mistral, prompt, 36) for prompt in prompts]
 
 
 def test_a_window_on_some_layers_only_stops_the_context_at_the_window(tmp_path) -> None:  # noqa: ANN001

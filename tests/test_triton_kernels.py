@@ -18,12 +18,11 @@ import torch
 
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import extend_attention
-from tests.triton_interpreter import interpreter_mode, triton_installed
+from tests.triton_interpreter import interpreter_mode
 
 ON_GPU = torch.cuda.is_available() and torch.version.hip is None
 DEVICE = "cuda" if ON_GPU else "cpu"
 
-pytestmark = pytest.mark.skipif(not ON_GPU and not triton_installed(), reason="needs triton (GPU or interpreter)")
 
 
 def kernel_mode():  # noqa: ANN201

@@ -24,6 +24,12 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 _FUSED_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
+def fused_shards(param_name: str) -> int:
+    """How many checkpoint tensors a parameter is fused from ("...qkv_proj.weight": 3); 0 if not fused."""
+    parts = param_name.split(".")
+    return _FUSED_SHARDS.get(parts[-2], 0) if len(parts) >= 2 else 0
+
+
 class Linear(nn.Linear):
     """nn.Linear that a backend may switch to its own kernel (CPU: oneDNN-packed weights)."""
 
@@ -205,9 +211,9 @@ class LlamaForCausalLM(nn.Module):
             dest.copy_(tensor)
             if rows is not None:
                 filled.add(f"{target}#{shard}")
-            elif _FUSED_SHARDS.get(target.rsplit(".", 2)[-2], 0):
+            elif fused_shards(target):
                 # A checkpoint that stores the fused projection itself (Phi-3): every shard at once.
-                filled.update(f"{target}#{s}" for s in range(_FUSED_SHARDS[target.rsplit(".", 2)[-2]]))
+                filled.update(f"{target}#{s}" for s in range(fused_shards(target)))
             else:
                 filled.add(target)
         missing = [n for n in self._expected_fills(params) if n not in filled]
@@ -241,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         for name in params:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            fused = _FUSED_SHARDS.get(name.rsplit(".", 2)[-2], 0) if name.count(".") >= 2 else 0
+            fused = fused_shards(name)
             if fused:
                 expected += [f"{name}#{s}" for s in range(fused)]
             else:
