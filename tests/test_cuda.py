@@ -176,8 +176,8 @@ def test_extend_graphs_give_the_tokens_of_compiled_and_eager_extend_steps(tmp_pa
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     results = {}
     for mode, options in {
-        "graphs": dict(extend_capture_tokens="16,64,256,1024"),
-        "compiled": dict(extend_capture_tokens=""),
+        "graphs": dict(extend_capture_tokens="16,64,256,1024", compile_extend=True),
+        "compiled": dict(extend_capture_tokens="", compile_extend=True),
         "eager": dict(extend_capture_tokens="", compile_extend=False),
     }.items():
         engine = Engine(model=model, device="cuda", dtype="float32", page_size=16, capture_sizes="1,2,4,8", max_num_seqs=8,
