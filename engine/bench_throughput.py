@@ -162,11 +162,16 @@ def run_hf(model_name: str, load_format: str, dtype: str, device: str, requests:
 
     source = resolve_model_source(model_name, load_format)
     torch_dtype = getattr(torch, dtype)
+    load_start = time.perf_counter()
     if load_format == "dummy" or source.kind == "preset":
-        model = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch_dtype, attn_implementation="paged|sdpa")
+        # Random weights initialised on the device: on the host, 8B parameters took minutes (the reason
+        # an earlier HF run never reached generate_batch within the call).
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch_dtype, attn_implementation="paged|sdpa")
     else:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype, attn_implementation="paged|sdpa")
     model = model.to(device).eval()
+    print(f"HF model ready in {time.perf_counter() - load_start:.1f} s", flush=True)
     new_tokens = int(statistics.mean(n for _, n in requests))
     generation = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     inputs = [prompt for prompt, _ in requests]

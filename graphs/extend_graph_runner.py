@@ -35,7 +35,7 @@ from tqdm import tqdm
 from engine.forward_batch import ForwardBatch
 from engine.layers.attention import AttentionMetadata
 from graphs.buckets import smallest_bucket_at_least
-from graphs.cuda_graph_runner import frozen_gc
+from graphs.cuda_graph_runner import WARMUP_RUNS, free_device_memory, frozen_gc
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +101,7 @@ class ExtendGraphRunner:
 
     @torch.no_grad()
     def capture(self, pool: object | None = None) -> None:
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
+        free_before = free_device_memory()
         start = time.perf_counter()
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
@@ -110,7 +109,7 @@ class ExtendGraphRunner:
             for tokens in tqdm(sorted(self.buckets, reverse=True), desc="Capturing extend graphs", unit="graph", disable=None):
                 self._fill_dummy(tokens)
                 with torch.cuda.stream(stream):
-                    for _ in range(2):
+                    for _ in range(WARMUP_RUNS):
                         self.step_fn(self.input_ids[:tokens], self.positions[:tokens], self._meta(tokens))
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -119,7 +118,7 @@ class ExtendGraphRunner:
                 self.graphs[tokens] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
+        self.graph_memory_bytes = max(0, free_before - free_device_memory())
         logger.info("captured extend graphs for token counts %s in %.1f s, graph memory %.1f MiB",
                     self.buckets, self.capture_seconds, self.graph_memory_bytes / 2**20)
 

@@ -4,7 +4,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Integers that change from step to step are not specialised on (Triton would compile a variant per
+# value class: 1, a multiple of 16, other). Cold, each variant is seconds of JIT in the middle of
+# serving: offline 1,000 requests ran at 7,365-7,725 tok/s on a cold cache and 9,606 on a warm one.
+@triton.jit(do_not_specialize=["window", "stride_pb"])
 def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     scale,
