@@ -178,17 +178,17 @@ class Engine:
         logger.info("KV pool: %d pages x %d tokens (%.1f MiB)", num_pages - 1, page_size, pool.nbytes() / 2**20)
         return pool
 
-    def _moe_without_graphs(self) -> bool:
-        """MoE experts run as a data-dependent op (engine/layers/moe.py): CPU compiled graphs call it between
-        their compiled pieces, but a captured device graph (CUDA, HIP, HPU, NPU) cannot hold it."""
-        if self.model_config.num_experts and self.platform.name != "cpu":
-            logger.warning("mixture-of-experts model: %s graphs off (no fused MoE kernel yet; steps run eagerly)",
+    def _graphs_unsupported(self) -> bool:
+        """The model says its steps cannot be captured on this platform (MoE's data-dependent experts op
+        outside the CPU: MoEForCausalLM.supports_device_graphs)."""
+        if not self.model.supports_device_graphs(self.platform.name):
+            logger.warning("%s: %s graphs off for this model (its steps run eagerly)", self.model_config.model_type,
                            self.platform.name)
             return True
         return False
 
     def _graph_runner(self):  # noqa: ANN202
-        if self.config.disable_graphs or self._moe_without_graphs():
+        if self.config.disable_graphs or self._graphs_unsupported():
             return None
         runner_cls = self.platform.graph_runner_class()
         max_pages = (self.max_model_len + self.kv_pool.page_size - 1) // self.kv_pool.page_size
@@ -226,7 +226,7 @@ class Engine:
         """CUDA graphs of extend and mixed steps per token bucket (extend_capture_tokens), or None."""
         buckets = parse_sizes(self.config.extend_capture_tokens) if self.config.extend_capture_tokens else []
         if self.config.disable_graphs or not buckets or self.platform.capture_settings().kind != "cuda_graph" \
-                or self._moe_without_graphs():
+                or self._graphs_unsupported():
             return None
         # No bucket above what one step can hold (the prompt-token budget, plus the decodes of a mixed step).
         step_tokens = self.scheduler.max_step_tokens()

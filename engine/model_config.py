@@ -6,17 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import UnsupportedArchitectureError
-
-# model_type -> model family implemented in engine/models/.
-SUPPORTED_MODEL_TYPES: dict[str, str] = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "phi3": "phi3",
-    "mixtral": "moe",
-    "qwen3_moe": "moe",
-}
+from engine.models.registry import model_class_for_type, supported_model_types
 
 
 @dataclass
@@ -44,19 +34,16 @@ class ModelConfig:
     # (tokens, why): the context up to which this engine computes exactly what the checkpoint's
     # reference does, where a feature past it is not implemented (Phi-3's LongRoPE long factors).
     context_limit: tuple[int, str] | None = None
-    # Mixture of experts (Mixtral, Qwen3-MoE): experts per MoE layer (0: a dense model), experts each
-    # token takes, each expert's intermediate size, whether the top-k weights are renormalised, and
-    # which layers are MoE (Qwen3-MoE's decoder_sparse_step / mlp_only_layers; the rest dense).
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False
-    moe_layers: list[bool] = field(default_factory=list)
+    # What only one family has (MoEConfig for Mixtral and Qwen3-MoE), read by that family's class.
+    family_config: Any = None
     hf_config: Any = None  # the transformers config this was read from
 
     @property
-    def family(self) -> str:
-        return SUPPORTED_MODEL_TYPES[self.model_type]
+    def model_class(self) -> type:
+        """The class in engine/models/ that runs this config (engine/models/registry.py)."""
+        cls = model_class_for_type(self.model_type, getattr(self.hf_config, "architectures", None))
+        assert cls is not None, self.model_type  # from_hf refused the config otherwise
+        return cls
 
     @property
     def rope_theta(self) -> float:
@@ -65,11 +52,12 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelConfig":
         model_type = getattr(hf_config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            archs = getattr(hf_config, "architectures", None)
+        archs = getattr(hf_config, "architectures", None)
+        model_class = model_class_for_type(model_type, archs)
+        if model_class is None:
             raise UnsupportedArchitectureError(
                 f"unsupported architecture: model_type={model_type!r} architectures={archs}; "
-                f"supported model types: {sorted(SUPPORTED_MODEL_TYPES)}"
+                f"supported model types: {supported_model_types()}"
             )
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -96,7 +84,7 @@ class ModelConfig:
             sliding_window=_sliding_window(hf_config),
             layer_windows=_layer_windows(hf_config),
             context_limit=_context_limit(hf_config),
-            **_moe_fields(model_type, hf_config),
+            family_config=model_class.family_config(hf_config),
             hf_config=hf_config,
         )
 
@@ -108,25 +96,6 @@ def _sliding_window(hf_config: Any) -> int | None:
     if not window or not getattr(hf_config, "use_sliding_window", True):
         return None
     return int(window)
-
-
-def _moe_fields(model_type: str, hf_config: Any) -> dict[str, Any]:
-    """The MoE fields of ModelConfig for Mixtral and Qwen3-MoE (nothing for dense models)."""
-    layers = hf_config.num_hidden_layers
-    if model_type == "mixtral":
-        return dict(num_experts=hf_config.num_local_experts, num_experts_per_tok=hf_config.num_experts_per_tok,
-                    moe_intermediate_size=hf_config.intermediate_size, norm_topk_prob=True, moe_layers=[True] * layers)
-    if model_type == "qwen3_moe":
-        if getattr(hf_config, "shared_expert_intermediate_size", None):
-            raise UnsupportedArchitectureError("MoE with shared experts is not supported yet")
-        step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-        dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
-        experts = int(hf_config.num_experts)
-        moe = [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers)]
-        return dict(num_experts=experts, num_experts_per_tok=hf_config.num_experts_per_tok,
-                    moe_intermediate_size=hf_config.moe_intermediate_size,
-                    norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)), moe_layers=moe)
-    return {}
 
 
 def _context_limit(hf_config: Any) -> tuple[int, str] | None:

@@ -12,7 +12,7 @@ from engine.forward_batch import ForwardBatch, build_forward_batch, mixed_forwar
 from engine.kv_cache import KVPool
 from engine.kv_manager import KVCacheManager
 from engine.layers.attention import step_context
-from engine.models.llama import LlamaForCausalLM
+from engine.models.interface import CausalLM
 from engine.sampler import SampledTokens, record_prompt_logprobs, sample
 from engine.scheduler import ScheduledStep
 from graphs.runner import DecodeGraphRunner
@@ -29,7 +29,7 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions per full-vocabulary logits slice (
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_pool: KVPool,
         kv_manager: KVCacheManager,
         device: torch.device,

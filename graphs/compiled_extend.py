@@ -28,7 +28,7 @@ import torch
 
 from engine.layers.attention import AttentionMetadata, step_context
 from engine.layers.ops import define_op
-from engine.models.llama import LlamaForCausalLM
+from engine.models.interface import CausalLM
 from graphs.compiled_step import CompileGuard, KVCaches, _layer_step, compile_count, compile_limits, private_copy
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class CompiledExtendStep:
     mode anything that would compile after that raises; otherwise it is counted and logged.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: KVCaches, backend: str = "inductor", strict: bool = False) -> None:
+    def __init__(self, model: CausalLM, kv_caches: KVCaches, backend: str = "inductor", strict: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.layer_fn: Callable[..., torch.Tensor] = torch.compile(
@@ -105,14 +105,14 @@ class CompiledExtendStep:
             with step_context(backend, meta):
                 return self.model(input_ids, positions, self.kv_caches, meta)
         meta = replace(meta, opaque_extend=True)  # the layers call engine::extend_attention
-        hidden = self.model.model.embed_tokens(input_ids)
+        hidden = self.model.embed(input_ids)
         # The token count is dynamic from the first call on: no step size ever compiles again.
         torch._dynamo.mark_dynamic(hidden, 0)
         torch._dynamo.mark_dynamic(positions, 0)
         before = compile_count()
         with compile_limits(2), self.guard.watch(f"extend step of {input_ids.shape[0]} tokens"), \
                 step_context(backend, meta), extend_context(backend, meta):
-            for layer, (k_cache, v_cache) in zip(self.model.model.layers, self.kv_caches):
+            for layer, (k_cache, v_cache) in zip(self.model.decoder_layers(), self.kv_caches):
                 hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, meta)
         if not self.guard.warm:
             logger.info("compiled the extend step's layer graph (token count dynamic, %d graphs) on a %d-token step",

@@ -16,9 +16,10 @@ from contextlib import contextmanager
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
+from torch import nn
 
 from engine.layers.attention import AttentionMetadata, step_context
-from engine.models.llama import DecoderLayer, LlamaForCausalLM
+from engine.models.interface import CausalLM
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -57,7 +58,7 @@ class CompileGuard:
 
 
 def _layer_step(
-    layer: DecoderLayer,
+    layer: nn.Module,
     positions: torch.Tensor,
     hidden: torch.Tensor,
     k_cache: torch.Tensor,
@@ -67,7 +68,7 @@ def _layer_step(
     return layer(positions, hidden, (k_cache, v_cache), meta)
 
 
-def _head_step(model: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+def _head_step(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
     return model.compute_logits(hidden)
 
 
@@ -118,7 +119,7 @@ class CompiledDecodeStep:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: KVCaches,
         dynamic: bool | None = False,
         backend: str = "inductor",
@@ -135,8 +136,8 @@ class CompiledDecodeStep:
         self.head_fn: Callable[..., torch.Tensor] = torch.compile(private_copy(_head_step), **compile_kwargs)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.model.model.embed_tokens(input_ids)
+        hidden = self.model.embed(input_ids)
         with compile_limits(self.max_entries), step_context(self.model.attention_backend, meta):
-            for layer, (k_cache, v_cache) in zip(self.model.model.layers, self.kv_caches):
+            for layer, (k_cache, v_cache) in zip(self.model.decoder_layers(), self.kv_caches):
                 hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, meta)
         return self.head_fn(self.model, hidden)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.layers.attention import AttentionMetadata, step_context
-from engine.models.llama import LlamaForCausalLM
+from engine.models.interface import CausalLM
 from graphs.buckets import smallest_bucket_at_least
 from graphs.static_buffers import StaticDecodeBuffers
 
@@ -25,7 +25,7 @@ class DecodeGraphRunner(abc.ABC):
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         capture_sizes: list[int],
         max_pages_per_seq: int,

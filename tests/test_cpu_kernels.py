@@ -21,6 +21,7 @@ from backends.cpu.attention import cpu_paged_decode, native_decode_available, na
 from backends.cpu.features import native_gemv_bf16_supported
 from backends.cpu.native import load, native_kernels_enabled
 from backends.cpu.packed_linear import _PACKED_ATTR, _gemv_kernel, native_gemv_bf16, onednn_packing_supported, pack_linear_weights
+from engine.layers.linear import Linear
 from engine.layers.torch_attention import paged_decode_attention
 
 
@@ -31,13 +32,16 @@ def test_the_kernels_build_here() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packing_guards_itself(dtype: torch.dtype) -> None:
-    """pack_linear_weights packs only what this CPU can run; the rest keeps F.linear and still works."""
-    layer = nn.Linear(64, 32, dtype=dtype)
-    pack_linear_weights(layer, batch_hint=4)
+    """pack_linear_weights packs only what this CPU can run, switching those layers' linear method;
+    the rest keeps the dense method and gives the same result."""
+    layer = Linear(64, 32, bias=True).to(dtype)
+    plain = nn.Linear(64, 32, dtype=dtype)  # not an engine Linear (an MoE router): never packed
+    pack_linear_weights(nn.Sequential(layer, plain), batch_hint=4)
     assert hasattr(layer.weight, _PACKED_ATTR) == onednn_packing_supported(dtype)
+    assert layer.method.name == ("onednn_packed" if onednn_packing_supported(dtype) else "dense")
+    assert not hasattr(plain.weight, _PACKED_ATTR)
     x = torch.randn(3, 64, dtype=dtype)
-    torch.testing.assert_close(torch.ops.engine.linear(x, layer.weight, layer.bias), F.linear(x, layer.weight, layer.bias),
-                               atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=2e-2, rtol=2e-2)
 
 
 def random_paged_batch(seq_lens: list[int], page_size: int, kv_heads: int, dim: int, seed: int) -> dict[str, Any]:
@@ -126,7 +130,7 @@ def test_loading_the_kernels_leaves_subnormals_alone() -> None:
 def test_bf16_decode_linear_is_float32_math_rounded_once(rows: int, n: int, k: int, with_bias: bool) -> None:
     """engine::linear at decode batch sizes (the native GEMV where the CPU has AVX512-BF16) vs exact math."""
     generator = torch.Generator().manual_seed(rows * n)
-    layer = nn.Linear(k, n, bias=with_bias).bfloat16()
+    layer = Linear(k, n, bias=with_bias).bfloat16()
     with torch.no_grad():
         layer.weight.copy_(torch.randn(n, k, generator=generator) * 0.05)
         if with_bias:

@@ -24,6 +24,7 @@ from torch import nn
 
 from backends.cpu.features import native_gemv_bf16_supported, onednn_linear_supported
 from backends.cpu.native import load
+from engine.layers.linear import Linear
 from engine.layers.ops import define_op
 
 logger = logging.getLogger(__name__)
@@ -104,9 +105,22 @@ def onednn_packing_supported(dtype: torch.dtype) -> bool:
     return onednn_linear_supported(dtype)
 
 
+class OneDNNPackedLinearMethod:
+    """engine.layers.linear.LinearMethod: the layer's weight with its oneDNN-packed copy attached."""
+
+    name = "onednn_packed"
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.engine.linear(x, layer.weight, layer.bias)
+
+
+ONEDNN_PACKED = OneDNNPackedLinearMethod()
+
+
 @torch.no_grad()
 def pack_linear_weights(model: nn.Module, batch_hint: int, quiet: bool = False) -> int:
-    """Attach a oneDNN-packed copy to every nn.Linear weight the CPU can pack; returns the bytes added.
+    """Attach a oneDNN-packed copy to every engine Linear weight the CPU can pack and switch the layer
+    to ONEDNN_PACKED; returns the bytes added. (Other nn.Linear, such as an MoE router, stay plain.)
 
     The guard is here, not in the callers: a weight whose dtype this CPU cannot
     pack keeps the plain F.linear path, so no caller can reach a kernel the CPU lacks.
@@ -114,13 +128,13 @@ def pack_linear_weights(model: nn.Module, batch_hint: int, quiet: bool = False) 
     added = 0
     refused: set[torch.dtype] = set()
     for module in model.modules():
-        if isinstance(module, nn.Linear) and not hasattr(module.weight, _PACKED_ATTR):
+        if isinstance(module, Linear) and not hasattr(module.weight, _PACKED_ATTR):
             if not onednn_packing_supported(module.weight.dtype):
                 refused.add(module.weight.dtype)
                 continue
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), batch_hint)
             setattr(module.weight, _PACKED_ATTR, packed)
-            module.use_packed = True
+            module.method = ONEDNN_PACKED
             added += module.weight.nbytes
     if refused and not quiet:
         logger.info("oneDNN packing not used for %s on this CPU: plain F.linear", ", ".join(map(str, sorted(refused, key=str))))

@@ -12,16 +12,21 @@ implementation visits only the experts some token picked (data-dependent
 shapes, which a compiled graph must not see), so a compiled decode step keeps
 static shapes around it (the CPU's graphs). It is not capturable in a device
 graph (it looks at which experts were hit): the engine runs MoE models
-without graphs on every other platform until a fused Triton kernel exists.
+without graphs on every other platform until a fused Triton kernel exists
+(MoEForCausalLM.supports_device_graphs).
 """
 
 from __future__ import annotations
+
+from typing import Any, Hashable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.errors import ModelLoadError
 from engine.layers.ops import define_op
+from engine.loader.param_loading import copy_checked, fill_keys, set_weight_loader
 
 
 def moe_experts(
@@ -60,12 +65,34 @@ define_op(
 
 
 class ExpertWeights(nn.Module):
-    """The stacked expert weights (`experts.gate_up_proj`, `experts.down_proj` in our names)."""
+    """The stacked expert weights (`experts.gate_up_proj`, `experts.down_proj` in our names). Each loads
+    one expert's projection at a time, shard (expert, "gate" | "up") or (expert, None), or all at once."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.attach_weight_loaders()
+
+    def attach_weight_loaders(self) -> None:
+        experts = range(self.gate_up_proj.shape[0])
+        set_weight_loader(self.gate_up_proj, self._load_expert, [(e, half) for e in experts for half in ("gate", "up")])
+        set_weight_loader(self.down_proj, self._load_expert, [(e, None) for e in experts])
+
+    def _load_expert(self, param: nn.Parameter, tensor: torch.Tensor, shard: Any = None) -> list[Hashable]:
+        if shard is None:
+            copy_checked(param.data, tensor, f"stacked expert weights {tuple(param.shape)}")
+            return list(fill_keys(param))
+        expert, half = shard
+        if not 0 <= expert < param.shape[0]:
+            raise ModelLoadError(f"expert {expert} of {param.shape[0]}")
+        dest = param.data[expert]
+        if half is not None:
+            size = self.intermediate_size
+            dest = dest[(0 if half == "gate" else size) : (size if half == "gate" else 2 * size)]
+        copy_checked(dest, tensor, f"expert {expert}" + ("" if half is None else f" {half}"))
+        return [shard]
 
 
 class SparseMoE(nn.Module):

@@ -11,24 +11,23 @@ from engine.errors import ModelLoadError
 from engine.loader.resolve import ModelSource
 from engine.loader.weights import gguf_weights, safetensors_weights
 from engine.model_config import ModelConfig
-from engine.models import model_class_for
-from engine.models.llama import LlamaForCausalLM
+from engine.loader.param_loading import attach_weight_loaders
+from engine.models.interface import CausalLM
 
 logger = logging.getLogger(__name__)
 
 
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, load_format: str = "auto"
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     config = ModelConfig.from_hf(source.hf_config)
     start = time.perf_counter()
     # Built on the meta device, then materialised once on the target: no wasted random init.
     with torch.device("meta"):
-        model = model_class_for(config)(config)
+        model = config.model_class(config)
     model = model.to(dtype=dtype).to_empty(device=device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.reset_non_persistent_buffers()
+    attach_weight_loaders(model)  # materialising made new parameter objects
+    model.after_materialize()
     if load_format == "dummy" or source.kind == "preset":
         if source.kind == "preset" and load_format != "dummy":
             raise ModelLoadError(f"{source.path}: a preset has no weights; pass --load-format dummy")

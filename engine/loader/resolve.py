@@ -90,7 +90,7 @@ def _has_tokenizer(path: str) -> bool:
 def _hf_config(path: str) -> Any:
     from transformers import AutoConfig
 
-    from engine.model_config import SUPPORTED_MODEL_TYPES
+    from engine.models.registry import model_class_for_type, supported_model_types
 
     config_path = os.path.join(path, "config.json")
     try:
@@ -99,11 +99,12 @@ def _hf_config(path: str) -> Any:
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{config_path} cannot be read: {_one_line(exc)}") from exc
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    architectures = raw.get("architectures") if isinstance(raw, dict) else None
+    if model_class_for_type(model_type, architectures) is None:
         # Checked before transformers sees it, whose message for unknown types runs to paragraphs.
         raise UnsupportedArchitectureError(
-            f"unsupported architecture: model_type={model_type!r} architectures={raw.get('architectures') if isinstance(raw, dict) else None} "
-            f"in {config_path}; supported model types: {sorted(SUPPORTED_MODEL_TYPES)}"
+            f"unsupported architecture: model_type={model_type!r} architectures={architectures} "
+            f"in {config_path}; supported model types: {supported_model_types()}"
         )
     try:
         return AutoConfig.from_pretrained(path)

@@ -7,7 +7,7 @@ matmul each, as vLLM and SGLang do, so a decode step launches fewer kernels.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -15,30 +15,14 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.loader.param_loading import load_checkpoint
 from engine.model_config import ModelConfig
+from engine.models.registry import register_model
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-# Our fused projections and how many checkpoint tensors each is made of (q, k, v; gate, up).
-_FUSED_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
-
-
-def fused_shards(param_name: str) -> int:
-    """How many checkpoint tensors a parameter is fused from ("...qkv_proj.weight": 3); 0 if not fused."""
-    parts = param_name.split(".")
-    return _FUSED_SHARDS.get(parts[-2], 0) if len(parts) >= 2 else 0
-
-
-class Linear(nn.Linear):
-    """nn.Linear that a backend may switch to its own kernel (CPU: oneDNN-packed weights)."""
-
-    use_packed = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_packed:
-            return torch.ops.engine.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
 
 
 class DecoderAttention(nn.Module):
@@ -49,7 +33,8 @@ class DecoderAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias,
+                               parts=[("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)])
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
@@ -79,7 +64,8 @@ class GatedMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ModelLoadError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False,
+                                   parts=[("gate", config.intermediate_size), ("up", config.intermediate_size)])
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -94,18 +80,12 @@ class DecoderLayer(nn.Module):
     one layer is reused by every layer of the same shape.
     """
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, moe: bool = False) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if moe:
-            from engine.layers.moe import SparseMoE
-
-            self.mlp: nn.Module = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                                            config.num_experts_per_tok, config.norm_topk_prob)
-        else:
-            self.mlp = GatedMLP(config)
+        self.mlp = mlp
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -115,37 +95,49 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Embedding, layers and final norm; build_mlp(layer index) gives each layer its MLP (a family
+    with MoE layers gives some of them a SparseMoE)."""
+
+    def __init__(self, config: ModelConfig, build_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_parameters, config.hf_config
         )
-        moe = config.moe_layers or [False] * config.num_hidden_layers
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, moe=moe[i]) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, build_mlp(i)) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+@register_model("llama", "mistral", architectures=("LlamaForCausalLM", "MistralForCausalLM"))
 class LlamaForCausalLM(nn.Module):
-    """forward() -> hidden states of every token; compute_logits() on the rows that need them."""
+    """forward() -> hidden states of every token; compute_logits() on the rows that need them.
+    Implements engine.models.interface.CausalLM."""
 
-    # HF checkpoint names fused into our projections: (our param, shard index).
-    stacked_params = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
+    # HF checkpoint names fused into our projections: (our param, part).
+    stacked_params: dict[str, tuple[str, str]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
     }
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.attention_backend: object | None = None
-        self.model = DecoderModel(config)
+        self.model = DecoderModel(config, self.build_mlp)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_mlp(self, layer_index: int) -> nn.Module:
+        return GatedMLP(self.config)
+
+    @classmethod
+    def family_config(cls, hf_config: Any) -> Any:
+        """The family's own hyper-parameters (ModelConfig.family_config); None for the Llama block."""
+        return None
 
     def forward(
         self,
@@ -154,10 +146,19 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        hidden = self.embed(input_ids)
+        for layer, kv_cache in zip(self.decoder_layers(), kv_caches):
             hidden = layer(positions, hidden, kv_cache, meta)
         return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def decoder_layers(self) -> Sequence[nn.Module]:
+        return self.model.layers
+
+    def supports_device_graphs(self, platform: str) -> bool:
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head, in float32 for sampling."""
@@ -176,8 +177,11 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Attention):
                 module.backend = backend
 
-    def reset_non_persistent_buffers(self) -> None:
-        """Rebuild tables that are computed, not loaded (after construction on the meta device)."""
+    def after_materialize(self) -> None:
+        """After construction on the meta device and `to_empty`: tie the head to the embedding again
+        (materialising made each its own parameter) and rebuild tables that are computed, not loaded."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
         rotary = self.model.rotary
         fresh = RotaryEmbedding(
             self.config.head_dim, self.config.max_position_embeddings, self.config.rope_parameters, self.config.hf_config
@@ -186,70 +190,16 @@ class LlamaForCausalLM(nn.Module):
         rotary.sin_cache = fresh.sin_cache.to(rotary.sin_cache.device)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our (partly fused) parameters; every parameter must be filled."""
-        params = dict(self.named_parameters())
-        filled: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            special = self._load_special(name, tensor, params)
-            if special is not None:
-                filled.update(special)
-                continue
-            target, shard = self._target_of(name)
-            if target not in params:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has no matching parameter ({target})")
-            param = params[target]
-            rows = self._shard_rows(target, shard, param.shape[0])
-            dest = param.data if rows is None else param.data[rows[0] : rows[1]]
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ModelLoadError(
-                    f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)} vs model {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-            if rows is not None:
-                filled.add(f"{target}#{shard}")
-            elif fused_shards(target):
-                # A checkpoint that stores the fused projection itself (Phi-3): every shard at once.
-                filled.update(f"{target}#{s}" for s in range(fused_shards(target)))
-            else:
-                filled.add(target)
-        missing = [n for n in self._expected_fills(params) if n not in filled]
-        if missing:
-            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        """Every HF-named tensor through its parameter's weight loader; every parameter must be filled."""
+        load_checkpoint(dict(self.named_parameters()), weights, self.checkpoint_route)
 
-    def _load_special(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> list[str] | None:
-        """A family's own checkpoint tensors (MoE experts): the fill keys it filled, or None (not one)."""
-        return None
-
-    def _target_of(self, name: str) -> tuple[str, int | None]:
-        for hf_name, (ours, shard) in self.stacked_params.items():
-            if f".{hf_name}." in name:
-                return name.replace(hf_name, ours), shard
-        return name, None
-
-    def _shard_rows(self, target: str, shard: int | None, total_rows: int) -> tuple[int, int] | None:
-        if shard is None:
+    def checkpoint_route(self, name: str) -> tuple[str, Any] | None:
+        """Checkpoint tensor name -> (our parameter, part of it or None), or None: not ours by design."""
+        if "rotary_emb.inv_freq" in name:
             return None
-        cfg = self.config
-        if "qkv_proj" in target:
-            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-            bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
-        else:
-            i = cfg.intermediate_size
-            bounds = [(0, i), (i, 2 * i)]
-        return bounds[shard]
-
-    def _expected_fills(self, params: dict[str, nn.Parameter]) -> list[str]:
-        expected = []
-        for name in params:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            fused = fused_shards(name)
-            if fused:
-                expected += [f"{name}#{s}" for s in range(fused)]
-            else:
-                expected.append(name)
-        return expected
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None  # the head is the embedding
+        for hf_name, (ours, part) in self.stacked_params.items():
+            if f".{hf_name}." in name:
+                return name.replace(hf_name, ours), part
+        return name, None

@@ -1,81 +1,87 @@
 """Mixtral and Qwen3-MoE: the Llama block (Qwen3-MoE with q/k norms) with a sparse MoE MLP.
 
-Checkpoints store each expert's projections apart (Mixtral:
-`block_sparse_moe.experts.E.w1|w3|w2`, Qwen3-MoE: `mlp.experts.E.gate_proj|
-up_proj|down_proj`), and the router as `block_sparse_moe.gate` / `mlp.gate`;
-each lands in its slice of the stacked expert weights (engine/layers/moe.py).
-A checkpoint that already stacks them (`mlp.experts.gate_up_proj`, as
-transformers 5 holds them in memory) fills the whole parameter.
+Their hyper-parameters are the family's own (`MoEConfig`, at
+ModelConfig.family_config). Checkpoints store each expert's projections
+apart (Mixtral: `block_sparse_moe.experts.E.w1|w3|w2`, Qwen3-MoE:
+`mlp.experts.E.gate_proj|up_proj|down_proj`) and the router as
+`block_sparse_moe.gate` / `mlp.gate`: the route below names the stacked
+parameter and (expert, projection), and the stacked weights' own loader
+(engine/layers/moe.py) puts the tensor in its slice. A checkpoint that
+already stacks them (`mlp.experts.gate_up_proj`, as transformers 5 holds
+them in memory) fills the whole parameter.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Any
 
-import torch
 from torch import nn
 
-from engine.errors import ModelLoadError
-from engine.models.llama import LlamaForCausalLM
+from engine.errors import UnsupportedArchitectureError
+from engine.layers.moe import SparseMoE
+from engine.models.llama import GatedMLP, LlamaForCausalLM
+from engine.models.registry import register_model
 
 # (layer, expert, projection) of a per-expert checkpoint tensor.
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight$")
-# projection -> (our stacked parameter, half of gate_up: 0 gate, 1 up; None: down)
-_PROJECTIONS = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
-                "up_proj": ("gate_up_proj", 1), "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
+# projection -> (our stacked parameter, its part: gate or up of gate_up_proj; None: down_proj)
+_PROJECTIONS = {"w1": ("gate_up_proj", "gate"), "gate_proj": ("gate_up_proj", "gate"), "w3": ("gate_up_proj", "up"),
+                "up_proj": ("gate_up_proj", "up"), "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int  # each expert's
+    norm_topk_prob: bool  # the top-k weights renormalised to sum to one
+    moe_layers: tuple[bool, ...]  # which layers are MoE (Qwen3-MoE: decoder_sparse_step / mlp_only_layers)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "MoEConfig":
+        layers = hf_config.num_hidden_layers
+        if hf_config.model_type == "mixtral":
+            return cls(hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size,
+                       True, (True,) * layers)
+        if getattr(hf_config, "shared_expert_intermediate_size", None):
+            raise UnsupportedArchitectureError("MoE with shared experts is not supported yet")
+        step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+        experts = int(hf_config.num_experts)
+        moe = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
+        return cls(experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
+                   bool(getattr(hf_config, "norm_topk_prob", False)), moe)
+
+
+@register_model("mixtral", "qwen3_moe", architectures=("MixtralForCausalLM", "Qwen3MoeForCausalLM"))
 class MoEForCausalLM(LlamaForCausalLM):
-    def _load_special(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> list[str] | None:
+    @classmethod
+    def family_config(cls, hf_config: Any) -> MoEConfig:
+        return MoEConfig.from_hf(hf_config)
+
+    def build_mlp(self, layer_index: int) -> nn.Module:
+        moe: MoEConfig = self.config.family_config
+        if not moe.moe_layers[layer_index]:
+            return GatedMLP(self.config)
+        return SparseMoE(self.config.hidden_size, moe.moe_intermediate_size, moe.num_experts,
+                         moe.num_experts_per_tok, moe.norm_topk_prob)
+
+    def supports_device_graphs(self, platform: str) -> bool:
+        # The torch experts op looks at which experts were hit (engine/layers/moe.py): CPU compiled
+        # graphs call it between their pieces; a captured device graph cannot hold it.
+        return platform == "cpu"
+
+    def checkpoint_route(self, name: str) -> tuple[str, Any] | None:
         if (router := _ROUTER.match(name)) is not None:
-            name = f"model.layers.{router.group(1)}.mlp.gate.weight"  # Mixtral's router under our name
-            param = self._param(params, name, name)
-            self._copy(param.data, tensor, name)
-            return [name]
-        if (stacked := _STACKED.match(name)) is not None:
-            param = self._param(params, name, name)
-            self._copy(param.data, tensor, name)
-            return self._expert_keys(name, param)
-        match = _EXPERT.match(name)
-        if match is None:
-            return None
-        layer, expert, projection = int(match.group(1)), int(match.group(2)), match.group(3)
-        ours, half = _PROJECTIONS[projection]
-        target = f"model.layers.{layer}.mlp.experts.{ours}"
-        param = self._param(params, target, name)
-        if expert >= param.shape[0]:
-            raise ModelLoadError(f"checkpoint tensor {name!r}: expert {expert} of {param.shape[0]}")
-        dest = param.data[expert]
-        if half is not None:
-            size = self.config.moe_intermediate_size
-            dest = dest[half * size : (half + 1) * size]
-        self._copy(dest, tensor, name)
-        return [f"{target}#{expert}" + ("" if half is None else f".{half}")]
-
-    def _expected_fills(self, params: dict[str, nn.Parameter]) -> list[str]:
-        expected = []
-        for name in super()._expected_fills(params):
-            if ".experts." in name:
-                expected += self._expert_keys(name, params[name])
-            else:
-                expected.append(name)
-        return expected
-
-    @staticmethod
-    def _expert_keys(name: str, param: nn.Parameter) -> list[str]:
-        halves = [".0", ".1"] if name.endswith("gate_up_proj") else [""]
-        return [f"{name}#{e}{h}" for e in range(param.shape[0]) for h in halves]
-
-    @staticmethod
-    def _param(params: dict[str, nn.Parameter], target: str, name: str) -> nn.Parameter:
-        if target not in params:
-            raise ModelLoadError(f"checkpoint tensor {name!r} has no matching parameter ({target})")
-        return params[target]
-
-    @staticmethod
-    def _copy(dest: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ModelLoadError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)} vs model {tuple(dest.shape)}")
-        dest.copy_(tensor)
+            return f"model.layers.{router.group(1)}.mlp.gate.weight", None  # Mixtral's router under our name
+        if _STACKED.match(name) is not None:
+            return name, None
+        if (match := _EXPERT.match(name)) is not None:
+            layer, expert, projection = int(match.group(1)), int(match.group(2)), match.group(3)
+            ours, part = _PROJECTIONS[projection]
+            return f"model.layers.{layer}.mlp.experts.{ours}", (expert, part)
+        return super().checkpoint_route(name)

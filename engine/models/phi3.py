@@ -14,10 +14,12 @@ from __future__ import annotations
 from engine.errors import ModelLoadError
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import register_model
 
 
+@register_model("phi3", architectures=("Phi3ForCausalLM",))
 class Phi3ForCausalLM(LlamaForCausalLM):
-    stacked_params: dict[str, tuple[str, int]] = {}  # nothing to fuse: the checkpoint is fused already
+    stacked_params: dict[str, tuple[str, str]] = {}  # nothing to fuse: the checkpoint is fused already
 
     def __init__(self, config: ModelConfig) -> None:
         rotary_fraction = float(config.rope_parameters.get("partial_rotary_factor", 1.0) or 1.0)

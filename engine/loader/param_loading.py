@@ -1,0 +1,126 @@
+"""Per-parameter weight loading: each parameter knows how to take its checkpoint tensor(s).
+
+As in vLLM and nano-vllm, a parameter carries a `weight_loader(param, tensor,
+shard)` that copies one checkpoint tensor into it: the whole parameter
+(`shard` None), or one part of a fused parameter (q, k or v of `qkv_proj`;
+gate or up of `gate_up_proj`; one expert's projection of a stacked expert
+weight; later, a tensor-parallel rank's slice). A model's loader then only
+maps checkpoint names to (parameter, shard).
+
+Each parameter also declares the parts it is filled from (`fill_keys`), so
+a checkpoint that leaves one out is caught: `FillTracker` names the
+parameter and the part nobody filled, and a checkpoint tensor with no home
+is refused with both names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Iterable
+
+import torch
+from torch import nn
+
+from engine.errors import ModelLoadError
+
+# (param, checkpoint tensor, shard or None) -> the fill keys it filled
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], list[Hashable]]
+WHOLE: tuple[Hashable, ...] = ("",)  # the one fill key of a parameter that is not fused
+
+
+def copy_checked(dest: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    """dest <- tensor, or a ModelLoadError naming `what` and both shapes."""
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"shape mismatch for {what}: checkpoint {tuple(tensor.shape)} vs model {tuple(dest.shape)}")
+    dest.copy_(tensor)
+
+
+def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard: Any = None) -> list[Hashable]:
+    """The whole parameter from one tensor of its shape."""
+    if shard is not None:
+        raise ModelLoadError(f"parameter of shape {tuple(param.shape)} is not fused, but was given shard {shard!r}")
+    copy_checked(param.data, tensor, f"a parameter of shape {tuple(param.shape)}")
+    return list(fill_keys(param))
+
+
+def row_shard_loader(shard_rows: dict[Hashable, tuple[int, int]]) -> WeightLoader:
+    """A parameter fused along its rows from parts (shard -> [start, end) rows); shard None: all at once
+    (a checkpoint that stores the fused tensor, as Phi-3 does)."""
+
+    def load(param: nn.Parameter, tensor: torch.Tensor, shard: Any = None) -> list[Hashable]:
+        if shard is None:
+            copy_checked(param.data, tensor, f"fused parameter of shape {tuple(param.shape)}")
+            return list(shard_rows)
+        if shard not in shard_rows:
+            raise ModelLoadError(f"fused parameter has parts {list(shard_rows)}, not {shard!r}")
+        start, end = shard_rows[shard]
+        copy_checked(param.data[start:end], tensor, f"part {shard!r} (rows {start}-{end}) of a fused parameter")
+        return [shard]
+
+    return load
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader, keys: Iterable[Hashable] = WHOLE) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.fill_keys = tuple(keys)  # type: ignore[attr-defined]
+
+
+def attach_weight_loaders(model: nn.Module) -> None:
+    """Give every parameter its loader. Loaders live on parameter objects, and moving a model off the
+    meta device (`to_empty`) makes new ones: modules keep what they need to attach them again."""
+    for module in model.modules():
+        attach = getattr(module, "attach_weight_loaders", None)
+        if attach is not None:
+            attach()
+
+
+def weight_loader(param: nn.Parameter) -> WeightLoader:
+    return getattr(param, "weight_loader", default_weight_loader)
+
+
+def fill_keys(param: nn.Parameter) -> tuple[Hashable, ...]:
+    return getattr(param, "fill_keys", WHOLE)
+
+
+class FillTracker:
+    """Which parts of which parameters a checkpoint has filled; `check()` names what it left out."""
+
+    def __init__(self, params: dict[str, nn.Parameter], skip: Iterable[str] = ()) -> None:
+        skipped = set(skip)
+        self.expected = {name: set(fill_keys(p)) for name, p in params.items() if name not in skipped}
+        self.filled: dict[str, set[Hashable]] = {name: set() for name in self.expected}
+
+    def record(self, name: str, keys: Iterable[Hashable]) -> None:
+        self.filled.setdefault(name, set()).update(keys)
+
+    def check(self) -> None:
+        missing = [(name, sorted(map(str, keys - self.filled[name]))) for name, keys in self.expected.items()
+                   if keys - self.filled[name]]
+        if not missing:
+            return
+        examples = ", ".join(name if parts == [""] else f"{name} (parts {', '.join(parts[:4])})" for name, parts in missing[:3])
+        raise ModelLoadError(f"checkpoint is missing tensors for {len(missing)} parameters (left unfilled), e.g. {examples}")
+
+
+def load_checkpoint(
+    params: dict[str, nn.Parameter],
+    weights: Iterable[tuple[str, torch.Tensor]],
+    route: Callable[[str], tuple[str, Any] | None],
+    skip: Iterable[str] = (),
+) -> None:
+    """Every checkpoint tensor through its parameter's weight_loader; route(name) -> (parameter name,
+    shard), or None for a tensor the model has no use for by design (rotary inv_freq, a tied head)."""
+    tracker = FillTracker(params, skip)
+    for name, tensor in weights:
+        target = route(name)
+        if target is None:
+            continue
+        param_name, shard = target
+        param = params.get(param_name)
+        if param is None:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no home: the model has no parameter {param_name!r}")
+        try:
+            keys = weight_loader(param)(param, tensor, shard)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"checkpoint tensor {name!r} -> {param_name}: {exc}") from exc
+        tracker.record(param_name, keys)
+    tracker.check()

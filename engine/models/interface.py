@@ -1,0 +1,46 @@
+"""What every model implements, so the engine, the graph runners and the compiled steps need no
+knowledge of a family's module tree (they used to reach into `model.model.layers`)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import nn
+
+from engine.layers.attention import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    config: Any
+    attention_backend: object | None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [tokens, hidden] of every token of a (ragged) step."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream entering the first decoder layer."""
+
+    def decoder_layers(self) -> Sequence[nn.Module]:
+        """The layers, each called as layer(positions, hidden, kv_cache, meta) -> hidden; compiled steps
+        compile one graph per distinct layer kind (dynamo guards on a layer's own attributes)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [rows, vocab] of the rows that sample."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill every parameter from (checkpoint name, tensor) pairs, or raise ModelLoadError naming both."""
+
+    def set_attention_backend(self, backend: object) -> None: ...
+
+    def set_sliding_window(self, window: int | None) -> None: ...
+
+    def after_materialize(self) -> None:
+        """After `to_empty` off the meta device: re-tie shared weights, rebuild computed tables (rotary)."""
+
+    def supports_device_graphs(self, platform: str) -> bool:
+        """Whether a step of this model may be captured in a CUDA/HIP/NPU graph on this platform."""
