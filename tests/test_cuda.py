@@ -187,3 +187,31 @@ def test_extend_graphs_give_the_tokens_of_compiled_and_eager_extend_steps(tmp_pa
             assert engine.runner.extend_graphs is not None and engine.runner.extend_graphs.replays > 0
         assert engine.kv_pages_in_use() == 0
     assert results["graphs"] == results["compiled"] == results["eager"]
+
+
+def test_moe_model_replays_cuda_graphs_with_the_fused_experts(tmp_path) -> None:
+    """Mixtral (tiny, random) on CUDA: the fused Triton experts inside captured decode graphs and compiled
+    extend steps give the tokens of eager steps, and of the torch experts op."""
+    from backends.cuda.moe_method import TRITON_FUSED_MOE
+    from engine.engine import Engine
+    from engine.layers.moe import TORCH_EXPERTS, SparseMoE
+    from engine.sampling_params import SamplingParams
+    from tests.conftest import build_tiny_checkpoint
+
+    model = build_tiny_checkpoint("mixtral", str(tmp_path / "mixtral"))
+    prompts = [[1, 5, 9], [7] * 40, list(range(3, 90)), [2, 4, 8, 16, 32, 64, 128]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for mode in ("graphs", "eager", "torch_experts"):
+        engine = Engine(model=model, device="cuda", dtype="float32", page_size=16, capture_sizes="1,2,4",
+                        kv_cache_tokens=4096, disable_graphs=mode != "graphs", debug_kv_invariant=True)
+        moe_layers = [m for m in engine.model.modules() if isinstance(m, SparseMoE)]
+        assert moe_layers and all(m.method is TRITON_FUSED_MOE for m in moe_layers)
+        if mode == "torch_experts":
+            for layer in moe_layers:
+                layer.method = TORCH_EXPERTS
+        tokens[mode] = [o.token_ids for o in engine.generate(prompts, params)]
+        if mode == "graphs":
+            assert engine.runner.graph_steps > 0
+        assert engine.kv_pages_in_use() == 0
+    assert tokens["graphs"] == tokens["eager"] == tokens["torch_experts"]

@@ -47,3 +47,25 @@ def test_a_missing_expert_tensor_is_one_error_naming_it(tmp_path) -> None:  # no
     save_file(tensors, weights_file, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"unfilled.*model\.layers\.1\.mlp\.experts\.gate_up_proj \(parts \(3, 'up'\)\)"):
         Engine(model=path, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256)
+
+
+@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe"])
+def test_the_fused_triton_experts_give_the_torch_method_s_tokens(tiny_checkpoints: dict[str, str], model: str) -> None:
+    """The CUDA experts method (backends/cuda/moe_method.py, here in Triton's CPU interpreter) in a whole
+    engine: the same greedy tokens as the torch experts op, and the model then counts as capturable."""
+    from backends.cuda.moe_method import use_fused_moe
+    from tests.helpers import greedy
+    from tests.triton_interpreter import interpreter_mode
+
+    prompts = [[5, 9, 14, 200], list(range(3, 40)), [7] * 11]
+    tokens = {}
+    for method in ("torch", "triton"):
+        engine = track(Engine(model=tiny_checkpoints[model], device="cpu", dtype="float32", disable_graphs=True,
+                              kv_cache_tokens=512))
+        assert not engine.model.supports_device_graphs("cuda")
+        if method == "triton":
+            assert use_fused_moe(engine.model) > 0 and engine.model.supports_device_graphs("cuda")
+        with interpreter_mode():
+            tokens[method] = [o.token_ids for o in engine.generate(prompts, greedy(12))]
+        assert engine.kv_pages_in_use() == 0
+    assert tokens["triton"] == tokens["torch"]

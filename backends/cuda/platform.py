@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 
 from backends.base import CaptureSettings, MemoryInfo, Platform
+
+logger = logging.getLogger(__name__)
 
 
 class CudaPlatform(Platform):
@@ -31,6 +36,12 @@ class CudaPlatform(Platform):
         from backends.cuda.triton_attention import TritonAttentionBackend
 
         return TritonAttentionBackend()
+
+    def prepare_model(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
+        from backends.cuda.moe_method import use_fused_moe
+
+        if (layers := use_fused_moe(model)):
+            logger.info("MoE: %d layers run the fused Triton experts kernel (capturable in CUDA graphs)", layers)
 
     def capture_settings(self) -> CaptureSettings:
         return CaptureSettings(kind="cuda_graph")

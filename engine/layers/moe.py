@@ -11,14 +11,19 @@ The experts run as one opaque op (`engine::moe_experts`): its torch
 implementation visits only the experts some token picked (data-dependent
 shapes, which a compiled graph must not see), so a compiled decode step keeps
 static shapes around it (the CPU's graphs). It is not capturable in a device
-graph (it looks at which experts were hit): the engine runs MoE models
-without graphs on every other platform until a fused Triton kernel exists
+graph (it looks at which experts were hit).
+
+How the experts run is the layer's `method`, as a Linear's: TORCH_EXPERTS
+(the op above) by default; the CUDA/ROCm platform switches every SparseMoE to
+its fused Triton grouped GEMM (backends/cuda/moe_method.py), which is
+capturable, so MoE models keep their CUDA graphs there. A model whose MoE
+layers all have a capturable method may be captured
 (MoEForCausalLM.supports_device_graphs).
 """
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any, Hashable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -95,9 +100,30 @@ class ExpertWeights(nn.Module):
         return [shard]
 
 
+class MoEMethod(Protocol):
+    """How the routed experts run: expert_ids, weights [T, k] -> [T, H]."""
+
+    name: str
+    capturable: bool  # no host sync and no data-dependent shape: may run inside a device graph
+
+    def apply(self, layer: "SparseMoE", hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
+
+
+class TorchExpertsMethod:
+    name = "torch"
+    capturable = False
+
+    def apply(self, layer: "SparseMoE", hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.ops.engine.moe_experts(hidden, layer.experts.gate_up_proj, layer.experts.down_proj, expert_ids, weights)
+
+
+TORCH_EXPERTS = TorchExpertsMethod()
+
+
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool) -> None:
         super().__init__()
+        self.method: MoEMethod = TORCH_EXPERTS
         self.top_k = top_k
         self.renormalize = renormalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
@@ -113,4 +139,4 @@ class SparseMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         expert_ids, weights = self.route(hidden)
-        return torch.ops.engine.moe_experts(hidden, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, weights)
+        return self.method.apply(self, hidden, expert_ids, weights)

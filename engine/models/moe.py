@@ -72,8 +72,8 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def supports_device_graphs(self, platform: str) -> bool:
         # The torch experts op looks at which experts were hit (engine/layers/moe.py): CPU compiled
-        # graphs call it between their pieces; a captured device graph cannot hold it.
-        return platform == "cpu"
+        # graphs call it between their pieces; a captured device graph needs a capturable method.
+        return platform == "cpu" or all(m.method.capturable for m in self.modules() if isinstance(m, SparseMoE))
 
     def checkpoint_route(self, name: str) -> tuple[str, Any] | None:
         if (router := _ROUTER.match(name)) is not None:
