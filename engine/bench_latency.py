@@ -48,8 +48,16 @@ def add_bench_latency_args(parser: argparse.ArgumentParser) -> None:
 
 
 def matmul_params(engine: Engine) -> int:
-    """Weights of every linear layer (nn.Linear and subclasses), the LM head included."""
-    return sum(m.weight.numel() for m in engine.model.modules() if isinstance(m, torch.nn.Linear))
+    """Weights a token multiplies by: every linear layer (nn.Linear and subclasses, the LM head and MoE
+    routers included) plus, in an MoE layer, the top_k experts it is routed to (not all E)."""
+    from engine.layers.moe import SparseMoE
+
+    dense = sum(m.weight.numel() for m in engine.model.modules() if isinstance(m, torch.nn.Linear))
+    experts = 0
+    for moe in (m for m in engine.model.modules() if isinstance(m, SparseMoE)):
+        stacked = moe.experts.gate_up_proj.numel() + moe.experts.down_proj.numel()
+        experts += stacked * moe.top_k // moe.experts.gate_up_proj.shape[0]
+    return dense + experts
 
 
 def attention_flops(engine: Engine, prefix: int, new: int) -> float:
