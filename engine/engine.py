@@ -15,10 +15,10 @@ from backends import get_platform
 from engine.batch_state import DecodeBatchState, PenaltyState
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineError, InvalidRequestError, RequestFailedError
+from engine.errors import EngineError, InvalidRequestError, RequestFailedError, UnsupportedArchitectureError
 from engine.kv_cache import KVPool
 from engine.kv_manager import KVCacheManager, PrefixCacheStats
-from engine.layers.attention import AttentionMetadata, step_context
+from engine.layers.attention import Attention, AttentionMetadata, step_context
 from engine.loader import load_model, resolve_model_source
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput
@@ -69,6 +69,7 @@ class Engine:
         if hasattr(backend, "dtype"):
             backend.dtype = self.config.kv_torch_dtype
         self.model.set_attention_backend(backend)
+        self._check_softcap(backend)
         self._apply_sliding_window(backend)
         self.platform.prepare_model(self.model, {**self.config.device_config, **self.config.__dict__})
         self.kv_pool = self._allocate_kv_pool()
@@ -136,20 +137,31 @@ class Engine:
         logger.info("warm-up request (%d-token prefill, 1 decode step) took %.2f s", prompt_len, time.perf_counter() - start)
 
     # ---- construction -------------------------------------------------------------
+    def _check_softcap(self, backend: object) -> None:
+        """Soft-capped attention scores (Gemma 2) have no exact substitute: refused where the backend lacks them."""
+        if getattr(backend, "supports_softcap", False):
+            return
+        if any(getattr(m, "softcap", 0.0) for m in self.model.modules() if isinstance(m, Attention)):
+            raise UnsupportedArchitectureError(
+                f"{self.model_config.model_type}: attention logit soft-capping is not implemented by the "
+                f"{self.platform.name} attention backend (it runs on cpu, cuda and rocm)"
+            )
+
     def _apply_sliding_window(self, backend: object) -> None:
-        """A model whose attention has a sliding window: every attention layer gets it where the backend
-        implements it and the window is the same in every layer (Mistral). Otherwise (HPU, NPU; Qwen2/3's
-        window on some layers only) the context stops at the window, where full causal attention is
-        exactly the windowed computation, rather than giving wrong tokens past it."""
+        """A model whose attention has a sliding window: each layer gets its own (every layer for Mistral,
+        alternate layers for Gemma 2, Qwen2's upper layers) where the backend implements windows; compiled
+        steps then compile one layer graph per kind. Otherwise (HPU, NPU) the context stops at the window,
+        where full causal attention is exactly the windowed computation, rather than giving wrong tokens."""
         window = self.model_config.sliding_window
         if window is None or window >= self.max_model_len:
             return  # no position ever reaches past the window
-        uniform = all(w == window for w in self.model_config.layer_windows)
-        if uniform and getattr(backend, "supports_sliding_window", False):
-            self.model.set_sliding_window(window)
-            logger.info("sliding-window attention: %d tokens in every layer", window)
+        windows = self.model_config.layer_windows
+        if getattr(backend, "supports_sliding_window", False):
+            self.model.set_layer_windows(windows)
+            logger.info("sliding-window attention: %d tokens in %d of %d layers", window,
+                        sum(w is not None for w in windows), len(windows))
             return
-        why = "on some layers only" if not uniform else f"not implemented by the {self.platform.name} attention backend"
+        why = f"not implemented by the {self.platform.name} attention backend"
         logger.warning("the model's %d-token sliding window is %s: context length lowered from %d to %d",
                        window, why, self.max_model_len, window)
         self.max_model_len = window

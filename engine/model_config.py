@@ -93,7 +93,7 @@ def _sliding_window(hf_config: Any) -> int | None:
     """The window the config puts in effect: Mistral's `sliding_window` unless None; Qwen2/Qwen3's
     only with `use_sliding_window` (their configs carry a window they do not use by default)."""
     window = getattr(hf_config, "sliding_window", None)
-    if not window or not getattr(hf_config, "use_sliding_window", True):
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:  # Gemma 2 leaves it None
         return None
     return int(window)
 

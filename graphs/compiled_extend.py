@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from engine.layers.attention import AttentionMetadata, step_context
+from engine.layers.attention import AttentionMetadata, attention_extras, step_context
 from engine.layers.ops import define_op
 from engine.models.interface import CausalLM
 from graphs.compiled_step import CompileGuard, KVCaches, _layer_step, compile_count, compile_limits, private_copy
@@ -49,25 +49,23 @@ def extend_context(backend: Any, meta: AttentionMetadata) -> Iterator[None]:
 
 def _extend_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-    window: int = 0,
+    window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     current = getattr(_context, "current", None)
     if current is None:
         raise RuntimeError("engine::extend_attention called outside extend_context (no step metadata)")
     backend, meta = current
     meta = replace(meta, opaque_extend=False)
-    if window:
-        return backend.forward(q, k, v, k_cache, v_cache, meta, scale, window=window)
-    return backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    return backend.forward(q, k, v, k_cache, v_cache, meta, scale, **attention_extras(window, softcap))
 
 
-def _extend_attention_fake(q, k, v, k_cache, v_cache, scale, window=0):  # noqa: ANN001, ANN202
+def _extend_attention_fake(q, k, v, k_cache, v_cache, scale, window=0, softcap=0.0):  # noqa: ANN001, ANN202
     return torch.empty_like(q)
 
 
 define_op(
     "extend_attention",
-    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, float scale, int window=0) -> Tensor",
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, float scale, int window=0, float softcap=0.0) -> Tensor",
     _extend_attention,
     _extend_attention_fake,
 )
@@ -110,7 +108,8 @@ class CompiledExtendStep:
         torch._dynamo.mark_dynamic(hidden, 0)
         torch._dynamo.mark_dynamic(positions, 0)
         before = compile_count()
-        with compile_limits(2), self.guard.watch(f"extend step of {input_ids.shape[0]} tokens"), \
+        # One entry per layer kind (full / sliding attention, dense / MoE MLP), plus room for dynamo.
+        with compile_limits(8), self.guard.watch(f"extend step of {input_ids.shape[0]} tokens"), \
                 step_context(backend, meta), extend_context(backend, meta):
             for layer, (k_cache, v_cache) in zip(self.model.decoder_layers(), self.kv_caches):
                 hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, meta)

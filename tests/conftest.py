@@ -176,6 +176,48 @@ TINY_SPECS: dict[str, dict[str, Any]] = {
         shard=None,
         seed=18,
     ),
+    # Gemma 2: (1 + w) norms around attention and MLP, scaled embeddings, query_pre_attn_scalar
+    # unlike head_dim, soft-capped attention scores and logits (caps low enough to bite at these
+    # scales), a 24-token sliding window on alternate layers (the longest prompts decode past it).
+    "gemma2": dict(
+        config_cls="Gemma2Config",
+        kwargs=dict(
+            vocab_size=400,
+            num_hidden_layers=4,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0,
+            sliding_window=24,
+            hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        shard=None,
+        seed=19,
+    ),
+    # Gemma 3 (text): Gemma 2's block with (1 + w) q/k norms, no caps, two rotary bases (sliding 10k,
+    # full 1M with linear scaling x2), five sliding layers to one full (here 2:1 over 3 layers).
+    "gemma3": dict(
+        config_cls="Gemma3TextConfig",
+        kwargs=dict(
+            vocab_size=416,
+            num_hidden_layers=3,
+            head_dim=16,
+            query_pre_attn_scalar=20,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            sliding_window=24,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+            },
+        ),
+        shard=None,
+        seed=20,
+    ),
     # Mistral: the Llama block under another model_type; no sliding window in effect.
     "mistral": dict(
         config_cls="MistralConfig",

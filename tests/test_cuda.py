@@ -215,3 +215,26 @@ def test_moe_model_replays_cuda_graphs_with_the_fused_experts(tmp_path) -> None:
             assert engine.runner.graph_steps > 0
         assert engine.kv_pages_in_use() == 0
     assert tokens["graphs"] == tokens["eager"] == tokens["torch_experts"]
+
+
+def test_gemma2_soft_capped_attention_on_cuda_graphs(tmp_path) -> None:
+    """Gemma 2 (tiny, random): the Triton kernels' soft-capped scores and per-layer windows inside decode
+    graphs and compiled extend steps, against eager steps and against transformers, float32 greedy."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+    from tests.conftest import build_tiny_checkpoint
+
+    model = build_tiny_checkpoint("gemma2", str(tmp_path / "gemma2"))
+    prompts = [[1, 5, 9], [7] * 40, list(range(3, 90)), [2, 4, 8, 16, 32, 64, 128]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+    for graphs in (True, False):
+        engine = Engine(model=model, device="cuda", dtype="float32", page_size=16, capture_sizes="1,2,4",
+                        kv_cache_tokens=4096, disable_graphs=not graphs, debug_kv_invariant=True)
+        assert [o.token_ids for o in engine.generate(prompts, params)] == want
+        assert engine.kv_pages_in_use() == 0

@@ -87,11 +87,11 @@ def test_smollm2_mixed_steps_match_separate(engine_cache: Callable[..., Engine])
     assert run_staggered(mixed, prompts, params, arrivals).token_ids == run_staggered(separate, prompts, params, arrivals).token_ids
 
 
-@pytest.mark.parametrize("mixed", [False, True])
-def test_compiled_extend_steps_match_eager_and_compile_once(tiny_checkpoints: dict[str, str], mixed: bool) -> None:
-    """compile_extend: prefill, chunk and mixed steps of every size through one compiled layer graph,
-    with the tokens of eager steps."""
-    path = tiny_checkpoints["llama"]
+@pytest.mark.parametrize("name,mixed", [("llama", False), ("llama", True), ("gemma2", True)])
+def test_compiled_extend_steps_match_eager_and_compile_once(tiny_checkpoints: dict[str, str], name: str, mixed: bool) -> None:
+    """compile_extend: prefill, chunk and mixed steps of every size through one compiled layer graph
+    (Gemma 2: one per layer kind, sliding and full attention), with the tokens of eager steps."""
+    path = tiny_checkpoints[name]
     eager = tiny(path, mixed_steps=mixed, chunked_prefill_size=48)
     compiled = tiny(path, mixed_steps=mixed, chunked_prefill_size=48, compile_extend=True, disable_graphs=False,
                     capture_sizes=[1, 2, 4, 8])

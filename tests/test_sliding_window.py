@@ -4,8 +4,9 @@ Every query sees its last `window` positions. Held against HF transformers
 (which applies the window) far past the window: prompts longer than it, long
 generations, chunked prefill, page sizes 1 and 16, graphs on and off, prompts
 arriving at different steps. A window on some layers only (Qwen2's
-`max_window_layers`) is not implemented: there the context stops at the
-window, where full attention is exactly the windowed computation.
+`max_window_layers`; Gemma 2's alternate layers, in test_hf_parity.py) is
+each layer's own. Where the backend has no windows (HPU, NPU) the context
+stops at the window, where full attention is exactly the windowed computation.
 """
 
 from __future__ import annotations
@@ -52,14 +53,28 @@ def test_windowed_attention_matches_transformers_past_the_window(windowed_mistra
     assert got == [hf_greedy(windowed_mistral, prompt, 36) for prompt in prompts]
 
 
-def test_a_window_on_some_layers_only_stops_the_context_at_the_window(tmp_path) -> None:  # noqa: ANN001
+def test_a_window_on_some_layers_only_matches_transformers_past_it(tmp_path) -> None:  # noqa: ANN001
     path = build_tiny_checkpoint("qwen2", str(tmp_path / "qwen2_window"), use_sliding_window=True, sliding_window=WINDOW,
                                  max_window_layers=1)
     engine = track(Engine(model=path, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=512))
+    from engine.layers.attention import Attention
+
+    assert [m.sliding_window for m in engine.model.modules() if isinstance(m, Attention)] == [None, WINDOW]
+    prompt = [5, 17, 33, 2, 90, 41, 7, 250, 3, 11] * 4
+    out = engine.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(path, prompt, 30)
+
+
+def test_without_backend_windows_the_context_stops_at_the_window(windowed_mistral: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback for backends without sliding windows (HPU, NPU), here the CPU backend with them off."""
+    from engine.layers.torch_attention import TorchAttentionBackend
+
+    monkeypatch.setattr(TorchAttentionBackend, "supports_sliding_window", False)
+    engine = track(Engine(model=windowed_mistral, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=512))
     assert engine.max_model_len == WINDOW
     with pytest.raises(InvalidRequestError, match="sliding window"):
         engine.add_request(list(range(3, 3 + WINDOW)), SamplingParams(max_tokens=4))
     prompt = [5, 17, 33, 2, 90, 41, 7, 250, 3, 11]
     out = engine.generate([prompt], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == WINDOW
-    assert out.token_ids == hf_greedy(path, prompt, len(out.token_ids))
+    assert out.token_ids == hf_greedy(windowed_mistral, prompt, len(out.token_ids))

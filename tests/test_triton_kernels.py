@@ -46,13 +46,14 @@ class RaggedCase:
             starts.append(starts[-1] + n)
         return starts
 
-    def reference(self, window: int = 0) -> torch.Tensor:
+    def reference(self, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """extend_attention in float32 (per request SDPA with a causal mask behind the prefix)."""
         meta = AttentionMetadata(
             is_decode=False, slot_indices=torch.empty(0), page_table=self.page_table, seq_lens=torch.tensor(self.seq_lens),
             page_size=self.page_size, query_start_loc=self.query_start_loc, seq_lens_cpu=self.seq_lens,
         )
-        return extend_attention(self.q.float(), self.k_cache.float(), self.v_cache.float(), meta, self.q.shape[-1] ** -0.5, window)
+        return extend_attention(self.q.float(), self.k_cache.float(), self.v_cache.float(), meta, self.q.shape[-1] ** -0.5, window,
+                                softcap)
 
 
 def ragged_case(
@@ -86,13 +87,14 @@ def tolerance(dtype: torch.dtype) -> float:
     return 2e-5 if dtype == torch.float32 else 2e-2
 
 
-def run_ragged(case: RaggedCase, window: int = 0) -> torch.Tensor:
+def run_ragged(case: RaggedCase, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     from backends.cuda.triton_extend import ragged_paged_attention
 
     starts = torch.tensor(case.query_start_loc, dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
     return ragged_paged_attention(
-        case.q, case.k_cache, case.v_cache, starts, lens, case.page_table, case.page_size, case.q.shape[-1] ** -0.5, window
+        case.q, case.k_cache, case.v_cache, starts, lens, case.page_table, case.page_size, case.q.shape[-1] ** -0.5, window,
+        softcap,
     )
 
 
@@ -152,13 +154,13 @@ def decode_case(heads: int, kv_heads: int, head_dim: int, page_size: int, seq_le
     return ragged_case(heads, kv_heads, head_dim, page_size, [1] * len(seq_lens), [s - 1 for s in seq_lens], dtype)
 
 
-def run_decode(case: RaggedCase, splits: int | None, window: int = 0) -> torch.Tensor:
+def run_decode(case: RaggedCase, splits: int | None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     from backends.cuda.triton_decode import paged_decode_attention_triton
 
     lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
     return paged_decode_attention_triton(
         case.q, case.k_cache, case.v_cache, case.page_table, lens, case.page_size, case.q.shape[-1] ** -0.5, splits=splits,
-        window=window,
+        window=window, softcap=softcap,
     )
 
 
@@ -224,3 +226,24 @@ def test_sliding_window_in_both_kernels(window: int) -> None:
     torch.testing.assert_close(got.float().cpu(), case.reference(window).cpu(), atol=tol, rtol=tol)
     for out in got_decode:
         torch.testing.assert_close(out.float().cpu(), decode.reference(window).cpu(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_soft_capped_scores_in_both_kernels(window: int) -> None:
+    """Gemma 2's softcap * tanh(score / softcap), alone and with a sliding window, against the torch
+    reference; the cap (5) is below the scores' spread here, so an uncapped kernel fails this."""
+    dtype = torch.float32
+    softcap = 5.0
+    with kernel_mode():
+        case = ragged_case(8, 2, 64, 16, [37, 5, 1, 60], [0, 90, 20, 3], dtype)
+        case.q.mul_(4.0)  # scores well past the cap
+        got = run_ragged(case, window, softcap)
+        decode = decode_case(8, 2, 64, 16, [1, 17, 64, 150], dtype)
+        decode.q.mul_(4.0)
+        got_decode = [run_decode(decode, splits, window, softcap) for splits in (1, 4)]
+    tol = tolerance(dtype)
+    want = case.reference(window, softcap).cpu()
+    assert not torch.allclose(case.reference(window).cpu(), want, atol=1e-2)  # the cap matters here
+    torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)
+    for out in got_decode:
+        torch.testing.assert_close(out.float().cpu(), decode.reference(window, softcap).cpu(), atol=tol, rtol=tol)

@@ -73,11 +73,13 @@ def cpu_paged_decode(
     page_size: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Store this step's k/v, then attend over each request's pages in place (a sliding window:
-    the torch path, which the native kernel does not cover)."""
-    if window > 0 or not native_decode_supported(q, k_cache, v_cache, page_table, seq_lens):
-        return paged_decode_attention(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale, window)
+    """Store this step's k/v, then attend over each request's pages in place (a sliding window or
+    soft-capped scores: the torch path, which the native kernel does not cover)."""
+    if window > 0 or softcap or not native_decode_supported(q, k_cache, v_cache, page_table, seq_lens):
+        return paged_decode_attention(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale,
+                                      window, softcap)
     k_cache.index_copy_(0, slot_indices, k)
     v_cache.index_copy_(0, slot_indices, v)
     q = q.contiguous()
@@ -116,7 +118,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         return torch.ops.engine.cpu_paged_decode(
-            q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale, window
+            q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale, window,
+            softcap,
         )

@@ -30,11 +30,13 @@ def triton_paged_decode(
     page_size: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Store this step's k/v, then the Triton kernel; one opaque op so torch.compile leaves both alone."""
     k_cache.index_copy_(0, slot_indices, k)
     v_cache.index_copy_(0, slot_indices, v)
-    return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window=window)
+    return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window=window,
+                                         softcap=softcap)
 
 
 define_decode_attention_op("triton_paged_decode", triton_paged_decode)
@@ -45,6 +47,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     supports_sliding_window = True
+    supports_softcap = True  # tested in Triton's interpreter only (never on a GPU yet)
 
     def forward(
         self,
@@ -56,12 +59,14 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """window: a sliding window (each query sees its last `window` positions); 0 for none."""
+        """window: a sliding window (each query sees its last `window` positions); 0 for none.
+        softcap: Gemma 2's soft-capped scores; 0 for none."""
         if meta.is_decode:
             return torch.ops.engine.triton_paged_decode(
                 q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale,
-                window,
+                window, softcap,
             )
         k_cache.index_copy_(0, meta.slot_indices, k)  # the whole ragged batch's k/v in one launch
         v_cache.index_copy_(0, meta.slot_indices, v)
@@ -69,16 +74,17 @@ class TritonAttentionBackend:
         decodes = meta.num_decodes
         if decodes == 0:
             return ragged_paged_attention(
-                q, k_cache, v_cache, meta.query_starts, meta.seq_lens, meta.page_table, meta.page_size, scale, window
+                q, k_cache, v_cache, meta.query_starts, meta.seq_lens, meta.page_table, meta.page_size, scale, window,
+                softcap,
             )
         out = torch.empty_like(q)
         out[:decodes] = paged_decode_attention_triton(
             q[:decodes], k_cache, v_cache, meta.page_table[:decodes], meta.seq_lens[:decodes], meta.page_size, scale,
-            window=window,
+            window=window, softcap=softcap,
         )
         if q.shape[0] > decodes:
             out[decodes:] = ragged_paged_attention(
                 q[decodes:], k_cache, v_cache, meta.query_starts[decodes:] - decodes, meta.seq_lens[decodes:],
-                meta.page_table[decodes:], meta.page_size, scale, window,
+                meta.page_table[decodes:], meta.page_size, scale, window, softcap,
             )
         return out

@@ -58,11 +58,13 @@ def paged_decode_attention_triton(
     scale: float,
     splits: int | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [B, H, D], caches [slots, KVH, D], page_table [B, pages], seq_lens [B] -> [B, H, D].
 
     splits: context ranges per (request, kv head); default decode_splits() for this batch.
-    window: a sliding window (the last `window` positions only); 0 for none."""
+    window: a sliding window (the last `window` positions only); 0 for none.
+    softcap: scores soft-capped to softcap * tanh(score / softcap) (Gemma 2); 0 for none."""
     import triton
 
     decode_kernel, combine_kernel = load_kernel(KERNELS, "paged_decode_kernel"), load_kernel(KERNELS, "combine_splits_kernel")
@@ -82,6 +84,7 @@ def paged_decode_attention_triton(
         q, k_cache, v_cache, page_table, seq_lens, partial, lse,
         scale,
         window,
+        softcap,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
@@ -96,6 +99,7 @@ def paged_decode_attention_triton(
         BLOCK_N=64 if head_dim <= 128 else 32,
         SPLITS=splits,
         IEEE_FP32=q.dtype == torch.float32 and not interpreted(),
+        SOFTCAPPED=softcap > 0,
         num_warps=4,
     )
     if splits > 1:

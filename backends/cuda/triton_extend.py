@@ -56,8 +56,10 @@ def ragged_paged_attention(
     page_size: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """window: a sliding window (each query sees its last `window` positions); 0 for none.
+    softcap: scores soft-capped to softcap * tanh(score / softcap) (Gemma 2); 0 for none.
 
     q [tokens, H, D] (request i's tokens at query_start_loc[i]:[i+1]), caches [slots, KVH, D] with
     this step's k/v already stored, seq_lens [B] context lengths including the new tokens, page_table
@@ -81,6 +83,7 @@ def ragged_paged_attention(
         num_requests,
         scale * 1.4426950408889634,  # log2(e): the kernel's softmax runs in exp2
         window,
+        softcap,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
@@ -95,6 +98,7 @@ def ragged_paged_attention(
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         WINDOWED=window > 0,
         IEEE_FP32=q.dtype == torch.float32 and not interpreted(),
+        SOFTCAPPED=softcap > 0,
         num_warps=8 if block_q * group_pad >= 128 else 4,
         num_stages=2,
     )

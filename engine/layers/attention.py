@@ -66,12 +66,16 @@ class AttentionBackend(Protocol):
 class Attention(nn.Module):
     """Stores this step's k/v at the batch's slots and attends over the page table."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
+                 scale: float | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        # Scores soft-capped to softcap * tanh(score / softcap) (Gemma 2); only backends that declare
+        # supports_softcap run such a model (the engine refuses it elsewhere).
+        self.softcap = float(softcap or 0.0)
         # Each query sees its last `sliding_window` positions (None: all of them). Only backends that
         # declare supports_sliding_window get a window; for the others the engine keeps the context
         # within the window instead.
@@ -90,7 +94,17 @@ class Attention(nn.Module):
         assert self.backend is not None, "attention backend not set; load the model through engine.loader"
         window = self.sliding_window or 0
         if meta.opaque_extend:
-            return torch.ops.engine.extend_attention(q, k, v, kv_cache[0], kv_cache[1], self.scale, window)
-        if window:
-            return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=window)
-        return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            return torch.ops.engine.extend_attention(q, k, v, kv_cache[0], kv_cache[1], self.scale, window, self.softcap)
+        return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                                    **attention_extras(window, self.softcap))
+
+
+def attention_extras(window: int, softcap: float) -> dict[str, Any]:
+    """The optional backend arguments a layer uses: a backend without sliding windows or soft-capping
+    is never called with them (the engine keeps such models off it)."""
+    extras: dict[str, Any] = {}
+    if window:
+        extras["window"] = window
+    if softcap:
+        extras["softcap"] = softcap
+    return extras

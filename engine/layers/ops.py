@@ -18,13 +18,14 @@ _LIBRARY = torch.library.Library("engine", "FRAGMENT")
 # Every backend's decode-attention op stores this step's k/v at slot_indices (mutating the
 # caches) and attends over the page table: one schema, so backends stay interchangeable.
 # window: a sliding window (each query sees its last `window` positions); 0 for none.
+# softcap: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); 0 for none.
 DECODE_ATTENTION_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_indices, "
-    "Tensor page_table, Tensor seq_lens, int page_size, float scale, int window=0) -> Tensor"
+    "Tensor page_table, Tensor seq_lens, int page_size, float scale, int window=0, float softcap=0.0) -> Tensor"
 )
 
 
-def _decode_attention_fake(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale, window=0):  # noqa: ANN001, ANN202
+def _decode_attention_fake(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale, window=0, softcap=0.0):  # noqa: ANN001, ANN202
     return torch.empty_like(q)
 
 

@@ -114,9 +114,10 @@ def paged_decode_attention(
     page_size: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per request: store its k/v, attend over its pages (its last `window` positions
-    with a sliding window > 0). q [B, H, D] -> [B, H, D]."""
+    with a sliding window > 0; scores soft-capped with softcap > 0). q [B, H, D] -> [B, H, D]."""
     k_cache.index_copy_(0, slot_indices, k)
     v_cache.index_copy_(0, slot_indices, v)
     plan = getattr(_plans, "current", None)
@@ -132,15 +133,32 @@ def paged_decode_attention(
         values = v_cache.index_select(0, plan.context_slots).view(shape).transpose(1, 2)
     mask = plan.mask_for(window, q.dtype)
     mask = mask if mask is None or mask.dtype == q.dtype else mask.to(q.dtype)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [B, H, 1, D]
-        keys,
-        values,
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != keys.shape[1],
-    )
+    out = attention_over(q.unsqueeze(2), keys, values, mask, scale, softcap)  # q [B, H, 1, D]
     return out.squeeze(2)
+
+
+def attention_over(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    softcap: float = 0.0, causal: bool = False,
+) -> torch.Tensor:
+    """softmax(q k^T * scale [+ mask]) v over [..., heads, n, D] queries and [..., kv_heads, L, D] keys
+    (GQA); mask additive or boolean (True: visible). SDPA, unless scores are soft-capped (Gemma 2:
+    softcap * tanh(score / softcap), which SDPA cannot do): then in explicit float32 math."""
+    gqa = query.shape[-3] != keys.shape[-3]
+    if not softcap:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        group = query.shape[-3] // keys.shape[-3]
+        keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        n, length = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(n, length, dtype=torch.bool, device=scores.device).tril(length - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    return torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(query.dtype)
 
 
 define_decode_attention_op("paged_decode_attention", paged_decode_attention)
@@ -153,9 +171,10 @@ def extend_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Ragged prefill (with or without a cached prefix), one SDPA per request; each query sees its
-    last `window` positions with a sliding window > 0."""
+    last `window` positions with a sliding window > 0; scores soft-capped with softcap > 0."""
     assert meta.query_start_loc is not None and meta.seq_lens_cpu is not None
     out = torch.empty_like(q)
     page_size = meta.page_size
@@ -170,18 +189,14 @@ def extend_attention(
         prefix = seq_len - num_new
         windowed = 0 < window < seq_len
         if prefix == 0 and not windowed:
-            attn = F.scaled_dot_product_attention(
-                query, keys, values, is_causal=True, scale=scale, enable_gqa=query.shape[0] != keys.shape[0]
-            )
+            attn = attention_over(query, keys, values, None, scale, softcap, causal=True)
         else:
             rows = torch.arange(num_new, device=q.device).unsqueeze(1) + prefix
             keys_at = torch.arange(seq_len, device=q.device).unsqueeze(0)
             mask = keys_at <= rows
             if windowed:
                 mask &= keys_at > rows - window
-            attn = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=query.shape[0] != keys.shape[0]
-            )
+            attn = attention_over(query, keys, values, mask, scale, softcap)
         out[start:end] = attn.transpose(0, 1)
     return out
 
@@ -191,6 +206,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype  # of the KV cache (what q is cast to), for the additive mask
@@ -209,6 +225,7 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         out_dtype = q.dtype
         if k_cache.dtype != q.dtype:
@@ -216,11 +233,11 @@ class TorchAttentionBackend:
             # where this CPU's SDPA is ~6x faster than in bfloat16 at batch 16, and more accurate.
             q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
         if meta.is_decode:
-            out = self.decode(q, k, v, k_cache, v_cache, meta, scale, window)
+            out = self.decode(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         else:
             k_cache.index_copy_(0, meta.slot_indices, k)
             v_cache.index_copy_(0, meta.slot_indices, v)
-            out = extend_attention(q, k_cache, v_cache, meta, scale, window)
+            out = extend_attention(q, k_cache, v_cache, meta, scale, window, softcap)
         return out.to(out_dtype)
 
     def decode(
@@ -233,8 +250,10 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """One query token per request, q already in the cache's dtype; subclasses swap the op."""
         return torch.ops.engine.paged_decode_attention(
-            q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale, window
+            q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale, window,
+            softcap,
         )

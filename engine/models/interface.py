@@ -37,7 +37,8 @@ class CausalLM(Protocol):
 
     def set_attention_backend(self, backend: object) -> None: ...
 
-    def set_sliding_window(self, window: int | None) -> None: ...
+    def set_layer_windows(self, windows: Sequence[int | None]) -> None:
+        """Each decoder layer's sliding window (None: full attention)."""
 
     def after_materialize(self) -> None:
         """After `to_empty` off the meta device: re-tie shared weights, rebuild computed tables (rotary)."""

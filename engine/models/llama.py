@@ -26,7 +26,12 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    """q/k/v (one fused matmul), optional per-head q/k norms, rotary, paged attention, o_proj.
+    scale (default head_dim ** -0.5) and softcap: Gemma 2's query_pre_attn_scalar and logit cap;
+    norm_class: the q/k norms' class (Gemma's norms scale by 1 + weight)."""
+
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, scale: float | None = None,
+                 softcap: float | None = None, norm_class: type[nn.Module] = RMSNorm, qk_norm: bool | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -36,12 +41,12 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias,
                                parts=[("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)])
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.qk_norm = config.qk_norm
-        if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm if qk_norm is None else qk_norm
+        if self.qk_norm:
+            self.q_norm = norm_class(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm_class(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=scale, softcap=softcap)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -58,11 +63,25 @@ class DecoderAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# HF activation names -> functions (transformers' ACT2FN names).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu_pytorch_tanh": gelu_tanh, "gelu_tanh": gelu_tanh,
+}
+
+
 class GatedMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """down(act(gate(x)) * up(x)), gate and up in one fused matmul; act the config's (SiLU unless given)."""
+
+    def __init__(self, config: ModelConfig, activation: str | None = None) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ModelLoadError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+        name = activation or config.hidden_act
+        if name not in ACTIVATIONS:
+            raise ModelLoadError(f"unsupported hidden activation {name!r} (supported: {', '.join(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[name]
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False,
                                    parts=[("gate", config.intermediate_size), ("up", config.intermediate_size)])
@@ -70,7 +89,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -164,11 +183,13 @@ class LlamaForCausalLM(nn.Module):
         """Final norm + LM head, in float32 for sampling."""
         return self.lm_head(self.model.norm(hidden)).float()
 
-    def set_sliding_window(self, window: int | None) -> None:
-        """Every attention layer sees each query's last `window` positions (Mistral's sliding window)."""
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.sliding_window = window
+    def set_layer_windows(self, windows: Sequence[int | None]) -> None:
+        """Layer i's attention sees each query's last windows[i] positions (None: all of them): every
+        layer for Mistral, alternate layers for Gemma 2, the upper layers for Qwen2's max_window_layers."""
+        for layer, window in zip(self.decoder_layers(), windows):
+            for module in layer.modules():
+                if isinstance(module, Attention):
+                    module.sliding_window = window
 
     def set_attention_backend(self, backend: object) -> None:
         """Every Attention layer runs through this platform's backend."""
@@ -182,12 +203,9 @@ class LlamaForCausalLM(nn.Module):
         (materialising made each its own parameter) and rebuild tables that are computed, not loaded."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        rotary = self.model.rotary
-        fresh = RotaryEmbedding(
-            self.config.head_dim, self.config.max_position_embeddings, self.config.rope_parameters, self.config.hf_config
-        )
-        rotary.cos_cache = fresh.cos_cache.to(rotary.cos_cache.device)
-        rotary.sin_cache = fresh.sin_cache.to(rotary.sin_cache.device)
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.rebuild()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Every HF-named tensor through its parameter's weight loader; every parameter must be filled."""

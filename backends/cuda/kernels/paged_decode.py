@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from backends.cuda.kernels.softcap import softcap_scores
+
 
 # Integers that change from step to step are not specialised on (Triton would compile a variant per
 # value class: 1, a multiple of 16, other). Cold, each variant is seconds of JIT in the middle of
@@ -12,6 +14,7 @@ def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     scale,
     window,
+    softcap,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -26,6 +29,7 @@ def paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    SOFTCAPPED: tl.constexpr = False,
 ):
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -63,7 +67,10 @@ def paged_decode_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(valid[None, :], qk * scale, float("-inf"))
+        qk = qk * scale
+        if SOFTCAPPED:
+            qk = softcap_scores(qk, softcap)
+        qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])

@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from backends.cuda.kernels.softcap import softcap_scores
+
 
 @triton.jit
 def _find_request(query_start_ptr, num_requests, block, BLOCK_Q: tl.constexpr):
@@ -21,10 +23,11 @@ def _find_request(query_start_ptr, num_requests, block, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, qk_scale, start, end, row_pos, window,
+    acc, m_i, l_i, q, qk_scale, start, end, row_pos, window, softcap,
     k_ptr, v_ptr, table_row_ptr, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
     offs_n, offs_d, d_mask,
     PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, IEEE_FP32: tl.constexpr,
+    SOFTCAPPED: tl.constexpr,
 ):
     tokens = start + offs_n
     valid = tokens < end
@@ -41,7 +44,10 @@ def _attend_tile(
         visible = visible & (tokens[None, :] <= row_pos[:, None])
     if WINDOWED:
         visible = visible & (tokens[None, :] > row_pos[:, None] - window)
-    qk = tl.where(visible, qk * qk_scale, float("-inf"))  # qk_scale includes log2(e): softmax in exp2
+    qk = qk * qk_scale  # qk_scale includes log2(e): softmax in exp2
+    if SOFTCAPPED:  # the cap applies to the natural-log score: out of exp2's domain and back
+        qk = softcap_scores(qk * 0.6931471805599453, softcap) * 1.4426950408889634
+    qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     # A row that has seen no key yet (a sliding window's first tiles) keeps m = -inf: exponentiate
     # against 0 then, so its empty tile adds 0 rather than NaN.
@@ -67,6 +73,7 @@ def ragged_paged_attention_kernel(
     num_requests,
     qk_scale,
     window,
+    softcap,
     stride_qt, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -81,6 +88,7 @@ def ragged_paged_attention_kernel(
     DIM_PAD: tl.constexpr,
     WINDOWED: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    SOFTCAPPED: tl.constexpr = False,
 ):
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -117,23 +125,23 @@ def ragged_paged_attention_kernel(
         lowest = tl.maximum(prefix + first - window + 1, 0) // BLOCK_N * BLOCK_N
         for start in range(lowest, last, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, qk_scale, start, last, row_pos, window,
+                acc, m_i, l_i, q, qk_scale, start, last, row_pos, window, softcap,
                 k_ptr, v_ptr, table_row_ptr, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-                offs_n, offs_d, d_mask, PAGE_SIZE, True, True, IEEE_FP32,
+                offs_n, offs_d, d_mask, PAGE_SIZE, True, True, IEEE_FP32, SOFTCAPPED,
             )
     else:
         unmasked_end = (prefix + first) // BLOCK_N * BLOCK_N  # every row sees all of [0, unmasked_end)
         for start in range(0, unmasked_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, qk_scale, start, unmasked_end, row_pos, window,
+                acc, m_i, l_i, q, qk_scale, start, unmasked_end, row_pos, window, softcap,
                 k_ptr, v_ptr, table_row_ptr, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-                offs_n, offs_d, d_mask, PAGE_SIZE, False, False, IEEE_FP32,
+                offs_n, offs_d, d_mask, PAGE_SIZE, False, False, IEEE_FP32, SOFTCAPPED,
             )
         for start in range(unmasked_end, last, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, qk_scale, start, last, row_pos, window,
+                acc, m_i, l_i, q, qk_scale, start, last, row_pos, window, softcap,
                 k_ptr, v_ptr, table_row_ptr, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-                offs_n, offs_d, d_mask, PAGE_SIZE, True, False, IEEE_FP32,
+                offs_n, offs_d, d_mask, PAGE_SIZE, True, False, IEEE_FP32, SOFTCAPPED,
             )
     out = acc / l_i[:, None]
     tl.store(
