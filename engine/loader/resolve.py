@@ -123,8 +123,12 @@ def _gguf_cache_dir(path: str) -> str:
     return os.path.join(root, "gguf", key)
 
 
-def gguf_config_and_tokenizer(path: str) -> tuple[Any, str]:
-    """Config and tokenizer that transformers reads from the GGUF metadata, cached on disk.
+_NO_TOKENIZER = "no_tokenizer"  # cache marker: the GGUF carries no vocabulary
+
+
+def gguf_config_and_tokenizer(path: str) -> tuple[Any, str | None]:
+    """Config and tokenizer that transformers reads from the GGUF metadata, cached on disk; the
+    tokenizer folder is None for a GGUF without a vocabulary (prompts must then be token ids).
 
     transformers rebuilds the tokenizer from the GGUF vocab in ~5 s; saving it once
     makes later starts read a tokenizer.json instead.
@@ -132,15 +136,61 @@ def gguf_config_and_tokenizer(path: str) -> tuple[Any, str]:
     from transformers import AutoConfig, AutoTokenizer
 
     cache = _gguf_cache_dir(path)
-    if os.path.isfile(os.path.join(cache, "config.json")) and os.path.isfile(os.path.join(cache, "tokenizer.json")):
-        return AutoConfig.from_pretrained(cache), cache
+    if os.path.isfile(os.path.join(cache, "config.json")):
+        if os.path.isfile(os.path.join(cache, "tokenizer.json")):
+            return AutoConfig.from_pretrained(cache), cache
+        if os.path.isfile(os.path.join(cache, _NO_TOKENIZER)):
+            return AutoConfig.from_pretrained(cache), None
     folder, name = os.path.split(os.path.abspath(path))
     try:
+        fields = _gguf_fields(path)
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        _complete_gguf_config(config, fields)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name) if "tokenizer.ggml.model" in fields else None
     except Exception as exc:  # gguf/transformers raise many types for a bad file
         raise ModelLoadError(f"{path}: cannot read GGUF metadata ({type(exc).__name__}: {_one_line(exc)})") from exc
     os.makedirs(cache, exist_ok=True)
     config.save_pretrained(cache)
+    if tokenizer is None:
+        open(os.path.join(cache, _NO_TOKENIZER), "w").close()
+        return config, None
     tokenizer.save_pretrained(cache)
     return config, cache
+
+
+def _gguf_fields(path: str) -> dict[str, Any]:
+    """The GGUF's metadata, key -> value (token lists and other arrays left out: only scalars)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    values = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.model":
+            values[key] = None  # present; the vocabulary itself is read by transformers
+            continue
+        try:
+            values[key] = field.contents()
+        except Exception:  # noqa: BLE001  (an array type gguf cannot render: its presence is enough)
+            values[key] = None
+    return values
+
+
+def _complete_gguf_config(config: Any, fields: dict[str, Any]) -> None:
+    """What transformers' GGUF reader leaves at the class defaults although llama.cpp stores it.
+
+    Any family: the head dimension (`attention.key_length`, which Qwen3 sets apart from hidden / heads).
+    Gemma 2: the two soft-caps, and the query scale: llama.cpp scales by key_length ** -0.5 except
+    on the 46-layer 27B (hidden / heads), where the HF config's query_pre_attn_scalar is 144.
+    """
+    arch = fields.get("general.architecture")
+    key_length = fields.get(f"{arch}.attention.key_length")
+    # llama.cpp's rule: key_length when stored, else hidden / heads (transformers would keep its class
+    # default instead: 128 for Qwen3).
+    config.head_dim = int(key_length) if key_length else config.hidden_size // config.num_attention_heads
+    if getattr(config, "model_type", None) != "gemma2":
+        return
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if f"gemma2.{key}" in fields:
+            setattr(config, key, float(fields[f"gemma2.{key}"]))
+    head_dim = config.head_dim
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if config.num_hidden_layers == 46 else head_dim

@@ -65,19 +65,33 @@ _GGUF_NAMES = {
     "ffn_up": "model.layers.{i}.mlp.up_proj",
     "ffn_down": "model.layers.{i}.mlp.down_proj",
 }
+# Gemma 2/3: four norms a layer. llama.cpp's ffn_norm is the norm before the MLP, which Llama calls
+# post_attention_layernorm but Gemma calls pre_feedforward_layernorm (its post_attention_layernorm
+# follows attention).
+_GEMMA_GGUF_NAMES = {
+    **_GGUF_NAMES,
+    "post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+    "ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
+    "post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
+}
+_NAMES_BY_ARCH = {"gemma2": _GEMMA_GGUF_NAMES, "gemma3": _GEMMA_GGUF_NAMES}
+# Tensors a GGUF may carry that the model computes itself (llama3 GGUFs store the rope frequencies).
+_COMPUTED = {"rope_freqs.weight"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 _GLOBAL = re.compile(r"^(.+)\.(weight|bias)$")
 
 
-def gguf_name_to_hf(name: str) -> str | None:
+def gguf_name_to_hf(name: str, arch: str = "llama") -> str | None:
+    """The HF name of a llama.cpp tensor name for this GGUF architecture; None if it has none."""
+    names = _NAMES_BY_ARCH.get(arch, _GGUF_NAMES)
     match = _BLOCK.match(name)
     if match:
         layer, base, suffix = match.groups()
-        target = _GGUF_NAMES.get(base)
+        target = names.get(base)
         return None if target is None else f"{target.format(i=layer)}.{suffix}"
     match = _GLOBAL.match(name)
-    if match and match.group(1) in _GGUF_NAMES:
-        return f"{_GGUF_NAMES[match.group(1)]}.{match.group(2)}"
+    if match and match.group(1) in names:
+        return f"{names[match.group(1)]}.{match.group(2)}"
     return None
 
 
@@ -102,9 +116,11 @@ def gguf_weights(path: str, hf_config: Any) -> WeightIter:
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=None):
-        hf_name = gguf_name_to_hf(tensor.name)
-        if hf_name is None:
+        if tensor.name in _COMPUTED:
             continue
+        hf_name = gguf_name_to_hf(tensor.name, arch)
+        if hf_name is None:
+            raise ModelLoadError(f"{path}: GGUF tensor {tensor.name!r} has no counterpart in the {arch or 'unknown'} architecture")
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except Exception as exc:
@@ -113,4 +129,6 @@ def gguf_weights(path: str, hf_config: Any) -> WeightIter:
             array = unpermute_rope_rows(array, heads)
         elif permuted and hf_name.endswith("k_proj.weight"):
             array = unpermute_rope_rows(array, kv_heads)
+        if arch in _NAMES_BY_ARCH and hf_name.endswith("norm.weight"):
+            array = array - 1.0  # llama.cpp stores Gemma's norms as 1 + weight
         yield hf_name, torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
