@@ -76,7 +76,8 @@ class ModelConfig:
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama-family configs say so with attention_bias.
-            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+            or bool(getattr(hf_config, "qkv_bias", False)),  # Qwen2-MoE's name for it
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             hidden_act=getattr(hf_config, "hidden_act", "silu"),
             rope_parameters=_rope_parameters(hf_config),

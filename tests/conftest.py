@@ -218,6 +218,27 @@ TINY_SPECS: dict[str, dict[str, Any]] = {
         shard=None,
         seed=20,
     ),
+    # Qwen2-MoE: q/k/v bias, a shared expert behind a sigmoid gate, top-k not renormalised, layer 1 dense.
+    "qwen2_moe": dict(
+        config_cls="Qwen2MoeConfig",
+        kwargs=dict(
+            vocab_size=368,
+            num_hidden_layers=3,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            qkv_bias=True,
+            use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        shard=None,
+        seed=21,
+    ),
     # Mistral: the Llama block under another model_type; no sliding window in effect.
     "mistral": dict(
         config_cls="MistralConfig",

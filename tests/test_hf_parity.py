@@ -107,7 +107,7 @@ def test_smollm2_matches_hf_with_every_cpu_fast_path_off(
 # Tiny random checkpoints, token-id prompts
 # ---------------------------------------------------------------------------------------------
 
-TINY_NAMES = ["llama", "llama_plain", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3"]
+TINY_NAMES = ["llama", "llama_plain", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3"]
 TINY_PROMPT_LENGTHS = [1, 7, 16, 37]  # one token, under a page, exactly a page, several pages
 TINY_ARRIVALS = [0, 2, 2, 5]
 TINY_CASES = [(name, mode, page) for name in TINY_NAMES for mode, page in MODES] + [

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ModelLoadError
+from engine.layers.mlp import GatedMLP
 from engine.layers.ops import define_op
 from engine.loader.param_loading import copy_checked, fill_keys, set_weight_loader
 
@@ -121,13 +122,20 @@ TORCH_EXPERTS = TorchExpertsMethod()
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+    """Routed experts, plus (Qwen2-MoE) a shared expert every token takes, scaled by a sigmoid gate."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
+                 shared_intermediate_size: int = 0) -> None:
         super().__init__()
         self.method: MoEMethod = TORCH_EXPERTS
         self.top_k = top_k
         self.renormalize = renormalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
         self.experts = ExpertWeights(num_experts, hidden_size, intermediate_size)
+        self.shared_expert: GatedMLP | None = None
+        if shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k], their weights [T, k] in the hidden dtype)."""
@@ -139,4 +147,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         expert_ids, weights = self.route(hidden)
-        return self.method.apply(self, hidden, expert_ids, weights)
+        out = self.method.apply(self, hidden, expert_ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return out

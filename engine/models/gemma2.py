@@ -26,7 +26,8 @@ from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
-from engine.models.llama import DecoderAttention, GatedMLP, KVCache, LlamaForCausalLM
+from engine.layers.mlp import GatedMLP
+from engine.models.llama import DecoderAttention, KVCache, LlamaForCausalLM
 from engine.models.registry import register_model
 
 
@@ -70,7 +71,7 @@ class GemmaDecoderLayer(nn.Module):
                                           softcap=family.attn_logit_softcapping, norm_class=GemmaRMSNorm, qk_norm=qk_norm)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.mlp = GatedMLP(config, activation=family.hidden_activation)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, family.hidden_activation)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
     def forward(

@@ -10,12 +10,11 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.errors import ModelLoadError
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.linear import Linear
+from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.loader.param_loading import load_checkpoint
@@ -61,35 +60,6 @@ class DecoderAttention(nn.Module):
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k.contiguous(), v.contiguous(), kv_cache, meta)
         return self.o_proj(out.reshape(tokens, self.q_size))
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-# HF activation names -> functions (transformers' ACT2FN names).
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu, "gelu_pytorch_tanh": gelu_tanh, "gelu_tanh": gelu_tanh,
-}
-
-
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up in one fused matmul; act the config's (SiLU unless given)."""
-
-    def __init__(self, config: ModelConfig, activation: str | None = None) -> None:
-        super().__init__()
-        name = activation or config.hidden_act
-        if name not in ACTIVATIONS:
-            raise ModelLoadError(f"unsupported hidden activation {name!r} (supported: {', '.join(ACTIVATIONS)})")
-        self.act = ACTIVATIONS[name]
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False,
-                                   parts=[("gate", config.intermediate_size), ("up", config.intermediate_size)])
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -151,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def build_mlp(self, layer_index: int) -> nn.Module:
-        return GatedMLP(self.config)
+        return GatedMLP(self.config.hidden_size, self.config.intermediate_size, self.config.hidden_act)
 
     @classmethod
     def family_config(cls, hf_config: Any) -> Any:

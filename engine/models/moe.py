@@ -1,4 +1,5 @@
-"""Mixtral and Qwen3-MoE: the Llama block (Qwen3-MoE with q/k norms) with a sparse MoE MLP.
+"""Mixtral, Qwen2-MoE and Qwen3-MoE: the Llama block (Qwen2-MoE with q/k/v bias, Qwen3-MoE with q/k
+norms) with a sparse MoE MLP; Qwen2-MoE's adds a shared expert behind a sigmoid gate.
 
 Their hyper-parameters are the family's own (`MoEConfig`, at
 ModelConfig.family_config). Checkpoints store each expert's projections
@@ -19,9 +20,9 @@ from typing import Any
 
 from torch import nn
 
-from engine.errors import UnsupportedArchitectureError
 from engine.layers.moe import SparseMoE
-from engine.models.llama import GatedMLP, LlamaForCausalLM
+from engine.layers.mlp import GatedMLP
+from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import register_model
 
 # (layer, expert, projection) of a per-expert checkpoint tensor.
@@ -40,6 +41,7 @@ class MoEConfig:
     moe_intermediate_size: int  # each expert's
     norm_topk_prob: bool  # the top-k weights renormalised to sum to one
     moe_layers: tuple[bool, ...]  # which layers are MoE (Qwen3-MoE: decoder_sparse_step / mlp_only_layers)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "MoEConfig":
@@ -47,17 +49,17 @@ class MoEConfig:
         if hf_config.model_type == "mixtral":
             return cls(hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size,
                        True, (True,) * layers)
-        if getattr(hf_config, "shared_expert_intermediate_size", None):
-            raise UnsupportedArchitectureError("MoE with shared experts is not supported yet")
         step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
         dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
         experts = int(hf_config.num_experts)
         moe = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
         return cls(experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
-                   bool(getattr(hf_config, "norm_topk_prob", False)), moe)
+                   bool(getattr(hf_config, "norm_topk_prob", False)), moe,
+                   int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0))
 
 
-@register_model("mixtral", "qwen3_moe", architectures=("MixtralForCausalLM", "Qwen3MoeForCausalLM"))
+@register_model("mixtral", "qwen2_moe", "qwen3_moe",
+                architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"))
 class MoEForCausalLM(LlamaForCausalLM):
     @classmethod
     def family_config(cls, hf_config: Any) -> MoEConfig:
@@ -66,9 +68,9 @@ class MoEForCausalLM(LlamaForCausalLM):
     def build_mlp(self, layer_index: int) -> nn.Module:
         moe: MoEConfig = self.config.family_config
         if not moe.moe_layers[layer_index]:
-            return GatedMLP(self.config)
+            return GatedMLP(self.config.hidden_size, self.config.intermediate_size, self.config.hidden_act)
         return SparseMoE(self.config.hidden_size, moe.moe_intermediate_size, moe.num_experts,
-                         moe.num_experts_per_tok, moe.norm_topk_prob)
+                         moe.num_experts_per_tok, moe.norm_topk_prob, moe.shared_expert_intermediate_size)
 
     def supports_device_graphs(self, platform: str) -> bool:
         # The torch experts op looks at which experts were hit (engine/layers/moe.py): CPU compiled
