@@ -7,8 +7,6 @@ layers with theirs (1M, with linear scaling on the 4B+ models), five sliding lay
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from engine.errors import UnsupportedArchitectureError
@@ -39,8 +37,4 @@ class Gemma3Model(nn.Module):
 
 @register_model("gemma3_text", architectures=("Gemma3ForCausalLM",))
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    model_class = Gemma3Model
-
-    @classmethod
-    def family_config(cls, hf_config: Any) -> GemmaConfig:
-        return GemmaConfig.from_hf(hf_config)
+    model_class = Gemma3Model  # family_config, embed, compute_logits: Gemma 2's
