@@ -87,6 +87,11 @@ class Platform(abc.ABC):
         k_cache.index_copy_(0, slot_indices, k)
         v_cache.index_copy_(0, slot_indices, v)
 
+    def dtype_for_checkpoint(self, source_kind: str, quantization: str) -> str | None:
+        """The model dtype this platform wants for this kind of checkpoint when the user asked for
+        "auto" (None: the platform's general default stands)."""
+        return None
+
     def prepare_model(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
         """Device-specific weight preparation after loading (CPU: oneDNN-packed linears)."""
 

@@ -21,6 +21,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICE_NAMES)}")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    group.add_argument(
+        "--quantization", default="auto", choices=["auto", "gguf", "none"],
+        help="GGUF weights: kept in their blocks on the CPU (auto, gguf) or dequantized at load (none); docs/quantization.md",
+    )
     group.add_argument("--page-size", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=None)
     group.add_argument("--max-model-len", type=int, default=None)
@@ -79,6 +83,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object):  # n
         device=args.device,
         dtype=args.dtype,
         load_format=args.load_format,
+        quantization=args.quantization,
         page_size=args.page_size,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,

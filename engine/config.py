@@ -15,6 +15,9 @@ from graphs.buckets import cap_sizes, parse_sizes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+
+QUANTIZATIONS = ("auto", "gguf", "none")
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
@@ -22,6 +25,9 @@ class EngineConfig:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto: the model dtype (the CPU YAML asks for float32)
     load_format: str = "auto"
+    # How quantized checkpoint weights run: "auto" (GGUF blocks kept on the CPU where its kernels
+    # exist, dequantized elsewhere), "gguf" (kept, or an error), "none" (always dequantized).
+    quantization: str = "auto"
     page_size: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
@@ -80,6 +86,10 @@ class EngineConfig:
             raise EngineError(f"unknown dtype {resolved.dtype!r}; choose one of {', '.join(DTYPES)} or auto")
         if resolved.kv_cache_dtype == "auto":
             resolved.kv_cache_dtype = defaults.get("kv_cache_dtype") or resolved.dtype
+        if resolved.quantization not in QUANTIZATIONS:
+            raise EngineError(f"unknown quantization {resolved.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+        if resolved.quantization == "gguf" and platform.name != "cpu":
+            raise EngineError(f"--quantization gguf runs on the cpu only (its kernels); on {platform.name} use auto or none")
         if resolved.kv_cache_dtype not in DTYPES:
             raise EngineError(f"unknown kv_cache_dtype {resolved.kv_cache_dtype!r}; choose one of {', '.join(DTYPES)} or auto")
         for name in ("page_size", "max_num_seqs", "max_model_len", "max_prefill_tokens"):

@@ -52,6 +52,8 @@ class Engine:
         self.platform.set_seed(self.config.seed)
 
         source = resolve_model_source(self.config.model, self.config.load_format)
+        if config.dtype == "auto" and (preferred := self.platform.dtype_for_checkpoint(source.kind, self.config.quantization)):
+            self.config.dtype = preferred
         self.model, self.model_config = load_model(source, self.config.torch_dtype, self.device, self.config.load_format)
         self.tokenizer = load_tokenizer(source.tokenizer_dir)
         self.max_model_len = min(int(self.config.max_model_len), self.model_config.max_position_embeddings)
@@ -71,7 +73,8 @@ class Engine:
         self.model.set_attention_backend(backend)
         self._check_softcap(backend)
         self._apply_sliding_window(backend)
-        self.platform.prepare_model(self.model, {**self.config.device_config, **self.config.__dict__})
+        self.platform.prepare_model(self.model, {**self.config.device_config, **self.config.__dict__,
+                                                 "gguf_path": source.path if source.kind == "gguf" else None})
         self.kv_pool = self._allocate_kv_pool()
         self.kv_manager = KVCacheManager(self.kv_pool.allocator, self.kv_pool.page_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(

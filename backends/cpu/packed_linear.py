@@ -24,7 +24,7 @@ from torch import nn
 
 from backends.cpu.features import native_gemv_bf16_supported, onednn_linear_supported
 from backends.cpu.native import load
-from engine.layers.linear import Linear
+from engine.layers.linear import DENSE, Linear
 from engine.layers.ops import define_op
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def pack_linear_weights(model: nn.Module, batch_hint: int, quiet: bool = False) 
     added = 0
     refused: set[torch.dtype] = set()
     for module in model.modules():
-        if isinstance(module, Linear) and not hasattr(module.weight, _PACKED_ATTR):
+        if isinstance(module, Linear) and module.method is DENSE and not hasattr(module.weight, _PACKED_ATTR):
             if not onednn_packing_supported(module.weight.dtype):
                 refused.add(module.weight.dtype)
                 continue

@@ -95,6 +95,11 @@ def gguf_name_to_hf(name: str, arch: str = "llama") -> str | None:
     return None
 
 
+def gguf_arch(reader: Any) -> str:
+    """general.architecture of an open GGUFReader ("" where the file has none)."""
+    return str(reader.fields["general.architecture"].contents()) if "general.architecture" in reader.fields else ""
+
+
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (its converter interleaves each head's two rotary halves)."""
     rows = weight.shape[0]
@@ -110,7 +115,7 @@ def gguf_weights(path: str, hf_config: Any) -> WeightIter:
         reader = gguf.GGUFReader(path)
     except Exception as exc:  # numpy memmap / struct errors for a truncated or foreign file
         raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from exc
-    arch = str(reader.fields["general.architecture"].contents()) if "general.architecture" in reader.fields else ""
+    arch = gguf_arch(reader)
     # llama.cpp permutes Q/K rows only for the llama family; Qwen GGUFs are stored as in HF.
     permuted = arch in ("llama", "mistral")
     heads = hf_config.num_attention_heads

@@ -1,0 +1,119 @@
+"""GGUF weights kept in their blocks on the CPU (backends/cpu/gguf_linear.py, kernels/gguf_matmul.c).
+
+The kernels are held to the `gguf` package's own dequantization times a float64 matmul (relative
+error at float32 rounding), on SmolLM2's real Q4_1 and Q8_0 tensors and on random blocks, through
+the AVX2 path and the portable C path, the fused decode path (<= 16 rows) and the prefill path
+(dequantize + GEMM). The engine's greedy tokens through them are held to HF in test_hf_parity.py
+(SmolLM2 from its GGUF runs this path by default).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from backends.cpu import gguf_linear as gl
+from engine.engine import Engine
+from engine.errors import EngineError
+from tests.conftest import track
+
+pytestmark = pytest.mark.skipif(not gl.gguf_kernels_available(), reason="native CPU kernels unavailable (no gcc or switched off)")
+
+
+@functools.lru_cache(maxsize=None)
+def smol_tensor(path: str, name: str) -> tuple[torch.Tensor, torch.Tensor, gl.BlockFormat]:
+    """(blocks, float32 dequantized by the gguf package, format) of one tensor of the GGUF file."""
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+    blocks = torch.from_numpy(np.ascontiguousarray(np.asarray(tensor.data)))
+    dense = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+    return blocks, dense, gl.FORMATS[tensor.tensor_type.name]
+
+
+def random_blocks(fmt: gl.BlockFormat, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random blocks of `fmt` (scales and minimums as real fp16 values) and their float32 matrix."""
+    rng = np.random.default_rng(seed)
+    nb = cols // 32
+    if fmt.name == "Q8_0":
+        scales = rng.uniform(-0.02, 0.02, (rows, nb, 1)).astype(np.float16)
+        quants = rng.integers(-128, 128, (rows, nb, 32), dtype=np.int8)
+        raw = np.concatenate([scales.view(np.uint8), quants.view(np.uint8)], axis=-1)
+        dense = scales.astype(np.float32) * quants.astype(np.float32)
+    else:
+        scales = rng.uniform(0.001, 0.02, (rows, nb, 1)).astype(np.float16)
+        minimums = rng.uniform(-0.2, 0.0, (rows, nb, 1)).astype(np.float16)
+        nibbles = rng.integers(0, 16, (rows, nb, 32), dtype=np.uint8)
+        packed = (nibbles[..., :16] | (nibbles[..., 16:] << 4)).astype(np.uint8)
+        raw = np.concatenate([scales.view(np.uint8), minimums.view(np.uint8), packed], axis=-1)
+        dense = scales.astype(np.float32) * nibbles.astype(np.float32) + minimums.astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(raw.reshape(rows, -1))), torch.from_numpy(dense.reshape(rows, cols))
+
+
+def check_matmul(blocks: torch.Tensor, dense: torch.Tensor, fmt: gl.BlockFormat, rows: int, dtype: torch.dtype) -> None:
+    x = torch.randn(rows, dense.shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
+    got = gl.gguf_linear(x, blocks, fmt.code, dense.shape[0])
+    want = x.double() @ dense.double().T
+    assert got.dtype == dtype and got.shape == want.shape
+    error = float((got.double() - want).abs().max() / want.abs().max())
+    assert error < (2e-6 if dtype == torch.float32 else 1e-2), error
+
+
+@pytest.mark.parametrize("simd", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "blk.3.attn_k.weight", "token_embd.weight"])  # Q4_1, Q4_1, Q8_0
+def test_kernels_on_smollm2_tensors(smol_gguf_path: str, monkeypatch: pytest.MonkeyPatch, simd: bool, rows: int, name: str) -> None:
+    if simd and not gl.simd_path():
+        pytest.skip("this CPU or build has no AVX2 path")
+    monkeypatch.setattr(gl, "simd_path", lambda: simd)
+    blocks, dense, fmt = smol_tensor(smol_gguf_path, name)
+    torch.testing.assert_close(gl.dequantize_blocks(blocks, fmt.code, *dense.shape), dense, atol=0, rtol=0)
+    check_matmul(blocks, dense, fmt, rows, torch.float32)
+
+
+@pytest.mark.parametrize("simd", [True, False])
+@pytest.mark.parametrize("fmt_name", ["Q4_1", "Q8_0"])
+def test_kernels_on_random_blocks(monkeypatch: pytest.MonkeyPatch, simd: bool, fmt_name: str) -> None:
+    if simd and not gl.simd_path():
+        pytest.skip("this CPU or build has no AVX2 path")
+    monkeypatch.setattr(gl, "simd_path", lambda: simd)
+    fmt = gl.FORMATS[fmt_name]
+    blocks, dense = random_blocks(fmt, 37, 96, seed=len(fmt_name) + simd)
+    for rows in (1, 5, 16, 20):
+        check_matmul(blocks, dense, fmt, rows, torch.float32)
+        check_matmul(blocks, dense, fmt, rows, torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt_name", ["Q4_1", "Q8_0"])
+def test_quantized_embedding_gathers_the_dequantized_rows(fmt_name: str) -> None:
+    fmt = gl.FORMATS[fmt_name]
+    blocks, dense = random_blocks(fmt, 50, 64, seed=7)
+    embedding = gl.QuantizedEmbedding(blocks, fmt, 64, torch.float32)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 12]])
+    torch.testing.assert_close(embedding(ids), dense[ids], atol=0, rtol=0)
+
+
+def test_the_default_engine_keeps_smollm2_in_its_blocks(smol_gguf_path: str) -> None:
+    from engine.layers.linear import Linear
+
+    engine = track(Engine(device="cpu", disable_graphs=True, kv_cache_tokens=256))
+    assert engine.config.dtype == "float32"  # dtype auto with GGUF blocks: their kernels compute in float32
+    linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    assert {m.method.name for m in linears} == {"gguf_q4_1", "gguf_q8_0"}
+    assert engine.model.lm_head.gguf_blocks is engine.model.model.embed_tokens.gguf_blocks  # tied: one copy
+    resident = sum(t.nbytes for t in [*engine.model.parameters(), *engine.model.buffers()] if t.dtype in (torch.uint8,))
+    dense = sum(p.nbytes for p in engine.model.parameters())
+    assert resident + dense <= 1.3 * os.path.getsize(smol_gguf_path), (resident, dense)
+
+
+def test_quantization_none_dequantizes_and_gguf_needs_a_gguf(tiny_checkpoints: dict[str, str]) -> None:
+    from engine.layers.linear import DENSE, Linear
+
+    engine = track(Engine(device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256, quantization="none"))
+    assert all(m.method is DENSE or m.method.name == "onednn_packed" for m in engine.model.modules() if isinstance(m, Linear))
+    with pytest.raises(EngineError, match="--quantization gguf needs a GGUF model"):
+        Engine(model=tiny_checkpoints["llama"], device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256,
+               quantization="gguf")
