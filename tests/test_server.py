@@ -125,9 +125,12 @@ def test_n_choices_with_seed_are_distinct_and_reproducible(client: openai.OpenAI
 def test_sampling_knobs_are_accepted(client: openai.OpenAI) -> None:
     response = client.completions.create(
         model=MODEL, prompt="The weather today is", max_tokens=6, temperature=0.7, top_p=0.9, presence_penalty=0.5,
-        frequency_penalty=0.5, seed=3, extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "unknown_field": 1},
+        frequency_penalty=0.5, seed=3, user="someone", extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
     )
     assert response.usage.completion_tokens <= 6 and response.choices[0].finish_reason in ("stop", "length")
+    # A field the server does not know is refused by name, not silently ignored (engine/server/fields.py).
+    with pytest.raises(openai.BadRequestError, match="unknown_field"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"unknown_field": 1})
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:

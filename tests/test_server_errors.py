@@ -73,6 +73,15 @@ CASES: list[tuple[str, str, str, Any, int]] = [
     ("detokenize bad ids", "POST", "/detokenize", {"tokens": [-1]}, 400),
     ("detokenize ids not a list", "POST", "/detokenize", {"tokens": "abc"}, 400),
     ("tokenize neither prompt nor messages", "POST", "/tokenize", {}, 400),
+    ("message without content", "POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400),
+    ("assistant message without content", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}, 400),
+    ("response_format json", "POST", "/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, 400),
+    ("tools", "POST", "/v1/chat/completions",
+     {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400),
+    ("logit_bias", "POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400),
+    ("min_tokens", "POST", "/v1/completions", {"prompt": "hi", "min_tokens": 5}, 400),
+    ("unknown field", "POST", "/v1/completions", {"prompt": "hi", "temprature": 0.5}, 400),
     ("unknown route", "GET", "/v1/nothing", None, 404),
     ("unknown route (post)", "POST", "/v2/completions", {"prompt": "hi"}, 404),
     ("wrong method", "GET", "/v1/completions", None, 405),
@@ -141,6 +150,63 @@ def test_api_key_guards_v1_routes(smol_engine: Engine) -> None:
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
         assert http.get("/health").status_code == 200  # not a /v1 route
         assert_openai_error(http.get("/nope", headers=good), 404)
+
+
+# (body extras, the field a 400 must name, or None: accepted)
+FIELD_CASES: list[tuple[dict[str, Any], str | None]] = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "text"}}, None),  # asks for nothing
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
+    ({"tools": []}, None),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "none"}, None),
+    ({"logit_bias": {"42": -100}}, "logit_bias"),
+    ({"logit_bias": {}}, None),
+    ({"min_tokens": 3}, "min_tokens"),
+    ({"min_tokens": 0}, None),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"guided_regex": "[a-z]+"}, "guided_regex"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+    ({"best_of": 3}, "best_of"),
+    ({"user": "someone", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}, None),  # harmless metadata
+    ({"frequency_penaltyy": 0.2}, "frequency_penaltyy"),  # a typo is an unknown field, not a silent default
+]
+
+
+@pytest.mark.parametrize("extra,refused", FIELD_CASES)
+def test_every_field_is_honoured_or_refused_by_name(smol_engine: Engine, extra: dict[str, Any], refused: str | None) -> None:
+    app = build_app(smol_engine)
+    body = {"messages": MSG, "max_tokens": 2, "ignore_eos": True, **extra}
+    with TestClient(app) as http:
+        response = http.post("/v1/chat/completions", json=body)
+        if refused is None:
+            assert response.status_code == 200, response.text
+        else:
+            error = assert_openai_error(response, 400)
+            assert error["param"] == refused and refused in error["message"], error
+    assert smol_engine.kv_pages_in_use() == 0
+
+
+def test_history_with_tool_calls_is_refused_not_dropped(smol_engine: Engine) -> None:
+    app = build_app(smol_engine)
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                                     "function": {"name": "w", "arguments": "{}"}}]},
+               {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    with TestClient(app) as http:
+        error = assert_openai_error(http.post("/v1/chat/completions", json={"messages": history, "max_tokens": 2}), 400)
+    assert error["param"] == "messages[1].tool_calls"
+
+
+def test_allow_unknown_fields_ignores_extras_but_still_refuses_features(smol_engine: Engine) -> None:
+    from engine.server.app import ServerSettings
+
+    app = build_app(smol_engine, settings=ServerSettings(allow_unknown_fields=True))
+    with TestClient(app) as http:
+        ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "ignore_eos": True, "my_extra": 1})
+        assert ok.status_code == 200, ok.text
+        error = assert_openai_error(http.post("/v1/completions", json={"prompt": "Hi", "logit_bias": {"1": 5}}), 400)
+        assert error["param"] == "logit_bias"
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_lives_on(smol_engine: Engine) -> None:

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from engine.engine import Engine
 from engine.server.async_engine import AsyncEngine
 from engine.server.engine_thread import EngineThread
+from engine.server.fields import check_request_fields
 from engine.server.errors import APIError, error_response, install_error_handlers
 from engine.server.guard import GuardMiddleware, GuardSettings
 from engine.server.metrics import ServerMetrics
@@ -57,6 +58,7 @@ class ServerSettings:
     body_timeout_s: float = 30.0
     max_pending_requests: int = 1024  # engine requests (prompts x n) queued or running; more: 503 + Retry-After
     trust_request_chat_template: bool = False  # let requests supply their own Jinja chat template
+    allow_unknown_fields: bool = False  # ignore request fields this server does not know (engine/server/fields.py)
 
 
 def build_app(
@@ -130,10 +132,12 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
+        check_request_fields(req, settings.allow_unknown_fields)
         return await serving.completions(req, raw)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
+        check_request_fields(req, settings.allow_unknown_fields)
         return await serving.chat(req, raw)
 
     @app.post("/tokenize")

@@ -39,6 +39,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "loopback, any otherwise; '*' for any)")
     limits.add_argument("--open-metrics", action="store_true", help="serve /metrics without the API key")
     limits.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json (behind the key if one is set)")
+    limits.add_argument("--allow-unknown-fields", action="store_true",
+                        help="ignore request fields this server does not know instead of answering 400 "
+                        "(fields of unimplemented features, such as tools or response_format, are refused either way)")
     limits.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests supply their own chat template through chat_template_kwargs")
     group.add_argument(
@@ -85,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         max_pending_requests=args.max_pending_requests,
         trust_request_chat_template=args.trust_request_chat_template,
+        allow_unknown_fields=args.allow_unknown_fields,
     )
     app = build_app(engine, args.served_model_name, settings=settings, engine_thread=engine_thread)
     # Each connection holds a descriptor: lift the soft limit so the connection cap, not EMFILE, decides.

@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic v2).
 
-Requests accept unknown fields and ignore them, as vLLM does, so clients that send
-OpenAI-only options (user, logit_bias, ...) keep working. vLLM's extra sampling
-fields (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, ...) are real.
+Fields beyond these models are sorted by engine/server/fields.py: harmless metadata
+(user, metadata, ...) ignored, unimplemented features (response_format, tools,
+logit_bias, ...) and unknown fields refused with a 400 naming them. vLLM's extra
+sampling fields (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, ...) are real.
 Types are strict, as OpenAI's are: `true` or `1.0` is not a token id, "5" is not a count.
 Text with a lone surrogate ("\\ud800" in JSON) is refused naming its field.
 """
@@ -101,6 +102,14 @@ class ChatMessage(OpenAIBase):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        # OpenAI answers 400 for a message without content (an assistant's may be empty only beside
+        # tool_calls, which this server refuses): generating from nothing would not be what was asked.
+        if self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -1,0 +1,110 @@
+"""Every request field is honoured or refused: what a body may carry beyond the fields we implement.
+
+A client that asks for JSON output, tools or a logit bias and gets a 200 with free text is worse
+off than one told "400: response_format is not supported". So fields the protocol models do not
+declare are sorted three ways:
+
+- harmless OpenAI metadata that changes nothing about generation (`user`, `metadata`, `store`, ...):
+  accepted and ignored;
+- features this server does not implement yet (`response_format` other than text, `tools`,
+  `logit_bias`, `min_tokens`, the guided-decoding extras, ...): a 400 naming the field, unless the
+  value asks for nothing (`tools: []`, `logit_bias: {}`, `min_tokens: 0`, `tool_choice: "none"`);
+- anything else: a 400 naming it as unknown, unless the server runs with
+  `--allow-unknown-fields` (for clients that send extras of their own), which ignores them.
+
+The same holds inside chat messages (`tool_calls`, `tool_call_id`, ... are refused: tool calling
+is not implemented, and dropping them would change what the model is asked).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from engine.server.errors import APIError
+
+# Top-level fields that carry no generation semantics.
+HARMLESS = frozenset({
+    "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "logprobs_mode",
+})
+
+# Fields of features not implemented here, and the values that ask for nothing (accepted).
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tools": ([], None),
+    "tool_choice": ("none", None),
+    "parallel_tool_calls": (None, True, False),  # meaningful only with tools, which are refused
+    "functions": ([], None),
+    "function_call": ("none", None),
+    "logit_bias": ({}, None),
+    "min_tokens": (0, None),
+    "bad_words": ([], None),
+    "allowed_token_ids": (None,),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "json_schema": (None,),
+    "reasoning_effort": (None,),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (["text"], None),
+    "web_search_options": (None,),
+    "best_of": (1, None),
+    "use_beam_search": (False, None),
+    "length_penalty": (1.0, 1, None),
+    "truncate_prompt_tokens": (None,),
+    "priority": (0, None),
+}
+
+# Inside a chat message: tool-calling history is not implemented.
+MESSAGE_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "tool_calls": ([], None),
+    "tool_call_id": (None,),
+    "function_call": (None,),
+    "refusal": (None,),
+    "audio": (None,),
+    "reasoning_content": (None,),
+}
+
+WHY = {
+    "response_format": "structured output (JSON mode, JSON schema) is not implemented yet",
+    "tools": "tool calling is not implemented yet",
+    "tool_choice": "tool calling is not implemented yet",
+    "functions": "function calling is not implemented yet",
+    "function_call": "function calling is not implemented yet",
+    "logit_bias": "logit_bias is not implemented yet",
+    "min_tokens": "min_tokens is not implemented yet",
+}
+
+
+def check_request_fields(request: BaseModel, allow_unknown: bool) -> None:
+    """Raise a 400 APIError for the first field `request` cannot honour (see the module docstring)."""
+    _check(request.model_extra or {}, NOT_IMPLEMENTED, HARMLESS, allow_unknown, "")
+    for index, message in enumerate(getattr(request, "messages", None) or []):
+        _check(message.model_extra or {}, MESSAGE_NOT_IMPLEMENTED, frozenset(), allow_unknown, f"messages[{index}].")
+
+
+def _check(extra: dict[str, Any], refused: dict[str, tuple[Any, ...]], harmless: frozenset[str], allow_unknown: bool,
+           prefix: str) -> None:
+    for field, value in extra.items():
+        name = prefix + field
+        if field in harmless:
+            continue
+        if field in refused:
+            if any(value == accepted and type(value) is type(accepted) for accepted in refused[field]) or (
+                value is None and None in refused[field]
+            ):
+                continue
+            why = WHY.get(field, f"{field} is not supported by this server")
+            raise APIError(f"{name}: {why}", param=name)
+        if not allow_unknown:
+            raise APIError(
+                f"{name}: unknown field (this server refuses fields it does not implement; start it with "
+                "--allow-unknown-fields to ignore extras)", param=name,
+            )
