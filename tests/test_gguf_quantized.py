@@ -87,6 +87,13 @@ def test_kernels_on_random_blocks(monkeypatch: pytest.MonkeyPatch, simd: bool, f
         check_matmul(blocks, dense, fmt, rows, torch.bfloat16)
 
 
+def test_a_matrix_wider_than_the_fused_kernel_takes_the_dequantized_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gl, "FUSED_MAX_COLUMNS", 64)  # as a 53,248-wide down_proj would against 32,768
+    fmt = gl.FORMATS["Q4_1"]
+    blocks, dense = random_blocks(fmt, 8, 96, seed=3)
+    check_matmul(blocks, dense, fmt, 1, torch.float32)
+
+
 @pytest.mark.parametrize("fmt_name", ["Q4_1", "Q8_0"])
 def test_quantized_embedding_gathers_the_dequantized_rows(fmt_name: str) -> None:
     fmt = gl.FORMATS[fmt_name]

@@ -32,6 +32,7 @@ from engine.layers.ops import define_op
 logger = logging.getLogger(__name__)
 
 FUSED_MAX_ROWS = 16  # the C kernel's MAX_ROWS
+FUSED_MAX_COLUMNS = 1024 * 32  # and its MAX_BLOCKS blocks of 32 (Llama-3-405B's down_proj takes the other path)
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,9 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, code: int, out_features: 
     lib = _library()
     in_features = x.shape[-1]
     rows = x.reshape(-1, in_features)
-    if rows.shape[0] > FUSED_MAX_ROWS:
-        # Prefill: one dequantized matrix serves every row, and the float GEMM is the fast part.
+    if rows.shape[0] > FUSED_MAX_ROWS or in_features > FUSED_MAX_COLUMNS:
+        # Prefill (or a matrix wider than the fused kernel's per-block sums): one dequantized matrix
+        # serves every row, and the float GEMM is the fast part.
         weight = dequantize_blocks(blocks, code, out_features, in_features).to(x.dtype)
         return F.linear(x, weight)
     rows32 = rows.to(torch.float32).contiguous()
