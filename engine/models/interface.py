@@ -35,6 +35,10 @@ class CausalLM(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from (checkpoint name, tensor) pairs, or raise ModelLoadError naming both."""
 
+    def checkpoint_route(self, name: str) -> tuple[str, Any] | None:
+        """HF checkpoint name -> (our parameter, its part or None), or None for a tensor the model
+        computes itself; what the loaders (and the CPU's GGUF blocks) use to find a tensor's home."""
+
     def set_attention_backend(self, backend: object) -> None: ...
 
     def set_layer_windows(self, windows: Sequence[int | None]) -> None:
