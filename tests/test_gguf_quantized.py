@@ -4,7 +4,8 @@ The kernels are held to the `gguf` package's own dequantization times a float64 
 error at float32 rounding), on SmolLM2's real Q4_1 and Q8_0 tensors and on random blocks, through
 the AVX2 path and the portable C path, the fused decode path (<= 16 rows) and the prefill path
 (dequantize + GEMM). The engine's greedy tokens through them are held to HF in test_hf_parity.py
-(SmolLM2 from its GGUF runs this path by default).
+(SmolLM2 from its GGUF runs this path by default). With the native kernels off (or no gcc) the
+engine loads the GGUF dense: `test_without_native_kernels_the_gguf_loads_dense`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ from engine.engine import Engine
 from engine.errors import EngineError
 from tests.conftest import track
 
-pytestmark = pytest.mark.skipif(not gl.gguf_kernels_available(), reason="native CPU kernels unavailable (no gcc or switched off)")
+
+
+def force_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """"selected": the path this CPU takes (AVX2 where it has it); "portable": the plain C path, which
+    every CPU can run. Both run on every machine, so neither is ever skipped."""
+    assert gl.gguf_kernels_available(), "the GGUF kernels did not build (gcc is a test requirement, as for tests/test_cpu_kernels.py)"
+    if path == "portable":
+        monkeypatch.setattr(gl, "simd_path", lambda: False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,26 +70,22 @@ def check_matmul(blocks: torch.Tensor, dense: torch.Tensor, fmt: gl.BlockFormat,
     assert error < (2e-6 if dtype == torch.float32 else 1e-2), error
 
 
-@pytest.mark.parametrize("simd", [True, False])
+@pytest.mark.parametrize("path", ["selected", "portable"])
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
 @pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "blk.3.attn_k.weight", "token_embd.weight"])  # Q4_1, Q4_1, Q8_0
-def test_kernels_on_smollm2_tensors(smol_gguf_path: str, monkeypatch: pytest.MonkeyPatch, simd: bool, rows: int, name: str) -> None:
-    if simd and not gl.simd_path():
-        pytest.skip("this CPU or build has no AVX2 path")
-    monkeypatch.setattr(gl, "simd_path", lambda: simd)
+def test_kernels_on_smollm2_tensors(smol_gguf_path: str, monkeypatch: pytest.MonkeyPatch, path: str, rows: int, name: str) -> None:
+    force_path(monkeypatch, path)
     blocks, dense, fmt = smol_tensor(smol_gguf_path, name)
     torch.testing.assert_close(gl.dequantize_blocks(blocks, fmt.code, *dense.shape), dense, atol=0, rtol=0)
     check_matmul(blocks, dense, fmt, rows, torch.float32)
 
 
-@pytest.mark.parametrize("simd", [True, False])
+@pytest.mark.parametrize("path", ["selected", "portable"])
 @pytest.mark.parametrize("fmt_name", ["Q4_1", "Q8_0"])
-def test_kernels_on_random_blocks(monkeypatch: pytest.MonkeyPatch, simd: bool, fmt_name: str) -> None:
-    if simd and not gl.simd_path():
-        pytest.skip("this CPU or build has no AVX2 path")
-    monkeypatch.setattr(gl, "simd_path", lambda: simd)
+def test_kernels_on_random_blocks(monkeypatch: pytest.MonkeyPatch, path: str, fmt_name: str) -> None:
+    force_path(monkeypatch, path)
     fmt = gl.FORMATS[fmt_name]
-    blocks, dense = random_blocks(fmt, 37, 96, seed=len(fmt_name) + simd)
+    blocks, dense = random_blocks(fmt, 37, 96, seed=len(fmt_name) + len(path))
     for rows in (1, 5, 16, 20):
         check_matmul(blocks, dense, fmt, rows, torch.float32)
         check_matmul(blocks, dense, fmt, rows, torch.bfloat16)
@@ -101,6 +105,24 @@ def test_quantized_embedding_gathers_the_dequantized_rows(fmt_name: str) -> None
     embedding = gl.QuantizedEmbedding(blocks, fmt, 64, torch.float32)
     ids = torch.tensor([[3, 0, 49], [7, 7, 12]])
     torch.testing.assert_close(embedding(ids), dense[ids], atol=0, rtol=0)
+
+
+def test_the_selected_path_follows_the_cpu() -> None:
+    from backends.cpu.features import cpu_features
+
+    assert gl.gguf_kernels_available()
+    assert gl.simd_path() == (bool(gl._library().gguf_has_avx2()) and cpu_features().has("avx2", "fma3"))
+
+
+def test_without_native_kernels_the_gguf_loads_dense(cpu_fast_paths_off: None) -> None:
+    """The barest CPU (no native kernels, as without gcc): the same GGUF, dequantized at load."""
+    from engine.layers.linear import Linear
+
+    assert not gl.gguf_kernels_available()
+    engine = track(Engine(device="cpu", disable_graphs=True, kv_cache_tokens=256))
+    assert not any(m.method.name.startswith("gguf") for m in engine.model.modules() if isinstance(m, Linear))
+    with pytest.raises(EngineError, match="could not be built"):
+        Engine(device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256, quantization="gguf")
 
 
 def test_the_default_engine_keeps_smollm2_in_its_blocks(smol_gguf_path: str) -> None:

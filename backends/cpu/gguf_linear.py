@@ -65,8 +65,10 @@ def gguf_kernels_available() -> bool:
     return _library() is not None
 
 
+@lru_cache(maxsize=None)
 def simd_path() -> bool:
-    """The kernel's AVX2 path: built in (gcc targets this CPU) and not hidden (ENGINE_CPU_HIDE_FEATURES)."""
+    """The kernel's AVX2 path: built in (gcc targets this CPU) and not hidden (ENGINE_CPU_HIDE_FEATURES).
+    Decided once: every linear of every decode step asks."""
     lib = _library()
     return lib is not None and bool(lib.gguf_has_avx2()) and cpu_features().has("avx2", "fma3")
 

@@ -131,7 +131,8 @@ def forget_cpu_paths() -> None:
     For tests that switch the native kernels, oneDNN packing or CPU features off
     within one process; an engine already built keeps the paths it chose.
     """
-    from backends.cpu import attention, features, native, packed_linear
+    from backends.cpu import attention, features, gguf_linear, native, packed_linear
 
-    for cached in (features.cpu_features, native.load, attention._kernel, packed_linear._gemv_kernel):
+    for cached in (features.cpu_features, native.load, attention._kernel, packed_linear._gemv_kernel,
+                   gguf_linear._library, gguf_linear.simd_path):
         cached.cache_clear()

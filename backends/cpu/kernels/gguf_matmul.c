@@ -72,6 +72,14 @@ static inline float dot32(const float *a, const float *b) {
 }
 
 #if HAVE_AVX2
+/* The four 8-wide float vectors of a block's 32 quants against 32 activations. */
+static inline __m256 dot32_avx2(__m256 q0, __m256 q1, __m256 q2, __m256 q3, const float *xb) {
+    __m256 dot = _mm256_mul_ps(q0, _mm256_loadu_ps(xb));
+    dot = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xb + 8), dot);
+    dot = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xb + 16), dot);
+    return _mm256_fmadd_ps(q3, _mm256_loadu_ps(xb + 24), dot);
+}
+
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -115,12 +123,7 @@ int gguf_q4_1_matmul(const uint8_t *w, const float *x, float *y, int m, int n, i
                 const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
                 const __m256 vd = _mm256_set1_ps(d);
                 for (int i = 0; i < m; ++i) {
-                    const float *xb = x + (int64_t)i * k + b * 32;
-                    __m256 dot = _mm256_mul_ps(q0, _mm256_loadu_ps(xb));
-                    dot = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xb + 8), dot);
-                    dot = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xb + 16), dot);
-                    dot = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xb + 24), dot);
-                    vacc[i] = _mm256_fmadd_ps(vd, dot, vacc[i]);
+                    vacc[i] = _mm256_fmadd_ps(vd, dot32_avx2(q0, q1, q2, q3, x + (int64_t)i * k + b * 32), vacc[i]);
                     acc[i] += mn * sums[i * blocks + b];
                 }
             }
@@ -161,14 +164,8 @@ int gguf_q8_0_matmul(const uint8_t *w, const float *x, float *y, int m, int n, i
                 const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
                 const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
                 const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
-                for (int i = 0; i < m; ++i) {
-                    const float *xb = x + (int64_t)i * k + b * 32;
-                    __m256 dot = _mm256_mul_ps(q0, _mm256_loadu_ps(xb));
-                    dot = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xb + 8), dot);
-                    dot = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xb + 16), dot);
-                    dot = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xb + 24), dot);
-                    vacc[i] = _mm256_fmadd_ps(vd, dot, vacc[i]);
-                }
+                for (int i = 0; i < m; ++i)
+                    vacc[i] = _mm256_fmadd_ps(vd, dot32_avx2(q0, q1, q2, q3, x + (int64_t)i * k + b * 32), vacc[i]);
             }
             for (int i = 0; i < m; ++i) y[(int64_t)i * n + r] = hsum256(vacc[i]);
             continue;
