@@ -107,6 +107,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=30123)
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--skip-server", action="store_true", help="only the in-process figures")
+    parser.add_argument("--server-variants", default="",
+                        help="';'-separated sets of server-only flags, one server run each (e.g. "
+                        "'--engine-process;--no-engine-process'); default: one run with the defaults")
     add_bench_serving_args(parser)
     parser.set_defaults(concurrency=None, num_prompts=512, input_len="512", output_len="256", token_ids=True,
                         output="bench_results/serving_vs_offline.json")
@@ -116,24 +119,29 @@ def main() -> None:
     engine_args = shlex.split(args.engine_args)
     report: dict[str, Any] = {"engine_args": engine_args, "num_prompts": args.num_prompts, "input_len": args.input_len,
                               "output_len": args.output_len}
-    report["server"] = [] if args.skip_server else serve_and_bench(engine_args, concurrencies, args, args.port, args.ready_timeout)
+    variants = [shlex.split(v) for v in args.server_variants.split(";")] if args.server_variants else [[]]
+    report["servers"] = [] if args.skip_server else [
+        {"server_args": extra, "results": serve_and_bench(engine_args + extra, concurrencies, args, args.port, args.ready_timeout)}
+        for extra in variants
+    ]
     engine_parser = argparse.ArgumentParser()
     add_engine_args(engine_parser)
     engine = Engine(engine_config_from_args(engine_parser.parse_args(engine_args)))
     workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.seed, args.vocab_size)
     report["offline"] = [offline(engine, workload, c) for c in concurrencies]  # type: ignore[arg-type]
-    print(f"{'concurrency':>11} {'server tok/s':>13} {'in-process tok/s':>17} {'ratio':>6} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15}")
+    print(f"{'server flags':>22} {'concurrency':>11} {'server tok/s':>13} {'in-process tok/s':>17} {'ratio':>6} "
+          f"{'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15}")
     for index, concurrency in enumerate(concurrencies):
         local = report["offline"][index]["output_throughput"]
-        if report["server"]:
-            s = report["server"][index]
+        if not report["servers"]:
+            print(f"{'-':>22} {concurrency:>11} {'-':>13} {local:>17.0f}")
+        for variant in report["servers"]:
+            s = variant["results"][index]
             ratio = s["output_throughput"] / local
-            report["offline"][index]["server_ratio"] = ratio
-            print(f"{concurrency:>11} {s['output_throughput']:>13.0f} {local:>17.0f} {ratio:>6.2f} "
-                  f"{1e3 * s['ttft_s']['median']:>7.0f}/{1e3 * s['ttft_s']['p99']:<8.0f} "
+            s["ratio_to_in_process"] = ratio
+            print(f"{' '.join(variant['server_args']) or 'defaults':>22} {concurrency:>11} {s['output_throughput']:>13.0f} "
+                  f"{local:>17.0f} {ratio:>6.2f} {1e3 * s['ttft_s']['median']:>7.0f}/{1e3 * s['ttft_s']['p99']:<8.0f} "
                   f"{1e3 * s['itl_s']['median']:>6.1f}/{1e3 * s['itl_s']['p99']:<8.1f}")
-        else:
-            print(f"{concurrency:>11} {'-':>13} {local:>17.0f}")
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=2)

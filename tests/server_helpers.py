@@ -112,11 +112,14 @@ def start_server(*extra: str, log_name: str = "server") -> ServerProcess:
 _SHARED: dict[str, ServerProcess] = {}
 
 
-def shared_server() -> ServerProcess:
-    """The session's server, started on first use (again if a test stopped it)."""
-    server = _SHARED.get("main")
+def shared_server(engine_process: bool = False) -> ServerProcess:
+    """The session's server, started on first use (again if a test stopped it). engine_process: the
+    one whose engine runs in a process of its own (on the CPU the default is a thread)."""
+    key = "process" if engine_process else "main"
+    server = _SHARED.get(key)
     if server is None or server.process.poll() is not None:
-        server = _SHARED["main"] = start_server(log_name="server-main")
+        extra = ("--engine-process",) if engine_process else ()
+        server = _SHARED[key] = start_server(*extra, log_name=f"server-{key}")
     return server
 
 

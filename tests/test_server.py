@@ -14,9 +14,10 @@ from engine.sampling_params import SamplingParams
 from server_helpers import MODEL, ServerProcess, shared_server
 
 
-@pytest.fixture(scope="module")
-def server() -> ServerProcess:
-    return shared_server()
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+def server(request: pytest.FixtureRequest) -> ServerProcess:
+    """Every test against both transports: the engine on a thread of the server, and in its own process."""
+    return shared_server(engine_process=request.param == "engine-process")
 
 
 @pytest.fixture(scope="module")

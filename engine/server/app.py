@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.engine import Engine
 from engine.server.async_engine import AsyncEngine
+from engine.server.engine_process import EngineProcess
 from engine.server.engine_thread import EngineThread
 from engine.server.fields import check_request_fields
 from engine.server.errors import APIError, error_response, install_error_handlers
@@ -39,7 +40,7 @@ API_KEY_ENV = "ENGINE_API_KEY"
 SHUTDOWN_MARGIN_S = 1.0  # open requests are failed this long before uvicorn's shutdown deadline
 
 
-def default_model_name(engine: Engine) -> str:
+def default_model_name(engine: Engine | EngineProcess) -> str:
     model = engine.config.model
     if model is None:
         return "SmolLM2-135M-Instruct"
@@ -62,7 +63,7 @@ class ServerSettings:
 
 
 def build_app(
-    engine: Engine, model_name: str | None = None, api_key: str | None = None, settings: ServerSettings | None = None,
+    engine: Engine | EngineProcess, model_name: str | None = None, api_key: str | None = None, settings: ServerSettings | None = None,
     engine_thread: EngineThread | None = None,
 ) -> FastAPI:
     """An app serving `engine`; the engine thread starts and stops with the app's lifespan.
@@ -70,14 +71,21 @@ def build_app(
     engine_thread: the thread the engine was built on (`engine serve` builds it there), which then
     runs its loop; by default a new thread."""
     settings = settings or ServerSettings()
+
     settings.api_key = api_key or settings.api_key or os.environ.get(API_KEY_ENV) or None
     api_key = settings.api_key
     name = model_name or default_model_name(engine)
     # The server tokenizes on its own worker thread while the engine thread decodes: separate
     # objects, so the two threads never share a tokenizer's mutable state.
-    tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
-    model = ModelInfo(name, engine.max_model_len, int(engine.model_config.vocab_size), tokenizer)
-    async_engine = AsyncEngine(engine, thread=engine_thread)
+    if isinstance(engine, EngineProcess):
+        assert engine.info is not None, "start the engine process before building the app"
+        # Unpickled from the engine process: already an object of this process alone.
+        model = ModelInfo(name, engine.info.max_model_len, engine.info.vocab_size, engine.info.tokenizer)
+        async_engine = AsyncEngine.over_process(engine)
+    else:
+        tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+        model = ModelInfo(name, engine.max_model_len, int(engine.model_config.vocab_size), tokenizer)
+        async_engine = AsyncEngine(engine, thread=engine_thread)
     metrics = ServerMetrics(lambda: async_engine.snapshot, name)
     async_engine.observer = metrics.observer()
     serving = Serving(async_engine, model, settings.max_pending_requests, settings.trust_request_chat_template)

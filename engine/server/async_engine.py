@@ -1,11 +1,22 @@
-"""The engine thread and its asyncio bridge.
+"""AsyncEngine: what the HTTP handlers call to run requests on the one engine, wherever it runs.
 
-The Engine is not thread-safe, so one dedicated thread makes every engine call
-(add_request, step, abort). HTTP handlers on the event loop send it commands
-through a thread-safe queue; results come back through asyncio futures and
-per-request asyncio queues, fed with loop.call_soon_threadsafe. Many HTTP
-requests therefore share one continuously batched engine, and a slow client
-never blocks a step.
+The Engine is not thread-safe, so one thread makes every engine call, running
+engine/server/engine_loop.py's `EngineLoop`. Where that thread lives is the
+transport:
+
+- **thread** (`AsyncEngine(engine)`): a thread of the server process. Commands go
+  through a thread-safe queue; the loop's events reach the handlers' asyncio queues
+  through the router (engine/server/streams.py). The CPU default: on two cores a
+  second process only adds copies.
+- **process** (`AsyncEngine.over_process(EngineProcess)`, engine/server/engine_process.py):
+  an engine process of its own, as vLLM's engine core and SGLang's scheduler run. The
+  server process keeps only HTTP, tokenizing and streaming, so its Python work never
+  holds the GIL the engine's step loop needs. The default on accelerators, where a
+  step is a few milliseconds and the event loop's per-chunk work for hundreds of
+  streams would otherwise stall the next launch.
+
+Either way many HTTP requests share one continuously batched engine, and a slow
+client never blocks a step.
 """
 
 from __future__ import annotations
@@ -13,70 +24,86 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
-import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from engine.engine import Engine
-from engine.errors import EngineError, RequestFailedError
 from engine.request import RequestOutput
-from engine.server.engine_thread import EngineThread
 from engine.sampling_params import SamplingParams
+from engine.server.engine_loop import Command, EngineDeadError, EngineLoop
+from engine.server.engine_thread import EngineThread
+from engine.server.streams import StepObserver, StreamRouter
 from engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from engine.server.engine_process import EngineProcess
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.5  # how long an idle engine thread blocks on the command queue
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread is gone (shut down, or a bug killed it)."""
-
-
-@dataclass
-class _Stream:
-    """Engine-thread bookkeeping of one request: where its outputs go, and its timings."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    arrival: float
-    last_token: float | None = None
-    num_tokens: int = 0
-
-
-@dataclass
-class StepObserver:
-    """Hooks for metrics, called on the engine thread (prometheus_client is thread-safe)."""
-
-    on_first_token: Callable[[float], None] = lambda seconds: None
-    on_inter_token: Callable[[float], None] = lambda seconds: None
-    on_tokens: Callable[[int], None] = lambda count: None
-    on_prompt_tokens: Callable[[int], None] = lambda count: None
-    on_finished: Callable[[str, float | None], None] = lambda reason, seconds: None
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestGroup", "StepObserver"]
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, observer: StepObserver | None = None, thread: EngineThread | None = None) -> None:
-        """`thread`: the thread that built the engine, to run its loop too (engine/server/engine_thread.py);
-        by default a new one."""
-        self.engine = engine
-        self.observer = observer or StepObserver()
-        self.snapshot: EngineStats = engine.stats()  # rewritten after every step; read by /metrics
-        self.error: BaseException | None = None
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}  # engine thread only
-        self._stop = threading.Event()
-        self._thread = thread or EngineThread()
+    def __init__(self, engine: Engine | None, observer: StepObserver | None = None, thread: EngineThread | None = None,
+                 process: "EngineProcess | None" = None) -> None:
+        """The thread transport for `engine`: `thread` is the thread that built it (engine/server/
+        engine_thread.py says why it should run its loop too), by default a new one. With `process`
+        (and engine None) the engine lives in that process instead."""
+        self.router = StreamRouter(observer)
+        self.process = process
+        self._loop: EngineLoop | None = None
+        if process is None:
+            assert engine is not None
+            self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+            self._loop = EngineLoop(engine, self.router, self._receive)
+            self._thread = thread or EngineThread()
+            self.router.snapshot = engine.stats()
+        else:
+            self.router.snapshot = process.info.stats
+        self._stopped = False
+
+    @classmethod
+    def over_process(cls, process: "EngineProcess", observer: StepObserver | None = None) -> "AsyncEngine":
+        return cls(None, observer, process=process)
+
+    @property
+    def observer(self) -> StepObserver:
+        return self.router.observer
+
+    @observer.setter
+    def observer(self, observer: StepObserver) -> None:
+        self.router.observer = observer
+
+    @property
+    def snapshot(self) -> EngineStats:
+        assert self.router.snapshot is not None
+        return self.router.snapshot
+
+    @property
+    def error(self) -> BaseException | str | None:
+        """What killed the engine's loop, if something did."""
+        return self._loop.error if self._loop is not None else (self.process.error if self.process else None)
 
     # ---- event-loop side ------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.run_loop(self._run)
-        logger.info("engine thread started")
+        if self.process is not None:
+            self.process.start_events(self.router)
+        else:
+            self._thread.run_loop(self._run_loop)
+        logger.info("engine loop started (%s)", "own process" if self.process is not None else "server thread")
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        if self._stopped:
+            return False
+        if self.process is not None:
+            return self.process.alive
+        return self._thread.is_alive()
+
+    def _send(self, command: Command) -> None:
+        if self.process is not None:
+            self.process.send(command)
+        else:
+            self._commands.put(command)
 
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, outputs: asyncio.Queue
@@ -84,166 +111,60 @@ class AsyncEngine:
         """Queue a request whose outputs go to `outputs`; raises the engine's InvalidRequestError if rejected."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
-        loop = asyncio.get_running_loop()
-        accepted = loop.create_future()
-        self._commands.put(("add", request_id, prompt_token_ids, params, loop, outputs, accepted))
+        accepted = asyncio.get_running_loop().create_future()
+        self.router.register(request_id, outputs, accepted, len(prompt_token_ids))
+        self._send(("add", request_id, prompt_token_ids, params))
         try:
             await accepted
         except asyncio.CancelledError:
-            # The client left before the engine thread saw the request: it must not run unowned.
+            # The client left before the engine saw the request: it must not run unowned.
             self.abort(request_id)
             raise
 
     def abort(self, request_id: str) -> None:
-        """Abort on the engine thread (its KV pages are freed there, before the next step)."""
-        self._commands.put(("abort", request_id))
+        """Abort on the engine's thread (its KV pages are freed there, before the next step)."""
+        self.router.forget(request_id)
+        if self.alive:
+            self._send(("abort", request_id))
 
     def fail_all(self, message: str) -> None:
-        """End every open request with EngineDeadError(message) (shutdown); the thread keeps running."""
-        self._commands.put(("fail_all", message))
+        """End every open request with EngineDeadError(message) (shutdown); the engine keeps running."""
+        self._send(("fail_all", message))
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort whatever is left and stop the thread (after the HTTP server stopped taking requests)."""
-        self._stop.set()
-        self._commands.put(("wake",))
+        """Abort whatever is left and stop the engine (after the HTTP server stopped taking requests)."""
+        self._stopped = True
+        if self.process is not None:
+            self.process.stop(timeout)
+            self.router.fail_everything(EngineDeadError("the server is shutting down"))
+            return
+        self._commands.put(("stop",))
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("engine thread did not stop within %.0f s", timeout)
         else:
             logger.info("engine thread stopped")
 
-    # ---- engine thread ----------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._drain_commands(block=not self.engine.has_unfinished())
-                if self._stop.is_set():
-                    break
-                if self.engine.has_unfinished():
-                    self._step()
-                self._update_stats()
-        except BaseException as exc:  # a bug: report it everywhere rather than hang clients
-            logger.exception("engine thread died")
-            self.error = exc
-        finally:
-            self._abort_all(EngineDeadError("the server is shutting down" if self.error is None else f"engine failed: {self.error}"))
-            try:
-                self._update_stats()
-            except Exception:  # noqa: BLE001 - a dead engine may not report; the thread must still end
-                logger.exception("final stats update failed")
+    # ---- the thread transport ---------------------------------------------------------------------
+    def _run_loop(self) -> None:
+        assert self._loop is not None
+        self._loop.run()
+        # A request registered while the loop was ending never reached it: it must not wait forever.
+        self.router.fail_everything(EngineDeadError("the engine is not running"))
 
-    def _drain_commands(self, block: bool) -> None:
+
+    def _receive(self, timeout: float | None) -> list[Command]:
+        """Commands for the engine thread: wait up to timeout for the first, then take what is there."""
         try:
-            command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
+            first = self._commands.get(timeout=timeout) if timeout else self._commands.get_nowait()
         except queue.Empty:
-            return
+            return []
+        commands = [first]
         while True:
-            self._handle(command)
             try:
-                command = self._commands.get_nowait()
+                commands.append(self._commands.get_nowait())
             except queue.Empty:
-                return
-
-    def _handle(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, prompt_token_ids, params, loop, outputs, accepted = command
-            try:
-                self.engine.add_request(prompt_token_ids, params, request_id=request_id)
-            except Exception as exc:  # noqa: BLE001 - every rejection goes back to its handler
-                if not isinstance(exc, EngineError):
-                    logger.exception("add_request failed for %s", request_id)
-                loop.call_soon_threadsafe(_settle, accepted, exc)
-                return
-            self._streams[request_id] = _Stream(loop, outputs, time.perf_counter())
-            self.observer.on_prompt_tokens(len(prompt_token_ids))
-            loop.call_soon_threadsafe(_settle, accepted, None)
-        elif kind == "fail_all":
-            self._abort_all(EngineDeadError(command[1]), reject_queued_adds=False)
-        elif kind == "abort":
-            request_id = command[1]
-            if self._streams.pop(request_id, None) is not None:
-                self.engine.abort(request_id)
-                self.observer.on_finished("abort", None)
-                logger.debug("aborted %s", request_id)
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001
-            self._fail_step(exc)
-            return
-        now = time.perf_counter()
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue  # aborted while the step ran
-            if output.error is not None:
-                # This request made its step fail (the engine re-ran the others without it).
-                self.observer.on_finished("error", now - stream.arrival)
-                deliveries.setdefault(stream.loop, []).append((stream.queue, RequestFailedError(output.error)))
-                del self._streams[output.request_id]
-                continue
-            self._observe(stream, output, now)
-            deliveries.setdefault(stream.loop, []).append((stream.queue, output))
-            if output.finished:
-                del self._streams[output.request_id]
-        # One wake-up of the event loop per step, not one per token.
-        for loop, items in deliveries.items():
-            _call_soon(loop, _deliver, items)
-
-    def _observe(self, stream: _Stream, output: RequestOutput, now: float) -> None:
-        count = len(output.new_token_ids)
-        if stream.last_token is None:
-            self.observer.on_first_token(now - stream.arrival)
-        elif count:
-            self.observer.on_inter_token(now - stream.last_token)
-        if count:
-            stream.last_token = now
-            stream.num_tokens += count
-            self.observer.on_tokens(count)
-        if output.finished:
-            self.observer.on_finished(output.finish_reason or "stop", now - stream.arrival)
-
-    def _fail_step(self, exc: Exception) -> None:
-        """The requests the failed step dropped get the error; everything else keeps going."""
-        logger.exception("engine step failed")
-        scheduler = self.engine.scheduler
-        live_requests = list(scheduler.running) + list(scheduler.waiting)
-        chunked = scheduler.chunked  # a request part-way through a chunked prefill
-        if chunked is not None:
-            live_requests.append(chunked)
-        live = {r.request_id for r in live_requests}
-        dropped = [request_id for request_id in self._streams if request_id not in live]
-        if not dropped:
-            # Nothing identifiable was dropped: abort everything rather than fail the same way forever.
-            dropped = list(self._streams)
-        error = RequestFailedError(f"generation failed: {type(exc).__name__}: {exc}")
-        for request_id in dropped:
-            stream = self._streams.pop(request_id)
-            self.engine.abort(request_id)
-            _call_soon(stream.loop, _deliver, [(stream.queue, error)])
-
-    def _abort_all(self, error: BaseException, reject_queued_adds: bool = True) -> None:
-        for request_id, stream in list(self._streams.items()):
-            try:
-                self.engine.abort(request_id)
-            except Exception:  # noqa: BLE001
-                logger.exception("abort of %s failed", request_id)
-            _call_soon(stream.loop, _deliver, [(stream.queue, error)])
-        self._streams.clear()
-        # Commands that arrived too late: reject adds so their handlers do not wait forever.
-        while reject_queued_adds:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if command[0] == "add":
-                _call_soon(command[4], _settle, command[6], error)
-
-    def _update_stats(self) -> None:
-        self.snapshot = self.engine.stats()  # one reference swap: scrapes on the event loop see a whole snapshot
+                return commands
 
 
 class RequestGroup:
@@ -293,24 +214,3 @@ class RequestGroup:
         if self._on_done is not None:
             on_done, self._on_done = self._on_done, None
             on_done()
-
-
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():  # the waiting handler was cancelled
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
-
-
-def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for outputs, item in items:
-        outputs.put_nowait(item)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: object) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the event loop is closed: nobody is listening any more
-        pass

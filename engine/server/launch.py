@@ -45,6 +45,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests supply their own chat template through chat_template_kwargs")
     group.add_argument(
+        "--engine-process", action=argparse.BooleanOptionalAction, default=None,
+        help="run the engine in a process of its own, so the HTTP side never holds the GIL its step loop needs "
+        "(default: on for accelerators, off on the CPU, where two cores gain nothing from a second process)",
+    )
+    group.add_argument(
         "--torch-threads", type=int, default=None,
         help="intra-op threads for the engine (default: torch's). On a small CPU box, one fewer than the "
         "cores leaves a core to the HTTP side (vLLM's CPU backend likewise reserves cores for its frontend)",
@@ -58,6 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.engine import Engine
     from engine.server.app import API_KEY_ENV, ServerSettings, build_app
     from engine.server.connections import guarded_protocol, raise_fd_limit
+    from engine.server.engine_process import EngineProcess
     from engine.server.engine_thread import EngineThread
 
     for name in ("max_connections", "max_body_bytes", "max_pending_requests"):
@@ -67,18 +73,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
 
-    if args.torch_threads is not None:
-        if args.torch_threads < 1:
-            raise ValueError(f"--torch-threads must be >= 1, got {args.torch_threads}")
-        import torch
-
-        torch.set_num_threads(args.torch_threads)  # before anything compiles or starts a thread pool
+    if args.torch_threads is not None and args.torch_threads < 1:
+        raise ValueError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     start = time.perf_counter()
     config = engine_config_from_args(args)
-    # Built on the thread that will step it: one OpenMP team in the process (engine_thread.py says why).
-    engine_thread = EngineThread()
-    engine = engine_thread.call(lambda: Engine(config))
-    logger.info("engine ready in %.1f s", time.perf_counter() - start)
+    use_process = args.engine_process
+    if use_process is None:
+        from backends import get_platform
+
+        use_process = get_platform(config.device).name != "cpu"
+    engine: Engine | EngineProcess
+    engine_thread = None
+    if use_process:
+        engine = EngineProcess(config, args.torch_threads)
+        engine.start()
+    else:
+        if args.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(args.torch_threads)  # before anything compiles or starts a thread pool
+        # Built on the thread that will step it: one OpenMP team in the process (engine_thread.py says why).
+        engine_thread = EngineThread()
+        engine = engine_thread.call(lambda: Engine(config))
+    logger.info("engine ready in %.1f s (%s)", time.perf_counter() - start,
+                "its own process" if use_process else "a thread of the server process")
     settings = ServerSettings(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         open_metrics=args.open_metrics,

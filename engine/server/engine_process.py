@@ -1,0 +1,261 @@
+"""The engine in a process of its own, behind a pipe (the server's `process` transport).
+
+Why: in one process the engine's step loop and the HTTP event loop share the
+GIL. At hundreds of concurrent streams the event loop's work per step (one
+chunk per stream: queue hand-off, JSON, socket write) is as long as a GPU
+decode step, and the engine thread, each time it wakes from a device wait,
+queues for the GIL for up to the interpreter's 5 ms switch interval. On the
+H200 that held the server at 0.68-0.78 of the in-process throughput at
+concurrency 256. vLLM's engine core and SGLang's scheduler run in their own
+processes for the same reason.
+
+Protocol (multiprocessing.Pipe, pickled tuples; nothing that grows with a
+request's context crosses per step):
+- server -> engine: the EngineLoop commands (engine/server/engine_loop.py).
+- engine -> server: ("ready", EngineInfo) once, or ("dead", message);
+  ("accepted", request_id, error); ("outputs", [compact output, ...]);
+  ("failed", request_ids, error); ("stats", EngineStats).
+A streamed output carries its deltas only; the final one carries the whole
+text, token ids and logprobs once (what a non-streaming response needs).
+
+The child ignores SIGINT (a Ctrl-C reaches the whole process group; the server
+decides when to stop it) and exits when the server's end of the pipe closes,
+so it never outlives a killed server. If the child dies, every open request
+ends with EngineDeadError and /health answers 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.errors import EngineError, InvalidRequestError, ModelLoadError, RequestFailedError
+from engine.request import RequestOutput
+from engine.server.engine_loop import Command, EngineDeadError, EngineLoop
+from engine.server.streams import StreamRouter
+from engine.stats import EngineStats
+
+logger = logging.getLogger("engine.server.engine_process")
+
+_ERRORS: dict[str, type[BaseException]] = {
+    cls.__name__: cls for cls in (EngineError, InvalidRequestError, ModelLoadError, RequestFailedError, EngineDeadError)
+}
+
+
+@dataclass
+class EngineInfo:
+    """What the server needs of the engine to validate and tokenize requests."""
+
+    model: str | None  # the engine config's model path (None: the embedded model)
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any  # the HF tokenizer (pickled across), or None for a model without one
+    stats: EngineStats
+
+
+def _encode_error(error: BaseException | None) -> tuple[str, str] | None:
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def _decode_error(encoded: tuple[str, str] | None) -> BaseException | None:
+    if encoded is None:
+        return None
+    name, message = encoded
+    cls = _ERRORS.get(name)
+    return cls(message) if cls is not None else RuntimeError(f"{name}: {message}")
+
+
+def _encode_output(output: RequestOutput) -> tuple:
+    final = (output.text, output.token_ids, output.logprobs) if output.finished else None
+    return (output.request_id, output.new_token_ids, output.new_text, output.finish_reason, output.new_logprobs,
+            output.prompt_logprobs, output.error, final)
+
+
+def _decode_output(item: tuple) -> RequestOutput:
+    request_id, new_token_ids, new_text, finish_reason, new_logprobs, prompt_logprobs, error, final = item
+    text, token_ids, logprobs = final if final is not None else ("", [], None)
+    return RequestOutput(
+        request_id=request_id, prompt=None, prompt_token_ids=[], token_ids=token_ids, text=text,
+        finished=finish_reason is not None, finish_reason=finish_reason, new_token_ids=new_token_ids,
+        new_text=new_text, logprobs=logprobs, new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs, error=error,
+    )
+
+
+# ---- the engine process --------------------------------------------------------------------------
+
+
+class _PipeEvents:
+    """EngineEvents written to the pipe (engine side)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def accepted(self, request_id: str, error: BaseException | None) -> None:
+        self.conn.send(("accepted", request_id, _encode_error(error)))
+
+    def outputs(self, outputs: list[RequestOutput]) -> None:
+        self.conn.send(("outputs", [_encode_output(o) for o in outputs]))
+
+    def failed(self, request_ids: list[str], error: BaseException) -> None:
+        self.conn.send(("failed", request_ids, _encode_error(error)))
+
+    def stats(self, snapshot: EngineStats) -> None:
+        self.conn.send(("stats", snapshot))
+
+
+def _pipe_receiver(conn: Connection):  # noqa: ANN202
+    def receive(timeout: float | None) -> list[Command]:
+        try:
+            if not conn.poll(timeout or 0):
+                return []
+            commands = [conn.recv()]
+            while conn.poll(0):
+                commands.append(conn.recv())
+            return commands
+        except (EOFError, OSError):  # the server is gone: stop, so this process never outlives it
+            return [("stop",)]
+
+    return receive
+
+
+def run_engine_process(config: EngineConfig, conn: Connection, torch_threads: int | None, log_level: str) -> None:
+    """The child's entry point: build the engine, report ready, run the loop until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s",
+                        stream=sys.stderr)
+    try:
+        if torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(torch_threads)
+        from engine.engine import Engine
+
+        start = time.perf_counter()
+        engine = Engine(config)
+        info = EngineInfo(config.model, engine.max_model_len, int(engine.model_config.vocab_size), engine.tokenizer,
+                          engine.stats())
+        logger.info("engine process %d ready in %.1f s", os.getpid(), time.perf_counter() - start)
+    except BaseException as exc:  # noqa: BLE001 - the server reports it and exits
+        conn.send(("dead", f"{type(exc).__name__}: {exc}"))
+        raise
+    conn.send(("ready", info))
+    loop = EngineLoop(engine, _PipeEvents(conn), _pipe_receiver(conn))
+    loop.run()
+    conn.close()
+
+
+# ---- the server's handle on it -------------------------------------------------------------------
+
+
+class EngineProcess:
+    def __init__(self, config: EngineConfig, torch_threads: int | None = None) -> None:
+        self.config = config
+        self.torch_threads = torch_threads
+        self.info: EngineInfo | None = None  # type: ignore[assignment]
+        self.error: str | None = None  # why the process ended, when it did on its own
+        self._conn: Connection | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._reader: threading.Thread | None = None
+        self._send_lock = threading.Lock()
+        self._dead = False
+        self._stopping = False
+
+    def start(self, ready_timeout: float | None = None) -> EngineInfo:
+        """Spawn the engine process and wait until its engine is built; raises its error if it fails."""
+        # spawn, not fork: a forked child of a process that touched CUDA (or OpenMP) cannot use it.
+        context = multiprocessing.get_context("spawn")
+        parent, child = context.Pipe()
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        self._process = context.Process(target=run_engine_process, name="engine-core",
+                                        args=(self.config, child, self.torch_threads, level), daemon=True)
+        self._process.start()
+        child.close()
+        self._conn = parent
+        logger.info("engine process %d started; building the engine", self._process.pid)
+        deadline = None if ready_timeout is None else time.monotonic() + ready_timeout
+        while not parent.poll(1.0):
+            if not self._process.is_alive():
+                raise RuntimeError(f"the engine process exited with code {self._process.exitcode} while starting")
+            if deadline is not None and time.monotonic() > deadline:
+                self._process.kill()
+                raise TimeoutError(f"the engine was not ready within {ready_timeout:.0f} s")
+        try:
+            kind, payload = parent.recv()
+        except EOFError:
+            raise RuntimeError(f"the engine process exited with code {self._process.join(5) or self._process.exitcode}"
+                               " while starting") from None
+        if kind != "ready":
+            self._process.join(10)
+            raise ModelLoadError(payload) if payload.startswith("ModelLoadError") else RuntimeError(payload)
+        self.info = payload
+        return payload
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.is_alive() and not self._dead
+
+    def send(self, command: Command) -> None:
+        assert self._conn is not None, "start() first"
+        try:
+            with self._send_lock:
+                self._conn.send(command)
+        except (OSError, ValueError) as exc:  # the pipe is closed: the process is gone
+            raise EngineDeadError(f"the engine process is gone ({exc})") from None
+
+    def start_events(self, router: StreamRouter) -> None:
+        """Read the engine's events on a thread of this process and route them to the handlers."""
+        self._reader = threading.Thread(target=self._read, args=(router,), name="engine-events", daemon=True)
+        self._reader.start()
+
+    def _read(self, router: StreamRouter) -> None:
+        assert self._conn is not None
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "outputs":
+                router.outputs([_decode_output(item) for item in message[1]])
+            elif kind == "accepted":
+                router.accepted(message[1], _decode_error(message[2]))
+            elif kind == "failed":
+                router.failed(message[1], _decode_error(message[2]) or EngineDeadError("failed"))
+            elif kind == "stats":
+                router.stats(message[1])
+        self._dead = True
+        if not self._stopping:
+            assert self._process is not None
+            self._process.join(5)
+            self.error = f"the engine process exited unexpectedly (exit code {self._process.exitcode})"
+            logger.error("%s; open requests fail and /health reports 503", self.error)
+        router.fail_everything(EngineDeadError(self.error or "the server is shutting down"))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loop (it fails what is still open), then the process."""
+        self._stopping = True
+        if self._process is None:
+            return
+        try:
+            self.send(("stop",))
+        except EngineDeadError:
+            pass
+        if self._reader is not None:
+            self._reader.join(timeout)
+        self._process.join(timeout)
+        if self._process.is_alive():
+            logger.warning("engine process did not stop within %.0f s; terminating it", timeout)
+            self._process.terminate()
+            self._process.join(5)
+        if self._conn is not None:
+            self._conn.close()
+        logger.info("engine process stopped")

@@ -1,0 +1,70 @@
+"""`engine serve --engine-process`: the engine in a process of its own, and what happens when it dies.
+
+The request paths themselves run against this transport in tests/test_server.py (every test there
+runs against both transports); here: the engine process is killed mid-stream, and a stopped server
+leaves no engine process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from server_helpers import MODEL, ServerProcess, start_server
+
+
+def _engine_pid(server: ServerProcess) -> int:
+    match = re.search(r"engine process (\d+) started", server.log())
+    assert match, server.log()[-2000:]
+    return int(match.group(1))
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_killed_engine_process_fails_open_requests_and_health() -> None:
+    server = start_server("--engine-process", log_name="server-engine-killed")
+    try:
+        pid = _engine_pid(server)
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        lines: list[str] = []
+        with httpx.Client(timeout=60) as client, client.stream("POST", f"{server.base_url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                lines.append(line)
+                if len(lines) == 6:
+                    os.kill(pid, signal.SIGKILL)  # the engine dies mid-stream (an OOM kill, a crash)
+        # The stream ended (no hang) with an error event naming what happened, not a normal [DONE].
+        errors = [line for line in lines if line.startswith("data: ") and '"error"' in line]
+        assert errors and "engine process exited unexpectedly" in errors[-1], lines[-3:]
+        assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 503
+        refused = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+        assert refused.status_code == 503 and "engine" in refused.json()["error"]["message"]
+        assert server.process.poll() is None  # the server itself stays up, reporting unhealthy
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_stopped_server_leaves_no_engine_process(how: signal.Signals) -> None:
+    """A graceful stop stops the engine; a killed server closes the pipe, and the engine exits on that."""
+    server = start_server("--engine-process", log_name=f"server-engine-{how.name.lower()}")
+    pid = _engine_pid(server)
+    response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
+    assert response.status_code == 200
+    server.process.send_signal(how)
+    assert server.process.wait(60) == (0 if how == signal.SIGTERM else -signal.SIGKILL)
+    assert _gone(pid, 10), "the engine process outlived its server"
