@@ -1,14 +1,13 @@
-"""Persistent decode state: each running request owns a row of a device page table, updated by diffs.
+"""Persistent decode state on the device: each decoding request owns a row of a device page table.
 
 Before this, every decode step rebuilt each request's whole page table (and
 its whole token list) as Python lists and copied them to the device: host
 work that grew with context length. Here (as vLLM's persistent `BlockTable`
-and mini-sglang's device page table) a request gets a row when it first
-decodes and its pages are written once; afterwards a step writes only the
-pages that are new (one every `page_size` tokens). The per-step host work is
-O(batch): for each request its row, last token, position and slot, packed
-into one host tensor and sent in one copy. The page table rows the step needs
-are gathered on the device.
+and mini-sglang's device page table) the host side (engine/step_message.py,
+`StepBuilder`) gives a request a row when it first decodes and sends its
+pages once; afterwards a step's message carries only the pages that are new
+(one every `page_size` tokens), which `apply` writes into the device rows.
+The page table rows a step needs are gathered on the device.
 
 The last sampled token of every row lives on the device too (`last_tokens`):
 with overlap scheduling the next step is launched before the host has seen
@@ -18,70 +17,36 @@ that token, so a request with a token still pending feeds it from there
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from engine.forward_batch import ForwardBatch
 from engine.layers.attention import AttentionMetadata
 from engine.request import Request
-from engine.transfer import host_tensor, to_device
-
-PENDING_TOKEN = -1  # host_inputs' token for a request whose last token is still on the device
+from engine.step_message import DecodeMessage
+from engine.transfer import to_device
 
 
 class DecodeBatchState:
-    def __init__(
-        self,
-        max_rows: int,
-        max_pages: int,
-        page_size: int,
-        device: torch.device,
-        slot_dtype: torch.dtype,
-        pages_of: Callable[[Request], tuple[list[int], list[int]]],
-        mirror_on_host: bool | None = None,
-    ) -> None:
-        """pages_of(request) -> (shared prefix pages, private pages): the request's table in two parts.
-        mirror_on_host: keep a host copy of the rows (default: when the device is not the CPU)."""
+    def __init__(self, max_rows: int, max_pages: int, page_size: int, device: torch.device,
+                 slot_dtype: torch.dtype) -> None:
         self.page_table = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
-        # The same rows on the host, for runners that pad batches on the host (HPU buckets): written
-        # with the same diffs, so such a runner never copies the device table back.
-        if mirror_on_host is None:
-            mirror_on_host = device.type != "cpu"
-        self.host_page_table = torch.zeros(max_rows, max_pages, dtype=torch.int32) if mirror_on_host else self.page_table
         self.last_tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)  # each row's last sampled token
         self.max_pages = max_pages
         self.page_size = page_size
         self.device = device
         self.slot_dtype = slot_dtype
-        self.pages_of = pages_of
-        self._free_rows = list(range(max_rows - 1, -1, -1))
         self.penalties: PenaltyState | None = None  # set by the engine (needs the vocabulary size)
-        self.rows_written = 0  # page-table entries sent to the device so far (a test reads it)
 
-    @property
-    def rows_in_use(self) -> int:
-        return self.page_table.shape[0] - len(self._free_rows)
+    def apply(self, message: DecodeMessage) -> None:
+        """The message's new page-table entries into the device rows (one small copy)."""
+        if message.page_diffs is not None:
+            diff = to_device(message.page_diffs, torch.int64, self.device)
+            self.page_table[diff[0], diff[1]] = diff[2].to(torch.int32)
 
-    def release(self, request: Request) -> None:
-        """The request stopped decoding (finished, aborted or retracted): its row is free again."""
-        if request.batch_row is not None:
-            if self.penalties is not None:
-                self.penalties.release(request.batch_row)
-            self._free_rows.append(request.batch_row)
-            request.batch_row = None
-            request.batch_row_pages = 0
-
-    def assign_row(self, request: Request) -> int:
-        """The request's decode row, taken from the free rows the first time it samples."""
-        if request.batch_row is None:
-            request.batch_row = self._free_rows.pop()
-            request.batch_row_pages = 0
-        return request.batch_row
-
-    def rows_of(self, requests: list[Request]) -> torch.Tensor:
-        """The decode rows of these requests (assigned where new), on the device."""
-        return to_device([self.assign_row(r) for r in requests], torch.int64, self.device)
+    def release_row(self, row: int) -> None:
+        """A row's request stopped decoding: its penalty state must be refilled for the next owner."""
+        if self.penalties is not None:
+            self.penalties.release(row)
 
     def record_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """A step's sampled tokens, kept on the device: the next decode step feeds them from here."""
@@ -91,73 +56,19 @@ class DecodeBatchState:
         """Each request's input token: the host's where it has it, else the row's last sampled token."""
         return torch.where(host_tokens >= 0, host_tokens, self.last_tokens.index_select(0, rows))
 
-    def host_inputs(self, requests: list[Request]) -> torch.Tensor:
-        """[4, batch] int64 on the host (pinned for CUDA): (input token or PENDING_TOKEN, position,
-        KV slot, decode row) of each request.
-
-        O(batch): a request's pages are written to its device row once, then only new ones
-        (one every page_size tokens); the diffs go to the device here, in one small copy.
-        """
-        diff_rows: list[int] = []
-        diff_cols: list[int] = []
-        diff_pages: list[int] = []
-        # Plain Python lists, turned into one tensor at the end (element writes into a tensor cost ~1 us each).
-        row_list, token_list, position_list, slot_list = [], [], [], []
-        page_size = self.page_size
-        for request in requests:
-            shared, private = self.pages_of(request)
-            num_pages = len(shared) + len(private)
-            row = self.assign_row(request)
-            written = request.batch_row_pages
-            if num_pages > written:
-                if num_pages > self.max_pages:
-                    raise ValueError(f"request {request.request_id} has {num_pages} pages; rows hold {self.max_pages}")
-                for column in range(written, num_pages):
-                    diff_rows.append(row)
-                    diff_cols.append(column)
-                    diff_pages.append(shared[column] if column < len(shared) else private[column - len(shared)])
-                request.batch_row_pages = num_pages
-            position = request.num_tokens_with_pending - 1
-            column = position // page_size
-            page = shared[column] if column < len(shared) else private[column - len(shared)]
-            row_list.append(row)
-            token_list.append(PENDING_TOKEN if request.num_pending_tokens else request.last_token_id)
-            position_list.append(position)
-            slot_list.append(page * page_size + position % page_size)
-        if diff_rows:
-            self.rows_written += len(diff_rows)
-            diff = to_device([diff_rows, diff_cols, diff_pages], torch.int64, self.device)
-            self.page_table[diff[0], diff[1]] = diff[2].to(torch.int32)
-            if self.host_page_table is not self.page_table:
-                self.host_page_table[diff_rows, diff_cols] = torch.tensor(diff_pages, dtype=torch.int32)
-        return host_tensor([token_list, position_list, slot_list, row_list], torch.int64, self.device)
-
-    def decode_batch(self, requests: list[Request], on_host: bool = False) -> ForwardBatch:
-        """The decode step as a ForwardBatch (eager steps, and graph runners that take one).
-
-        on_host: inputs and page table as host tensors (decode rows still on the device, for the
-        sampler), for runners that pad on the host; every input token must be known to the host then
-        (no overlap scheduling)."""
-        host = self.host_inputs(requests)
-        if on_host:
-            if bool((host[0] == PENDING_TOKEN).any()):
-                raise ValueError("a host-side decode batch needs every input token on the host (overlap scheduling is on)")
-            inputs, table, rows = host, self.host_page_table, to_device(host[3], torch.int64, self.device)
-            input_ids = host[0]
-        else:
-            inputs, table = to_device(host, torch.int64, self.device), self.page_table
-            rows = inputs[3]
-            input_ids = self.input_tokens(inputs[0], rows)
-        positions = inputs[1]
+    def decode_batch(self, message: DecodeMessage, requests: list[Request]) -> ForwardBatch:
+        """The decode rows as a ForwardBatch on the device (eager steps, mixed steps, runners that take one)."""
+        inputs = to_device(message.inputs, torch.int64, self.device)
+        rows, positions = inputs[3], inputs[1]
         meta = AttentionMetadata(
             is_decode=True,
             slot_indices=inputs[2] if self.slot_dtype == torch.int64 else inputs[2].to(self.slot_dtype),
-            page_table=table.index_select(0, inputs[3]),
+            page_table=self.page_table.index_select(0, rows),
             seq_lens=(positions + 1).to(torch.int32),
             page_size=self.page_size,
         )
-        return ForwardBatch(input_ids=input_ids, positions=positions, meta=meta, logits_indices=None, requests=requests,
-                            decode_rows=rows)
+        return ForwardBatch(input_ids=self.input_tokens(inputs[0], rows), positions=positions, meta=meta,
+                            logits_indices=None, requests=requests, decode_rows=rows)
 
 
 class PenaltyState:

@@ -13,6 +13,7 @@ import torch
 
 from backends import get_platform
 from engine.batch_state import DecodeBatchState, PenaltyState
+from engine.step_message import StepBuilder
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, InvalidRequestError, RequestFailedError, UnsupportedArchitectureError
@@ -89,14 +90,19 @@ class Engine:
         max_pages = -(-self.max_model_len // self.kv_pool.page_size)
         self.decode_state = DecodeBatchState(
             int(self.config.max_num_seqs), max_pages, self.kv_pool.page_size, self.device, self.platform.slot_index_dtype,
-            lambda request: (request.shared_pages, self.kv_pool.allocator.pages_of(request.request_id)),
         )
         self.decode_state.penalties = PenaltyState(int(self.config.max_num_seqs), int(self.model_config.vocab_size), self.device)
-        self.kv_manager.on_release = self.decode_state.release
+        # The host side of the decode rows, and the builder of every step's message (engine/step_message.py).
+        self.step_builder = StepBuilder(
+            int(self.config.max_num_seqs), max_pages, self.kv_pool.page_size, self.device,
+            lambda request: (request.shared_pages, self.kv_pool.allocator.pages_of(request.request_id)),
+            on_row_released=self.decode_state.release_row,
+        )
+        self.kv_manager.on_release = self.step_builder.release
         graph_runner = self._graph_runner()
         extend_step = self._extend_step()
         self.runner = ModelRunner(
-            self.model, self.kv_pool, self.kv_manager, self.device, self.platform.slot_index_dtype, graph_runner,
+            self.model, self.kv_pool, self.device, self.platform.slot_index_dtype, graph_runner,
             self.decode_state, extend_step, self._extend_graphs(extend_step, graph_runner, max_pages),
         )
         # Debug mode: the pool invariant after every step (ENGINE_DEBUG_KV=1 or debug_kv_invariant).
@@ -330,7 +336,7 @@ class Engine:
         rewind = _generator_states(step.sampled_requests)
         start = time.perf_counter()
         try:
-            parts = [(step, self.runner.launch(step))]
+            parts = [(step, self.runner.launch(step, self.step_builder.build(step)))]
             failed: list[tuple[Request, Exception]] = []
         except Exception as exc:  # noqa: BLE001 - isolated below: only the culprit fails
             parts, failed = self._isolate_failure(step, exc, rewind)
@@ -399,7 +405,7 @@ class Engine:
         for sub in parts:
             _rewind_generators(sub.sampled_requests, rewind)
             try:
-                done.append((sub, self.runner.launch(sub)))
+                done.append((sub, self.runner.launch(sub, self.step_builder.build(sub))))
             except Exception as exc:  # noqa: BLE001
                 sub_done, sub_failed = self._isolate_failure(sub, exc, rewind)
                 done += sub_done

@@ -8,14 +8,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.batch_state import DecodeBatchState
-from engine.forward_batch import ForwardBatch, build_forward_batch, mixed_forward_batch
+from engine.forward_batch import ForwardBatch, extend_forward_batch, mixed_forward_batch
 from engine.kv_cache import KVPool
-from engine.kv_manager import KVCacheManager
 from engine.layers.attention import step_context
 from engine.models.interface import CausalLM
 from engine.sampler import SampledTokens, record_prompt_logprobs, sample
 from engine.scheduler import ScheduledStep
-from graphs.runner import DecodeGraphRunner
+from engine.step_message import StepMessage
+from engine.transfer import to_device
+from graphs.runner import DecodeRunner
 
 if TYPE_CHECKING:
     from graphs.compiled_extend import CompiledExtendStep
@@ -27,21 +28,23 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions per full-vocabulary logits slice (
 
 
 class ModelRunner:
+    """Runs a step's message on the device: the decode rows through the platform's graph runner (one
+    contract for every platform: `run_decode(message, state)`), everything else eagerly or through
+    the compiled/graphed extend step; then samples."""
+
     def __init__(
         self,
         model: CausalLM,
         kv_pool: KVPool,
-        kv_manager: KVCacheManager,
         device: torch.device,
         slot_dtype: torch.dtype,
-        graph_runner: DecodeGraphRunner | None,
+        graph_runner: DecodeRunner | None,
         decode_state: DecodeBatchState,
         extend_step: "CompiledExtendStep | None" = None,
         extend_graphs: "ExtendGraphRunner | None" = None,
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
-        self.kv_manager = kv_manager
         self.device = device
         self.slot_dtype = slot_dtype
         self.graph_runner = graph_runner
@@ -52,27 +55,24 @@ class ModelRunner:
         self.eager_steps = 0
 
     @torch.no_grad()
-    def logits(self, step: ScheduledStep) -> torch.Tensor | None:
+    def logits(self, step: ScheduledStep, message: StepMessage) -> torch.Tensor | None:
         """Logits [sampled requests, vocab]; None when no request samples (chunks of long prompts only)."""
-        return self._forward(step)[0]
+        return self._forward(step, message)[0]
 
-    def _forward(self, step: ScheduledStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _forward(self, step: ScheduledStep, message: StepMessage) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(logits of the sampled requests, their decode rows on the device: None for extend steps)."""
-        runner, state = self.graph_runner, self.decode_state
-        if step.is_decode and runner is not None and runner.can_run(len(step.requests)) \
-                and getattr(runner, "fills_from_rows", False):
-            # The graph's static buffers filled straight from the persistent rows: one copy, a few gathers.
-            self.graph_steps += 1
-            return runner.run_from_rows(state.host_inputs(step.requests), state)
+        state = self.decode_state
+        if message.decode is not None:
+            state.apply(message.decode)
+        runner = self.graph_runner
         if step.is_decode:
-            # O(batch): rows updated by diffs. Host tensors for a graph runner that pads on the host.
-            on_host = runner is not None and getattr(runner, "takes_host_inputs", False) and runner.can_run(len(step.requests))
-            batch = state.decode_batch(step.requests, on_host=on_host)
+            assert message.decode is not None
+            if runner is not None and runner.can_run(message.decode.batch_size):
+                self.graph_steps += 1
+                return runner.run_decode(message.decode, state)
+            batch = state.decode_batch(message.decode, step.requests)
         else:
-            batch = self._extend_batch(step)
-        if step.is_decode and self.graph_runner is not None and self.graph_runner.can_run(batch.batch_size):
-            self.graph_steps += 1
-            return self.graph_runner.run(batch.input_ids, batch.positions, batch.meta), batch.decode_rows
+            batch = self._extend_batch(step, message)
         if not step.is_decode and self.extend_graphs is not None and self.extend_graphs.can_run(batch):
             hidden = self.extend_graphs.run(batch)
         elif not step.is_decode and self.extend_step is not None:
@@ -88,19 +88,17 @@ class ModelRunner:
             hidden = hidden[batch.logits_indices]
         return self.model.compute_logits(hidden), batch.decode_rows
 
-    def _extend_batch(self, step: ScheduledStep) -> ForwardBatch:
+    def _extend_batch(self, step: ScheduledStep, message: StepMessage) -> ForwardBatch:
         """An extend step's batch; a mixed step's decode rows come from the persistent state, first."""
-        requests = step.extend_requests
-        pages = {r.request_id: self.kv_manager.page_table(r) for r in requests}
-        extend = build_forward_batch(
-            requests, False, pages, self.kv_pool.page_size, self.device, self.slot_dtype,
-            extend_lens=step.extend_lens, sample_mask=step.sample_mask[step.num_decodes :],
-        )
+        assert message.extend is not None
+        extend = extend_forward_batch(message.extend, step.extend_requests, self.kv_pool.page_size, self.device,
+                                      self.slot_dtype)
         if not step.is_mixed:
             return extend
-        decodes = step.decode_requests
-        decode = self.decode_state.decode_batch(decodes)
-        return mixed_forward_batch(decode, extend, [r.num_tokens_with_pending for r in decodes])
+        assert message.decode is not None
+        decode = self.decode_state.decode_batch(message.decode, step.decode_requests)
+        decode_seq_lens = (message.decode.inputs[1] + 1).tolist()  # host tensor: no device sync
+        return mixed_forward_batch(decode, extend, decode_seq_lens)
 
     def _record_prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch) -> None:
         """Echo with logprobs (server): logits of every prompt token, only for requests that ask.
@@ -122,17 +120,16 @@ class ModelRunner:
                 record_prompt_logprobs(request, logits, positions[offset : offset + end - begin])
 
     @torch.no_grad()
-    def launch(self, step: ScheduledStep) -> SampledTokens | None:
+    def launch(self, step: ScheduledStep, message: StepMessage) -> SampledTokens | None:
         """Queue the step on the device: forward, sampling, and the sampled tokens kept in the decode
         rows for the next step. Nothing here waits for the device; None when no request samples."""
-        logits, rows = self._forward(step)
+        logits, rows = self._forward(step, message)
         if logits is None:
             return None
-        requests = step.sampled_requests
         state = self.decode_state
         if rows is None or step.is_mixed:
-            # An extend: requests that now start decoding get their rows (a mixed step's decodes have theirs).
-            rows = state.rows_of(requests)
-        sampled = sample(logits, requests, state.penalties, rows)
+            # An extend: requests that now start decoding got their rows in the message.
+            rows = to_device(message.sample_rows, torch.int64, self.device)
+        sampled = sample(logits, step.sampled_requests, state.penalties, rows)
         state.record_sampled(rows, sampled.token_ids)
         return sampled

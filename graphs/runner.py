@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -16,8 +16,23 @@ from graphs.static_buffers import StaticDecodeBuffers
 
 if TYPE_CHECKING:
     from engine.batch_state import DecodeBatchState
+    from engine.step_message import DecodeMessage
 
 logger = logging.getLogger(__name__)
+
+
+class DecodeRunner(Protocol):
+    """What every platform's decode runner offers the engine (CUDA/HIP graphs, CPU compiled graphs,
+    HPU buckets, NPU graphs): the same decode message from the persistent state, in every case."""
+
+    def can_run(self, batch_size: int) -> bool: ...
+
+    def capture(self) -> None:
+        """Capture (or compile and warm up) every size once, before serving."""
+
+    def run_decode(self, message: "DecodeMessage", state: "DecodeBatchState") -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [n, vocab] float32, the decode rows [n] on the device) of the message's n rows."""
+        ...
 
 
 class DecodeGraphRunner(abc.ABC):
@@ -63,23 +78,19 @@ class DecodeGraphRunner(abc.ABC):
             type(self).__name__, self.capture_sizes, self.capture_seconds, self.graph_memory_bytes / 2**20,
         )
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [n, vocab] float32 of a real decode batch of n rows."""
-        n = input_ids.shape[0]
+    def run_decode(self, message: "DecodeMessage", state: "DecodeBatchState") -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [n, vocab], decode rows [n]) of the message's rows: with int64 slots the static buffers
+        are filled straight from the persistent rows (one copy and a few gathers); otherwise from the
+        rows' device batch."""
+        n = message.batch_size
         padded = self.padded_size(n)
-        self.buffers.fill(input_ids, positions, meta, padded)
-        return self._replay(padded)[:n]
-
-    def run_from_rows(self, host_inputs: torch.Tensor, state: "DecodeBatchState") -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [n, vocab], decode rows [n]) of a decode batch given as rows of the persistent state."""
-        n = host_inputs.shape[1]
-        padded = self.padded_size(n)
-        rows = self.buffers.fill_from_rows(host_inputs, state, padded)
-        return self._replay(padded)[:n], rows
-
-    @property
-    def fills_from_rows(self) -> bool:
-        return self.buffers.staging is not None
+        if self.buffers.staging is not None:
+            rows = self.buffers.fill_from_rows(message.inputs, state, padded)
+            return self._replay(padded)[:n], rows
+        batch = state.decode_batch(message, [])
+        assert batch.decode_rows is not None
+        self.buffers.fill(batch.input_ids, batch.positions, batch.meta, padded)
+        return self._replay(padded)[:n], batch.decode_rows
 
     def step_eager(self, bs: int) -> torch.Tensor:
         """The step as captured: the model over the static buffers' first bs rows."""

@@ -417,7 +417,7 @@ def assert_engine_idle(engine: Engine) -> None:
     assert not engine.has_unfinished(), "engine still has unfinished requests"
     engine.check_kv_invariant()
     assert engine.kv_pages_in_use() == 0, f"{engine.kv_pages_in_use()} KV pages still in use while idle"
-    assert engine.decode_state.rows_in_use == 0, f"{engine.decode_state.rows_in_use} decode rows still held while idle"
+    assert engine.step_builder.rows_in_use == 0, f"{engine.step_builder.rows_in_use} decode rows still held while idle"
 
 
 def _reset(engine: Engine) -> None:

@@ -152,7 +152,7 @@ def run_staggered(
 def engine_logits(engine: Engine, token_ids: Sequence[int], next_token: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Our logits [vocab] at the last prompt position (prefill) and after feeding next_token (decode).
 
-    Goes through engine.runner.logits with hand-built ScheduledSteps, so the decode step takes the
+    Goes through engine.runner.logits with hand-built ScheduledSteps (and their messages), so the decode step takes the
     graph runner when the engine has one; pages come from (and go back to) the engine's allocator.
     """
     request = Request("logits-probe", list(token_ids), SamplingParams(temperature=0.0))
@@ -160,10 +160,12 @@ def engine_logits(engine: Engine, token_ids: Sequence[int], next_token: int) -> 
     # Through the KV manager, which evicts cached pages of earlier tests when the pool is full.
     assert kv.allocate(request, len(token_ids) + 1), "KV pool too small for the probe"
     try:
-        prefill = engine.runner.logits(ScheduledStep(False, [request], [len(token_ids)]))[-1].clone()
+        step = ScheduledStep(False, [request], [len(token_ids)])
+        prefill = engine.runner.logits(step, engine.step_builder.build(step))[-1].clone()
         request.num_cached_tokens = request.num_tokens
         request.output_token_ids.append(int(next_token))
-        decode = engine.runner.logits(ScheduledStep(True, [request], []))[0].clone()
+        step = ScheduledStep(True, [request], [])
+        decode = engine.runner.logits(step, engine.step_builder.build(step))[0].clone()
     finally:
         kv.release(request, cache=False)  # frees its persistent decode row too
     return prefill, decode

@@ -1,4 +1,5 @@
-"""The persistent decode rows: device table and host mirror stay equal under diffs, joins and leaves."""
+"""The persistent decode rows: the step messages' diffs keep the device table equal to the host's, and a
+host-side batch (HPU/NPU runners) equal to the device batch, under growth, joins and leaves."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import random
 import pytest
 import torch
 
-from engine.batch_state import PENDING_TOKEN, DecodeBatchState
+from engine.batch_state import DecodeBatchState
+from engine.step_message import PENDING_TOKEN, StepBuilder
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -17,15 +19,15 @@ def test_host_mirror_and_host_batches_match_the_device_rows() -> None:
     rng = random.Random(0)
     page_size, max_pages = 4, 16
     pages: dict[str, list[int]] = {}
-    state = DecodeBatchState(8, max_pages, page_size, torch.device("cpu"), torch.int64,
-                             lambda r: ([], pages[r.request_id]), mirror_on_host=True)
-    assert state.host_page_table is not state.page_table
+    state = DecodeBatchState(8, max_pages, page_size, torch.device("cpu"), torch.int64)
+    builder = StepBuilder(8, max_pages, page_size, torch.device("cpu"), lambda r: ([], pages[r.request_id]))
+    assert builder.host_page_table is not state.page_table
     free_pages = list(range(1, 200))
     rng.shuffle(free_pages)
     live: list[Request] = []
 
     def leave(request: Request) -> None:
-        state.release(request)
+        builder.release(request)
         free_pages.extend(pages.pop(request.request_id))  # a later request may get the same pages
         live.remove(request)
 
@@ -44,21 +46,38 @@ def test_host_mirror_and_host_batches_match_the_device_rows() -> None:
             leave(request)  # its row is full: it leaves, as at max_model_len
         if not live:
             continue
-        device_batch = state.decode_batch(live)
-        host_batch = state.decode_batch(live, on_host=True)
-        for name in ("input_ids", "positions"):
-            assert torch.equal(getattr(device_batch, name), getattr(host_batch, name))
-        for name in ("slot_indices", "page_table", "seq_lens"):
-            assert torch.equal(getattr(device_batch.meta, name), getattr(host_batch.meta, name)), name
-        assert torch.equal(device_batch.decode_rows, host_batch.decode_rows)
+        message = builder.decode_message(live)
+        state.apply(message)
+        device_batch = state.decode_batch(message, live)
+        ids, positions, slots, table, lens = message.host_batch()
+        assert torch.equal(device_batch.input_ids, ids) and torch.equal(device_batch.positions, positions)
+        meta = device_batch.meta
+        assert torch.equal(meta.slot_indices, slots) and torch.equal(meta.page_table, table)
+        assert torch.equal(meta.seq_lens, lens)
         rows = device_batch.decode_rows
-        assert torch.equal(state.page_table[rows], state.host_page_table[rows])
+        assert torch.equal(state.page_table[rows], builder.host_page_table[rows])
+        for request, row in zip(live, rows.tolist()):  # each row holds exactly its request's pages
+            own = pages[request.request_id]
+            assert state.page_table[row, : len(own)].tolist() == own
 
 
 def test_a_host_batch_refuses_a_token_still_on_the_device() -> None:
-    state = DecodeBatchState(2, 4, 4, torch.device("cpu"), torch.int64, lambda r: ([], [1, 2]), mirror_on_host=True)
+    builder = StepBuilder(2, 4, 4, torch.device("cpu"), lambda r: ([], [1, 2]))
     request = Request("r", [5, 6, 7], SamplingParams())
     request.num_pending_tokens = 1  # overlap scheduling: its last token was sampled, not yet read back
-    assert state.host_inputs([request])[0, 0] == PENDING_TOKEN
+    message = builder.decode_message([request])
+    assert message.inputs[0, 0] == PENDING_TOKEN
     with pytest.raises(ValueError, match="overlap"):
-        state.decode_batch([request], on_host=True)
+        message.host_batch()
+
+
+def test_a_message_that_fails_to_build_sends_its_pages_again() -> None:
+    """A row too long for the table fails the message; the rows before it must not count their pages
+    as sent, or the device would never get them."""
+    pages = {"a": [3], "b": [4, 5, 6, 7, 8]}
+    builder = StepBuilder(2, 4, 4, torch.device("cpu"), lambda r: ([], pages[r.request_id]))
+    a, b = Request("a", [1, 2], SamplingParams()), Request("b", [1] * 18, SamplingParams())
+    with pytest.raises(ValueError, match="rows hold 4"):
+        builder.decode_message([a, b])
+    message = builder.decode_message([a])
+    assert message.page_diffs is not None and message.page_diffs[2].tolist() == [3]

@@ -51,9 +51,9 @@ def test_padded_bucket_gives_the_batch_s_own_result() -> None:
         step = attention_step(*caches)
         # The prefix of r1 and r2 must be in the cache: run their cached tokens first.
         warm = [Request("w1", requests[1].prompt_token_ids[:32], SamplingParams()), Request("w2", requests[2].prompt_token_ids[:8], SamplingParams())]
-        prefix = build_forward_batch(warm, False, {"w1": pages["r1"], "w2": pages["r2"]}, PAGE, torch.device(DEVICE), extend_lens=[32, 8])
+        prefix = build_forward_batch(warm, {"w1": pages["r1"], "w2": pages["r2"]}, PAGE, torch.device(DEVICE), extend_lens=[32, 8])
         step(prefix.input_ids, prefix.positions, prefix.meta)
-        batch = build_forward_batch(requests, False, pages, PAGE, torch.device(DEVICE), extend_lens=lens)
+        batch = build_forward_batch(requests, pages, PAGE, torch.device(DEVICE), extend_lens=lens)
         want = step(batch.input_ids, batch.positions, batch.meta)
         before = [c.clone() for c in caches]  # the padded step rewrites the real slots with the same k/v
         runner = ExtendGraphRunner(step, [16, 64, 128], max_requests=8, max_pages=8, page_size=PAGE, device=torch.device(DEVICE))

@@ -54,7 +54,7 @@ def _streamed(engine: Engine, params: list[SamplingParams]) -> tuple[list[tuple[
         overlapped_steps += engine._in_flight is not None
     for request_id in ids:
         assert deltas[request_id] == finals[request_id].token_ids and texts[request_id] == finals[request_id].text
-    assert engine.kv_pages_in_use() == 0 and engine.decode_state.rows_in_use == 0
+    assert engine.kv_pages_in_use() == 0 and engine.step_builder.rows_in_use == 0
     return [_summary(finals[request_id]) for request_id in ids], overlapped_steps
 
 
@@ -93,7 +93,7 @@ def test_aborts_stop_at_the_last_token_seen(overlapped: Engine, synchronous: Eng
                 engine.abort(victim)
         assert emitted[victim] == full[ids[victim]][:3]
         assert all(emitted[r] == full[ids[r]] for r in ids if r != victim)
-        assert engine.kv_pages_in_use() == 0 and engine.decode_state.rows_in_use == 0
+        assert engine.kv_pages_in_use() == 0 and engine.step_builder.rows_in_use == 0
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])

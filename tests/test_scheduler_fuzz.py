@@ -21,7 +21,7 @@ import random
 
 import pytest
 
-from engine.forward_batch import slot_of
+from engine.step_message import slot_of
 from engine.kv_cache import PageAllocator
 from engine.kv_manager import KVCacheManager, pages_needed
 from engine.request import Request, RequestStatus

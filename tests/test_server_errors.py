@@ -216,11 +216,11 @@ def test_a_failing_step_fails_its_requests_and_the_engine_lives_on(smol_engine: 
     original = runner.launch
     calls = {"n": 0}
 
-    def fail_once(step):  # noqa: ANN001, ANN202
+    def fail_once(step, message):  # noqa: ANN001, ANN202
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected step failure")
-        return original(step)
+        return original(step, message)
 
     runner.launch = fail_once  # type: ignore[method-assign]
     try:

@@ -42,6 +42,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from backends.base import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform, load_yaml_config
+from engine.layers.attention import AttentionMetadata
+from engine.transfer import to_device
 
 logger = logging.getLogger(__name__)
 GRAPH_MODES = ("compile", "lazy", "eager")
@@ -215,10 +217,6 @@ def model_step(
 class HpuEngineRunner:
     """HpuDecodeRunner behind the engine's runner interface (engine/engine.py, graphs/runner.py)."""
 
-    # Buckets are chosen and padded on the host (HpuDecodeRunner.pad): the engine hands over host
-    # tensors from the persistent decode state, so no step copies its inputs back from the device.
-    takes_host_inputs = True
-
     def __init__(
         self,
         model: Any,
@@ -255,7 +253,16 @@ class HpuEngineRunner:
         with torch.no_grad():
             self.inner.warmup()
 
+    def run_decode(self, message: Any, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's decode contract (graphs/runner.py DecodeRunner). Buckets are chosen and padded
+        on the host (HpuDecodeRunner.pad), from the message's host tensors and the host copy of the
+        rows' pages, so no step copies its inputs back from the device."""
+        ids, positions, slots, page_table, seq_lens = message.host_batch()
+        rows = to_device(message.inputs[3], torch.int64, state.device)
+        return self.run(ids, positions, AttentionMetadata(True, slots, page_table, seq_lens, state.page_size)), rows
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        """Logits of one decode batch given as (host or device) tensors."""
         from backends.hpu.bucketing import BucketOverflowError
 
         try:
@@ -265,7 +272,7 @@ class HpuEngineRunner:
             from backends.hpu.attention import HpuFlatMetadata
 
             # The exact (unbucketed) flat layout, built once for all layers.
-            device = self.kv_caches[0][0].device  # the inputs may be host tensors (takes_host_inputs)
+            device = self.kv_caches[0][0].device  # the inputs may be host tensors
             input_ids, positions = input_ids.to(device), positions.to(device)
             meta = dataclasses.replace(meta, slot_indices=meta.slot_indices.to(device), page_table=meta.page_table.to(device),
                                        seq_lens=meta.seq_lens.to(device))

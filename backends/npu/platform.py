@@ -30,6 +30,7 @@ import torch
 
 from backends.base import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform, load_yaml_config
 from backends.npu.kv_store import slot_scatter_indices, store_kv_reference, updates_for
+from engine.transfer import to_device
 
 logger = logging.getLogger(__name__)
 MAX_ACLGRAPH_GRAPHS = 1800  # vllm-ascend: 2048 streams minus 248 kept in reserve
@@ -165,11 +166,6 @@ def model_step(
 class NpuEngineRunner:
     """NpuDecodeGraphRunner behind the engine's runner interface (engine/engine.py, graphs/runner.py)."""
 
-    # The captured attention op takes host-side lengths (seq_lens_host, graph.update): the engine
-    # hands over host tensors from the persistent decode state, so no step copies lengths back from
-    # the device before its replay (fill_static_inputs copies host -> device).
-    takes_host_inputs = True
-
     def __init__(
         self,
         model: Any,
@@ -206,5 +202,15 @@ class NpuEngineRunner:
         with torch.no_grad():
             self.inner.capture()
 
+    def run_decode(self, message: Any, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's decode contract (graphs/runner.py DecodeRunner). The captured attention op takes
+        host-side lengths (seq_lens_host, graph.update), so the step is filled from the message's host
+        tensors and the host copy of the rows' pages: no step copies lengths back from the device
+        before its replay (fill_static_inputs copies host -> device)."""
+        ids, positions, slots, page_table, seq_lens = message.host_batch()
+        rows = to_device(message.inputs[3], torch.int64, state.device)
+        return self.inner.run(ids, positions, slots.to(torch.int32), page_table, seq_lens), rows
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        """Logits of one decode batch given as (host or device) tensors."""
         return self.inner.run(input_ids, positions, meta.slot_indices, meta.page_table, meta.seq_lens)
