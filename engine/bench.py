@@ -53,6 +53,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--include-eager", action="store_true", help="also time the engine with graphs disabled")
     group.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's own)")
     group.add_argument("--skip-hf", action="store_true", help="do not time HF transformers")
+    group.add_argument("--with-int8-activations", action="store_true",
+                       help="also time the engine with --gguf-activations int8 (GGUF blocks kept on the CPU)")
+    group.add_argument("--llama-cpp", action="store_true",
+                       help="also time llama.cpp (llama-cpp-python) on the same GGUF file, at batch size 1")
     group.add_argument("--output", default="bench_results/cpu_bench.json", help="JSON file for results and raw samples")
 
 
@@ -90,6 +94,38 @@ def time_engine(engine: Any, prompts: list[list[int]], output_len: int) -> tuple
             if len(first_seen) == len(prompts):
                 t_first = now
     return t_last - t_first, decode_tokens, [outputs[r] for r in order]
+
+
+def load_llama_cpp(model_arg: str | None, threads: int, context: int) -> Any:
+    """llama-cpp-python over the same GGUF file, with the same thread count (CPU only, no GPU layers)."""
+    from llama_cpp import Llama
+
+    from engine.loader.resolve import default_model_path
+
+    path = default_model_path() if model_arg is None else os.path.expanduser(model_arg)
+    if not path.endswith(".gguf"):
+        raise ValueError("--llama-cpp needs a GGUF model")
+    return Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=context, n_batch=512,
+                 n_gpu_layers=0, verbose=False, seed=0)
+
+
+def time_llama_cpp(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[float, int, list[list[int]]]:
+    """(decode seconds, decode tokens, output ids) of one greedy generation per prompt, one at a time
+    (llama-cpp-python's generate decodes one sequence): the same span as the engine's, from the first
+    new token to the last."""
+    seconds, tokens, outputs = 0.0, 0, []
+    for prompt in prompts:
+        llm.reset()
+        ids, stamps = [], []
+        for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            stamps.append(time.perf_counter())
+            ids.append(int(token))
+            if len(ids) == output_len:
+                break
+        seconds += stamps[-1] - stamps[0]
+        tokens += len(ids) - 1
+        outputs.append(ids)
+    return seconds, tokens, outputs
 
 
 class _StepClock:
@@ -175,6 +211,8 @@ def measure(
     if name == "hf":
         seconds, tokens, ids, subtracted = time_hf(system, prompts, output_len, pad_id)
         extra = {"subtraction_seconds": subtracted, "subtraction_tok_s": tokens / subtracted}
+    elif name == "llama.cpp":
+        seconds, tokens, ids = time_llama_cpp(system, prompts, output_len)
     else:
         seconds, tokens, ids = time_engine(system, prompts, output_len)
     wall = time.perf_counter() - wall0
@@ -226,19 +264,22 @@ def _row(system: str, dtype: str, bs: int, samples: list[dict[str, float]], outp
 def print_table(rows: list[dict[str, Any]]) -> None:
     hf = {(r["dtype"], r["batch_size"]): r["tok_s"] for r in rows if r["system"] == "hf"}
     best_hf = {bs: max(v for (_, b), v in hf.items() if b == bs) for (_, bs) in hf}
+    llama = {(r["dtype"], r["batch_size"]): r["tok_s"] for r in rows if r["system"] == "llama.cpp"}
     header = (
-        f"{'system':<14}{'dtype':<10}{'batch':>6}{'tok/s':>9}{'best':>8}{'ms/step':>9}"
-        f"{'vs HF':>8}{'vs best HF':>12}{'cpu share':>11}{'clean':>7}"
+        f"{'system':<16}{'dtype':<10}{'batch':>6}{'tok/s':>9}{'best':>8}{'ms/step':>9}"
+        f"{'vs HF':>8}{'vs best HF':>12}{'vs llama.cpp':>14}{'cpu share':>11}{'clean':>7}"
     )
     print(header + "\n" + "-" * len(header))
     for r in rows:
         ratio = r["tok_s"] / hf[(r["dtype"], r["batch_size"])] if (r["dtype"], r["batch_size"]) in hf else None
         best = r["tok_s"] / best_hf[r["batch_size"]] if r["batch_size"] in best_hf else None
+        peer = llama.get((r["dtype"], r["batch_size"]))
+        versus = r["tok_s"] / peer if peer and r["system"] != "llama.cpp" else None
         clean = f"{sum(x['cpu_share'] >= CLEAN_SHARE for x in r['samples'])}/{len(r['samples'])}"
         print(
-            f"{r['system']:<14}{r['dtype']:<10}{r['batch_size']:>6}{r['tok_s']:>9.1f}{r['best_tok_s']:>8.1f}"
+            f"{r['system']:<16}{r['dtype']:<10}{r['batch_size']:>6}{r['tok_s']:>9.1f}{r['best_tok_s']:>8.1f}"
             f"{r['ms_per_step']:>9.1f}{(f'{ratio:.2f}x' if ratio else '-'):>8}{(f'{best:.2f}x' if best else '-'):>12}"
-            f"{r['cpu_share']:>11.2f}{clean:>7}"
+            f"{(f'{versus:.2f}x' if versus else '-'):>14}{r['cpu_share']:>11.2f}{clean:>7}"
         )
     print("tok/s, ms/step: medians over repeats; best: fastest sample; vs best HF: against the faster HF dtype at that\n"
           "batch size; cpu share: median CPU time granted / (wall x threads); clean: samples with a share >= "
@@ -260,9 +301,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # Capture exactly the benchmarked sizes (each CPU capture is a compile) unless told otherwise.
     capture = args.capture_sizes or ",".join(str(b) for b in batch_sizes)
     max_seqs = args.max_num_seqs or max(batch_sizes)
-    variants = [("engine-eager" if args.disable_graphs else "engine", args.disable_graphs)]
+    variants: list[tuple[str, dict[str, Any]]] = [
+        ("engine-eager" if args.disable_graphs else "engine", {"disable_graphs": args.disable_graphs})]
     if args.include_eager and not args.disable_graphs:
-        variants.append(("engine-eager", True))
+        variants.append(("engine-eager", {"disable_graphs": True}))
+    if args.with_int8_activations:
+        variants.append(("engine-int8act", {"disable_graphs": args.disable_graphs, "gguf_activations": "int8"}))
     results: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join((["engine"] if os.path.basename(sys.argv[0]) == "engine" else sys.argv[:1]) + sys.argv[1:]),
@@ -279,10 +323,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = results["rows"]
     for dtype in dtypes:
         systems: dict[str, Any] = {}
-        for name, eager in variants:
+        for name, overrides in variants:
             start = time.perf_counter()
             systems[name] = Engine(
-                engine_config_from_args(args, dtype=dtype, capture_sizes=capture, max_num_seqs=max_seqs, disable_graphs=eager)
+                engine_config_from_args(args, dtype=dtype, capture_sizes=capture, max_num_seqs=max_seqs, **overrides)
             )
             results.setdefault("engine_build_seconds", {})[f"{name}/{dtype}"] = time.perf_counter() - start
         first = next(iter(systems.values()))
@@ -296,18 +340,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "attn_implementation": hf_model.config._attn_implementation,
                 "packed_gguf_modules": sum("gguf" in type(m).__name__.lower() for m in hf_model.modules()),
             }
+        if args.llama_cpp:
+            systems["llama.cpp"] = load_llama_cpp(args.model, torch.get_num_threads(), args.input_len + args.output_len + 8)
+            results["llama_cpp_version"] = __import__("llama_cpp").__version__
         candidates = (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
         pad_id = next((i for i in candidates if i is not None), 0)  # prompts are equal-length: never read
-        samples: dict[tuple[str, int], list[dict[str, float]]] = {(s, b): [] for s in systems for b in batch_sizes}
+        def runs_at(name: str, bs: int) -> bool:
+            return name != "llama.cpp" or bs == 1  # one sequence at a time: batch 1 is its fair case
+
+        samples: dict[tuple[str, int], list[dict[str, float]]] = {
+            (s, b): [] for s in systems for b in batch_sizes if runs_at(s, b)}
         last_ids: dict[tuple[str, int], list[list[int]]] = {}
-        bar = tqdm(total=len(batch_sizes) * args.repeats * len(systems), desc=f"bench {dtype}", unit="run")
+        bar = tqdm(total=len(samples) * args.repeats, desc=f"bench {dtype}", unit="run")
         for bs in batch_sizes:
             prompts = build_prompts(tokenizer, bs, args.input_len, vocab_size)
-            for name, system in systems.items():  # warm-up: allocator, prefill shapes, HF caches
+            here = {name: system for name, system in systems.items() if runs_at(name, bs)}
+            for name, system in here.items():  # warm-up: allocator, prefill shapes, HF caches
                 bar.set_postfix_str(f"warm-up {name} bs={bs}")
                 measure(name, system, prompts, 2, pad_id)
             for _ in range(args.repeats):
-                for name, system in systems.items():  # interleaved so background load hits all alike
+                for name, system in here.items():  # interleaved so background load hits all alike
                     bar.set_postfix_str(f"{name} bs={bs}")
                     sample, ids = measure(name, system, prompts, args.output_len, pad_id)
                     samples[(name, bs)].append(sample)
@@ -323,7 +375,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 row["mean_prefix_agreement_with_hf"] = statistics.mean(_common_prefix(a, b) for a, b in pairs)
             rows.append(row)
         del systems, hf_model
-    order = {"engine": 0, "engine-eager": 1, "hf": 2}
+    order = {"engine": 0, "engine-int8act": 1, "engine-eager": 2, "llama.cpp": 3, "hf": 4}
     rows.sort(key=lambda r: (dtypes.index(r["dtype"]), r["batch_size"], order.get(r["system"], 3)))
     results["machine"]["load_average_end"] = os.getloadavg()
     print_table(rows)

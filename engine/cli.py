@@ -25,6 +25,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quantization", default="auto", choices=["auto", "gguf", "none"],
         help="GGUF weights: kept in their blocks on the CPU (auto, gguf) or dequantized at load (none); docs/quantization.md",
     )
+    group.add_argument(
+        "--gguf-activations", default="float32", choices=["float32", "int8"],
+        help="kept GGUF blocks, decode rows: float32 (exact) or int8 blocks with integer dot products (llama.cpp's "
+        "numerics: faster, each activation rounded to 1/254 of its block's largest); docs/quantization.md",
+    )
     group.add_argument("--page-size", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=None)
     group.add_argument("--max-model-len", type=int, default=None)
@@ -84,6 +89,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object):  # n
         dtype=args.dtype,
         load_format=args.load_format,
         quantization=args.quantization,
+        gguf_activations=args.gguf_activations,
         page_size=args.page_size,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,

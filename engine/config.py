@@ -17,6 +17,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 QUANTIZATIONS = ("auto", "gguf", "none")
+GGUF_ACTIVATIONS = ("float32", "int8")
 
 @dataclass
 class EngineConfig:
@@ -28,6 +29,9 @@ class EngineConfig:
     # How quantized checkpoint weights run: "auto" (GGUF blocks kept on the CPU where its kernels
     # exist, dequantized elsewhere), "gguf" (kept, or an error), "none" (always dequantized).
     quantization: str = "auto"
+    # How the CPU's GGUF block kernels take their inputs: "float32" (exact, the default) or "int8"
+    # (each block of 32 activations quantized to int8, integer dot products: llama.cpp's numerics).
+    gguf_activations: str = "float32"
     page_size: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
@@ -88,6 +92,9 @@ class EngineConfig:
             resolved.kv_cache_dtype = defaults.get("kv_cache_dtype") or resolved.dtype
         if resolved.quantization not in QUANTIZATIONS:
             raise EngineError(f"unknown quantization {resolved.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+        if resolved.gguf_activations not in GGUF_ACTIVATIONS:
+            raise EngineError(f"unknown GGUF activations {resolved.gguf_activations!r}; choose one of "
+                              f"{', '.join(GGUF_ACTIVATIONS)}")
         if resolved.quantization == "gguf" and platform.name != "cpu":
             raise EngineError(f"--quantization gguf runs on the cpu only (its kernels); on {platform.name} use auto or none")
         if resolved.kv_cache_dtype not in DTYPES:

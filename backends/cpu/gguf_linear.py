@@ -55,6 +55,8 @@ def _library() -> Any:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+    lib.gguf_matmul_int8.restype = ctypes.c_int
+    lib.gguf_matmul_int8.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6
     lib.gguf_dequantize.restype = ctypes.c_int
     lib.gguf_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
     lib.gguf_has_avx2.restype = ctypes.c_int
@@ -83,8 +85,11 @@ def dequantize_blocks(blocks: torch.Tensor, code: int, out_features: int, in_fea
     return out
 
 
-def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, code: int, out_features: int) -> torch.Tensor:
-    """x [..., in] @ W.T with W in GGUF blocks; in x's dtype, accumulated in float32."""
+def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, code: int, out_features: int,
+                int8_activations: bool = False) -> torch.Tensor:
+    """x [..., in] @ W.T with W in GGUF blocks; in x's dtype, accumulated in float32.
+    int8_activations: decode rows quantized to int8 blocks first, integer dot products (llama.cpp's
+    numerics: faster, less exact)."""
     lib = _library()
     in_features = x.shape[-1]
     rows = x.reshape(-1, in_features)
@@ -95,34 +100,43 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, code: int, out_features: 
         return F.linear(x, weight)
     rows32 = rows.to(torch.float32).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-    kernel = lib.gguf_q8_0_matmul if code == FORMATS["Q8_0"].code else lib.gguf_q4_1_matmul
-    status = kernel(blocks.data_ptr(), rows32.data_ptr(), out.data_ptr(), rows.shape[0], out_features, in_features,
-                    torch.get_num_threads(), int(simd_path()))
+    if int8_activations:
+        status = lib.gguf_matmul_int8(blocks.data_ptr(), rows32.data_ptr(), out.data_ptr(), rows.shape[0],
+                                      out_features, in_features, code, torch.get_num_threads(), int(simd_path()))
+    else:
+        kernel = lib.gguf_q8_0_matmul if code == FORMATS["Q8_0"].code else lib.gguf_q4_1_matmul
+        status = kernel(blocks.data_ptr(), rows32.data_ptr(), out.data_ptr(), rows.shape[0], out_features,
+                        in_features, torch.get_num_threads(), int(simd_path()))
     if status != 0:
         raise ValueError(f"GGUF matmul refused x {tuple(x.shape)} by [{out_features}, {in_features}]")
     return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
-def _gguf_linear_fake(x, blocks, code, out_features):  # noqa: ANN001, ANN202
+def _gguf_linear_fake(x, blocks, code, out_features, int8_activations=False):  # noqa: ANN001, ANN202
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-define_op("gguf_linear", "(Tensor x, Tensor blocks, int code, int out_features) -> Tensor", gguf_linear, _gguf_linear_fake)
+define_op("gguf_linear", "(Tensor x, Tensor blocks, int code, int out_features, bool int8_activations=False) -> Tensor",
+          gguf_linear, _gguf_linear_fake)
+
+ACTIVATIONS = ("float32", "int8")  # --gguf-activations
 
 
 class GGUFLinearMethod:
     """engine.layers.linear.LinearMethod over the layer's `gguf_blocks` buffer."""
 
-    def __init__(self, fmt: BlockFormat) -> None:
+    def __init__(self, fmt: BlockFormat, int8_activations: bool = False) -> None:
         self.fmt = fmt
-        self.name = f"gguf_{fmt.name.lower()}"
+        self.int8_activations = int8_activations
+        self.name = f"gguf_{fmt.name.lower()}" + ("_int8_activations" if int8_activations else "")
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.engine.gguf_linear(x, layer.gguf_blocks, self.fmt.code, layer.out_features)
+        out = torch.ops.engine.gguf_linear(x, layer.gguf_blocks, self.fmt.code, layer.out_features,
+                                           self.int8_activations)
         return out if layer.bias is None else out + layer.bias
 
 
-_METHODS = {name: GGUFLinearMethod(fmt) for name, fmt in FORMATS.items()}
+_METHODS = {(name, int8): GGUFLinearMethod(fmt, int8) for name, fmt in FORMATS.items() for int8 in (False, True)}
 
 
 class QuantizedEmbedding(nn.Module):
@@ -146,9 +160,12 @@ class QuantizedEmbedding(nn.Module):
         return values.reshape(*input_ids.shape, self.dim).to(self.dtype)
 
 
-def keep_gguf_blocks(model: nn.Module, path: str) -> int:
+def keep_gguf_blocks(model: nn.Module, path: str, activations: str = "float32") -> int:
     """Switch every Linear (and the token embedding) whose GGUF tensors all have a kernel format to
-    those blocks, freeing the dense weights; returns the bytes of blocks kept."""
+    those blocks, freeing the dense weights; returns the bytes of blocks kept. activations: how the
+    decode kernels take their inputs (ACTIVATIONS)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"GGUF activations must be one of {ACTIVATIONS}, got {activations!r}")
     import gguf
 
     from engine.loader.weights import gguf_arch, gguf_name_to_hf, unpermute_rope_rows
@@ -201,7 +218,7 @@ def keep_gguf_blocks(model: nn.Module, path: str) -> int:
         dtype = layer.weight.dtype
         layer.register_buffer("gguf_blocks", blocks, persistent=False)
         layer.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
-        layer.method = _METHODS[fmt]
+        layer.method = _METHODS[(fmt, activations == "int8")]
     if embedding is not None and embedding[0] in FORMATS:
         inner = model.model
         dense = inner.embed_tokens.weight

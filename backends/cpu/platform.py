@@ -80,9 +80,10 @@ class CpuPlatform(Platform):
                 raise EngineError("--quantization gguf: the native GGUF kernels could not be built here (see the log)")
             logger.info("GGUF weights dequantized at load: no native GGUF kernel here")
             return
-        kept = keep_gguf_blocks(model, path)
-        logger.info("GGUF weights kept in their blocks: %.1f MiB, matmul kernel %s", kept / 2**20,
-                    "AVX2" if simd_path() else "portable C")
+        activations = settings.get("gguf_activations", "float32")
+        kept = keep_gguf_blocks(model, path, activations)
+        logger.info("GGUF weights kept in their blocks: %.1f MiB, matmul kernel %s, %s activations", kept / 2**20,
+                    "AVX2" if simd_path() else "portable C", activations)
 
     def capture_settings(self) -> CaptureSettings:
         return CaptureSettings(kind="compile", compile_backend="inductor")
