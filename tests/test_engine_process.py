@@ -68,3 +68,13 @@ def test_a_stopped_server_leaves_no_engine_process(how: signal.Signals) -> None:
     server.process.send_signal(how)
     assert server.process.wait(60) == (0 if how == signal.SIGTERM else -signal.SIGKILL)
     assert _gone(pid, 10), "the engine process outlived its server"
+
+
+def test_a_model_that_does_not_load_is_one_error_line_from_the_engine_process(tmp_path) -> None:  # noqa: ANN001
+    """The engine is built in the child: its ModelLoadError crosses the pipe and `engine serve` prints it
+    as the usual single `error:` line with exit status 2, no traceback from either process."""
+    from test_errors import assert_cli_error, run_cli
+
+    missing = str(tmp_path / "no-such-model")
+    result = run_cli("serve", "--engine-process", "--model", missing, "--port", "0")
+    assert_cli_error(result, "does not exist", missing)

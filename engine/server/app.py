@@ -66,12 +66,12 @@ def build_app(
     engine: Engine | EngineProcess, model_name: str | None = None, api_key: str | None = None, settings: ServerSettings | None = None,
     engine_thread: EngineThread | None = None,
 ) -> FastAPI:
-    """An app serving `engine`; the engine thread starts and stops with the app's lifespan.
+    """An app serving `engine` (an Engine, run on a thread, or a started EngineProcess); the engine
+    loop starts and stops with the app's lifespan.
 
     engine_thread: the thread the engine was built on (`engine serve` builds it there), which then
     runs its loop; by default a new thread."""
     settings = settings or ServerSettings()
-
     settings.api_key = api_key or settings.api_key or os.environ.get(API_KEY_ENV) or None
     api_key = settings.api_key
     name = model_name or default_model_name(engine)

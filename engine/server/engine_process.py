@@ -12,7 +12,7 @@ processes for the same reason.
 Protocol (multiprocessing.Pipe, pickled tuples; nothing that grows with a
 request's context crosses per step):
 - server -> engine: the EngineLoop commands (engine/server/engine_loop.py).
-- engine -> server: ("ready", EngineInfo) once, or ("dead", message);
+- engine -> server: ("ready", EngineInfo) once, or ("dead", error) if the engine cannot be built;
   ("accepted", request_id, error); ("outputs", [compact output, ...]);
   ("failed", request_ids, error); ("stats", EngineStats).
 A streamed output carries its deltas only; the final one carries the whole
@@ -38,7 +38,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import EngineError, InvalidRequestError, ModelLoadError, RequestFailedError
+from engine.errors import (EngineError, InvalidRequestError, ModelLoadError, RequestFailedError,
+                           UnsupportedArchitectureError)
 from engine.request import RequestOutput
 from engine.server.engine_loop import Command, EngineDeadError, EngineLoop
 from engine.server.streams import StreamRouter
@@ -47,7 +48,8 @@ from engine.stats import EngineStats
 logger = logging.getLogger("engine.server.engine_process")
 
 _ERRORS: dict[str, type[BaseException]] = {
-    cls.__name__: cls for cls in (EngineError, InvalidRequestError, ModelLoadError, RequestFailedError, EngineDeadError)
+    cls.__name__: cls for cls in (EngineError, InvalidRequestError, ModelLoadError, UnsupportedArchitectureError,
+                                  RequestFailedError, EngineDeadError)
 }
 
 
@@ -145,7 +147,9 @@ def run_engine_process(config: EngineConfig, conn: Connection, torch_threads: in
                           engine.stats())
         logger.info("engine process %d ready in %.1f s", os.getpid(), time.perf_counter() - start)
     except BaseException as exc:  # noqa: BLE001 - the server reports it and exits
-        conn.send(("dead", f"{type(exc).__name__}: {exc}"))
+        conn.send(("dead", _encode_error(exc)))
+        if isinstance(exc, EngineError):
+            sys.exit(1)  # a user's error (bad model, bad flag): the server prints it, no traceback here
         raise
     conn.send(("ready", info))
     loop = EngineLoop(engine, _PipeEvents(conn), _pipe_receiver(conn))
@@ -195,7 +199,7 @@ class EngineProcess:
                                " while starting") from None
         if kind != "ready":
             self._process.join(10)
-            raise ModelLoadError(payload) if payload.startswith("ModelLoadError") else RuntimeError(payload)
+            raise _decode_error(payload) or RuntimeError("the engine process failed to start")
         self.info = payload
         return payload
 
