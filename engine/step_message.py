@@ -74,7 +74,9 @@ class ExtendMessage:
 class StepMessage:
     decode: DecodeMessage | None  # the decode rows (a pure decode step, or a mixed step's first part)
     extend: ExtendMessage | None  # the prefill chunks
-    sample_rows: list[int]  # the decode row of each sampled request, in step order (sampling and penalty state)
+    # Extend and mixed steps: the decode row of each sampled request, in step order (sampling and penalty
+    # state). Empty for decode steps, whose runner returns the rows it read from `decode`.
+    sample_rows: list[int]
 
 
 def slot_of(pages: list[int], position: int, page_size: int) -> int:
@@ -145,14 +147,14 @@ class StepBuilder:
             request.batch_row_pages = 0
 
     def build(self, step: ScheduledStep) -> StepMessage:
-        decode = self.decode_message(step.decode_requests) if step.num_decodes or step.is_decode else None
-        extend = None
-        if not step.is_decode:
-            requests = step.extend_requests
-            shared_and_private = {r.request_id: self.pages_of(r) for r in requests}
-            pages = {rid: shared + private for rid, (shared, private) in shared_and_private.items()}
-            extend = extend_message(requests, pages, self.page_size, step.extend_lens, step.sample_mask[step.num_decodes :])
-        # Requests that now start decoding get their rows here (decode rows have theirs already).
+        decode = self.decode_message(step.decode_requests) if step.num_decodes else None
+        if step.is_decode:
+            # Every row samples and the runner hands back the rows it read: nothing more per step.
+            return StepMessage(decode, None, [])
+        requests = step.extend_requests
+        pages = {r.request_id: shared + private for r in requests for shared, private in [self.pages_of(r)]}
+        extend = extend_message(requests, pages, self.page_size, step.extend_lens, step.sample_mask[step.num_decodes :])
+        # A mixed step's decode rows were assigned by decode_message; requests that now start decoding get theirs.
         sample_rows = [self.assign_row(r) for r in step.sampled_requests]
         return StepMessage(decode, extend, sample_rows)
 

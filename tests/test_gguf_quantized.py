@@ -42,23 +42,31 @@ def smol_tensor(path: str, name: str) -> tuple[torch.Tensor, torch.Tensor, gl.Bl
     return blocks, dense, gl.FORMATS[tensor.tensor_type.name]
 
 
-def random_blocks(fmt: gl.BlockFormat, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random blocks of `fmt` (scales and minimums as real fp16 values) and their float32 matrix."""
+def random_quants(fmt: gl.BlockFormat, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, tuple[np.ndarray, ...]]:
+    """Random blocks of `fmt` (scales and minimums as real fp16 values) and their parts: (scales
+    [rows, blocks, 1], quants [rows, blocks, 32], minimums or None for Q8_0)."""
     rng = np.random.default_rng(seed)
     nb = cols // 32
     if fmt.name == "Q8_0":
         scales = rng.uniform(-0.02, 0.02, (rows, nb, 1)).astype(np.float16)
         quants = rng.integers(-128, 128, (rows, nb, 32), dtype=np.int8)
-        raw = np.concatenate([scales.view(np.uint8), quants.view(np.uint8)], axis=-1)
-        dense = scales.astype(np.float32) * quants.astype(np.float32)
+        raw, minimums = np.concatenate([scales.view(np.uint8), quants.view(np.uint8)], axis=-1), None
     else:
         scales = rng.uniform(0.001, 0.02, (rows, nb, 1)).astype(np.float16)
         minimums = rng.uniform(-0.2, 0.0, (rows, nb, 1)).astype(np.float16)
-        nibbles = rng.integers(0, 16, (rows, nb, 32), dtype=np.uint8)
-        packed = (nibbles[..., :16] | (nibbles[..., 16:] << 4)).astype(np.uint8)
+        quants = rng.integers(0, 16, (rows, nb, 32), dtype=np.uint8)
+        packed = (quants[..., :16] | (quants[..., 16:] << 4)).astype(np.uint8)
         raw = np.concatenate([scales.view(np.uint8), minimums.view(np.uint8), packed], axis=-1)
-        dense = scales.astype(np.float32) * nibbles.astype(np.float32) + minimums.astype(np.float32)
-    return torch.from_numpy(np.ascontiguousarray(raw.reshape(rows, -1))), torch.from_numpy(dense.reshape(rows, cols))
+    return torch.from_numpy(np.ascontiguousarray(raw.reshape(rows, -1))), (scales, quants, minimums)
+
+
+def random_blocks(fmt: gl.BlockFormat, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random blocks of `fmt` and their float32 matrix."""
+    blocks, (scales, quants, minimums) = random_quants(fmt, rows, cols, seed)
+    dense = scales.astype(np.float32) * quants.astype(np.float32)
+    if minimums is not None:
+        dense = dense + minimums.astype(np.float32)
+    return blocks, torch.from_numpy(dense.reshape(rows, cols))
 
 
 def check_matmul(blocks: torch.Tensor, dense: torch.Tensor, fmt: gl.BlockFormat, rows: int, dtype: torch.dtype) -> None:
@@ -148,10 +156,10 @@ def test_quantization_none_dequantizes_and_gguf_needs_a_gguf(tiny_checkpoints: d
                quantization="gguf")
 
 
-def int8_reference(x: torch.Tensor, dense_quants: tuple[np.ndarray, np.ndarray, np.ndarray | None]) -> torch.Tensor:
+def int8_reference(x: torch.Tensor, parts: tuple[np.ndarray, ...]) -> torch.Tensor:
     """llama.cpp's int8-activation product in float64: x quantized per block of 32 (scale max|x| / 127,
     round to nearest even), then sum over blocks of d * xd * (q . xq) (+ m * xd * sum(xq) for Q4_1)."""
-    scales, quants, minimums = dense_quants
+    scales, quants, minimums = parts
     rows, cols = x.shape
     xb = x.double().numpy().reshape(rows, cols // 32, 32)
     xd = np.abs(xb).max(axis=-1, keepdims=True) / 127.0
@@ -171,24 +179,12 @@ def test_int8_activation_kernels_compute_llama_cpps_product(monkeypatch: pytest.
     force_path(monkeypatch, path)
     fmt = gl.FORMATS[fmt_name]
     rows_w, cols = 29, 160
-    rng = np.random.default_rng(11)
-    nb = cols // 32
-    if fmt_name == "Q8_0":
-        scales = rng.uniform(-0.02, 0.02, (rows_w, nb, 1)).astype(np.float16)
-        quants = rng.integers(-128, 128, (rows_w, nb, 32), dtype=np.int8)
-        raw, minimums = np.concatenate([scales.view(np.uint8), quants.view(np.uint8)], axis=-1), None
-    else:
-        scales = rng.uniform(0.001, 0.02, (rows_w, nb, 1)).astype(np.float16)
-        minimums = rng.uniform(-0.2, 0.0, (rows_w, nb, 1)).astype(np.float16)
-        quants = rng.integers(0, 16, (rows_w, nb, 32), dtype=np.uint8)
-        packed = (quants[..., :16] | (quants[..., 16:] << 4)).astype(np.uint8)
-        raw = np.concatenate([scales.view(np.uint8), minimums.view(np.uint8), packed], axis=-1)
-    blocks = torch.from_numpy(np.ascontiguousarray(raw.reshape(rows_w, -1)))
+    blocks, parts = random_quants(fmt, rows_w, cols, seed=11)
     for rows in (1, 4, 16):
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
         x[0, 32:64] = 0.0  # an all-zero block: scale 0, no division by it
         got = gl.gguf_linear(x, blocks, fmt.code, rows_w, int8_activations=True)
-        want = int8_reference(x, (scales, quants, minimums))
+        want = int8_reference(x, parts)
         error = float((got.double() - want).abs().max() / want.abs().max())
         assert error < 2e-6, error
         exact = x.double() @ torch.from_numpy(gl.dequantize_blocks(blocks, fmt.code, rows_w, cols).numpy()).double().T

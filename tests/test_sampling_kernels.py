@@ -47,19 +47,27 @@ def test_chunked_top_k_gives_what_torch_top_k_gives(vocab: int, k: int) -> None:
     assert (ids == expected_ids).float().mean() > 0.98
 
 
-def test_the_sampler_takes_the_kernel_on_gpus_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ENGINE_TRITON_TOPK", "1")
+@pytest.mark.parametrize("asked", [True, False])
+def test_the_sampler_takes_the_kernel_on_gpus_when_asked(monkeypatch: pytest.MonkeyPatch, asked: bool) -> None:
+    """The kernel has not run on a GPU yet: the sampler takes it only there, and only with ENGINE_TRITON_TOPK=1."""
+    import engine.sampler as sampler
+
+    if asked:
+        monkeypatch.setenv("ENGINE_TRITON_TOPK", "1")
+    else:
+        monkeypatch.delenv("ENGINE_TRITON_TOPK", raising=False)
+    calls: list[int] = []
+
+    def spy(logits: torch.Tensor, k: int, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(k)
+        return chunked_topk(logits, k, chunk)
+
+    monkeypatch.setattr(sampler, "chunked_topk", spy)
     logits = torch.randn(2, 4096 * 2, device=DEVICE)
     with nullcontext() if ON_GPU else interpreter_mode():
         values, _ = top_candidates(logits, 8)
     assert torch.equal(values, logits.topk(8, dim=-1).values)
-
-
-def test_top_k_falls_back_to_torch_where_the_kernel_does_not_apply() -> None:
-    wide = torch.randn(4, 4096 * 2)
-    assert torch.equal(top_candidates(wide, 300, kernel=True)[1], wide.topk(300, dim=-1)[1])  # k too large
-    half = wide.to(torch.bfloat16)
-    assert torch.equal(top_candidates(half, 10, kernel=True)[1], half.topk(10, dim=-1)[1])  # not float32
+    assert calls == ([8] if asked and ON_GPU else [])
 
 
 def _penalized_batch(vocab: int, everyone: bool, with_counts: bool) -> tuple[list[Request], PenaltyState, torch.Tensor]:

@@ -78,11 +78,6 @@ class AsyncEngine:
         assert self.router.snapshot is not None
         return self.router.snapshot
 
-    @property
-    def error(self) -> BaseException | str | None:
-        """What killed the engine's loop, if something did."""
-        return self._loop.error if self._loop is not None else (self.process.error if self.process else None)
-
     # ---- event-loop side ------------------------------------------------------------------
     def start(self) -> None:
         if self.process is not None:

@@ -82,6 +82,14 @@ static inline __m256 dot32_avx2(__m256 q0, __m256 q1, __m256 q2, __m256 q3, cons
     return _mm256_fmadd_ps(q3, _mm256_loadu_ps(xb + 24), dot);
 }
 
+/* A Q4_1 block's 32 quants as bytes: lo = elements 0..15 (low nibbles), hi = 16..31 (high nibbles). */
+static inline void q4_1_nibbles(const uint8_t *block, __m128i *lo, __m128i *hi) {
+    const __m128i low_mask = _mm_set1_epi8(0x0F);
+    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + 4));
+    *lo = _mm_and_si128(packed, low_mask);
+    *hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
+}
+
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -112,13 +120,11 @@ int gguf_q4_1_matmul(const uint8_t *w, const float *x, float *y, int m, int n, i
         if (simd) {
             __m256 vacc[MAX_ROWS];
             for (int i = 0; i < m; ++i) vacc[i] = _mm256_setzero_ps();
-            const __m128i low_mask = _mm_set1_epi8(0x0F);
             for (int b = 0; b < blocks; ++b) {
                 const uint8_t *block = row + b * Q4_1_BYTES;
                 const float d = half_to_float(load_u16(block)), mn = half_to_float(load_u16(block + 2));
-                const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4));
-                const __m128i lo = _mm_and_si128(bytes, low_mask);
-                const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
+                __m128i lo, hi;
+                q4_1_nibbles(block, &lo, &hi);
                 const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
                 const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
                 const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
@@ -273,7 +279,6 @@ int gguf_matmul_int8(const uint8_t *w, const float *x, float *y, int m, int n, i
         if (simd) {
             __m256 vacc[MAX_ROWS];
             for (int i = 0; i < m; ++i) vacc[i] = _mm256_setzero_ps();
-            const __m128i low_mask = _mm_set1_epi8(0x0F);
             const __m256i ones = _mm256_set1_epi16(1);
             for (int b = 0; b < blocks; ++b) {
                 const uint8_t *block = row + b * bytes;
@@ -285,9 +290,8 @@ int gguf_matmul_int8(const uint8_t *w, const float *x, float *y, int m, int n, i
                     wabs = _mm256_sign_epi8(wq, wq); /* maddubs takes unsigned x signed: |w| and sign(w) * x */
                 } else {
                     mn = half_to_float(load_u16(block + 2));
-                    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + 4));
-                    const __m128i lo = _mm_and_si128(packed, low_mask);
-                    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
+                    __m128i lo, hi;
+                    q4_1_nibbles(block, &lo, &hi);
                     wq = _mm256_set_m128i(hi, lo);
                 }
                 for (int i = 0; i < m; ++i) {
