@@ -70,6 +70,13 @@ def test_the_sampler_takes_the_kernel_on_gpus_when_asked(monkeypatch: pytest.Mon
     assert calls == ([8] if asked and ON_GPU else [])
 
 
+def test_top_k_falls_back_to_torch_where_the_kernel_does_not_apply() -> None:
+    wide = torch.randn(4, 4096 * 2)
+    assert torch.equal(top_candidates(wide, 300, kernel=True)[1], wide.topk(300, dim=-1)[1])  # k too large
+    half = wide.to(torch.bfloat16)
+    assert torch.equal(top_candidates(half, 10, kernel=True)[1], half.topk(10, dim=-1)[1])  # not float32
+
+
 def _penalized_batch(vocab: int, everyone: bool, with_counts: bool) -> tuple[list[Request], PenaltyState, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     state = PenaltyState(16, vocab, torch.device(DEVICE))
