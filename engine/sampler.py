@@ -7,14 +7,11 @@ generator so a seed reproduces regardless of batch composition.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from backends.cuda.triton_penalties import apply_penalties_
-from backends.cuda.triton_topk import MAX_K as TRITON_TOPK_MAX_K
-from backends.cuda.triton_topk import chunked_topk
 from engine.batch_state import PenaltyState
 from engine.request import Request, TokenLogprob
 from engine.transfer import HostCopy, to_device
@@ -66,21 +63,6 @@ def _apply_penalties(
 
 
 TOPK_PATH_MAX_K = 4096  # when every random row has a top_k at most this, candidates come from topk, not a full sort
-
-
-def top_candidates(logits: torch.Tensor, k: int, kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, ids) [rows, k] of each row's k largest logits, best first, as logits.topk(k) gives them
-    (only ties at the k-th value may pick a different equal logit).
-
-    kernel: the chunked Triton top-k (backends/cuda/triton_topk.py), for GPUs, where torch.topk over a
-    128k vocabulary is a multi-pass radix select costing 0.45 ms at batch 256. None: only where
-    ENGINE_TRITON_TOPK=1, because the kernel has run in Triton's interpreter but not yet on a GPU.
-    """
-    if kernel is None:
-        kernel = logits.is_cuda and os.environ.get("ENGINE_TRITON_TOPK", "0") == "1"
-    if kernel and k <= TRITON_TOPK_MAX_K and logits.dtype == torch.float32 and logits.stride(1) == 1:
-        return chunked_topk(logits, k)
-    return logits.topk(k, dim=-1)
 
 
 def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -252,7 +234,7 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
             # The top max_k of the logits are those of logits / temperature (a positive scale keeps the
             # order): one topk, and only the candidates are scaled (a 49k-entry sort is ~7 ms per 4 rows
             # on a CPU core; a full-vocabulary division ~0.1 ms at batch 256 on an H200).
-            values, candidate_ids = top_candidates(subset, min(max_k, vocab))
+            values, candidate_ids = subset.topk(min(max_k, vocab), dim=-1)
             candidate_logits = values / temperature
         else:
             candidate_logits, candidate_ids = (subset / temperature).sort(dim=-1, descending=True)

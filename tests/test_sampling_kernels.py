@@ -1,7 +1,6 @@
-"""The sampler's GPU paths against its torch paths: the chunked top-k and the fused penalty kernel.
+"""The sampler's fused penalty kernel against its torch path, bit for bit.
 
-Both run here without a GPU: the two-stage top-k is plain torch (forced on), and
-the Triton penalty kernel runs in Triton's CPU interpreter (compiled on a GPU).
+Without a GPU the Triton kernel runs in Triton's CPU interpreter (compiled on a GPU).
 """
 
 from __future__ import annotations
@@ -12,69 +11,14 @@ import pytest
 import torch
 
 from backends.cuda.triton_penalties import apply_penalties_
-from backends.cuda.triton_topk import chunked_topk
 from engine.batch_state import PenaltyState
 from engine.request import Request
-from engine.sampler import _apply_penalties, top_candidates
+from engine.sampler import _apply_penalties
 from engine.sampling_params import SamplingParams
 from tests.triton_interpreter import interpreter_mode
 
 ON_GPU = torch.cuda.is_available() and torch.version.hip is None
 DEVICE = "cuda" if ON_GPU else "cpu"
-
-
-# On a GPU the engine's own chunk over real vocabulary sizes; in the interpreter (a bitonic network in
-# numpy, ~2 s per program at 4096) the same kernel over 256-wide chunks.
-CHUNK = 4096 if ON_GPU else 256
-VOCABS = [4096 * 3, 4096 * 5 + 777, 128256] if ON_GPU else [CHUNK * 3, CHUNK * 5 + 77]
-
-
-@pytest.mark.parametrize("vocab", VOCABS)
-@pytest.mark.parametrize("k", [1, 50, 256])
-def test_chunked_top_k_gives_what_torch_top_k_gives(vocab: int, k: int) -> None:
-    generator = torch.Generator().manual_seed(vocab + k)
-    logits = torch.randn(4 if ON_GPU else 2, vocab, generator=generator).to(DEVICE)
-    logits[0, -5:] = 50.0 + torch.arange(5.0)  # the best of a row in the last, partial chunk
-    logits[1, :3] = float("-inf")  # and the worst at the start
-    logits[1, 7:11] = -1e30
-    with nullcontext() if ON_GPU else interpreter_mode():
-        values, ids = chunked_topk(logits, k, chunk=CHUNK)
-    expected_values, expected_ids = logits.topk(k, dim=-1)
-    assert torch.equal(values, expected_values)  # the logits' own bits, negative ones included
-    # The same ids, up to the order of equal logits (float32 normals do tie: ~1 pair per 10k values).
-    assert torch.equal(logits.gather(1, ids), values)
-    assert all(len(set(row)) == k for row in ids.tolist())
-    assert (ids == expected_ids).float().mean() > 0.98
-
-
-@pytest.mark.parametrize("asked", [True, False])
-def test_the_sampler_takes_the_kernel_on_gpus_when_asked(monkeypatch: pytest.MonkeyPatch, asked: bool) -> None:
-    """The kernel has not run on a GPU yet: the sampler takes it only there, and only with ENGINE_TRITON_TOPK=1."""
-    import engine.sampler as sampler
-
-    if asked:
-        monkeypatch.setenv("ENGINE_TRITON_TOPK", "1")
-    else:
-        monkeypatch.delenv("ENGINE_TRITON_TOPK", raising=False)
-    calls: list[int] = []
-
-    def spy(logits: torch.Tensor, k: int, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(k)
-        return chunked_topk(logits, k, chunk)
-
-    monkeypatch.setattr(sampler, "chunked_topk", spy)
-    logits = torch.randn(2, 4096 * 2, device=DEVICE)
-    with nullcontext() if ON_GPU else interpreter_mode():
-        values, _ = top_candidates(logits, 8)
-    assert torch.equal(values, logits.topk(8, dim=-1).values)
-    assert calls == ([8] if asked and ON_GPU else [])
-
-
-def test_top_k_falls_back_to_torch_where_the_kernel_does_not_apply() -> None:
-    wide = torch.randn(4, 4096 * 2)
-    assert torch.equal(top_candidates(wide, 300, kernel=True)[1], wide.topk(300, dim=-1)[1])  # k too large
-    half = wide.to(torch.bfloat16)
-    assert torch.equal(top_candidates(half, 10, kernel=True)[1], half.topk(10, dim=-1)[1])  # not float32
 
 
 def _penalized_batch(vocab: int, everyone: bool, with_counts: bool) -> tuple[list[Request], PenaltyState, torch.Tensor]:
