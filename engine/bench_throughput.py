@@ -101,8 +101,8 @@ class _DeviceTimeline:
         self.origin = torch.cuda.Event(enable_timing=True)
         launch = engine.runner.launch
 
-        def timed_launch(step):  # noqa: ANN001, ANN202
-            sampled = launch(step)
+        def timed_launch(step, *args):  # noqa: ANN001, ANN002, ANN202
+            sampled = launch(step, *args)
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.marks.append(("decode" if step.is_decode else "mixed" if step.is_mixed else "prefill", event))

@@ -27,6 +27,7 @@ from engine.sampler import SampledTokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import INIT_NEW_TOKEN_RATIO, MIN_TIMED_EXTEND, ScheduledStep, Scheduler
 from engine.stats import EngineStats, StatsLogger
+from engine.structured.waitlist import GrammarWaitlist
 from engine.tokenizer import encode_prompt, load_tokenizer
 from graphs.buckets import parse_sizes
 
@@ -113,6 +114,9 @@ class Engine:
         self.last_step_was_decode = False  # of the step whose outputs the last step() call returned
         self.overlap = bool(self.config.overlap_schedule)
         self._in_flight: _LaunchedStep | None = None  # launched, outputs not yet read back (overlap)
+        # Structured output: requests whose grammar is compiling wait here, not in the scheduler.
+        self._settled_early: list[RequestOutput] = []  # outputs of a step read back before sampling the next
+        self.grammar_waitlist = GrammarWaitlist(self.tokenizer, int(self.model_config.vocab_size), self.eos_token_ids)
         logger.info("overlap scheduling %s; %s", "on" if self.overlap else "off",
                     "mixed prefill+decode steps" if self.scheduler.mixed_steps else "separate prefill and decode steps")
         if self.config.warmup:
@@ -288,12 +292,17 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         request = Request(request_id, token_ids, params, prompt if isinstance(prompt, str) else None, generator=generator)
+        if params.grammar is not None:
+            self.grammar_waitlist.add(request)  # scheduled once its grammar has compiled (step())
+        else:
+            self.scheduler.add(request)
         self._requests[request_id] = request
-        self.scheduler.add(request)
         return request_id
 
     def abort(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
+        if self.grammar_waitlist.remove(request_id) is not None:
+            return  # never scheduled: nothing to free
         if request is not None and not request.finished:
             self.scheduler.finish(request, "abort")
         self._settle_if_idle()
@@ -307,7 +316,7 @@ class Engine:
             assert not dropped, "a live request in a step the scheduler no longer knows"
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or self._in_flight is not None or len(self.grammar_waitlist) > 0
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; outputs of every request that produced a token (or failed).
@@ -317,9 +326,12 @@ class Engine:
         building inputs, detokenizing, stop checks) hides behind the device's. Without it (CPU, and
         `overlap_schedule: false`) each step's own outputs come back.
         """
+        outputs = self._admit_compiled_grammars()
         launched = self._launch(self.scheduler.schedule())
+        outputs += self._settled_early
+        self._settled_early = []
         previous, self._in_flight = self._in_flight, launched
-        outputs = self._complete(previous) if previous is not None else []
+        outputs += self._complete(previous) if previous is not None else []
         if launched is not None and not self.overlap:
             self._in_flight = None
             outputs += self._complete(launched)
@@ -329,6 +341,27 @@ class Engine:
         self.stats_logger.maybe_log()
         return outputs
 
+    def _settle_constrained(self) -> None:
+        """Between a step's forward and its sampling (overlap scheduling): if the step in flight sampled
+        for a grammar, read it back now, so that each grammar has taken its last token before its next
+        mask is made. The device runs the new forward meanwhile; only the sampling waits."""
+        if self._in_flight is not None and self._in_flight.constrained:
+            previous, self._in_flight = self._in_flight, None
+            self._settled_early += self._complete(previous)
+
+    def _admit_compiled_grammars(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar has compiled; fail those whose grammar did not."""
+        idle = not self.scheduler.has_work() and self._in_flight is None
+        ready, failed = self.grammar_waitlist.take_ready(idle)
+        for request in ready:
+            self.scheduler.add(request)
+        outputs = []
+        for request, error in failed:
+            self._requests.pop(request.request_id, None)
+            request.finish_reason = "error"
+            outputs.append(_output(request, "error", error=str(error)))
+        return outputs
+
     def _launch(self, step: ScheduledStep | None) -> "_LaunchedStep | None":
         """Put the step on the device; the scheduler advances its requests as if it had run."""
         if step is None:
@@ -336,7 +369,7 @@ class Engine:
         rewind = _generator_states(step.sampled_requests)
         start = time.perf_counter()
         try:
-            parts = [(step, self.runner.launch(step, self.step_builder.build(step)))]
+            parts = [(step, self.runner.launch(step, self.step_builder.build(step), self._settle_constrained))]
             failed: list[tuple[Request, Exception]] = []
         except Exception as exc:  # noqa: BLE001 - isolated below: only the culprit fails
             parts, failed = self._isolate_failure(step, exc, rewind)
@@ -348,7 +381,8 @@ class Engine:
             # Out of the scheduler now, so no later step includes it; its error output comes with the step's.
             self._requests.pop(request.request_id, None)
             self.scheduler.finish(request, "abort")
-        return _LaunchedStep(step.is_decode, parts, failed, start)
+        constrained = any(r.grammar is not None for r in step.sampled_requests)
+        return _LaunchedStep(step.is_decode, parts, failed, start, constrained)
 
     def _complete(self, launched: "_LaunchedStep") -> list[RequestOutput]:
         """Read a launched step's tokens back (waiting for the device if need be) and hand them out.
@@ -405,7 +439,7 @@ class Engine:
         for sub in parts:
             _rewind_generators(sub.sampled_requests, rewind)
             try:
-                done.append((sub, self.runner.launch(sub, self.step_builder.build(sub))))
+                done.append((sub, self.runner.launch(sub, self.step_builder.build(sub), self._settle_constrained)))
             except Exception as exc:  # noqa: BLE001
                 sub_done, sub_failed = self._isolate_failure(sub, exc, rewind)
                 done += sub_done
@@ -421,7 +455,14 @@ class Engine:
             request.output_text += request.detokenizer.step(request.output_token_ids)
         reason = None
         cut = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if request.grammar is not None and not request.grammar.accept_token(token):
+            # Only a broken row (non-finite logits: the sampler's argmax fallback) can get here.
+            self.scheduler.finish(request, "abort")
+            self._requests.pop(request.request_id, None)
+            return _output(request, "error", error=f"token {token} does not match the request's {params.grammar.describe()}")
+        if request.grammar is not None and request.grammar.is_terminated():
+            reason = "stop"  # the grammar is complete (it took its stop token): nothing may follow
+        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
         elif params.stop and (cut := _first_stop(request.output_text, params.stop, request.num_text_sent)) is not None:
             request.output_text = request.output_text[:cut]
@@ -541,6 +582,7 @@ class _LaunchedStep:
     parts: list[tuple[ScheduledStep, SampledTokens | None]]  # one, or the parts a failure was split into
     failed: list[tuple[Request, Exception]]  # requests that made it fail (finished already)
     started: float  # perf_counter at launch
+    constrained: bool = False  # a request it samples has a grammar (its next mask needs this token)
 
 
 def _first_stop(text: str, stops: list[str], previous_len: int) -> int | None:

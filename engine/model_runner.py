@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -120,12 +120,18 @@ class ModelRunner:
                 record_prompt_logprobs(request, logits, positions[offset : offset + end - begin])
 
     @torch.no_grad()
-    def launch(self, step: ScheduledStep, message: StepMessage) -> SampledTokens | None:
+    def launch(
+        self, step: ScheduledStep, message: StepMessage, before_sampling: Callable[[], None] | None = None
+    ) -> SampledTokens | None:
         """Queue the step on the device: forward, sampling, and the sampled tokens kept in the decode
-        rows for the next step. Nothing here waits for the device; None when no request samples."""
+        rows for the next step. Nothing here waits for the device; None when no request samples.
+        before_sampling: called once the forward is queued (structured output reads the last step's
+        tokens there, while the device runs this forward, so that its masks are up to date)."""
         logits, rows = self._forward(step, message)
         if logits is None:
             return None
+        if before_sampling is not None:
+            before_sampling()
         state = self.decode_state
         if rows is None or step.is_mixed:
             # An extend: requests that now start decoding got their rows in the message.

@@ -58,6 +58,8 @@ class Request:
     # next step is launched before the last one's tokens are read back). 0 or 1 whenever the
     # scheduler runs; their k/v positions follow num_tokens.
     num_pending_tokens: int = 0
+    # Structured output: the xgrammar matcher of params.grammar, advanced by each output token.
+    grammar: Any = None
 
     @property
     def last_token_id(self) -> int:

@@ -14,6 +14,7 @@ import torch
 from backends.cuda.triton_penalties import apply_penalties_
 from engine.batch_state import PenaltyState
 from engine.request import Request, TokenLogprob
+from engine.structured.mask import apply_grammar_masks
 from engine.transfer import HostCopy, to_device
 
 
@@ -156,6 +157,8 @@ def sample(
         if penalties is None or rows is None:
             raise ValueError("penalized requests need their decode rows (DecodeBatchState) to sample")
         logits, recorded = _apply_penalties(logits, requests, penalties, rows)
+    if any(r.grammar is not None for r in requests):
+        apply_grammar_masks(logits, requests)  # structured output: what the grammars forbid is -inf
     chosen_ids = _sample(logits, requests)
     if recorded is not None and penalties is not None:
         penalty_rows, index = recorded

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured.spec import GrammarSpec
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs; each one is a top-k over the vocabulary
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS): dividing logits by a tiny positive
@@ -35,6 +36,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
     prompt_logprobs: int | None = None  # the same for every prompt token (echo)
+    grammar: GrammarSpec | None = None  # structured output: what the text must match (engine/structured/)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +91,8 @@ class SamplingParams:
         # torch.Generator.manual_seed takes any 64-bit value, signed or unsigned.
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
             problems.append(f"seed must be a 64-bit integer, got {self.seed!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            problems.append(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
         if problems:
             raise InvalidRequestError("invalid sampling parameters: " + "; ".join(problems))
 

@@ -262,3 +262,26 @@ def test_metrics_count_prefix_cache_hits(server: ServerProcess) -> None:
     for name in ("engine:prefill_computed_tokens_total", "engine:kv_pages_evicted_total", "engine:num_preemptions_total",
                  "engine:kv_pages_cached"):
         assert name in after, name
+
+
+STRUCTURED_PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                                      "age": {"type": "integer"}},
+                     "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_structured_output_through_the_openai_client_streamed_or_not(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Give me a person as JSON."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": STRUCTURED_PERSON, "strict": True}}
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                          response_format=response_format, n=2)
+    for choice in full.choices:
+        person = json.loads(choice.message.content)
+        assert list(person) == ["name", "age"] and isinstance(person["age"], int) and choice.finish_reason == "stop"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                            response_format=response_format, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == full.choices[0].message.content
+    picked = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0.8,
+                                       extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}})
+    assert picked.choices[0].text in ("Paris", "Lyon")
+    with pytest.raises(openai.BadRequestError, match="regex"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"regex": "[unclosed"})

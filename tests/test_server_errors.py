@@ -76,7 +76,8 @@ CASES: list[tuple[str, str, str, Any, int]] = [
     ("message without content", "POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400),
     ("assistant message without content", "POST", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}, 400),
-    ("response_format json", "POST", "/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, 400),
+    ("response_format structural_tag", "POST", "/v1/chat/completions", {"messages": MSG, "response_format": {"type": "structural_tag"}}, 400),
+    ("regex that does not parse", "POST", "/v1/completions", {"prompt": "hi", "regex": "(ab"}, 400),
     ("tools", "POST", "/v1/chat/completions",
      {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400),
     ("logit_bias", "POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400),
@@ -154,7 +155,9 @@ def test_api_key_guards_v1_routes(smol_engine: Engine) -> None:
 
 # (body extras, the field a 400 must name, or None: accepted)
 FIELD_CASES: list[tuple[dict[str, Any], str | None]] = [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),  # no schema
     ({"response_format": {"type": "text"}}, None),  # asks for nothing
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
     ({"tools": []}, None),
@@ -164,9 +167,16 @@ FIELD_CASES: list[tuple[dict[str, Any], str | None]] = [
     ({"logit_bias": {}}, None),
     ({"min_tokens": 3}, "min_tokens"),
     ({"min_tokens": 0}, None),
-    ({"guided_json": {"type": "object"}}, "guided_json"),
-    ({"guided_regex": "[a-z]+"}, "guided_regex"),
-    ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+    ({"guided_json": {"type": "object"}}, None),
+    ({"guided_regex": "[a-z]+"}, None),
+    ({"guided_regex": "[a-z"}, "guided_regex"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, None),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+    ({"guided_json": {"type": "object"}, "regex": "a+"}, "regex"),  # two constraints
+    ({"guided_regex": "a+", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({"ebnf": 'root ::= "yes" | "no"'}, None),
+    ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
     ({"best_of": 3}, "best_of"),
     ({"user": "someone", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}, None),  # harmless metadata
     ({"frequency_penaltyy": 0.2}, "frequency_penaltyy"),  # a typo is an unknown field, not a silent default
@@ -216,11 +226,11 @@ def test_a_failing_step_fails_its_requests_and_the_engine_lives_on(smol_engine: 
     original = runner.launch
     calls = {"n": 0}
 
-    def fail_once(step, message):  # noqa: ANN001, ANN202
+    def fail_once(*args):  # noqa: ANN002, ANN202
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected step failure")
-        return original(step, message)
+        return original(*args)
 
     runner.launch = fail_once  # type: ignore[method-assign]
     try:

@@ -6,9 +6,11 @@ declare are sorted three ways:
 
 - harmless OpenAI metadata that changes nothing about generation (`user`, `metadata`, `store`, ...):
   accepted and ignored;
-- features this server does not implement yet (`response_format` other than text, `tools`,
-  `logit_bias`, `min_tokens`, the guided-decoding extras, ...): a 400 naming the field, unless the
-  value asks for nothing (`tools: []`, `logit_bias: {}`, `min_tokens: 0`, `tool_choice: "none"`);
+- structured output (`response_format`, `structured_outputs`, `guided_*`, `regex`, ...): read by
+  engine/server/structured_fields.py, which refuses what it cannot honour;
+- features this server does not implement yet (`tools`, `logit_bias`, `min_tokens`, ...): a 400
+  naming the field, unless the value asks for nothing (`tools: []`, `logit_bias: {}`,
+  `min_tokens: 0`, `tool_choice: "none"`);
 - anything else: a 400 naming it as unknown, unless the server runs with
   `--allow-unknown-fields` (for clients that send extras of their own), which ignores them.
 
@@ -23,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from engine.server.errors import APIError
+from engine.server.structured_fields import STRUCTURED_FIELDS
 
 # Top-level fields that carry no generation semantics.
 HARMLESS = frozenset({
@@ -31,7 +34,6 @@ HARMLESS = frozenset({
 
 # Fields of features not implemented here, and the values that ask for nothing (accepted).
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
     "tools": ([], None),
     "tool_choice": ("none", None),
     "parallel_tool_calls": (None, True, False),  # meaningful only with tools, which are refused
@@ -41,15 +43,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "min_tokens": (0, None),
     "bad_words": ([], None),
     "allowed_token_ids": (None,),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
-    "regex": (None,),
-    "ebnf": (None,),
-    "json_schema": (None,),
     "reasoning_effort": (None,),
     "prediction": (None,),
     "audio": (None,),
@@ -73,7 +66,6 @@ MESSAGE_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 }
 
 WHY = {
-    "response_format": "structured output (JSON mode, JSON schema) is not implemented yet",
     "tools": "tool calling is not implemented yet",
     "tool_choice": "tool calling is not implemented yet",
     "functions": "function calling is not implemented yet",
@@ -85,7 +77,7 @@ WHY = {
 
 def check_request_fields(request: BaseModel, allow_unknown: bool) -> None:
     """Raise a 400 APIError for the first field `request` cannot honour (see the module docstring)."""
-    _check(request.model_extra or {}, NOT_IMPLEMENTED, HARMLESS, allow_unknown, "")
+    _check(request.model_extra or {}, NOT_IMPLEMENTED, HARMLESS | STRUCTURED_FIELDS, allow_unknown, "")
     for index, message in enumerate(getattr(request, "messages", None) or []):
         _check(message.model_extra or {}, MESSAGE_NOT_IMPLEMENTED, frozenset(), allow_unknown, f"messages[{index}].")
 

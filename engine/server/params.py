@@ -23,6 +23,7 @@ from engine.server.protocol import (
     SamplingFields,
     TopLogprob,
 )
+from engine.structured.spec import GrammarSpec
 from engine.tokenizer import encode_prompt
 
 
@@ -257,7 +258,8 @@ def derived_seed(seed: int | None, choice: int) -> int | None:
 
 
 def sampling_params(
-    req: SamplingFields, max_tokens: int, seed: int | None, logprobs: int | None, prompt_logprobs: int | None
+    req: SamplingFields, max_tokens: int, seed: int | None, logprobs: int | None, prompt_logprobs: int | None,
+    grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
@@ -277,6 +279,7 @@ def sampling_params(
             skip_special_tokens=req.skip_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )
     except InvalidRequestError as exc:
         raise APIError(str(exc)) from exc

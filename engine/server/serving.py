@@ -19,6 +19,7 @@ from engine.sampling_params import SamplingParams
 from engine.errors import RequestFailedError
 from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestGroup
 from engine.server.errors import APIError, error_body
+from engine.server.structured_fields import grammar_from_request
 from engine.server.params import (
     ModelInfo,
     TokenTextJoiner,
@@ -106,6 +107,7 @@ class Serving:
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
         prompts = await self.off_loop(completion_prompts, self.model, req.prompt)
+        grammar = await self.off_loop(grammar_from_request, req)
         if len(prompts) * req.n > MAX_CHOICES:
             raise APIError(f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
@@ -113,7 +115,7 @@ class Serving:
         for p, (text, ids) in enumerate(prompts):
             max_tokens = resolve_max_tokens(self.model, len(ids), req.max_tokens)
             for i in range(req.n):
-                params = sampling_params(req, max_tokens, derived_seed(req.seed, i), req.logprobs, prompt_logprobs)
+                params = sampling_params(req, max_tokens, derived_seed(req.seed, i), req.logprobs, prompt_logprobs, grammar)
                 choices.append(Choice(p * req.n + i, text, ids, params))
         request_id = random_id("cmpl")
         group = await self._start(request_id, choices)
@@ -206,13 +208,14 @@ class Serving:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         kwargs = check_chat_template_kwargs(req.chat_template_kwargs, self.trust_request_chat_template)
         ids = await self.off_loop(chat_prompt, self.model, req.messages, req.add_generation_prompt, kwargs)
+        grammar = await self.off_loop(grammar_from_request, req)
         budget, param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             budget, param = req.max_completion_tokens, "max_completion_tokens"
         max_tokens = resolve_max_tokens(self.model, len(ids), budget, param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         choices = [
-            Choice(i, None, ids, sampling_params(req, max_tokens, derived_seed(req.seed, i), logprobs, None))
+            Choice(i, None, ids, sampling_params(req, max_tokens, derived_seed(req.seed, i), logprobs, None, grammar))
             for i in range(req.n)
         ]
         request_id = random_id("chatcmpl")

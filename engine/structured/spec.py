@@ -1,0 +1,100 @@
+"""What a request constrains its output to: a JSON schema, any JSON, a regex, an EBNF grammar or a
+choice of strings. Plain data (it crosses the engine-process pipe); compiled by engine/structured/compiler.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import InvalidRequestError
+
+KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
+JSON_OBJECT_SCHEMA = '{"type": "object", "additionalProperties": true}'
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema or grammar larger than a megabyte is refused before parsing
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """kind: one of KINDS. text: the schema as JSON text, the regex, the EBNF (root rule `root`), or
+    the choices as a JSON list; empty for json_object. Frozen and hashable: the compile cache's key."""
+
+    kind: str
+    text: str = ""
+
+    @staticmethod
+    def json_schema(schema: dict[str, Any] | str) -> "GrammarSpec":
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}") from exc
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        return GrammarSpec("json_schema", json.dumps(schema))  # key order kept: it is the properties' order
+
+    @staticmethod
+    def choice(options: list[str]) -> "GrammarSpec":
+        if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
+            raise InvalidRequestError("a choice must be a non-empty list of non-empty strings")
+        return GrammarSpec("choice", json.dumps(options))
+
+    @property
+    def is_json(self) -> bool:
+        return self.kind in ("json_schema", "json_object")
+
+    def schema(self) -> str:
+        """The JSON schema of a JSON kind. JSON mode is OpenAI's: an object (xgrammar's built-in JSON
+        grammar also allows a bare array or number), with any properties."""
+        return self.text if self.kind == "json_schema" else JSON_OBJECT_SCHEMA
+
+    def ebnf(self) -> str:
+        """The grammar in xgrammar's EBNF, for the kinds that are not compiled from their own syntax."""
+        if self.kind == "choice":
+            # JSON string literals are EBNF string literals (the same escapes), so any text is safe here.
+            return "root ::= " + " | ".join(json.dumps(option) for option in json.loads(self.text))
+        return self.text
+
+    def describe(self) -> str:
+        return self.kind.replace("_", " ")
+
+
+def validate_grammar(spec: GrammarSpec) -> None:
+    """Parse the spec (no tokenizer needed, milliseconds): an invalid schema, regex or grammar is one
+    InvalidRequestError naming the problem, raised before the request is queued."""
+    if spec.kind not in KINDS:
+        raise InvalidRequestError(f"unknown structured-output kind {spec.kind!r} (one of {', '.join(KINDS)})")
+    if len(spec.text) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequestError(f"the {spec.describe()} has {len(spec.text)} characters; at most {MAX_GRAMMAR_CHARS}")
+    parse_grammar(spec)
+
+
+def parse_grammar(spec: GrammarSpec) -> Any:
+    """The xgrammar Grammar of a spec; InvalidRequestError if it does not parse."""
+    xgr = import_xgrammar()
+    try:
+        if spec.is_json:
+            return xgr.Grammar.from_json_schema(spec.schema())
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.text)
+        return xgr.Grammar.from_ebnf(spec.ebnf())
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"invalid {spec.describe()}: {xgrammar_message(exc)}") from exc
+
+
+def import_xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as exc:  # an install without it: the engine runs, only structured output is refused
+        raise InvalidRequestError("structured output needs the xgrammar package (pip install xgrammar)") from exc
+    return xgrammar
+
+
+def xgrammar_message(exc: Exception) -> str:
+    """xgrammar's C++ errors start with '[time] path/file.cc:line: '; the rest is the message."""
+    return _CPP_PREFIX.sub("", str(exc).strip()).strip()
+
+
+_CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+\.cc:\d+:\s*")
