@@ -291,7 +291,15 @@ class Engine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= self.model_config.vocab_size:
+            raise InvalidRequestError(f"allowed_token_ids: token id {max(params.allowed_token_ids)} is outside the "
+                                      f"vocabulary ({self.model_config.vocab_size})")
+        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
+            raise InvalidRequestError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
+                                      f"({self.model_config.vocab_size})")
         request = Request(request_id, token_ids, params, prompt if isinstance(prompt, str) else None, generator=generator)
+        if params.min_tokens:
+            request.early_stop_ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
         if params.grammar is not None:
             self.grammar_waitlist.add(request)  # scheduled once its grammar has compiled (step())
         else:
@@ -460,11 +468,12 @@ class Engine:
             self.scheduler.finish(request, "abort")
             self._requests.pop(request.request_id, None)
             return _output(request, "error", error=f"token {token} does not match the request's {params.grammar.describe()}")
+        early = len(request.output_token_ids) < params.min_tokens  # no stop of any kind before min_tokens
         if request.grammar is not None and request.grammar.is_terminated():
             reason = "stop"  # the grammar is complete (it took its stop token): nothing may follow
-        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        elif not early and (token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)):
             reason = "stop"
-        elif params.stop and (cut := _first_stop(request.output_text, params.stop, request.num_text_sent)) is not None:
+        elif not early and params.stop and (cut := _first_stop(request.output_text, params.stop, request.num_text_sent)) is not None:
             request.output_text = request.output_text[:cut]
             reason = "stop"
         elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:

@@ -60,6 +60,9 @@ class Request:
     num_pending_tokens: int = 0
     # Structured output: the xgrammar matcher of params.grammar, advanced by each output token.
     grammar: Any = None
+    grammar_guard: Any = None  # JSON grammars: a bitmask ANDed with the grammar's (engine/structured/compiler.py)
+    # params.min_tokens: the tokens that would end it early (EOS and stop_token_ids), masked until then.
+    early_stop_ids: list[int] = field(default_factory=list)
 
     @property
     def last_token_id(self) -> int:

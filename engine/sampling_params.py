@@ -17,6 +17,7 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # logits scaled by
 MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries per request (OpenAI documents 300); each is one scattered add
 
 
 @dataclass
@@ -37,6 +38,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
     prompt_logprobs: int | None = None  # the same for every prompt token (echo)
     grammar: GrammarSpec | None = None  # structured output: what the text must match (engine/structured/)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many new tokens (vLLM's)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +95,20 @@ class SamplingParams:
         # torch.Generator.manual_seed takes any 64-bit value, signed or unsigned.
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
             problems.append(f"seed must be a 64-bit integer, got {self.seed!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                problems.append(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers")
+            elif any(not _is_int(t) or t < 0 or not _is_finite_number(b) or not -100 <= b <= 100
+                     for t, b in self.logit_bias.items()):
+                problems.append("logit_bias maps non-negative token ids to numbers in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            problems.append("allowed_token_ids must be a non-empty list of non-negative token ids")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            problems.append(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        elif _is_int(self.max_tokens) and self.min_tokens > self.max_tokens:
+            problems.append(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             problems.append(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
         if problems:

@@ -309,7 +309,9 @@ def hf_tiny(tiny_checkpoints: dict[str, str]) -> Callable[[str], Any]:
 
     def get(name: str) -> Any:
         if name not in _HF_TINY:
-            model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[name], dtype=torch.float32)
+            # Eager: the one HF attention with every feature in every transformers version (5.17's default
+            # silently drops Gemma 2's soft-capping, which made the engine look wrong on the H200).
+            model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[name], dtype=torch.float32, attn_implementation="eager")
             _HF_TINY[name] = model.eval()
         return _HF_TINY[name]
 
@@ -332,7 +334,7 @@ def smol_hf(smol_gguf_path: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(smol_gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, attn_implementation="eager").eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model, tokenizer
 

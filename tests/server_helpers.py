@@ -25,7 +25,9 @@ MODEL = "SmolLM2-135M-Instruct"
 # (float32, eager); graphs for batch sizes 1-8 and max 8 sequences, so 64 requests queue.
 # A short header timeout so the slowloris test need not wait long.
 SERVER_ARGS = ["--dtype", "float32", "--capture-sizes", "1,2,4,8", "--max-num-seqs", "8", "--kv-cache-tokens", "8192",
-               "--torch-threads", "1", "--header-timeout", "3"]
+               "--torch-threads", "1", "--header-timeout", "3",
+               # Parsers on: they change nothing for SmolLM2 (it never thinks), and the tool tests need one.
+               "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
 START_TIMEOUT_S = 420
 
 

@@ -229,7 +229,7 @@ def test_gemma2_soft_capped_attention_on_cuda_graphs(tmp_path) -> None:
     model = build_tiny_checkpoint("gemma2", str(tmp_path / "gemma2"))
     prompts = [[1, 5, 9], [7] * 40, list(range(3, 90)), [2, 4, 8, 16, 32, 64, 128]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         want = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
                 for p in prompts]

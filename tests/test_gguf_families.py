@@ -26,7 +26,7 @@ FAMILIES = [("qwen2", {}), ("qwen3", {}), ("llama_plain", {}), ("mistral", {}), 
 def hf_greedy(folder: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         return [model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]

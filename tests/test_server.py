@@ -285,3 +285,27 @@ def test_structured_output_through_the_openai_client_streamed_or_not(client: ope
     assert picked.choices[0].text in ("Paris", "Lyon")
     with pytest.raises(openai.BadRequestError, match="regex"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"regex": "[unclosed"})
+
+
+def test_tools_through_the_openai_client_required_streamed_and_auto(client: openai.OpenAI) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    forced = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=64, temperature=0)
+    [call] = forced.choices[0].message.tool_calls
+    assert forced.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=64, temperature=0, stream=True)
+    pieces: dict[int, dict] = {}
+    for chunk in stream:  # reassembled as clients do: by index, arguments concatenated
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = pieces.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+    assert pieces == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+    auto = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=16, temperature=0)
+    assert auto.choices[0].message.content or auto.choices[0].message.tool_calls  # the model chose; both parse
+    assert auto.choices[0].message.model_extra.get("reasoning_content") is None  # SmolLM2 does not think

@@ -33,7 +33,7 @@ def windowed_mistral(tmp_path_factory: pytest.TempPathFactory) -> str:
 def hf_greedy(path: str, prompt: list[int], new_tokens: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()

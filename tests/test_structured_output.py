@@ -151,13 +151,14 @@ def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(smol_engine
     assert smol_engine.kv_pages_in_use() == 0
 
 
-def test_the_mask_is_what_xgrammar_applies_and_leaves_other_rows_alone(smol_engine: Engine) -> None:
+def test_the_mask_is_what_xgrammar_applies_with_the_json_guard_and_leaves_other_rows_alone(smol_engine: Engine) -> None:
     tokenizer, vocab = smol_engine.tokenizer, smol_engine.model_config.vocab_size
     compiler = GrammarCompiler(tokenizer, vocab, sorted(smol_engine.eos_token_ids))
     compiled = compiler.submit(GrammarSpec.json_schema(PERSON)).result()
     requests = [Request(f"r{i}", [1], SamplingParams()) for i in range(4)]
     for i in (0, 2):
         requests[i].grammar = new_matcher(compiled)
+        requests[i].grammar_guard = compiled.json_guard
     for token in tokenizer.encode('{"name": "Al', add_special_tokens=False):
         assert requests[2].grammar.accept_token(token)  # row 2 is inside a string, row 0 at the start
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
@@ -165,6 +166,7 @@ def test_the_mask_is_what_xgrammar_applies_and_leaves_other_rows_alone(smol_engi
     bitmask = xgr.allocate_token_bitmask(4, vocab)
     for i in (0, 2):
         requests[i].grammar.fill_next_token_bitmask(bitmask, i)
+        bitmask[i] &= compiled.json_guard  # raw control characters are never JSON (compiler.py, _safe_tokens)
     xgr.apply_token_bitmask_inplace(expected, bitmask, indices=[0, 2])
     ours = logits.clone()
     apply_grammar_masks(ours, requests)
@@ -185,3 +187,97 @@ def test_overlap_scheduling_gives_the_constrained_tokens_of_the_synchronous_loop
     for name, options in ENGINES.items():
         tokens[name] = [o.token_ids for o in engine_cache(None, **options).generate(prompts, params, chat=True)]
     assert tokens["sync"] == tokens["overlap+mixed"]
+
+
+# A schema with nested objects, arrays, enums, required fields and bounded numbers; strings and
+# arrays bounded so that a random model's output ends.
+NESTED = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 999},
+        "score": {"type": "number", "minimum": -1, "maximum": 1},
+        "kind": {"enum": ["a", "b", "c"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3},
+        "owner": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "admin": {"type": "boolean"}},
+                  "required": ["name", "admin"], "additionalProperties": False},
+    },
+    "required": ["id", "score", "kind", "tags", "owner"],
+    "additionalProperties": False,
+}
+
+
+def _nested(value: Any) -> None:
+    assert list(value) == ["id", "score", "kind", "tags", "owner"]
+    assert isinstance(value["id"], int) and not isinstance(value["id"], bool) and 1 <= value["id"] <= 999
+    assert isinstance(value["score"], (int, float)) and -1 <= value["score"] <= 1
+    assert value["kind"] in ("a", "b", "c")
+    assert 1 <= len(value["tags"]) <= 3 and all(isinstance(t, str) and len(t) <= 6 for t in value["tags"])
+    owner = value["owner"]
+    assert list(owner) == ["name", "admin"] and isinstance(owner["name"], str) and len(owner["name"]) <= 8
+    assert isinstance(owner["admin"], bool)
+
+
+@pytest.fixture(scope="module")
+def random_model_with_a_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama over SmolLM2's real vocabulary and tokenizer: output with no preference."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.loader.resolve import resolve_model_source
+
+    folder = tmp_path_factory.mktemp("random_llama_with_tokenizer")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer_dir = resolve_model_source(None).tokenizer_dir
+    assert tokenizer_dir is not None
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tokenizer_dir}/{name}", folder / name)
+    return str(folder)
+
+
+def test_a_random_model_at_temperature_1_over_50_seeds_always_gives_valid_json(
+        engine_cache: Callable[..., Engine], random_model_with_a_tokenizer: str) -> None:
+    engine = engine_cache(random_model_with_a_tokenizer, max_num_seqs=16)
+    seeds = range(50)
+    spec = GrammarSpec.json_schema(NESTED, any_whitespace=False)
+    constrained = engine.generate(["Some JSON:"] * 50, [SamplingParams(max_tokens=160, temperature=1.0, seed=s, grammar=spec)
+                                                        for s in seeds])
+    for output in constrained:
+        assert output.finish_reason == "stop", output.text
+        _nested(json.loads(output.text))
+    assert len({o.text for o in constrained}) > 40  # random, not one answer
+    free = engine.generate(["Some JSON:"] * 50, [SamplingParams(max_tokens=60, temperature=1.0, seed=s) for s in seeds])
+    parsed = 0
+    for output in free:
+        try:
+            json.loads(output.text)
+            parsed += 1
+        except json.JSONDecodeError:
+            pass
+    assert parsed == 0  # without the grammar the same model's text is not JSON: the test can fail
+    assert engine.kv_pages_in_use() == 0
+
+
+def test_raw_control_characters_never_enter_json_even_where_xgrammar_allows_them(smol_engine: Engine) -> None:
+    """xgrammar 0.2.9 lets a length-bounded string take raw control characters; the JSON guard does not."""
+    vocab = smol_engine.model_config.vocab_size
+    compiler = GrammarCompiler(smol_engine.tokenizer, vocab, sorted(smol_engine.eos_token_ids))
+    compiled = compiler.submit(GrammarSpec.json_schema({"type": "string", "maxLength": 6})).result()
+    request = Request("r", [1], SamplingParams())
+    request.grammar, request.grammar_guard = new_matcher(compiled), compiled.json_guard
+    assert request.grammar.accept_token(smol_engine.tokenizer.convert_tokens_to_ids('"'))
+    controls = [t for t in range(vocab) if any(ord(c) < 32 and c not in "\t\n\r" for c in smol_engine.tokenizer.decode([t]))]
+    assert controls
+    bare = xgr.allocate_token_bitmask(1, vocab)
+    request.grammar.fill_next_token_bitmask(bare, 0)
+    unguarded = torch.zeros(1, vocab)
+    xgr.apply_token_bitmask_inplace(unguarded, bare)
+    assert torch.isfinite(unguarded[0, controls]).any()  # the upstream bug this guards against
+    logits = torch.zeros(1, vocab)
+    apply_grammar_masks(logits, [request])
+    assert not torch.isfinite(logits[0, controls]).any()
+    compiler.close()

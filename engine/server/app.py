@@ -60,6 +60,8 @@ class ServerSettings:
     max_pending_requests: int = 1024  # engine requests (prompts x n) queued or running; more: 503 + Retry-After
     trust_request_chat_template: bool = False  # let requests supply their own Jinja chat template
     allow_unknown_fields: bool = False  # ignore request fields this server does not know (engine/server/fields.py)
+    tool_call_parser: str | None = None  # how tool calls are read for tool_choice "auto" (engine/server/tools.py)
+    reasoning_parser: str | None = None  # how reasoning_content is split from content (engine/server/reasoning.py)
 
 
 def build_app(
@@ -88,7 +90,8 @@ def build_app(
         async_engine = AsyncEngine(engine, thread=engine_thread)
     metrics = ServerMetrics(lambda: async_engine.snapshot, name)
     async_engine.observer = metrics.observer()
-    serving = Serving(async_engine, model, settings.max_pending_requests, settings.trust_request_chat_template)
+    serving = Serving(async_engine, model, settings.max_pending_requests, settings.trust_request_chat_template,
+                      settings.tool_call_parser, settings.reasoning_parser)
     created = int(time.time())
 
     @asynccontextmanager

@@ -8,14 +8,13 @@ declare are sorted three ways:
   accepted and ignored;
 - structured output (`response_format`, `structured_outputs`, `guided_*`, `regex`, ...): read by
   engine/server/structured_fields.py, which refuses what it cannot honour;
-- features this server does not implement yet (`tools`, `logit_bias`, `min_tokens`, ...): a 400
-  naming the field, unless the value asks for nothing (`tools: []`, `logit_bias: {}`,
-  `min_tokens: 0`, `tool_choice: "none"`);
+- features this server does not implement yet (the legacy `functions`, `best_of` > 1, beam
+  search, ...): a 400 naming the field, unless the value asks for nothing (`functions: []`, `best_of: 1`);
 - anything else: a 400 naming it as unknown, unless the server runs with
   `--allow-unknown-fields` (for clients that send extras of their own), which ignores them.
 
-The same holds inside chat messages (`tool_calls`, `tool_call_id`, ... are refused: tool calling
-is not implemented, and dropping them would change what the model is asked).
+The same holds inside chat messages (`function_call`, `audio`, ... are refused: dropping them would
+change what the model is asked). Tools and tool calls are engine/server/tools.py's.
 """
 
 from __future__ import annotations
@@ -34,15 +33,9 @@ HARMLESS = frozenset({
 
 # Fields of features not implemented here, and the values that ask for nothing (accepted).
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "tools": ([], None),
-    "tool_choice": ("none", None),
-    "parallel_tool_calls": (None, True, False),  # meaningful only with tools, which are refused
     "functions": ([], None),
     "function_call": ("none", None),
-    "logit_bias": ({}, None),
-    "min_tokens": (0, None),
     "bad_words": ([], None),
-    "allowed_token_ids": (None,),
     "reasoning_effort": (None,),
     "prediction": (None,),
     "audio": (None,),
@@ -55,10 +48,8 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "priority": (0, None),
 }
 
-# Inside a chat message: tool-calling history is not implemented.
+# Inside a chat message: fields whose history is not rendered.
 MESSAGE_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "tool_calls": ([], None),
-    "tool_call_id": (None,),
     "function_call": (None,),
     "refusal": (None,),
     "audio": (None,),
@@ -66,12 +57,8 @@ MESSAGE_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 }
 
 WHY = {
-    "tools": "tool calling is not implemented yet",
-    "tool_choice": "tool calling is not implemented yet",
-    "functions": "function calling is not implemented yet",
-    "function_call": "function calling is not implemented yet",
-    "logit_bias": "logit_bias is not implemented yet",
-    "min_tokens": "min_tokens is not implemented yet",
+    "functions": "the legacy functions field is not supported; send tools",
+    "function_call": "the legacy function_call field is not supported; send tool_choice",
 }
 
 

@@ -8,6 +8,8 @@ import os
 import signal
 import time
 
+from engine.server.tool_parsers import PARSERS
+
 logger = logging.getLogger("engine.server")
 
 
@@ -41,7 +43,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json (behind the key if one is set)")
     limits.add_argument("--allow-unknown-fields", action="store_true",
                         help="ignore request fields this server does not know instead of answering 400 "
-                        "(fields of unimplemented features, such as tools or response_format, are refused either way)")
+                        "(fields of unimplemented features, such as logit_bias, are refused either way)")
+    limits.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,  # engine/server/tool_parsers.py
+                        help="read tool calls out of the model's text for tool_choice \"auto\" (hermes: Qwen 2.5/3 "
+                        "and Hermes; llama3_json: Llama 3.x; mistral; glm45: GLM-4.5/4.6); \"required\" and named "
+                        "functions are forced by a grammar and need no parser")
+    limits.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=None,  # engine/server/reasoning.py
+                        help="split <think>...</think> into reasoning_content (deepseek_r1: the template opens the "
+                        "thought; qwen3: the model does)")
     limits.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests supply their own chat template through chat_template_kwargs")
     group.add_argument(
@@ -107,6 +116,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_pending_requests=args.max_pending_requests,
         trust_request_chat_template=args.trust_request_chat_template,
         allow_unknown_fields=args.allow_unknown_fields,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     app = build_app(engine, args.served_model_name, settings=settings, engine_thread=engine_thread)
     # Each connection holds a descriptor: lift the soft limit so the connection cap, not EMFILE, decides.

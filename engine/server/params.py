@@ -24,6 +24,7 @@ from engine.server.protocol import (
     TopLogprob,
 )
 from engine.structured.spec import GrammarSpec
+from engine.server.tools import hermes_preamble, history_message, template_renders_tools
 from engine.tokenizer import encode_prompt
 
 
@@ -189,12 +190,16 @@ def completion_prompts(model: ModelInfo, prompt: str | list[str] | list[int] | l
     return prompts
 
 
-def chat_prompt(model: ModelInfo, messages: Sequence[ChatMessage], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
-    """Token ids of a conversation through the model's chat template."""
+def chat_prompt(model: ModelInfo, messages: Sequence[ChatMessage], add_generation_prompt: bool, kwargs: dict | None,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of a conversation through the model's chat template; `tools` shown to the model (the
+    template's own `tools` where it renders them, else a Hermes-format system preamble: engine/server/tools.py)."""
     tokenizer = model.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError("this model has no chat template; use /v1/completions", param="messages")
-    conversation = []
+    native = template_renders_tools(tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None)
+    kwargs = dict(kwargs or {})
+    conversation: list[dict[str, Any]] = []
     total = 0
     for index, message in enumerate(messages):
         content = message.content
@@ -203,13 +208,25 @@ def chat_prompt(model: ModelInfo, messages: Sequence[ChatMessage], add_generatio
             content = "\n".join(part.text for part in content)
         total += len(content or "")
         check_encodable(content or "", f"messages[{index}].content")
-        conversation.append({"role": message.role, "content": content or ""})
+        try:
+            conversation.append(history_message(message.role, content or "", message.tool_calls,
+                                                message.tool_call_id if message.role == "tool" else None, native))
+        except InvalidRequestError as exc:
+            raise APIError(f"messages[{index}].tool_calls: {exc}", param=f"messages[{index}].tool_calls") from exc
+    if tools and native:
+        kwargs["tools"] = tools
+    elif tools:
+        preamble = hermes_preamble(tools)
+        if conversation and conversation[0]["role"] == "system":
+            conversation[0] = {**conversation[0], "content": f"{conversation[0]['content']}\n\n{preamble}"}
+        else:
+            conversation.insert(0, {"role": "system", "content": preamble})
     if total > model.max_model_len * MAX_CHARS_PER_TOKEN:
         raise APIError(f"the messages have {total} characters; at most {model.max_model_len * MAX_CHARS_PER_TOKEN} "
                        f"fit the context of {model.max_model_len} tokens", param="messages")
     try:
         ids = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **(kwargs or {})
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
         )
     except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation is bad input
         raise APIError(f"cannot apply the chat template: {exc}", param="messages") from exc
@@ -249,6 +266,18 @@ def resolve_max_tokens(model: ModelInfo, prompt_len: int, requested: int | None,
     return requested
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's JSON keys are token ids as text."""
+    if not bias:
+        return None
+    parsed = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        parsed[int(key)] = value
+    return parsed  # ids past the vocabulary: the engine's add_request refuses them
+
+
 def derived_seed(seed: int | None, choice: int) -> int | None:
     """Choice i of n gets seed + i (wrapped to 64 bits): reproducible, yet the choices differ."""
     if seed is None:
@@ -280,9 +309,19 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             grammar=grammar,
+            logit_bias=_logit_bias(req.logit_bias),
+            min_tokens=req.min_tokens or 0,
+            allowed_token_ids=req.allowed_token_ids,
         )
     except InvalidRequestError as exc:
-        raise APIError(str(exc)) from exc
+        raise APIError(str(exc), param=_first_field(str(exc))) from exc
+
+
+def _first_field(message: str) -> str | None:
+    """The field SamplingParams.validate names first ('invalid sampling parameters: top_p must ...')."""
+    problem = message.split(": ", 1)[-1]
+    name = problem.split(" ", 1)[0]
+    return name if name.isidentifier() else None
 
 
 # ---- logprobs --------------------------------------------------------------------------------

@@ -82,6 +82,9 @@ class SamplingFields(OpenAIBase):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None  # token id (as text, OpenAI's JSON) -> bias in [-100, 100]
+    min_tokens: int | None = None  # vLLM's: no EOS / stop before this many tokens
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
 
 
 class CompletionRequest(SamplingFields):
@@ -102,13 +105,19 @@ class ChatMessage(OpenAIBase):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (engine/server/tools.py)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @model_validator(mode="after")
     def _has_content(self) -> "ChatMessage":
         # OpenAI answers 400 for a message without content (an assistant's may be empty only beside
-        # tool_calls, which this server refuses): generating from nothing would not be what was asked.
-        if self.content is None:
+        # its tool_calls): generating from nothing would not be what was asked.
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self
 
 
@@ -120,6 +129,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(OpenAIBase):
@@ -188,6 +200,8 @@ class ChatChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -209,6 +223,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -16,10 +16,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.errors import RequestFailedError
+from engine.errors import InvalidRequestError, RequestFailedError
 from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestGroup
 from engine.server.errors import APIError, error_body
 from engine.server.structured_fields import grammar_from_request
+from engine.server.reasoning import ReasoningStream, split_reasoning
+from engine.server.tools import ToolPlan, calls_from_text, plan_tools, streamable_prefix
+from engine.structured.spec import GrammarSpec, validate_grammar
 from engine.server.params import (
     ModelInfo,
     TokenTextJoiner,
@@ -70,13 +73,21 @@ class Choice:
     sent_role: bool = False
     sent_prompt: bool = False  # echo: the prompt goes out with the first chunk
     sent_prompt_ids: bool = False  # return_token_ids: the prompt's ids go out with the first chunk
+    tool_plan: ToolPlan | None = None  # chat with tools that parse calls out of the text
+    streamed_text: str = ""  # streaming with a tool plan: the text so far (chunks bring deltas)
+    sent_chars: int = 0  # ... of which this much went out as content
+    reasoning_parser: str | None = None  # split <think> text into reasoning_content (engine/server/reasoning.py)
+    reasoning: ReasoningStream | None = None  # streaming: that split so far
 
 
 class Serving:
     def __init__(
-        self, engine: AsyncEngine, model: ModelInfo, max_pending: int = 1024, trust_request_chat_template: bool = False
+        self, engine: AsyncEngine, model: ModelInfo, max_pending: int = 1024, trust_request_chat_template: bool = False,
+        tool_call_parser: str | None = None, reasoning_parser: str | None = None,
     ) -> None:
         self.engine = engine
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.model = model
         # Two tokenizer copies, one per thread: the loop's (stream chunks) and the worker's (prompts,
         # whole responses); an HF tokenizer must not be used by two threads at once.
@@ -207,15 +218,26 @@ class Serving:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         kwargs = check_chat_template_kwargs(req.chat_template_kwargs, self.trust_request_chat_template)
-        ids = await self.off_loop(chat_prompt, self.model, req.messages, req.add_generation_prompt, kwargs)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser)
+        ids = await self.off_loop(chat_prompt, self.model, req.messages, req.add_generation_prompt, kwargs,
+                                  plan.prompt_tools if plan is not None else None)
         grammar = await self.off_loop(grammar_from_request, req)
+        if plan is not None and plan.grammar is not None:
+            if grammar is not None:
+                raise APIError('tool_choice "required" or a named function constrains the output itself; it cannot '
+                               "be combined with response_format or another structured-output field", param="tool_choice")
+            grammar = plan.grammar
+            await self.off_loop(_check_tool_grammar, grammar)
+        if plan is not None and not plan.parses_calls:
+            plan = None  # tool_choice "none": plain text
         budget, param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             budget, param = req.max_completion_tokens, "max_completion_tokens"
         max_tokens = resolve_max_tokens(self.model, len(ids), budget, param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         choices = [
-            Choice(i, None, ids, sampling_params(req, max_tokens, derived_seed(req.seed, i), logprobs, None, grammar))
+            Choice(i, None, ids, sampling_params(req, max_tokens, derived_seed(req.seed, i), logprobs, None, grammar),
+                   tool_plan=plan, reasoning_parser=self.reasoning_parser if grammar is None else None)
             for i in range(req.n)
         ]
         request_id = random_id("chatcmpl")
@@ -238,11 +260,12 @@ class Serving:
                 choices=[
                     ChatChoice(
                         index=c.index,
-                        message=AssistantMessage(content=c.final.text),
+                        message=_assistant_message(c.tool_plan, c.reasoning_parser, c.final.text),
                         logprobs=chat_logprobs(self.worker_tokens, c.final.logprobs or [], logprobs,
                                                TokenTextJoiner(self.worker_tokens, c.params.skip_special_tokens))
                         if logprobs is not None else None,
-                        finish_reason=c.final.finish_reason,
+                        finish_reason=_finish_reason(c.tool_plan, _content_text(c.reasoning_parser, c.final.text),
+                                                     c.final.finish_reason),
                     )
                     for c in choices
                     if c.final is not None
@@ -254,10 +277,17 @@ class Serving:
 
     def _chat_chunk(self, req: ChatCompletionRequest, request_id: str, created: int, choice: Choice, output: RequestOutput) -> dict | None:
         delta = DeltaMessage(content=output.new_text)
+        finish_reason = output.finish_reason
+        if choice.reasoning_parser is not None:
+            choice.reasoning = choice.reasoning or ReasoningStream(choice.reasoning_parser)
+            reasoning, delta.content = choice.reasoning.feed(output.new_text, output.finished)
+            delta.reasoning_content = reasoning or None
+        if choice.tool_plan is not None:
+            delta.content, delta.tool_calls, finish_reason = _tool_delta(choice, delta.content or "", output)
         if not choice.sent_role:
             choice.sent_role = True
             delta.role = "assistant"
-        elif not output.new_text and not output.finished and not req.logprobs:
+        elif not (delta.content or delta.reasoning_content or delta.tool_calls or output.finished or req.logprobs):
             return None
         logprobs = None
         if req.logprobs:
@@ -266,7 +296,7 @@ class Serving:
                                      final=output.finished)
         chunk = ChatCompletionChunk(
             id=request_id, created=created, model=self.model.name,
-            choices=[ChatStreamChoice(index=choice.index, delta=delta, logprobs=logprobs, finish_reason=output.finish_reason)],
+            choices=[ChatStreamChoice(index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)],
         )
         return chunk.model_dump(exclude_none=True)
 
@@ -351,6 +381,57 @@ class Serving:
 
     def _release(self, count: int) -> None:
         self.pending -= count
+
+
+def _check_tool_grammar(grammar: GrammarSpec) -> None:
+    """The grammar made from the tools' parameter schemas parses (a bad schema is a 400 on `tools`)."""
+    try:
+        validate_grammar(grammar)
+    except InvalidRequestError as exc:
+        raise APIError(f"tools: {exc}", param="tools") from exc
+
+
+def _content_text(reasoning_parser: str | None, text: str) -> str:
+    return split_reasoning(reasoning_parser, text)[1] if reasoning_parser is not None else text
+
+
+def _assistant_message(plan: ToolPlan | None, reasoning_parser: str | None, text: str) -> AssistantMessage:
+    reasoning = None
+    if reasoning_parser is not None:
+        reasoning, text = split_reasoning(reasoning_parser, text)
+    if plan is None:
+        return AssistantMessage(content=text, reasoning_content=reasoning or None)
+    content, calls = calls_from_text(plan, text)
+    return AssistantMessage(content=content, reasoning_content=reasoning or None,
+                            tool_calls=[call.as_dict() for call in calls] or None)
+
+
+def _finish_reason(plan: ToolPlan | None, text: str, reason: str | None) -> str | None:
+    """OpenAI's "tool_calls" when the output ended (not cut off) in calls."""
+    if plan is not None and reason == "stop" and calls_from_text(plan, text)[1]:
+        return "tool_calls"
+    return reason
+
+
+def _tool_delta(choice: Choice, new_text: str, output: RequestOutput) -> tuple[str | None, list[dict] | None, str | None]:
+    """(content delta, tool-call deltas, finish reason) of a streamed chunk under a tool plan, given the
+    chunk's new content text: content goes out until a call may start; the calls go out whole in the last chunk."""
+    plan = choice.tool_plan
+    assert plan is not None
+    choice.streamed_text += new_text
+    text = choice.streamed_text
+    if not output.finished:
+        end = streamable_prefix(plan, text)
+        content, choice.sent_chars = text[choice.sent_chars:end], max(choice.sent_chars, end)
+        return content, None, None
+    final_content, calls = calls_from_text(plan, text)
+    if not calls:
+        content, choice.sent_chars = text[choice.sent_chars:], len(text)
+        return content, None, output.finish_reason
+    sent = text[:choice.sent_chars]
+    rest = final_content[len(sent):] if final_content and final_content.startswith(sent) else ""
+    reason = "tool_calls" if output.finish_reason == "stop" else output.finish_reason
+    return rest, [call.as_dict(index) for index, call in enumerate(calls)], reason
 
 
 def _usage(prompt_tokens: int, choices: list[Choice]) -> UsageInfo:

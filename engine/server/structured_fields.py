@@ -27,7 +27,7 @@ STRUCTURED_FIELDS = frozenset({
 })
 BACKENDS = (None, "auto", "xgrammar")  # guided_decoding_backend values honoured: this server runs xgrammar
 STRUCTURED_OUTPUTS_KEYS = {"json", "regex", "choice", "grammar", "json_object"}
-STRUCTURED_OUTPUTS_NEUTRAL = {"backend": BACKENDS, "disable_any_whitespace": (None, False),
+STRUCTURED_OUTPUTS_NEUTRAL = {"backend": BACKENDS, "disable_any_whitespace": (None, False, True),
                               "disable_additional_properties": (None, False), "disable_fallback": (None, False, True),
                               "whitespace_pattern": (None,), "structural_tag": (None,)}
 
@@ -110,10 +110,11 @@ def _structured_outputs(value: Any) -> GrammarSpec | None:
     if not asked:
         return None
     key = asked[0]
+    any_whitespace = not value.get("disable_any_whitespace")
     if key == "json":
-        return GrammarSpec.json_schema(value[key])
+        return GrammarSpec.json_schema(value[key], any_whitespace)
     if key == "json_object":
-        return GrammarSpec("json_object")
+        return GrammarSpec("json_object", any_whitespace=any_whitespace)
     if key == "choice":
         return GrammarSpec.choice(value[key])
     if key == "regex":

@@ -12,7 +12,10 @@ import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from engine.errors import InvalidRequestError
 from engine.structured.spec import GrammarSpec, xgrammar_message, import_xgrammar
@@ -34,6 +37,8 @@ class GrammarCompiler:
         self._compiler: Any = None  # made in the worker: preparing the vocabulary takes 0.1-0.5 s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        # Bitmasks of the tokens a JSON text may contain raw, with and without \t \n \r (see json_guard).
+        self._json_safe: dict[bool, torch.Tensor] = {}
 
     def submit(self, spec: GrammarSpec) -> Future:
         future = self._cache.get(spec)
@@ -56,13 +61,15 @@ class GrammarCompiler:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads)
+            self._json_safe = {whitespace: _safe_tokens(info.decoded_vocab, self.vocab_size, whitespace)
+                               for whitespace in (True, False)}
             logger.info("structured output: xgrammar %s over a %d-token vocabulary (%s, stop tokens %s), "
                         "prepared in %.2f s", _version(), self.vocab_size,
                         info.vocab_type.name.lower(), self.stop_token_ids, time.perf_counter() - start)
         start = time.perf_counter()
         try:
             if spec.is_json:
-                compiled = self._compiler.compile_json_schema(spec.schema())
+                compiled = self._compiler.compile_json_schema(spec.schema(), any_whitespace=spec.any_whitespace)
             elif spec.kind == "regex":
                 compiled = self._compiler.compile_regex(spec.text)
             else:
@@ -71,7 +78,7 @@ class GrammarCompiler:
             raise InvalidRequestError(f"invalid {spec.describe()}: {xgrammar_message(exc)}") from exc
         elapsed = time.perf_counter() - start
         (logger.info if elapsed > 0.5 else logger.debug)("compiled a %s grammar in %.3f s", spec.describe(), elapsed)
-        return compiled
+        return CompiledSpec(compiled, self._json_safe[spec.any_whitespace] if spec.is_json else None)
 
 
 def _version() -> str:
@@ -83,6 +90,31 @@ def _version() -> str:
         return "(unknown version)"
 
 
-def new_matcher(compiled: Any) -> Any:
+@dataclass(frozen=True)
+class CompiledSpec:
+    """xgrammar's compiled grammar, and for JSON the bitmask every mask is ANDed with (json_guard)."""
+
+    grammar: Any
+    json_guard: torch.Tensor | None
+
+
+def _safe_tokens(decoded_vocab: list[bytes], vocab_size: int, whitespace: bool) -> torch.Tensor:
+    """int32 bitmask [ceil(vocab / 32)] of the tokens without a byte JSON never has raw.
+
+    Why: xgrammar 0.2.9 compiles a length-bounded JSON string ({"type": "string", "maxLength": 6})
+    to the characters [^"\\\r\n], which lets a raw control character into the string (seen: a
+    random model wrote U+0017 there, and json.loads refused the output). Control bytes other than
+    tab, newline and return are invalid anywhere in JSON; those three only as whitespace between
+    tokens, so a compact grammar (any_whitespace False) forbids them too.
+    """
+    allowed_controls = {9, 10, 13} if whitespace else set()
+    words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int64)
+    for token, piece in enumerate(decoded_vocab[:vocab_size]):
+        if not any(byte < 32 and byte not in allowed_controls for byte in piece):
+            words[token // 32] |= 1 << (token % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def new_matcher(compiled: CompiledSpec) -> Any:
     """A request's own matcher: its position in the grammar, advanced by each token it is given."""
-    return import_xgrammar().GrammarMatcher(compiled)
+    return import_xgrammar().GrammarMatcher(compiled.grammar)

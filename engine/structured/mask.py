@@ -34,6 +34,10 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> None:
     if not _BATCH_MATCHER:
         _BATCH_MATCHER.append(import_xgrammar().BatchGrammarMatcher())
     _BATCH_MATCHER[0].batch_fill_next_token_bitmask([requests[i].grammar for i in rows], host)
+    for position, row in enumerate(rows):
+        guard = requests[row].grammar_guard
+        if guard is not None:
+            host[position] &= guard
     forbidden = forbidden_tokens(host.to(logits.device, non_blocking=True), vocab)
     if len(rows) == len(requests):
         logits.masked_fill_(forbidden, float("-inf"))

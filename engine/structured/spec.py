@@ -23,9 +23,10 @@ class GrammarSpec:
 
     kind: str
     text: str = ""
+    any_whitespace: bool = True  # JSON kinds: any whitespace between tokens (False: compact, vLLM's disable_any_whitespace)
 
     @staticmethod
-    def json_schema(schema: dict[str, Any] | str) -> "GrammarSpec":
+    def json_schema(schema: dict[str, Any] | str, any_whitespace: bool = True) -> "GrammarSpec":
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -33,7 +34,7 @@ class GrammarSpec:
                 raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}") from exc
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return GrammarSpec("json_schema", json.dumps(schema))  # key order kept: it is the properties' order
+        return GrammarSpec("json_schema", json.dumps(schema), any_whitespace)  # key order kept: the properties' order
 
     @staticmethod
     def choice(options: list[str]) -> "GrammarSpec":
@@ -76,7 +77,7 @@ def parse_grammar(spec: GrammarSpec) -> Any:
     xgr = import_xgrammar()
     try:
         if spec.is_json:
-            return xgr.Grammar.from_json_schema(spec.schema())
+            return xgr.Grammar.from_json_schema(spec.schema(), any_whitespace=spec.any_whitespace)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.text)
         return xgr.Grammar.from_ebnf(spec.ebnf())

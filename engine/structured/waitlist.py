@@ -59,6 +59,7 @@ class GrammarWaitlist:
             error = future.exception()
             if error is None:
                 request.grammar = new_matcher(future.result())
+                request.grammar_guard = future.result().json_guard
                 ready.append(request)
             else:
                 failed.append((request, error))
