@@ -239,6 +239,18 @@ def random_model_with_a_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> s
     return str(folder)
 
 
+def test_smollm2_at_temperature_1_over_50_seeds_always_gives_valid_json(smol_engine: Engine) -> None:
+    spec = GrammarSpec.json_schema(NESTED, any_whitespace=False)
+    outputs = smol_engine.generate(["Describe a record as JSON."] * 50,
+                                   [SamplingParams(max_tokens=160, temperature=1.0, seed=s, grammar=spec) for s in range(50)],
+                                   chat=True)
+    for output in outputs:
+        assert output.finish_reason == "stop", output.text
+        _nested(json.loads(output.text))
+    assert len({o.text for o in outputs}) > 25
+    assert smol_engine.kv_pages_in_use() == 0
+
+
 def test_a_random_model_at_temperature_1_over_50_seeds_always_gives_valid_json(
         engine_cache: Callable[..., Engine], random_model_with_a_tokenizer: str) -> None:
     engine = engine_cache(random_model_with_a_tokenizer, max_num_seqs=16)

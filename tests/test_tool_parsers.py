@@ -201,3 +201,16 @@ def test_only_complete_calls_are_calls() -> None:
                 _, calls = PARSERS[parser].parse(text[:end])
                 for call in calls:
                     json.loads(call.arguments)  # every call's arguments are complete JSON
+
+
+def test_self_contained_calls_go_out_as_soon_as_they_are_complete() -> None:
+    plan = ToolPlan(TOOLS, "auto", parser="hermes")
+    text = hermes("get_weather", W) + " and then some closing words that keep coming"
+    choice = Choice(0, None, [1], SamplingParams(), tool_plan=plan)
+    first_call_at = None
+    for index in range(len(text)):
+        output = RequestOutput("r", None, [1], [], "", False, None, new_text=text[index])
+        _, tool_calls, _ = _tool_delta(choice, text[index], output)
+        if tool_calls and first_call_at is None:
+            first_call_at = index
+    assert first_call_at == len(hermes("get_weather", W)) - 1  # the chunk that closed the block, not the last

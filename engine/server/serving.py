@@ -21,7 +21,8 @@ from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestGrou
 from engine.server.errors import APIError, error_body
 from engine.server.structured_fields import grammar_from_request
 from engine.server.reasoning import ReasoningStream, split_reasoning
-from engine.server.tools import ToolPlan, calls_from_text, plan_tools, streamable_prefix
+from engine.server.tool_parsers import ToolCall
+from engine.server.tools import ToolPlan, calls_from_text, plan_tools, streamable_prefix, streams_calls_early
 from engine.structured.spec import GrammarSpec, validate_grammar
 from engine.server.params import (
     ModelInfo,
@@ -76,6 +77,7 @@ class Choice:
     tool_plan: ToolPlan | None = None  # chat with tools that parse calls out of the text
     streamed_text: str = ""  # streaming with a tool plan: the text so far (chunks bring deltas)
     sent_chars: int = 0  # ... of which this much went out as content
+    sent_calls: int = 0  # ... and this many tool calls
     reasoning_parser: str | None = None  # split <think> text into reasoning_content (engine/server/reasoning.py)
     reasoning: ReasoningStream | None = None  # streaming: that split so far
 
@@ -415,7 +417,9 @@ def _finish_reason(plan: ToolPlan | None, text: str, reason: str | None) -> str 
 
 def _tool_delta(choice: Choice, new_text: str, output: RequestOutput) -> tuple[str | None, list[dict] | None, str | None]:
     """(content delta, tool-call deltas, finish reason) of a streamed chunk under a tool plan, given the
-    chunk's new content text: content goes out until a call may start; the calls go out whole in the last chunk."""
+    chunk's new content text: content goes out until a call may start; each call goes out whole as soon
+    as it is complete (formats whose calls are self-contained blocks, tool_parsers.incremental), else
+    in the last chunk, with whatever content follows the calls."""
     plan = choice.tool_plan
     assert plan is not None
     choice.streamed_text += new_text
@@ -423,7 +427,8 @@ def _tool_delta(choice: Choice, new_text: str, output: RequestOutput) -> tuple[s
     if not output.finished:
         end = streamable_prefix(plan, text)
         content, choice.sent_chars = text[choice.sent_chars:end], max(choice.sent_chars, end)
-        return content, None, None
+        calls = calls_from_text(plan, text)[1] if streams_calls_early(plan) else []
+        return content, _call_deltas(choice, calls), None
     final_content, calls = calls_from_text(plan, text)
     if not calls:
         content, choice.sent_chars = text[choice.sent_chars:], len(text)
@@ -431,7 +436,14 @@ def _tool_delta(choice: Choice, new_text: str, output: RequestOutput) -> tuple[s
     sent = text[:choice.sent_chars]
     rest = final_content[len(sent):] if final_content and final_content.startswith(sent) else ""
     reason = "tool_calls" if output.finish_reason == "stop" else output.finish_reason
-    return rest, [call.as_dict(index) for index, call in enumerate(calls)], reason
+    return rest, _call_deltas(choice, calls), reason
+
+
+def _call_deltas(choice: Choice, calls: list[ToolCall]) -> list[dict] | None:
+    """The calls not sent yet, with their index in the message."""
+    new = [call.as_dict(index) for index, call in enumerate(calls) if index >= choice.sent_calls]
+    choice.sent_calls = max(choice.sent_calls, len(calls))
+    return new or None
 
 
 def _usage(prompt_tokens: int, choices: list[Choice]) -> UsageInfo:

@@ -3,8 +3,8 @@
 Each parser answers two questions about a text: what of it is content and which calls it holds
 (`parse`, on the finished text), and how much of a text still being streamed is surely content
 (`content_end`: the stream holds back from the first place a call may start). The stream sends
-content up to `content_end`, then, once the output ends, the calls `parse` finds and whatever
-content follows them. So a stream cut into chunks of any size gives exactly the non-streamed
+content up to `content_end`; each call as soon as it is complete where calls are self-contained
+blocks (`incremental`: hermes, glm45), else once the output ends; then whatever content follows. So a stream cut into chunks of any size gives exactly the non-streamed
 answer (tests/test_tool_parsers.py holds every format to that over its table of texts).
 
 Only a complete call is a call: a call cut off by max_tokens, or one that does not parse (broken
@@ -229,11 +229,15 @@ class ToolCallParser:
     name: str
     parse: Callable[[str], tuple[str | None, list[ToolCall]]]
     content_end: Callable[[str], int]
+    # Each call a block of its own, decided by its own text: a complete one found in a prefix of the
+    # output is a call of the whole output, so the stream can send it at once. Not so for llama3_json
+    # (text after the calls makes them content) or mistral (one list, or a chain after one marker).
+    incremental: bool = False
 
 
 PARSERS: dict[str, ToolCallParser] = {
-    "hermes": ToolCallParser("hermes", parse_hermes, lambda text: _marker_end(text, "<tool_call>")),
+    "hermes": ToolCallParser("hermes", parse_hermes, lambda text: _marker_end(text, "<tool_call>"), incremental=True),
     "llama3_json": ToolCallParser("llama3_json", parse_llama3_json, llama3_content_end),
     "mistral": ToolCallParser("mistral", parse_mistral, lambda text: _marker_end(text, _MISTRAL)),
-    "glm45": ToolCallParser("glm45", parse_glm45, lambda text: _marker_end(text, "<tool_call>")),
+    "glm45": ToolCallParser("glm45", parse_glm45, lambda text: _marker_end(text, "<tool_call>"), incremental=True),
 }

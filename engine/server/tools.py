@@ -205,6 +205,11 @@ def calls_from_text(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCal
     return text, []
 
 
+def streams_calls_early(plan: ToolPlan) -> bool:
+    """Whether a complete call can go out before the output ends (its format's calls are self-contained)."""
+    return plan.choice == "auto" and plan.parser is not None and PARSERS[plan.parser].incremental
+
+
 def streamable_prefix(plan: ToolPlan, text: str) -> int:
     """How much of the text so far can go out as content while the output streams: none when the call
     is forced (the whole text is the call), up to the first possible `<tool_call>` in auto mode."""
