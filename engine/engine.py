@@ -114,8 +114,8 @@ class Engine:
         self.last_step_was_decode = False  # of the step whose outputs the last step() call returned
         self.overlap = bool(self.config.overlap_schedule)
         self._in_flight: _LaunchedStep | None = None  # launched, outputs not yet read back (overlap)
-        # Structured output: requests whose grammar is compiling wait here, not in the scheduler.
         self._settled_early: list[RequestOutput] = []  # outputs of a step read back before sampling the next
+        # Structured output: requests whose grammar is compiling wait here, not in the scheduler.
         self.grammar_waitlist = GrammarWaitlist(self.tokenizer, int(self.model_config.vocab_size), self.eos_token_ids)
         logger.info("overlap scheduling %s; %s", "on" if self.overlap else "off",
                     "mixed prefill+decode steps" if self.scheduler.mixed_steps else "separate prefill and decode steps")
