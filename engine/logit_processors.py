@@ -12,7 +12,18 @@ from typing import Sequence
 import torch
 
 from engine.request import Request
+from engine.structured.mask import apply_grammar_masks
 from engine.transfer import to_device
+
+
+def edit_logits(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Every per-request edit, in place, before sampling: bias, allowed tokens, min_tokens, then the
+    grammars' masks last (what a grammar forbids stays forbidden whatever the bias)."""
+    apply_logit_bias(logits, requests)
+    keep_allowed_tokens(logits, requests)
+    block_early_stops(logits, requests)
+    if any(r.grammar is not None for r in requests):
+        apply_grammar_masks(logits, requests)
 
 
 def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:

@@ -63,6 +63,13 @@ class Request:
     grammar_guard: Any = None  # JSON grammars: a bitmask ANDed with the grammar's (engine/structured/compiler.py)
     # params.min_tokens: the tokens that would end it early (EOS and stop_token_ids), masked until then.
     early_stop_ids: list[int] = field(default_factory=list)
+    # The sampler edits this request's logits (bias, allowed tokens, min_tokens, grammar): derived once
+    # from params here, so a decode step checks one flag per row rather than every field.
+    edits_logits: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.edits_logits = bool(p.logit_bias or p.allowed_token_ids or p.min_tokens or p.grammar is not None)
 
     @property
     def last_token_id(self) -> int:

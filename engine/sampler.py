@@ -14,8 +14,7 @@ import torch
 from backends.cuda.triton_penalties import apply_penalties_
 from engine.batch_state import PenaltyState
 from engine.request import Request, TokenLogprob
-from engine.logit_processors import apply_logit_bias, block_early_stops, keep_allowed_tokens
-from engine.structured.mask import apply_grammar_masks
+from engine.logit_processors import edit_logits
 from engine.transfer import HostCopy, to_device
 
 
@@ -158,14 +157,8 @@ def sample(
         if penalties is None or rows is None:
             raise ValueError("penalized requests need their decode rows (DecodeBatchState) to sample")
         logits, recorded = _apply_penalties(logits, requests, penalties, rows)
-    if any(r.params.logit_bias for r in requests):
-        apply_logit_bias(logits, requests)
-    if any(r.params.allowed_token_ids for r in requests):
-        keep_allowed_tokens(logits, requests)
-    if any(r.early_stop_ids for r in requests):
-        block_early_stops(logits, requests)  # min_tokens: no EOS or stop token yet
-    if any(r.grammar is not None for r in requests):
-        apply_grammar_masks(logits, requests)  # structured output: what the grammars forbid is -inf
+    if any(r.edits_logits for r in requests):  # one pass over the batch; the common step stops here
+        edit_logits(logits, requests)
     chosen_ids = _sample(logits, requests)
     if recorded is not None and penalties is not None:
         penalty_rows, index = recorded

@@ -7,6 +7,7 @@ before sampling, so the decode graphs stay the same whether or not a request has
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Sequence
 
 import torch
@@ -15,7 +16,6 @@ from engine.structured.spec import import_xgrammar
 from engine.transfer import to_device
 
 _BIT_VALUES: dict[torch.device, torch.Tensor] = {}
-_BATCH_MATCHER: list[Any] = []
 
 
 def constrained_rows(requests: Sequence[Any]) -> list[int]:
@@ -31,9 +31,7 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> None:
     vocab = logits.shape[1]
     words = (vocab + 31) // 32
     host = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=logits.is_cuda)
-    if not _BATCH_MATCHER:
-        _BATCH_MATCHER.append(import_xgrammar().BatchGrammarMatcher())
-    _BATCH_MATCHER[0].batch_fill_next_token_bitmask([requests[i].grammar for i in rows], host)
+    _batch_matcher().batch_fill_next_token_bitmask([requests[i].grammar for i in rows], host)
     for position, row in enumerate(rows):
         guard = requests[row].grammar_guard
         if guard is not None:
@@ -44,6 +42,12 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> None:
         return
     index = to_device(rows, torch.int64, logits.device)
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(forbidden, float("-inf")))
+
+
+@lru_cache(maxsize=1)
+def _batch_matcher() -> Any:
+    """xgrammar's multi-threaded mask filler, made on the first constrained step."""
+    return import_xgrammar().BatchGrammarMatcher()
 
 
 def forbidden_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
