@@ -432,7 +432,11 @@ def test_soak_with_disconnects_and_hostile_requests(server: ServerProcess) -> No
 
 
 def test_a_heavy_request_does_not_stall_a_running_stream(server: ServerProcess) -> None:
-    """Long prompts with echo and 20 logprobs beside a stream: the stream never waits more than 1 s."""
+    """Long prompts with echo and 20 logprobs beside a stream: the stream never waits more than 1.5 s.
+
+    The stall this guards against (the echo's logprob JSON built on the event loop) is several seconds;
+    the gaps it allows are the heavy prompts' own extend steps, which on these 2-core machines take
+    0.6-1.1 s (one CI run of 2026-12-02 saw 1.09 s against the old 1.0 s bound)."""
     server.wait_idle()
     arrivals: list[float] = []
     heavy_started = threading.Event()
@@ -458,7 +462,7 @@ def test_a_heavy_request_does_not_stall_a_running_stream(server: ServerProcess) 
     assert len(response.json()["choices"][0]["logprobs"]["tokens"]) > 1400
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if heavy_start <= b <= heavy_end]
     assert during, "the stream ended before the heavy request began"
-    assert max(during) <= 1.0, f"stream stalled {max(during):.2f} s by a heavy request (gaps: {sorted(during)[-5:]})"
+    assert max(during) <= 1.5, f"stream stalled {max(during):.2f} s by a heavy request (gaps: {sorted(during)[-5:]})"
 
 
 @pytest.mark.parametrize("text", ["日本語の文章", "héllo wörld ñ", "emoji 🙂🚀 end", "Ελληνικά και русский"])
