@@ -8,6 +8,9 @@ a check that the engine is idle and its KV pool balances (see `_kv_guard`).
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import os
 import sys
 from typing import Any, Callable, Iterator
@@ -399,6 +402,94 @@ def cpu_fast_paths_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     monkeypatch.undo()
     forget_cpu_paths()
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices: @pytest.mark.cuda / rocm / hpu / npu, @pytest.mark.absent(device), ENGINE_TEST_DEVICE
+# ---------------------------------------------------------------------------------------------
+
+# A test marked with devices runs where one of them is present and skips elsewhere, saying why. A test
+# marked absent(device) asserts that device's absence (a platform refusing, a vendor module never imported)
+# and skips where the device or its vendor stack is present. ENGINE_TEST_DEVICE names the device a CI runner
+# exists for: the session stops at once if that device is absent (a runner that lost its GPU must not pass
+# by skipping every GPU test), and tests marked only for other devices skip. docs/testing.md.
+DEVICES = ("cuda", "rocm", "hpu", "npu")
+TEST_DEVICE_ENV = "ENGINE_TEST_DEVICE"
+# The module that brings each vendor device into torch. Once installed it is imported with torch itself
+# (torch's device-backend autoload), so a test asserting that nothing imports it cannot pass there.
+VENDOR_MODULES = {"hpu": "habana_frameworks", "npu": "torch_npu"}
+
+
+def vendor_installed(device: str) -> bool:
+    """Whether the vendor module of `device` is installed (looked up, not imported)."""
+    module = VENDOR_MODULES.get(device)
+    return module is not None and importlib.util.find_spec(module) is not None
+
+
+@functools.cache
+def device_missing(device: str) -> str | None:
+    """None when this machine can run `device`'s tests, else why it cannot."""
+    if device in ("cuda", "rocm"):  # HIP devices are torch "cuda" devices on a ROCm build of torch
+        hip = torch.version.hip is not None
+        if hip != (device == "rocm"):
+            return f"torch {torch.__version__} is {'a ROCm' if hip else 'not a ROCm'} build"
+        return None if torch.cuda.is_available() else f"torch {torch.__version__} sees no GPU"
+    module = VENDOR_MODULES[device]
+    if not vendor_installed(device):
+        return f"{module} is not installed"
+    try:
+        importlib.import_module("habana_frameworks.torch" if device == "hpu" else module)
+    except Exception as exc:  # noqa: BLE001  (without a card or driver the vendors raise RuntimeError)
+        return f"{module} failed to import: {exc}"
+    api = getattr(torch, device, None)
+    if api is None or not api.is_available() or api.device_count() < 1:
+        return f"{module} is installed but torch.{device} sees no device"
+    return None
+
+
+def selected_device() -> str | None:
+    """ENGINE_TEST_DEVICE: the device this run is for ("cpu": none), or None to go by what is present."""
+    value = os.environ.get(TEST_DEVICE_ENV, "").strip().lower()
+    if value and value not in ("cpu",) + DEVICES:
+        raise pytest.UsageError(f"{TEST_DEVICE_ENV}={value!r}: choose one of cpu, {', '.join(DEVICES)}")
+    return value or None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    device = selected_device()
+    if device in DEVICES and (why := device_missing(device)):
+        raise pytest.UsageError(f"{TEST_DEVICE_ENV}={device}, but this machine cannot run the {device} tests: {why}")
+
+
+def device_skip_reason(item: pytest.Item, selected: str | None) -> str | None:
+    """Why `item` must not run here given its device markers, or None when it may."""
+    wanted = [device for device in DEVICES if item.get_closest_marker(device)]
+    if wanted:
+        needs = " or ".join(wanted)
+        if selected is not None and selected not in wanted:
+            return f"needs {needs}; {TEST_DEVICE_ENV}={selected}"
+        missing = {device: device_missing(device) for device in wanted}
+        if all(missing.values()):
+            return f"needs {needs}: " + "; ".join(f"{device}: {why}" for device, why in missing.items())
+    for mark in item.iter_markers("absent"):
+        if not mark.args or any(device not in DEVICES for device in mark.args):
+            raise pytest.UsageError(f"{item.nodeid}: absent() takes devices among {', '.join(DEVICES)}, not {mark.args}")
+        for device in mark.args:
+            if selected == device:
+                return f"asserts that {device} is absent; {TEST_DEVICE_ENV}={device}"
+            # The vendor stack first: merely looking for the device would import it.
+            if vendor_installed(device):
+                return f"asserts that {device} is absent; {VENDOR_MODULES[device]} is installed here"
+            if device_missing(device) is None:
+                return f"asserts that {device} is absent; this machine has one"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    selected = selected_device()
+    for item in items:
+        if (reason := device_skip_reason(item, selected)) is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,10 @@
-"""CUDA-only checks (skipped without a GPU): the Triton paged decode kernel and CUDA-graph decode."""
+"""GPU checks: the Triton paged decode kernel, and decode (and extend) steps replayed from device graphs.
+
+Each holds on an NVIDIA GPU (CUDA graphs) and on an AMD one, where a ROCm build of torch captures HIP
+graphs through the same torch.cuda.CUDAGraph and Triton compiles the same kernels: marked cuda and rocm,
+they run wherever either is present (tests/conftest.py) and skip elsewhere. Tensors live on torch's "cuda"
+device either way; the engine's device flag names the platform.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,9 @@ import torch
 
 from engine.layers.torch_attention import paged_decode_attention
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.version.hip is not None, reason="needs an NVIDIA GPU"
-)
+pytestmark = [pytest.mark.cuda, pytest.mark.rocm]
+# The engine's platform: HIP devices are torch "cuda" devices, but the engine's cuda platform refuses a ROCm build.
+ENGINE_DEVICE = "rocm" if torch.version.hip is not None else "cuda"
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -58,7 +64,7 @@ def test_cuda_graph_decode_matches_eager(tmp_path, compile_decode: bool) -> None
     tokens = {}
     for page_size in (1, 16):
         for graphs in (True, False):
-            engine = Engine(model=str(tmp_path), device="cuda", dtype="float32", page_size=page_size,
+            engine = Engine(model=str(tmp_path), device=ENGINE_DEVICE, dtype="float32", page_size=page_size,
                             capture_sizes="1,2,8", disable_graphs=not graphs, kv_cache_tokens=4096,
                             compile_decode=compile_decode)
             tokens[(page_size, graphs)] = [o.token_ids for o in engine.generate(prompts, params)]
@@ -82,7 +88,7 @@ def test_prefix_cache_chunking_and_retraction_on_cuda_graphs(tmp_path) -> None:
     prompts = [prefixes[i % 2] + [rng.randrange(3, 512) for _ in range(rng.randint(1, 30))] for i in range(24)]
     prompts.append([rng.randrange(3, 512) for _ in range(1500)])  # chunked at 256
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    common = dict(model=str(tmp_path), device="cuda", dtype="float32", page_size=16, max_num_seqs=8, debug_kv_invariant=True)
+    common = dict(model=str(tmp_path), device=ENGINE_DEVICE, dtype="float32", page_size=16, max_num_seqs=8, debug_kv_invariant=True)
     reference = Engine(**common, disable_graphs=True, enable_prefix_caching=False, chunked_prefill_size=0, kv_cache_tokens=32768)
     expected = [o.token_ids for o in reference.generate(prompts, params)]
     # Tight pool: 2048 tokens for eight sequences of up to ~1500 + the cache, so pages are evicted and retracted.
@@ -124,7 +130,7 @@ def test_overlap_gives_the_tokens_of_the_synchronous_run_on_cuda_graphs(tmp_path
     prompts = [[1, 5, 9], [7] * 40, list(range(3, 90)), [2, 4, 8, 16, 32, 64, 128]]
     results = []
     for overlap in (False, True):
-        engine = Engine(model=model, device="cuda", dtype="float32", page_size=16, capture_sizes="1,2,4",
+        engine = Engine(model=model, device=ENGINE_DEVICE, dtype="float32", page_size=16, capture_sizes="1,2,4",
                         kv_cache_tokens=4096, overlap_schedule=overlap, debug_kv_invariant=True)
         outputs = engine.generate(prompts, _mixed_params())
         results.append([(o.token_ids, o.finish_reason, [(e.token_id, e.logprob) for e in o.logprobs or []]) for o in outputs])
@@ -137,7 +143,7 @@ def test_overlapped_decode_launch_never_waits_for_the_device(tmp_path, monkeypat
     host-device synchronization: torch's sync debug mode raises on any."""
     from engine.engine import Engine
 
-    engine = Engine(model=_tiny_llama(tmp_path), device="cuda", dtype="float32", page_size=16, capture_sizes="1,2,4",
+    engine = Engine(model=_tiny_llama(tmp_path), device=ENGINE_DEVICE, dtype="float32", page_size=16, capture_sizes="1,2,4",
                     kv_cache_tokens=4096, overlap_schedule=True)
     real_launch = engine._launch
     checked = {"decode": 0}
@@ -180,7 +186,7 @@ def test_extend_graphs_give_the_tokens_of_compiled_and_eager_extend_steps(tmp_pa
         "compiled": dict(extend_capture_tokens="", compile_extend=True),
         "eager": dict(extend_capture_tokens="", compile_extend=False),
     }.items():
-        engine = Engine(model=model, device="cuda", dtype="float32", page_size=16, capture_sizes="1,2,4,8", max_num_seqs=8,
+        engine = Engine(model=model, device=ENGINE_DEVICE, dtype="float32", page_size=16, capture_sizes="1,2,4,8", max_num_seqs=8,
                         kv_cache_tokens=8192, chunked_prefill_size=200, mixed_steps=True, debug_kv_invariant=True, **options)
         results[mode] = run_staggered(engine, prompts, params, [3 * i for i in range(len(prompts))]).token_ids
         if mode == "graphs":
@@ -203,7 +209,7 @@ def test_moe_model_replays_cuda_graphs_with_the_fused_experts(tmp_path) -> None:
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     tokens = {}
     for mode in ("graphs", "eager", "torch_experts"):
-        engine = Engine(model=model, device="cuda", dtype="float32", page_size=16, capture_sizes="1,2,4",
+        engine = Engine(model=model, device=ENGINE_DEVICE, dtype="float32", page_size=16, capture_sizes="1,2,4",
                         kv_cache_tokens=4096, disable_graphs=mode != "graphs", debug_kv_invariant=True)
         moe_layers = [m for m in engine.model.modules() if isinstance(m, SparseMoE)]
         assert moe_layers and all(m.method is TRITON_FUSED_MOE for m in moe_layers)
@@ -234,7 +240,7 @@ def test_gemma2_soft_capped_attention_on_cuda_graphs(tmp_path) -> None:
         want = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
                 for p in prompts]
     for graphs in (True, False):
-        engine = Engine(model=model, device="cuda", dtype="float32", page_size=16, capture_sizes="1,2,4",
+        engine = Engine(model=model, device=ENGINE_DEVICE, dtype="float32", page_size=16, capture_sizes="1,2,4",
                         kv_cache_tokens=4096, disable_graphs=not graphs, debug_kv_invariant=True)
         assert [o.token_ids for o in engine.generate(prompts, params)] == want
         assert engine.kv_pages_in_use() == 0

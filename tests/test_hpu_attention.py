@@ -78,8 +78,8 @@ def test_flat_attention_equals_torch_reference(page_size: int) -> None:
         # As the runner does: pad to a bucket with 2 extra rows and spare filler blocks.
         blocks = int(((lens + page_size - 1) // page_size).sum()) + 2 + 3
         padded = pad_decode_batch(torch.zeros(n), torch.zeros(n), slots, table, lens, (n + 2, blocks), page_size, 64)
-        layout = build_block_metadata(padded.page_table, padded.seq_lens, page_size, blocks, torch.float32)
-        flat = HpuFlatMetadata.from_block_metadata(page_size=page_size, **vars(layout))
+        layout = build_block_metadata(padded.page_table, padded.seq_lens, page_size, blocks)
+        flat = HpuFlatMetadata.from_block_metadata(page_size=page_size, batch_size=n + 2, **vars(layout))
         q, k, v = torch.randn(n + 2, HEADS, DIM), torch.randn(n + 2, KV_HEADS, DIM), torch.randn(n + 2, KV_HEADS, DIM)
 
         ref_k, ref_v = k_cache.clone(), v_cache.clone()
@@ -142,8 +142,8 @@ def test_bf16_runs_and_stays_close_to_fp32() -> None:
     k_cache, v_cache = torch.randn(20 * page_size, KV_HEADS, DIM), torch.randn(20 * page_size, KV_HEADS, DIM)
     table, lens, _ = scattered_batch(rng, [40, 1, 16], page_size, 20)
     q = torch.randn(3, HEADS, DIM)
-    layout = build_block_metadata(table, lens, page_size, 8, torch.bfloat16)  # bf16 usage/mapping, as on Gaudi
-    flat = HpuFlatMetadata.from_block_metadata(page_size=page_size, **vars(layout))
+    layout = build_block_metadata(table, lens, page_size, 8)
+    flat = HpuFlatMetadata.from_block_metadata(page_size=page_size, batch_size=3, dtype=torch.bfloat16, **vars(layout))
     out = flat_paged_attention(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), flat, page_size, SCALE)
     exact_layout = HpuFlatMetadata.from_page_table(table, lens, page_size, torch.float32)
     exact = flat_paged_attention(q, k_cache, v_cache, exact_layout, page_size, SCALE)
@@ -175,7 +175,7 @@ def test_every_shape_is_a_bucket_shape() -> None:
     def step(input_ids, positions, slot_indices, page_table, seq_lens, **block):  # noqa: ANN001, ANN003, ANN202
         shapes = {name: tuple(t.shape) for name, t in dict(block, page_table=page_table, seq_lens=seq_lens).items()}
         bs = input_ids.shape[0]
-        flat = HpuFlatMetadata.from_block_metadata(page_size=page_size, **block)
+        flat = HpuFlatMetadata.from_block_metadata(page_size=page_size, batch_size=bs, **block)
         q = torch.ones(bs, HEADS, DIM)
         kv = torch.ones(bs, KV_HEADS, DIM)
         meta = decode_meta(page_table, seq_lens, slot_indices, page_size, flat)
@@ -185,8 +185,7 @@ def test_every_shape_is_a_bucket_shape() -> None:
         return out.reshape(bs, -1)
 
     runner = HpuDecodeRunner(step, buckets=buckets, page_size=page_size, max_blocks_per_seq=max_blocks, device="cpu",
-                             mode="eager", with_block_metadata=True, metadata_dtype=torch.float32,
-                             show_progress=False)  # fmt: skip
+                             mode="eager", with_block_metadata=True, show_progress=False)  # fmt: skip
     runner.warmup()
     rng = random.Random(5)
     for _ in range(12):
@@ -204,7 +203,7 @@ def test_every_shape_is_a_bucket_shape() -> None:
         expect = expected_shapes(bucket, max_blocks)
         assert shapes["page_table"] == expect["page_table"] and shapes["seq_lens"] == (bs,)
         assert shapes["block_list"] == shapes["block_groups"] == shapes["block_usage"] == (blocks,)
-        assert shapes["block_mapping"] == (blocks, bs)
+        assert "block_mapping" not in shapes  # built on the device from block_groups, not sent
         # Every op inside attention has the same shapes for every batch of a bucket: data never leaks into shapes.
         assert traces.setdefault(bucket, shapes["trace"]) == shapes["trace"]
     assert len(traces) >= 3
@@ -217,7 +216,7 @@ def test_compiled_runner_never_recompiles_after_warmup() -> None:
     backend = HpuAttentionBackend()
 
     def step(input_ids, positions, slot_indices, page_table, seq_lens, **block):  # noqa: ANN001, ANN003, ANN202
-        flat = HpuFlatMetadata.from_block_metadata(page_size=page_size, **block)
+        flat = HpuFlatMetadata.from_block_metadata(page_size=page_size, batch_size=input_ids.shape[0], **block)
         q = positions.float().view(-1, 1, 1).expand(-1, HEADS, DIM) * 0.01
         kv = input_ids.float().view(-1, 1, 1).expand(-1, KV_HEADS, DIM).contiguous()
         meta = decode_meta(page_table, seq_lens, slot_indices, page_size, flat)
@@ -225,7 +224,7 @@ def test_compiled_runner_never_recompiles_after_warmup() -> None:
 
     runner = HpuDecodeRunner(step, buckets=[(2, 4), (2, 8)], page_size=page_size, max_blocks_per_seq=max_blocks,
                              device="cpu", mode="compile", compile_backend="eager", strict=True,
-                             with_block_metadata=True, metadata_dtype=torch.float32, show_progress=False)  # fmt: skip
+                             with_block_metadata=True, show_progress=False)  # fmt: skip
     runner.warmup()
     rng = random.Random(1)
     for _ in range(6):

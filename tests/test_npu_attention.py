@@ -11,6 +11,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+import backends.npu.attention as npu_attention
 from backends.npu.attention import NpuDecodeMetadata, paged_attention_args, paged_attention_reference
 from backends.npu.platform import NpuEngineRunner, NpuPlatform
 from engine.layers.attention import AttentionMetadata
@@ -40,6 +41,7 @@ def slots_of(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> to
     return pages * page_size + positions.long() % page_size
 
 
+@pytest.mark.absent("npu")  # asserts the vendor stack is missing: never on its runner
 def test_backend_builds_on_cpu_without_torch_npu() -> None:
     saved = {name: mod for name, mod in sys.modules.items() if name.startswith("backends.npu")}
     try:
@@ -142,12 +144,16 @@ class FrozenHostArgsGraphs:
     """Stand-in for NpuGraphApi with aclgraph's semantics for host arguments.
 
     'replay' re-runs the step on the static device buffers, but the host lengths it
-    sees are the ones frozen at capture, replaced only by graph.update(cpu_update_input=...):
-    a runner that forgot the update would attend over stale lengths.
+    sees are the ones frozen at capture, replaced only by graph.update(cpu_update_input=...)
+    and only through what capture recorded: as torch_npu's _GraphDispatchMode, capture keeps one
+    record per launch of the attention op (here, each call of the op's CPU reference), and an
+    update is applied per record. With record_paged_attention=False it behaves like the
+    torch_npu releases that do not record _npu_paged_attention: the update is a silent no-op.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, record_paged_attention: bool = True) -> None:
         self.updates: list[Any] = []
+        self.record_paged_attention = record_paged_attention
 
     def pool(self) -> None:
         return None
@@ -161,17 +167,36 @@ class FrozenHostArgsGraphs:
     def synchronize(self) -> None:
         pass
 
+    def update_records(self, graph: Any) -> list[str]:
+        return list(graph.records)
+
     def capture(self, fn: Any, pool: Any, stream: Any) -> tuple[Any, torch.Tensor]:
-        out = fn()
+        records: list[str] = []
+        original = npu_attention.paged_attention_reference
+
+        def recording(**kwargs: Any) -> torch.Tensor:
+            if self.record_paged_attention:
+                records.append("_npu_paged_attention.default")
+            return original(**kwargs)
+
+        npu_attention.paged_attention_reference = recording
+        try:
+            out = fn()
+        finally:
+            npu_attention.paged_attention_reference = original
         host = fn.keywords["seq_lens_host"]  # the view the op was launched with
         frozen = host.clone()
         api = self
 
         class Graph:
+            def __init__(self) -> None:
+                self.records = records
+
             def update(self, cpu_update_input: list[dict[str, Any]]) -> None:
                 api.updates.append(cpu_update_input)
-                (record,) = cpu_update_input
-                frozen.copy_(torch.as_tensor(record["context_lens"]))
+                (entry,) = cpu_update_input
+                for _ in self.records:  # torch_npu copies a one-entry update once per record
+                    frozen.copy_(torch.as_tensor(entry["context_lens"]))
 
             def replay(self) -> None:
                 live = host.clone()
@@ -270,3 +295,64 @@ def test_npu_engine_runner_matches_torch_backend(tiny_llama: tuple[Any, Any]) ->
             torch.testing.assert_close(v[page_size:], rv[page_size:], atol=1e-5, rtol=1e-5)
         next_ids[rows] = logits.argmax(-1)
         lengths[rows] += 1
+
+
+def _decode_once(model: Any, runner: NpuEngineRunner, caches: list, table: torch.Tensor, lengths: torch.Tensor,
+                 ids: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(runner logits, torch-backend logits on a copy of the caches) for one decode step of every row."""
+    lens_now = lengths + 1
+    positions = lens_now.long() - 1
+    slots = slots_of(table, positions, page_size)
+    meta = AttentionMetadata(is_decode=True, slot_indices=slots.to(torch.int32), page_table=table, seq_lens=lens_now,
+                             page_size=page_size)  # fmt: skip
+    ref_caches = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.no_grad():
+        set_backend(model, TorchAttentionBackend())
+        ref_meta = AttentionMetadata(is_decode=True, slot_indices=slots, page_table=table, seq_lens=lens_now,
+                                     page_size=page_size)  # fmt: skip
+        ref = model.compute_logits(model(ids, positions, ref_caches, ref_meta))
+        set_backend(model, NpuPlatform().attention_backend())
+        got = runner.run(ids, positions, meta).clone()
+    return got, ref
+
+
+def test_capture_refuses_a_graph_whose_update_would_be_a_no_op(
+    tiny_llama: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from backends.npu import graph_runner
+    from backends.npu.graph_runner import NpuGraphUpdateError
+    from engine.kv_cache import KVPool
+
+    model, mc = tiny_llama
+    page_size, num_pages, max_pages = 8, 32, 6
+    pool = KVPool(mc.num_hidden_layers, num_pages, page_size, mc.num_key_value_heads, mc.head_dim, torch.float32,
+                  torch.device("cpu"))  # fmt: skip
+    for k, v in pool.caches:  # some context in every page
+        k.normal_()
+        v.normal_()
+    table, lens, _ = scattered_batch(random.Random(1), [11, 20], page_size, num_pages)
+    ids = torch.tensor([17, 99])
+    set_backend(model, NpuPlatform().attention_backend())
+
+    # A torch_npu that records nothing under auto-dispatch capture: refused at capture, version named.
+    silent = FrozenHostArgsGraphs(record_paged_attention=False)
+    runner = NpuEngineRunner(model, pool.caches, [1, 2], max_pages, page_size, torch.device("cpu"), graph_api=silent)
+    with pytest.raises(NpuGraphUpdateError, match=r"torch_npu .*recorded 0 _npu_paged_attention launches, 2 \(one per"):
+        runner.capture()
+
+    # What that check prevents: the same runner with the check skipped replays capture-time lengths.
+    monkeypatch.setattr(graph_runner, "check_update_records", lambda *args: None)
+    stale = NpuEngineRunner(model, pool.caches, [1, 2], max_pages, page_size, torch.device("cpu"),
+                            graph_api=FrozenHostArgsGraphs(record_paged_attention=False))  # fmt: skip
+    stale.capture()
+    got, ref = _decode_once(model, stale, pool.caches, table, lens, ids, page_size)
+    assert not torch.allclose(got, ref, atol=1e-2)  # silently wrong, not an error
+    monkeypatch.undo()
+
+    # One record per attention layer: capture passes and replays follow every update.
+    recording = FrozenHostArgsGraphs()
+    good = NpuEngineRunner(model, pool.caches, [1, 2], max_pages, page_size, torch.device("cpu"), graph_api=recording)
+    good.capture()
+    assert all(g.records == ["_npu_paged_attention.default"] * mc.num_hidden_layers for g in good.inner.graphs.values())
+    got, ref = _decode_once(model, good, pool.caches, table, lens, ids, page_size)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

@@ -22,6 +22,7 @@ import functools
 import torch
 
 from backends.cuda.triton_build import interpreted, load_kernel
+from backends.hip.triton_hints import triton_launch_options
 
 MAX_SPLITS = 16
 # Programs per SM the split count aims for; at or above it the one-pass kernel runs.
@@ -100,7 +101,8 @@ def paged_decode_attention_triton(
         SPLITS=splits,
         IEEE_FP32=q.dtype == torch.float32 and not interpreted(),
         SOFTCAPPED=softcap > 0,
-        num_warps=4,
+        **triton_launch_options("decode", 4, tile_mn=(max(16, triton.next_power_of_2(group)), 64 if head_dim <= 128 else 32),
+                                block_k=min(dim_pad, 64 if head_dim <= 128 else 32)),
     )
     if splits > 1:
         combine_kernel[(batch, heads)](
@@ -111,6 +113,6 @@ def paged_decode_attention_triton(
             HEAD_DIM=head_dim,
             DIM_PAD=dim_pad,
             SPLITS=splits,
-            num_warps=1 if head_dim <= 64 else 2,
+            **triton_launch_options("decode_combine", 1 if head_dim <= 64 else 2),
         )
     return out

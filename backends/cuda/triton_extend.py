@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from backends.cuda.triton_build import interpreted, load_kernel
+from backends.hip.triton_hints import EXTEND_ROWS_ON_HIP, is_rocm_build, triton_launch_options
 
 
 KERNELS = "backends.cuda.kernels.ragged_attention"
@@ -35,6 +36,8 @@ def ragged_tile(head_dim: int, group: int, dtype: torch.dtype) -> tuple[int, int
 
     group_pad = triton.next_power_of_2(group)
     rows = 128 if head_dim <= 128 and dtype != torch.float32 else 64
+    if is_rocm_build():
+        rows = min(rows, EXTEND_ROWS_ON_HIP)  # SGLang's HIP extend tile: MI300's register file fits 64 rows
     if interpreted():
         rows = 32  # the CPU interpreter: small tiles run faster and still cover several blocks a request
     block_q = max(1, rows // group_pad)
@@ -99,7 +102,7 @@ def ragged_paged_attention(
         WINDOWED=window > 0,
         IEEE_FP32=q.dtype == torch.float32 and not interpreted(),
         SOFTCAPPED=softcap > 0,
-        num_warps=8 if block_q * group_pad >= 128 else 4,
-        num_stages=2,
+        **triton_launch_options("extend", 8 if block_q * group_pad >= 128 else 4, 2, tile_mn=(block_q * group_pad, block_n),
+                                block_k=min(max(16, triton.next_power_of_2(head_dim)), block_n)),
     )
     return out

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.cuda.triton_build import interpreted, load_kernel
+from backends.hip.triton_hints import triton_launch_options
 
 
 KERNELS = "backends.cuda.kernels.fused_moe"
@@ -151,8 +152,7 @@ def fused_moe(
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         IEEE_FP32=ieee,
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
+        **triton_launch_options("moe", tile.num_warps, tile.num_stages, tile_mn=(tile.block_m, tile.block_n), block_k=tile.block_k),
     )
     routing = weights.reshape(-1)  # slot order: token * k + choice
     per_slot = torch.empty(num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
@@ -167,8 +167,7 @@ def fused_moe(
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         IEEE_FP32=ieee,
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
+        **triton_launch_options("moe", tile.num_warps, tile.num_stages, tile_mn=(tile.block_m, tile.block_n), block_k=tile.block_k),
     )
     if top_k == 1:
         return per_slot

@@ -18,6 +18,11 @@ Subtracting the row max M_r (not a global one) keeps every row's sum away from
 underflow however different the rows' scores are. Rows always own >= 1 block with
 usage >= 1 (padded rows read one slot of page 0), so the denominator is never 0.
 
+The host sends only three [blocks] vectors (block_list, block_groups, block_usage); the
+[blocks, bs] mapping and the [blocks, page_size] bias are built on the device inside the
+step. The math runs in the model dtype (bf16 on Gaudi), with the softmax statistics in fp32
+only for the model types that need it (FP32_SOFTMAX_MODEL_TYPES), as vllm-hpu-extension does.
+
 UNTESTED ON GAUDI HARDWARE: checked on CPU against engine.layers.torch_attention.
 """
 
@@ -36,6 +41,36 @@ from engine.layers.torch_attention import extend_attention
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+# Model types whose decode softmax runs in fp32 on Gaudi: vllm-hpu-extension's features.py enables its
+# fp32_softmax feature for ModelType('qwen2') (later releases add qwen2_5_vl; one release notes "may manually
+# enable this flag for Qwen2 and Qwen2-MoE models to get better accuracy"). Every other model runs it in bf16.
+FP32_SOFTMAX_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe"})
+
+
+def fp32_softmax_for(model_type: str | None, setting: str | bool | None = "auto") -> bool:
+    """Whether decode attention keeps its softmax in fp32: `setting` true/false forces it; "auto" (or None)
+    follows FP32_SOFTMAX_MODEL_TYPES."""
+    if isinstance(setting, bool):
+        return setting
+    text = str(setting or "auto").strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    if text != "auto":
+        raise ValueError(f"hpu.fp32_softmax / ENGINE_HPU_FP32_SOFTMAX must be auto, true or false, got {setting!r}")
+    return (model_type or "").lower() in FP32_SOFTMAX_MODEL_TYPES
+
+
+def block_mapping(block_groups: torch.Tensor, batch_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[blocks, bs] one-hot of each block's row, built where block_groups lives (the device): filler
+    blocks (group == bs) match no column and get a zero row. A comparison rather than one_hot, whose
+    out-of-range classes vllm-gaudi has to work around on CPU and in torch.compile (hpu_model_runner.py
+    _set_block_mapping); the host sends only the [blocks] groups, not the [blocks, bs] matrix."""
+    rows = torch.arange(batch_size, device=block_groups.device, dtype=block_groups.dtype)
+    return (block_groups.unsqueeze(1) == rows.unsqueeze(0)).to(dtype)
+
+
 @dataclass
 class HpuFlatMetadata:
     """What flat_paged_attention reads; AttentionMetadata.platform_metadata on HPU decode steps."""
@@ -51,28 +86,33 @@ class HpuFlatMetadata:
         block_list: torch.Tensor,
         block_groups: torch.Tensor,
         block_usage: torch.Tensor,
-        block_mapping: torch.Tensor,
         page_size: int,
+        batch_size: int,
+        dtype: torch.dtype = torch.float32,
     ) -> "HpuFlatMetadata":
-        """Device-side, static-shape: runs inside the compiled step once per step (not per layer)."""
-        # Compared in fp32: block_usage may arrive in bf16 (the model dtype), exact only up to 256.
-        offsets = torch.arange(page_size, device=block_usage.device, dtype=torch.float32)
-        masked = offsets.unsqueeze(0) >= block_usage.float().unsqueeze(1)
-        bias = torch.zeros(masked.shape, dtype=block_mapping.dtype, device=block_mapping.device)
-        bias = bias.masked_fill(masked, float("-inf"))
-        return cls(block_list.long(), block_groups.long(), block_mapping, bias)
+        """Device-side, static-shape: runs inside the step once per step (not per layer), from the three
+        [blocks] vectors the host sends; the one-hot mapping and the bias are built here."""
+        offsets = torch.arange(page_size, device=block_usage.device, dtype=torch.int32)
+        masked = offsets.unsqueeze(0) >= block_usage.to(torch.int32).unsqueeze(1)
+        bias = torch.zeros(masked.shape, dtype=dtype, device=block_usage.device).masked_fill(masked, float("-inf"))
+        groups = block_groups.long()
+        return cls(block_list.long(), groups, block_mapping(groups, batch_size, dtype), bias)
 
     @classmethod
     def from_page_table(
-        cls, page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dtype: torch.dtype
+        cls, page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dtype: torch.dtype,
+        device: torch.device | str | None = None,
     ) -> "HpuFlatMetadata":
-        """For eager steps that no runner padded: exactly the blocks the batch needs (data-dependent shape)."""
-        blocks = _count_blocks(seq_lens, page_size)
-        host = build_block_metadata(page_table.cpu(), seq_lens.cpu(), page_size, blocks, dtype)
-        device = page_table.device
+        """For eager steps that no runner padded: exactly the blocks the batch needs (data-dependent shape).
+        Built on the host from host tensors (device ones are copied back once), then sent to `device`
+        (default: the page table's)."""
+        host_table, host_lens = page_table.cpu(), seq_lens.cpu()
+        blocks = _count_blocks(host_lens, page_size)
+        host = build_block_metadata(host_table, host_lens, page_size, blocks)
+        target = page_table.device if device is None else torch.device(device)
         return cls.from_block_metadata(
-            host.block_list.to(device), host.block_groups.to(device), host.block_usage.to(device),
-            host.block_mapping.to(device), page_size,
+            host.block_list.to(target), host.block_groups.to(target), host.block_usage.to(target), page_size,
+            int(host_lens.numel()), dtype,
         )  # fmt: skip
 
 
@@ -87,12 +127,20 @@ def flat_paged_attention(
     meta: HpuFlatMetadata,
     page_size: int,
     scale: float,
+    fp32_softmax: bool = False,
 ) -> torch.Tensor:
-    """q [bs, heads, dim], caches [slots, kv_heads, dim] -> [bs, heads, dim]; see the module docstring."""
+    """q [bs, heads, dim], caches [slots, kv_heads, dim] -> [bs, heads, dim]; see the module docstring.
+
+    The math runs in the query's dtype (bf16 on Gaudi), as vllm-hpu-extension's flat_pa does, so the
+    matmuls stay on bf16 MME paths and nothing is upcast per block; fp32_softmax keeps the softmax
+    statistics (scores, maxima, exponentials, sums) in fp32 for the models that need it
+    (FP32_SOFTMAX_MODEL_TYPES).
+    """
     bs, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     blocks = meta.block_list.shape[0]
+    stat = torch.float32 if fp32_softmax else q.dtype
     mapping = meta.block_mapping.to(q.dtype)
     # batch2block: every block gets the (scaled) query of its row; filler blocks get zeros.
     q_blocks = (mapping @ (q * scale).reshape(bs, heads * dim)).view(blocks, kv_heads, group, dim)
@@ -101,21 +149,20 @@ def flat_paged_attention(
     values = v_cache.view(-1, page_size, kv_heads, dim).index_select(0, meta.block_list)
     # GQA without repeating K/V: the query heads of one kv head form a [group, dim] matrix.
     scores = torch.matmul(q_blocks, keys.permute(0, 2, 3, 1))  # [blocks, kv_heads, group, page_size]
-    # Softmax statistics in fp32 even for bf16 caches: exp/sum of up to page_size terms per block.
-    scores = scores.float() + meta.block_bias.float().view(blocks, 1, 1, page_size)
+    scores = scores.to(stat) + meta.block_bias.to(stat).view(blocks, 1, 1, page_size)
     block_max = scores.amax(dim=-1)  # [blocks, kv_heads, group]
     probs = torch.exp(scores - block_max.unsqueeze(-1))
     block_sum = probs.sum(dim=-1)
     partial = torch.matmul(probs.to(values.dtype), values.permute(0, 2, 1, 3))  # [blocks, kv_heads, group, dim]
     # Row max over the row's blocks; filler blocks reduce into an extra row `bs` that is dropped.
     # index_reduce is what vllm-gaudi runs on Gaudi for this (CPU torch calls it beta, once).
-    row_max = torch.full((bs + 1, kv_heads, group), float("-inf"), dtype=block_max.dtype, device=q.device)
+    row_max = torch.full((bs + 1, kv_heads, group), float("-inf"), dtype=stat, device=q.device)
     row_max = row_max.index_reduce(0, meta.block_groups, block_max, "amax")
     rescale = torch.exp(block_max - row_max.index_select(0, meta.block_groups))  # [blocks, kv_heads, group]
     # block2batch: mapping^T sums the rescaled blocks of each row (filler rows of mapping are zero).
-    mapping_t = mapping.t().to(torch.float32)
+    mapping_t = mapping.t().to(stat)
     row_sum = mapping_t @ (block_sum * rescale).view(blocks, -1)  # [bs, kv_heads * group]
-    out = mapping_t @ (partial.float() * rescale.unsqueeze(-1)).view(blocks, -1)  # [bs, kv_heads * group * dim]
+    out = mapping_t @ (partial.to(stat) * rescale.unsqueeze(-1)).view(blocks, -1)  # [bs, kv_heads * group * dim]
     out = out.view(bs, kv_heads, group, dim) / row_sum.view(bs, kv_heads, group, 1)
     return out.reshape(bs, heads, dim).to(q.dtype)
 
@@ -131,14 +178,29 @@ class HpuAttentionBackend:
 
     name = "hpu_flat"
 
-    def __init__(self, store_kv: StoreFn | None = None) -> None:
+    def __init__(
+        self, store_kv: StoreFn | None = None, fp32_softmax: bool = False, mark_steps: bool = False
+    ) -> None:
+        """fp32_softmax: decode softmax statistics in fp32 (HpuPlatform.prepare_model sets it per model type).
+        mark_steps: lazy mode; a prefill's lazily accumulated graph is flushed (htorch.core.mark_step) at the
+        end of its forward pass, so it compiles and runs there, not at the next decode step's mark_step."""
         # HpuPlatform.store_kv: index_copy_ along slots, int64 indices, static per bucket.
         self.store_kv = store_kv if store_kv is not None else _hpu_store_kv()
+        self.fp32_softmax = fp32_softmax
+        self.mark_steps = mark_steps
 
     @contextmanager
     def step_context(self, meta: AttentionMetadata) -> Iterator[None]:
-        """Around one eager forward pass: an unpadded decode step gets its flat layout once, not per layer."""
-        if not meta.is_decode or meta.platform_metadata is not None:
+        """Around one eager forward pass: an unpadded decode step gets its flat layout once, not per layer;
+        in lazy mode a prefill (extend) pass ends with a mark_step."""
+        if not meta.is_decode:
+            yield
+            if self.mark_steps:
+                import habana_frameworks.torch as htorch
+
+                htorch.core.mark_step()
+            return
+        if meta.platform_metadata is not None:
             yield
             return
         # fp32 mapping: flat_paged_attention casts it to the query dtype anyway.
@@ -167,4 +229,4 @@ class HpuAttentionBackend:
             # An eager decode step (graphs off, or a batch beyond every bucket): build the
             # layout here, per layer. Correct, but a new shape for the graph compiler.
             flat = HpuFlatMetadata.from_page_table(meta.page_table, meta.seq_lens, meta.page_size, q.dtype)
-        return flat_paged_attention(q, k_cache, v_cache, flat, meta.page_size, scale)
+        return flat_paged_attention(q, k_cache, v_cache, flat, meta.page_size, scale, self.fp32_softmax)

@@ -237,17 +237,18 @@ def pad_decode_batch(
 
 @dataclass
 class HpuBlockMetadata:
-    """Flattened paged-attention layout (vllm-gaudi's block_list / block_mapping / ...).
+    """Flattened paged-attention layout (vllm-gaudi's block_list / block_groups / block_usage).
 
     Row-major over the padded page table: the blocks of row 0, then row 1, ...;
-    padded to the blocks bucket with filler blocks (page 0, group = bs, usage 1,
-    all-zero mapping row), so its length is a bucket dimension, not data.
+    padded to the blocks bucket with filler blocks (page 0, group = bs, usage 1),
+    so its length is a bucket dimension, not data. The [blocks, bs] one-hot
+    block_mapping is not here: the step builds it on the device from block_groups
+    (backends/hpu/attention.py block_mapping), as vllm-gaudi builds it in the model.
     """
 
     block_list: torch.Tensor  # [blocks] int64 page ids
     block_groups: torch.Tensor  # [blocks] int64 row of each block; bs for filler
-    block_usage: torch.Tensor  # [blocks] tokens used in each block (page_size except the last)
-    block_mapping: torch.Tensor  # [blocks, bs] one-hot of block_groups; zero rows for filler
+    block_usage: torch.Tensor  # [blocks] int32 tokens used in each block (page_size except the last)
 
 
 def build_block_metadata(
@@ -255,9 +256,8 @@ def build_block_metadata(
     seq_lens: torch.Tensor,
     page_size: int,
     blocks_bucket: int,
-    dtype: torch.dtype = torch.bfloat16,
 ) -> HpuBlockMetadata:
-    """Flatten a (padded) page table into the block-list layout, padded to `blocks_bucket`."""
+    """Flatten a (padded) page table into the block-list layout, padded to `blocks_bucket` (on the host)."""
     bs = int(seq_lens.numel())
     used = pages_needed(seq_lens, page_size)
     width = page_table.shape[1]
@@ -274,9 +274,7 @@ def build_block_metadata(
     block_list = torch.cat([block_list, block_list.new_full((pad,), PAD_PAGE)])
     groups = torch.cat([groups, groups.new_full((pad,), bs)])
     usage = torch.cat([usage, usage.new_full((pad,), PAD_BLOCK_USAGE)])
-    # one_hot over bs + 1 classes, then drop the filler class: filler rows become zero.
-    mapping = torch.nn.functional.one_hot(groups, num_classes=bs + 1)[:, :bs]
-    return HpuBlockMetadata(block_list, groups, usage.to(dtype), mapping.to(dtype))
+    return HpuBlockMetadata(block_list, groups, usage.to(torch.int32))
 
 
 # ---- configuration: configs/hpu.yaml, overridden by ENGINE_* environment variables ----------

@@ -7,9 +7,18 @@ and guarantees that the step only ever sees bucket shapes. Every bucket is run
 after warm-up, or any shape outside the buckets, into an exception instead of a
 silent multi-second stall (the recompile storms of HabanaAI/vllm-fork #201).
 
+Compiles are counted inside the decode region only, as vllm-gaudi's track_graph_compile
+does (vllm_gaudi/v1/worker/hpu_worker.py: ``metric_localcontext("graph_compilation")``
+around the step, ``htorch.hpu.synchronize()`` before leaving it): the bridge's process-wide
+``metric_global`` counter also counts prefill, sampler and eager compiles, so reading it made
+the first decode after any prefill look like a recompile. In lazy mode a mark_step before the
+region flushes whatever was queued outside it (a prefill's tail, the sampler), so that work
+compiles outside the region too.
+
 The device-independent parts (bucket choice, padding, the shape check, the
 warm-up batch, slicing) are pure functions below and run on CPU in tests; with
-``mode="compile", compile_backend="eager", device="cpu"`` the whole runner does too.
+``mode="compile", compile_backend="eager", device="cpu"`` the whole runner does too, and a
+fake ``habana_frameworks.torch`` (tests) stands in for the bridge's lazy mode and metrics.
 """
 
 from __future__ import annotations
@@ -17,7 +26,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Collection, Mapping, Sequence
+from contextlib import nullcontext
+from typing import Any, Callable, Collection, ContextManager, Mapping, Sequence
 
 import torch
 
@@ -29,7 +39,7 @@ from backends.hpu.bucketing import (
     page_table_width,
     resolve_bucket_config,
 )
-from graphs.compiled_step import compile_limits
+from graphs.compiled_step import compile_count, compile_limits
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +122,19 @@ def slice_logits(logits: torch.Tensor, num_real: int) -> torch.Tensor:
     return logits[:num_real]
 
 
+def bridge_compiles(metric: Any) -> int:
+    """Graph compilations a bridge metric object reports: its stats() are (name, value) pairs with
+    "TotalNumber" (habana_frameworks.torch.hpu.metrics; vllm-gaudi reads gc.stats()[0][1])."""
+    return int(dict(metric.stats()).get("TotalNumber", 0)) if metric is not None else 0
+
+
+def _bridge_metric_factory() -> Callable[[], ContextManager[Any]]:
+    """metric_localcontext("graph_compilation"): counts only what compiles inside its `with` block."""
+    from habana_frameworks.torch.hpu.metrics import metric_localcontext
+
+    return lambda: metric_localcontext("graph_compilation")
+
+
 def _env_flag(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
     return default if raw is None or not raw.strip() else raw.strip().lower() in ("1", "true", "yes", "on")
@@ -146,11 +169,16 @@ class HpuDecodeRunner:
         compile_backend: str | Callable[..., Any] = "hpu_backend",
         strict: bool = True,
         with_block_metadata: bool = False,
-        metadata_dtype: torch.dtype = torch.bfloat16,
         slot_dtype: torch.dtype = torch.int64,
         show_progress: bool = True,
         skip_warmup: bool = False,
+        precompiled: bool = False,
+        compile_metric: Callable[[], ContextManager[Any]] | None = None,
     ) -> None:
+        """precompiled: in compile mode the step compiles its own regions (one decoder layer's graph shared
+        by every layer, HpuEngineRunner's regional compilation), so the runner does not wrap it whole.
+        compile_metric: a factory of the bridge's local compile metric (default on Gaudi:
+        metric_localcontext("graph_compilation")); its count inside the decode region trips strict mode."""
         if mode not in ("compile", "lazy", "eager"):
             raise ValueError(f"mode must be compile, lazy or eager, got {mode!r}")
         if not buckets:
@@ -162,14 +190,19 @@ class HpuDecodeRunner:
         self.mode = mode
         self.strict = strict
         self.with_block_metadata = with_block_metadata
-        self.metadata_dtype = metadata_dtype
         self.slot_dtype = slot_dtype
         self.show_progress = show_progress
         self.skip_warmup = skip_warmup
+        self.precompiled = precompiled
         self.warmed: set[tuple[int, int]] = set()
-        self.dynamo_compiles = 0
-        self._baseline: int | None = None
+        self.dynamo_compiles = 0  # dynamo frames compiled inside this runner's decode regions (warm-up included)
+        self.bridge_compiles = 0  # the bridge's graph (recipe) compiles inside them
+        self._warm = False
         self._on_hpu = self.device.type == "hpu"
+        self._warned_device_inputs = False
+        if compile_metric is None and self._on_hpu:
+            compile_metric = _bridge_metric_factory()
+        self.compile_metric = compile_metric
         self._fn = self._build(step, compile_backend)
 
     @classmethod
@@ -203,14 +236,9 @@ class HpuDecodeRunner:
             import habana_frameworks.torch as htorch
 
             return htorch.hpu.wrap_in_hpu_graph(_StepModule(step), disable_tensor_cache=True)
-        inner = torch._dynamo.lookup_backend(compile_backend) if isinstance(compile_backend, str) else compile_backend
-
-        def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-            # Counted so strict mode can see a compile after warm-up, even on CPU.
-            self.dynamo_compiles += 1
-            return inner(gm, example_inputs)
-
-        compiled = torch.compile(step, backend=counting_backend, dynamic=False)
+        if self.precompiled:
+            return step  # its regions are compiled (and their entry limits raised) inside it
+        compiled = torch.compile(step, backend=compile_backend, dynamic=False)
         entries = len(self.buckets) + 8  # every bucket is its own compiled entry
 
         def within_limits(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -225,32 +253,43 @@ class HpuDecodeRunner:
             return bucket
         return bucket[0], page_table_width(bucket[1], self.max_blocks_per_seq)
 
-    def compile_count(self) -> int:
-        """Dynamo compiles plus, on Gaudi, graph (recipe) compilations reported by the bridge."""
-        count = self.dynamo_compiles
-        if self._on_hpu:
-            from habana_frameworks.torch.hpu.metrics import metric_global
+    def _mark_step(self) -> None:
+        if self.mode == "lazy":
+            import habana_frameworks.torch as htorch
 
-            count += int(dict(metric_global("graph_compilation").stats())["TotalNumber"])
-        return count
+            htorch.core.mark_step()
 
     def _call(self, host_batch: PaddedDecodeBatch) -> torch.Tensor:
         """Build any block metadata on the host, copy everything to the device, run the step."""
         kwargs: dict[str, torch.Tensor] = {}
         if self.with_block_metadata:
-            meta = build_block_metadata(
-                host_batch.page_table, host_batch.seq_lens, self.page_size, host_batch.bucket[1], self.metadata_dtype
-            )
+            meta = build_block_metadata(host_batch.page_table, host_batch.seq_lens, self.page_size, host_batch.bucket[1])
             kwargs = {k: v.to(self.device, non_blocking=True) for k, v in vars(meta).items()}
         batch = move_batch(host_batch, self.device)
         logits = self._fn(
             batch.input_ids, batch.positions, batch.slot_indices, batch.page_table, batch.seq_lens, **kwargs
         )
-        if self.mode == "lazy":
-            import habana_frameworks.torch as htorch
-
-            htorch.core.mark_step()  # lazy mode: flush the accumulated graph now
+        self._mark_step()  # lazy mode: flush the accumulated graph now
         return logits
+
+    def _counted_call(self, host_batch: PaddedDecodeBatch) -> tuple[torch.Tensor, int]:
+        """Run one step inside the decode region; returns (logits, compiles inside the region).
+
+        Lazy mode first flushes anything queued outside the region (a prefill's tail, the sampler):
+        otherwise it would compile at this step's mark_step, inside the region. Dynamo's frame counter
+        is read as a difference across the region; the bridge's local metric counts only inside it, and
+        the device is synchronized before it closes, so a compile the step triggered is reported here.
+        """
+        self._mark_step()
+        before = compile_count()
+        with self.compile_metric() if self.compile_metric is not None else nullcontext() as metric:
+            logits = self._call(host_batch)
+            if self._on_hpu:
+                torch.hpu.synchronize()
+        dynamo, bridge = compile_count() - before, bridge_compiles(metric)
+        self.dynamo_compiles += dynamo
+        self.bridge_compiles += bridge
+        return logits, dynamo + bridge
 
     def warmup(self, skip: bool | None = None) -> float:
         """Run every bucket twice (the second run catches guards that fail only on reuse). Returns seconds.
@@ -269,16 +308,16 @@ class HpuDecodeRunner:
             if self.shape_key(bucket) not in shapes_done:  # buckets can share shapes; run each shape once
                 batch = warmup_batch(bucket, self.page_size, self.max_blocks_per_seq, self.slot_dtype)
                 for _ in range(2):
-                    self._call(batch)
+                    self._counted_call(batch)
                 shapes_done.add(self.shape_key(bucket))
             self.warmed.add(bucket)
         if self._on_hpu:
             torch.hpu.synchronize()
         seconds = time.perf_counter() - start
-        self._baseline = self.compile_count()
+        self._warm = True
         logger.info(
-            "HPU decode warm-up: %d buckets (%d distinct shapes) in %.1f s (mode=%s, %d dynamo compiles)",
-            len(self.buckets), len(shapes_done), seconds, self.mode, self.dynamo_compiles,
+            "HPU decode warm-up: %d buckets (%d distinct shapes) in %.1f s (mode=%s, %d dynamo / %d bridge compiles)",
+            len(self.buckets), len(shapes_done), seconds, self.mode, self.dynamo_compiles, self.bridge_compiles,
         )  # fmt: skip
         return seconds
 
@@ -295,9 +334,14 @@ class HpuDecodeRunner:
 
         Padding with device ops would compile small recipes for every (n, bucket)
         pair while serving (and trip strict mode); vllm-gaudi builds these on the
-        host too. Device inputs cost one copy back here; host inputs cost nothing.
+        host too. Host inputs (what run_decode passes: the step message's) cost nothing;
+        device inputs cost a copy back per step, which is logged once.
         """
-        host = [t.cpu() for t in (input_ids, positions, slot_indices, page_table, seq_lens)]
+        inputs = (input_ids, positions, slot_indices, page_table, seq_lens)
+        if not self._warned_device_inputs and any(t.device.type != "cpu" for t in inputs):
+            self._warned_device_inputs = True
+            logger.warning("HPU decode runner got device inputs: each step copies them back to the host to pad")
+        host = [t.cpu() for t in inputs]
         bucket = choose_decode_bucket(host[4], self.page_size, self.buckets)
         host[2] = host[2].to(self.slot_dtype)
         return pad_decode_batch(*host, bucket, self.page_size, self.max_blocks_per_seq)
@@ -312,17 +356,15 @@ class HpuDecodeRunner:
     ) -> torch.Tensor:
         """One decode step for n requests -> logits [n, vocab]."""
         batch = self.pad(input_ids, positions, slot_indices, page_table, seq_lens)  # on the host
-        strict = self.strict and self._baseline is not None
-        if strict:
-            check_static_shapes(batch, self.warmed, self.max_blocks_per_seq)
-        logits = self._call(batch)
-        if strict:
-            count = self.compile_count()
-            if count != self._baseline:
-                self._baseline = count  # report once per new compile
-                raise RecompileAfterWarmupError(
-                    f"bucket {batch.bucket} compiled after warm-up; the step depends on something "
-                    "besides tensor shapes (a Python scalar, a changing attribute?)"
-                )
+        if not (self.strict and self._warm):
+            self._mark_step()  # lazy: the step's graph never takes in work queued before it
+            return slice_logits(self._call(batch), batch.num_real)
+        check_static_shapes(batch, self.warmed, self.max_blocks_per_seq)
+        logits, compiled = self._counted_call(batch)
+        if compiled:
+            raise RecompileAfterWarmupError(
+                f"bucket {batch.bucket} compiled {compiled} graph(s) inside the decode step after warm-up; the step "
+                "depends on something besides tensor shapes (a Python scalar, a changing attribute?)"
+            )
         return slice_logits(logits, batch.num_real)
 

@@ -6,9 +6,13 @@ padded to a (batch_size, num_blocks) bucket (backends/hpu/bucketing.py) and ever
 bucket is warmed up before serving (backends/hpu/graph_runner.py), in one of two
 modes:
 
-- ``compile`` (PT_HPU_LAZY_MODE=0, the eager + torch.compile path):
-  ``torch.compile(step, backend="hpu_backend", dynamic=False)``; one compiled
-  entry per bucket, so dynamo's recompile limit is raised to the bucket count.
+- ``compile`` (PT_HPU_LAZY_MODE=0, the eager + torch.compile path): regional
+  compilation by default (``hpu.regional_compilation``, as vllm-gaudi's
+  VLLM_REGIONAL_COMPILATION): one decoder layer's graph, compiled with
+  ``backend="hpu_backend", dynamic=False``, serves every layer, so each bucket costs
+  one layer's compile rather than the whole model's; or the whole step compiled at
+  once. One compiled entry per bucket either way, so dynamo's recompile limit is
+  raised to the bucket count.
 - ``lazy`` (PT_HPU_LAZY_MODE=1): the step wrapped with
   ``habana_frameworks.torch.hpu.wrap_in_hpu_graph(module, disable_tensor_cache=True)``,
   one HPU graph recorded per input shape, ``mark_step()`` after each step.
@@ -137,10 +141,15 @@ class HpuPlatform(Platform):
 
     # ---- attention and KV ----------------------------------------------------------
     def attention_backend(self) -> Any:
-        # Flat paged attention over vllm-gaudi's block list: static shapes per (bs, blocks) bucket.
+        # Flat paged attention over vllm-gaudi's block list: static shapes per (bs, blocks) bucket. In lazy
+        # mode every prefill's forward pass ends with a mark_step (see HpuAttentionBackend.step_context).
         from backends.hpu.attention import HpuAttentionBackend
 
-        return HpuAttentionBackend(self.store_kv)
+        return HpuAttentionBackend(self.store_kv, mark_steps=self.graph_mode() == "lazy")
+
+    def prepare_model(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
+        """Decode softmax in fp32 for the model types that need it (hpu.fp32_softmax / ENGINE_HPU_FP32_SOFTMAX)."""
+        configure_fp32_softmax(model)
 
     def store_kv(
         self,
@@ -191,25 +200,57 @@ def require_hpu() -> HpuPlatform:
     return platform
 
 
+def configure_fp32_softmax(model: Any, setting: str | bool | None = None) -> bool:
+    """Set fp32_softmax on the model's HPU attention backends from `setting` (default: ENGINE_HPU_FP32_SOFTMAX,
+    else hpu.fp32_softmax, else "auto": by model type, backends/hpu/attention.py FP32_SOFTMAX_MODEL_TYPES)."""
+    from backends.hpu.attention import HpuAttentionBackend, fp32_softmax_for
+    from engine.layers.attention import Attention
+
+    if setting is None:
+        configured = (load_yaml_config(HpuPlatform().default_config()).get("hpu") or {}).get("fp32_softmax", "auto")
+        setting = os.environ.get("ENGINE_HPU_FP32_SOFTMAX") or configured
+    flag = fp32_softmax_for(getattr(getattr(model, "config", None), "model_type", None), setting)
+    modules = model.modules() if hasattr(model, "modules") else []
+    backends = {id(b): b for b in [getattr(model, "attention_backend", None)]
+                + [m.backend for m in modules if isinstance(m, Attention)]}  # fmt: skip
+    for backend in backends.values():
+        if isinstance(backend, HpuAttentionBackend):
+            backend.fp32_softmax = flag
+    return flag
+
+
 def model_step(
-    model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], page_size: int
+    model: Any,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    page_size: int,
+    mapping_dtype: torch.dtype = torch.float32,
+    decode: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] | None = None,
 ) -> Callable[..., torch.Tensor]:
     """The decode step over the engine's model, as the runners want it: forward through logits.
 
     With block metadata (HpuDecodeRunner(with_block_metadata=True) passes block_list,
-    block_groups, block_usage, block_mapping as keywords) the flat layout is finished
-    on the device once per step and reaches every layer as meta.platform_metadata.
+    block_groups, block_usage as keywords) the flat layout, the one-hot mapping included, is
+    built on the device once per step and reaches every layer as meta.platform_metadata.
+    `decode(input_ids, positions, meta) -> logits` runs the model (default: eagerly; regional
+    compilation passes graphs.compiled_step.CompiledDecodeStep).
     """
     from backends.hpu.attention import HpuFlatMetadata
-    from engine.layers.attention import AttentionMetadata
+
+    def eager(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return model.compute_logits(model(input_ids, positions, kv_caches, meta))
+
+    run = decode if decode is not None else eager
 
     def step(input_ids, positions, slot_indices, page_table, seq_lens, **block):  # noqa: ANN001, ANN003, ANN202
-        flat = HpuFlatMetadata.from_block_metadata(page_size=page_size, **block) if block else None
+        flat = None
+        if block:
+            flat = HpuFlatMetadata.from_block_metadata(page_size=page_size, batch_size=int(input_ids.shape[0]),
+                                                       dtype=mapping_dtype, **block)  # fmt: skip
         meta = AttentionMetadata(
             is_decode=True, slot_indices=slot_indices, page_table=page_table, seq_lens=seq_lens, page_size=page_size,
             platform_metadata=flat,
         )  # fmt: skip
-        return model.compute_logits(model(input_ids, positions, kv_caches, meta))
+        return run(input_ids, positions, meta)
 
     return step
 
@@ -227,23 +268,45 @@ class HpuEngineRunner:
         device: torch.device,
         slot_dtype: torch.dtype = torch.int64,
         strict: bool | None = None,
+        regional_compilation: bool | None = None,
         **options: Any,
     ) -> None:
-        """Arguments as the engine passes them; `options` go to HpuDecodeRunner (compile_backend, ...)."""
-        from backends.hpu.graph_runner import HpuDecodeRunner
+        """Arguments as the engine passes them; `options` go to HpuDecodeRunner (mode, compile_backend, ...).
+
+        strict None: hpu.strict / ENGINE_HPU_STRICT (on), the same in every graph mode. regional_compilation
+        (compile mode; None: ENGINE_HPU_REGIONAL_COMPILATION, else hpu.regional_compilation, on): compile one
+        decoder layer's graph for all layers instead of the whole step."""
+        from backends.hpu.bucketing import resolve_bucket_config
+        from backends.hpu.graph_runner import HpuDecodeRunner, _env_flag
 
         config = load_yaml_config(HpuPlatform().default_config())
+        hpu = dict(config.get("hpu") or {})
         config.update(capture_sizes=capture_sizes, page_size=page_size, max_model_len=max_pages_per_seq * page_size)
         options.update(device=device, slot_dtype=slot_dtype)
         # Build vllm-gaudi's flat block layout for every padded bucket: HpuAttentionBackend reads it,
         # and the blocks dimension (not the page-table width) is then what the graphs are keyed on.
         options.setdefault("with_block_metadata", True)
-        options.setdefault("metadata_dtype", kv_caches[0][0].dtype)
         if strict is not None:
             options["strict"] = strict
+        if "mode" not in options:
+            options["mode"] = graph_mode_from_env(default=hpu.get("graph_mode"), bridge_lazy=bridge_is_lazy())
         self.model, self.kv_caches = model, kv_caches
+        configure_fp32_softmax(model)
+        decode = None
+        if regional_compilation is None:
+            regional_compilation = _env_flag("ENGINE_HPU_REGIONAL_COMPILATION", bool(hpu.get("regional_compilation", True)))
         pool_pages = kv_caches[0][0].shape[0] // page_size  # no bucket needs more blocks than the pool has
-        self.inner = HpuDecodeRunner.from_config(model_step(model, kv_caches, page_size), config, pool_pages, **options)
+        entries = len(resolve_bucket_config(config).decode_pairs(pool_pages)) + 8  # one compiled entry per bucket
+        if options["mode"] == "compile" and regional_compilation:
+            from graphs.compiled_step import CompiledDecodeStep
+
+            # dynamic=False: every bucket is an entry of the layer graph; max_entries raises dynamo's limit to that.
+            decode = CompiledDecodeStep(model, kv_caches, dynamic=False,
+                                        backend=options.get("compile_backend", "hpu_backend"), max_entries=entries)  # fmt: skip
+            options["precompiled"] = True
+        self.regional_compilation = decode is not None
+        step = model_step(model, kv_caches, page_size, kv_caches[0][0].dtype, decode)
+        self.inner = HpuDecodeRunner.from_config(step, config, pool_pages, **options)
         self.max_batch_size = max(bs for bs, _ in self.inner.buckets)
 
     def can_run(self, batch_size: int) -> bool:
@@ -271,11 +334,12 @@ class HpuEngineRunner:
             logger.warning("decode batch runs eagerly: %s", exc)
             from backends.hpu.attention import HpuFlatMetadata
 
-            # The exact (unbucketed) flat layout, built once for all layers.
-            device = self.kv_caches[0][0].device  # the inputs may be host tensors
+            # The exact (unbucketed) flat layout, built once for all layers from the inputs as they came
+            # (host tensors from run_decode: no copy back), then sent to the device with the rest.
+            device = self.kv_caches[0][0].device
+            flat = HpuFlatMetadata.from_page_table(meta.page_table, meta.seq_lens, meta.page_size, torch.float32,
+                                                   device=device)  # fmt: skip
             input_ids, positions = input_ids.to(device), positions.to(device)
             meta = dataclasses.replace(meta, slot_indices=meta.slot_indices.to(device), page_table=meta.page_table.to(device),
-                                       seq_lens=meta.seq_lens.to(device))
-            flat = HpuFlatMetadata.from_page_table(meta.page_table, meta.seq_lens, meta.page_size, torch.float32)
-            meta = dataclasses.replace(meta, platform_metadata=flat)
+                                       seq_lens=meta.seq_lens.to(device), platform_metadata=flat)
             return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))

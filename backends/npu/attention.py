@@ -17,8 +17,23 @@ captures with ``torch.npu.graph(..., auto_dispatch_capture=True)`` and calls
 ``graph.update(cpu_update_input=[{"context_lens": <int32 CPU tensor>}])`` before
 ``replay()``; NpuDecodeGraphRunner does the same (seq_lens_update_key="context_lens"),
 and hands the step a host buffer (``seq_lens_host``) that reaches this backend as
-``NpuDecodeMetadata``, so nothing here syncs the device inside a graph.
-(vllm-ascend instead re-issues the op between graph_task_update_begin/end.)
+``NpuDecodeMetadata``, so nothing here syncs the device inside a graph. The update
+only reaches ops torch_npu *recorded* at capture, which older releases do not do for
+this op; the runner checks the records after every capture (graph_runner.check_update_records).
+(vllm-ascend instead re-issues the op between graph_task_update_begin/end with the task
+group handle it took at capture: vllm_ascend/compilation/acl_graph.py, _update_attn_pa_params.)
+
+The op's workspace is computed at launch from ``context_lens``; a captured launch sized
+for the capture-time lengths (one token) would be too small for later, longer replays.
+As vllm-ascend does (it captures with SEQ_LEN_WITH_MAX_PA_WORKSPACE = 6144 tokens,
+vllm_ascend/worker/model_runner_v1.py, and passes ``workspace=`` to the op), the captured
+launch gets an explicit workspace sized for the longest context the graphs serve
+(``NpuDecodeMetadata.workspace_context_len``); the update then re-issues the op with it.
+
+Limits the op enforces (CANN ATB PagedAttentionOperation: hicann/ascend-transformer-boost
+src/ops_infer/paged_attention/paged_attention_operation.cpp, and the CANN 8.0 ATB reference's
+constraints): block_size % 16 == 0, 0 < head_size <= 256, heads % kv_heads == 0 and, on CANN 8.0,
+block_size * head_size <= 128 * 128. check_paged_attention_limits refuses the rest with the limit named.
 
 Our per-layer caches are [slots, kv_heads, head_dim] with slot = page * page_size +
 offset, so the op's [num_blocks, block_size, kv_heads, head_dim] is a free view.
@@ -28,6 +43,7 @@ takes exactly the same arguments, so the layout fed to the op is tested on CPU.
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -35,11 +51,79 @@ from typing import Any, Callable, Iterator
 import torch
 
 from backends.npu.kv_store import paged_view
+from engine.errors import EngineError
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import extend_attention, gather_context
 
+logger = logging.getLogger(__name__)
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 SEQ_LENS_UPDATE_KEY = "context_lens"  # the host argument graph.update refreshes (SGLang's MHA key)
+# _npu_paged_attention limits (ATB PagedAttentionOperation; see the module docstring).
+BLOCK_SIZE_MULTIPLE = 16
+MAX_HEAD_SIZE = 256
+MAX_BLOCK_TIMES_HEAD = 128 * 128
+# vllm-ascend captures at this length because _npu_paged_attention_get_workspace returns its largest
+# workspace there (vllm_ascend/worker/model_runner_v1.py); it is one more candidate below the longest context.
+SEQ_LEN_WITH_MAX_PA_WORKSPACE = 6144
+
+
+class NpuAttentionLimitError(EngineError, ValueError):
+    """The model or page size is outside what torch_npu._npu_paged_attention accepts."""
+
+
+def check_paged_attention_limits(num_heads: int, num_kv_heads: int, head_size: int, block_size: int) -> None:
+    """Raise NpuAttentionLimitError naming the first _npu_paged_attention limit the shapes break.
+
+    The CANN 9.0 reference lifts the block_size * head_size cap for plain (unquantized, non-parallel)
+    decode, but CANN 8.0 (ascendtb_01_0070, "embedding * blockSize <= 128 * 128") applies it to every
+    call; the engine cannot tell the toolkit's version, so it keeps the stricter rule.
+    """
+    if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
+        raise NpuAttentionLimitError(
+            f"_npu_paged_attention needs heads divisible by KV heads; this model has {num_heads} heads and "
+            f"{num_kv_heads} KV heads"
+        )
+    if not 0 < head_size <= MAX_HEAD_SIZE:
+        raise NpuAttentionLimitError(
+            f"_npu_paged_attention takes head sizes in (0, {MAX_HEAD_SIZE}]; this model's is {head_size}"
+        )
+    if block_size < 1 or block_size % BLOCK_SIZE_MULTIPLE:
+        raise NpuAttentionLimitError(
+            f"_npu_paged_attention needs block_size % {BLOCK_SIZE_MULTIPLE} == 0 (128 recommended); page_size is "
+            f"{block_size}: set --page-size to a multiple of {BLOCK_SIZE_MULTIPLE}"
+        )
+    if block_size * head_size > MAX_BLOCK_TIMES_HEAD:
+        fits = MAX_BLOCK_TIMES_HEAD // head_size // BLOCK_SIZE_MULTIPLE * BLOCK_SIZE_MULTIPLE
+        raise NpuAttentionLimitError(
+            f"_npu_paged_attention (CANN 8.0) needs block_size * head_size <= 128 * 128; page_size {block_size} x "
+            f"head size {head_size} = {block_size * head_size}: set --page-size {fits} or less"
+        )
+
+
+def capture_workspace(
+    get_workspace: Callable[..., torch.Tensor],
+    args: dict[str, Any],
+    longest: int,
+    cache: dict[tuple[Any, ...], torch.Tensor],
+) -> torch.Tensor:
+    """The workspace one captured _npu_paged_attention launch gets: the largest the op asks for at any
+    candidate length up to `longest` (the longest context a replay serves), for every row.
+
+    One per call shape (batch, cache, dtype, heads), shared by the layers of a graph: they run one after
+    another on one stream. The cache holds the tensors, so they live as long as the graphs that use them.
+    """
+    query, key_cache = args["query"], args["key_cache"]
+    key = (tuple(query.shape), tuple(key_cache.shape), query.dtype, args["num_heads"], args["num_kv_heads"])
+    if key not in cache:
+        best: torch.Tensor | None = None
+        for length in sorted({longest, min(longest, SEQ_LEN_WITH_MAX_PA_WORKSPACE)}):
+            lens = torch.full_like(args["context_lens"], length)  # a host int32 tensor, like the real lengths
+            workspace = get_workspace(**{**args, "context_lens": lens})
+            if best is None or workspace.numel() * workspace.element_size() > best.numel() * best.element_size():
+                best = workspace
+        assert best is not None
+        cache[key] = best
+    return cache[key]
 
 
 @dataclass
@@ -47,6 +131,9 @@ class NpuDecodeMetadata:
     """AttentionMetadata.platform_metadata on NPU decode steps run by the graph runner."""
 
     context_lens: torch.Tensor  # [bs] int32 on the host, padded rows 0; refreshed per replay via graph.update
+    # Set (to the longest context served) only for the launch being captured: it gets an explicit workspace.
+    workspace_context_len: int = 0
+    workspaces: dict[tuple[Any, ...], torch.Tensor] | None = None  # capture_workspace's cache, one per runner
 
 
 def paged_attention_args(
@@ -156,6 +243,8 @@ class NpuAttentionBackend:
     def __init__(self, store_kv: StoreFn | None = None) -> None:
         # npu_scatter_nd_update_ with int32 [tokens, 1] slot indices on NPU, its reference elsewhere.
         self.store_kv = store_kv if store_kv is not None else _npu_store_kv()
+        self._checked: set[tuple[int, int, int, int]] = set()  # shapes already checked against the op's limits
+        self._warned: set[str] = set()
 
     @contextmanager
     def step_context(self, meta: AttentionMetadata) -> Iterator[None]:
@@ -192,6 +281,20 @@ class NpuAttentionBackend:
         if q.device.type == "npu":
             import torch_npu
 
-            torch_npu._npu_paged_attention(**args)
+            shape = (args["num_heads"], args["num_kv_heads"], int(q.shape[-1]), meta.page_size)
+            if shape not in self._checked:  # once per shape, not per layer and step
+                check_paged_attention_limits(*shape)
+                self._checked.add(shape)
+            get_workspace = getattr(torch_npu, "_npu_paged_attention_get_workspace", None)
+            if isinstance(extra, NpuDecodeMetadata) and extra.workspace_context_len and get_workspace is not None:
+                cache = extra.workspaces if extra.workspaces is not None else {}
+                workspace = capture_workspace(get_workspace, args, extra.workspace_context_len, cache)
+                torch_npu._npu_paged_attention(**args, workspace=workspace)
+            else:
+                if isinstance(extra, NpuDecodeMetadata) and extra.workspace_context_len and "ws" not in self._warned:
+                    self._warned.add("ws")  # a capture without an explicit workspace: sized for the capture lengths
+                    logger.warning("torch_npu has no _npu_paged_attention_get_workspace: the captured attention "
+                                   "launch sizes its own workspace for the capture-time lengths")
+                torch_npu._npu_paged_attention(**args)
             return args["out"]
         return paged_attention_reference(**args)

@@ -13,6 +13,15 @@ them (sample) before the next run().
 aclgraph allows about 1800 graphs per process (2048 streams, 248 kept back), and
 each captured size costs streams per layer and per communication group, so the
 capture sizes are sampled down the way vllm-ascend's update_aclgraph_sizes does.
+
+Host-side lengths reach a replay only through graph.update(cpu_update_input=...), and
+torch_npu applies an update once per op it *recorded* during auto-dispatch capture.
+Releases that do not record _npu_paged_attention record nothing here, so the update is a
+silent no-op and replays attend over the capture-time lengths: after every capture the
+runner checks that there is one record per attention layer (check_update_records) and
+refuses, naming the torch_npu version, otherwise; a torch_npu without auto_dispatch_capture
+is refused at capture too, not at the first update. TASK_QUEUE_ENABLE=2 is refused before
+capture (check_task_queue_for_capture, called by NpuEngineRunner).
 Pure helpers below carry the device-independent logic and are tested on CPU.
 """
 
@@ -29,7 +38,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from backends.npu.platform import MAX_ACLGRAPH_GRAPHS
+from backends.npu.platform import MAX_ACLGRAPH_GRAPHS, torch_npu_version
+from engine.errors import EngineError
 from graphs.buckets import cap_sizes, default_capture_sizes, smallest_bucket_at_least
 
 logger = logging.getLogger(__name__)
@@ -42,6 +52,18 @@ CAPTURE_SEQ_LEN = 1  # during capture every row attends one dummy token, so warm
 # graph.update keys whose kernels take a host *tensor* (torch_npu._npu_paged_attention's context_lens,
 # as SGLang passes it); other keys (fused attention's actual_seq_lengths_kv) take a list of ints.
 HOST_TENSOR_UPDATE_KEYS = frozenset({"context_lens"})
+# The op whose launch each graph.update key refreshes. torch_npu's auto-dispatch capture keeps one
+# record per launch of an op it knows (Ascend/pytorch torch_npu/npu/graphs.py, _GraphDispatchMode;
+# on master the ops are registered in torch_npu/npu/_npugraph_handlers/: simple_handler.py maps
+# "_npu_paged_attention.default" to its context_lens argument, ifa_handler.py the fused attention).
+UPDATE_KEY_OPS = {"context_lens": "_npu_paged_attention", "actual_seq_lengths_kv": "npu_fused_infer_attention_score"}
+# torch_npu releases whose auto-dispatch capture records _npu_paged_attention, per the issue-16 audit of
+# Ascend/pytorch's release branches (older ones record only npu_fused_infer_attention_score).
+PAGED_ATTENTION_RECORDING_RELEASES = "v2.6.0-7.2.0, v2.7.1/v2.8.0/v2.9.0-7.3.0 and the 26.x branches"
+
+
+class NpuGraphUpdateError(EngineError):
+    """A captured graph could not have its host arguments refreshed: replays would run on stale lengths."""
 
 
 # ---- pure, device-independent helpers -------------------------------------------------------
@@ -80,6 +102,58 @@ def sample_sizes(sizes: Sequence[int], limit: int) -> list[int]:
 def capture_order(sizes: Sequence[int]) -> list[int]:
     """Largest first: later (smaller) graphs reuse the shared pool's blocks."""
     return sorted(set(sizes), reverse=True)
+
+
+def check_update_records(
+    recorded_ops: Sequence[str] | None, update_key: str, expected: int | None, bs: int, version: str
+) -> None:
+    """Refuse a captured graph whose graph.update would not reach every attention layer's op.
+
+    torch_npu's update_capture_record copies a one-entry cpu_update_input once per record: with
+    no record the update is a silent no-op, and every replay keeps the capture-time lengths
+    (CAPTURE_SEQ_LEN: each row attends to one token). That is wrong output, not an error, so it
+    is caught here, at capture, where the version can still be named. `recorded_ops` are the
+    records' op names (None: the graph object exposes no records at all); `expected` is the
+    number of attention layers in the step (None: at least one).
+    """
+    op = UPDATE_KEY_OPS.get(update_key)
+    names = list(recorded_ops or [])
+    matching = [name for name in names if op is None or name.split(".")[0] == op]
+    if recorded_ops is not None and (len(matching) == expected if expected is not None else matching):
+        return
+    what = "exposes no dispatch records" if recorded_ops is None else f"recorded {len(matching)} {op or 'updatable'} launches"
+    want = f"{expected} (one per attention layer)" if expected is not None else "at least one"
+    extra = f"; other records: {sorted(set(names) - set(matching))}" if len(names) != len(matching) else ""
+    raise NpuGraphUpdateError(
+        f"torch_npu {version}: the decode graph of batch {bs} {what}, {want} expected{extra}. "
+        f"graph.update(cpu_update_input=[{{{update_key!r}: ...}}]) would change nothing and every replay "
+        f"would attend over the capture-time lengths. Use a torch_npu whose auto-dispatch capture records "
+        f"{op or 'the op'} ({PAGED_ATTENTION_RECORDING_RELEASES}), or run with --disable-graphs."
+    )
+
+
+def task_queue_level(env: Mapping[str, str] | None = None, runtime_level: int | None = None) -> int:
+    """torch_npu's task-queue level: what the runtime reports (torch.npu.get_task_queue_enable() where
+    the release has it), else TASK_QUEUE_ENABLE (default 1, as the Ascend environment-variable
+    reference documents; ASCEND_LAUNCH_BLOCKING=1 forces it off)."""
+    if runtime_level is not None:
+        return int(runtime_level)
+    env = os.environ if env is None else env
+    if env.get("ASCEND_LAUNCH_BLOCKING", "").strip() == "1":
+        return 0
+    raw = env.get("TASK_QUEUE_ENABLE", "").strip()
+    return int(raw) if raw.lstrip("-").isdigit() else 1
+
+
+def check_task_queue_for_capture(level: int) -> None:
+    """TASK_QUEUE_ENABLE=2 (level-2 task queue) and NPU graph capture do not mix: torch_npu's own test
+    (test/test_task_queue_enable.py, test_npu_graph_capture_rejected_at_mode2) expects
+    NPUGraph.capture_begin to raise at that level. Refuse before loading anything onto the graphs."""
+    if level == 2:
+        raise NpuGraphUpdateError(
+            "TASK_QUEUE_ENABLE=2 (torch_npu's level-2 task queue) breaks NPU graph capture; "
+            "start with TASK_QUEUE_ENABLE=1 (the default) or run with --disable-graphs"
+        )
 
 
 @dataclass
@@ -159,10 +233,16 @@ def fill_static_inputs(
 
 
 class NpuGraphApi:
-    """torch.npu.NPUGraph capture with a shared pool on a side stream."""
+    """torch.npu.NPUGraph capture with a shared pool on a side stream.
 
-    def __init__(self) -> None:
+    auto_dispatch: capture under torch_npu's dispatch mode (auto_dispatch_capture=True), which records
+    the ops whose host arguments graph.update(cpu_update_input=...) can refresh.
+    """
+
+    def __init__(self, auto_dispatch: bool = True) -> None:
         import torch_npu  # noqa: F401  (registers torch.npu)
+
+        self.auto_dispatch = auto_dispatch
 
     def pool(self) -> Any:
         return torch.npu.graph_pool_handle()
@@ -175,14 +255,33 @@ class NpuGraphApi:
 
     def capture(self, fn: Callable[[], torch.Tensor], pool: Any, stream: Any) -> tuple[Any, torch.Tensor]:
         graph = torch.npu.NPUGraph()
-        try:
-            # auto_dispatch_capture lets graph.update(cpu_update_input=...) refresh host-side op args.
-            context = torch.npu.graph(graph, pool=pool, stream=stream, auto_dispatch_capture=True)
-        except TypeError:  # older torch_npu without the keyword
+        if not self.auto_dispatch:
             context = torch.npu.graph(graph, pool=pool, stream=stream)
+        else:
+            try:
+                # auto_dispatch_capture lets graph.update(cpu_update_input=...) refresh host-side op args.
+                context = torch.npu.graph(graph, pool=pool, stream=stream, auto_dispatch_capture=True)
+            except TypeError as exc:
+                # A release without the keyword has no graph.update either: capturing anyway would fail at
+                # the first update (or, worse, replay stale lengths). Say so now, with the version.
+                raise NpuGraphUpdateError(
+                    f"torch_npu {torch_npu_version()}: torch.npu.graph has no auto_dispatch_capture ({exc}), so the "
+                    "attention op's host-side lengths cannot be refreshed between replays. Use a torch_npu whose "
+                    f"auto-dispatch capture records _npu_paged_attention ({PAGED_ATTENTION_RECORDING_RELEASES}), "
+                    "or run with --disable-graphs."
+                ) from exc
         with context:
             out = fn()
         return graph, out
+
+    def update_records(self, graph: Any) -> list[str] | None:
+        """Names of the ops torch_npu recorded for graph.update (e.g. "_npu_paged_attention.default"), or
+        None when the graph keeps no records (torch_npu/npu/graphs.py: NPUGraph.graph_dispatch_mode
+        .graph_dispatch_records, each with the op it replays as op_cache_entry)."""
+        records = getattr(getattr(graph, "graph_dispatch_mode", None), "graph_dispatch_records", None)
+        if records is None:
+            return None
+        return [str(getattr(getattr(r, "op_cache_entry", None), "__name__", "?")) for r in records]
 
     def synchronize(self) -> None:
         torch.npu.synchronize()
@@ -198,6 +297,7 @@ class NpuDecodeGraphRunner:
         capture_sizes: Sequence[int],
         max_pages_per_seq: int,
         device: torch.device | str = "npu",
+        page_size: int | None = None,
         num_layers: int | None = None,
         num_comm_groups: int = 0,
         hccl_aiv: bool = False,
@@ -205,8 +305,11 @@ class NpuDecodeGraphRunner:
         warmup_runs: int = 2,
         seq_lens_update_key: str | None = None,
         pass_host_seq_lens: bool = False,
+        update_records_per_graph: int | None = None,
         graph_api: Any | None = None,
     ) -> None:
+        """update_records_per_graph: how many graph.update records each captured graph must hold for
+        seq_lens_update_key (one per attention layer; None: at least one); checked after every capture."""
         if not capture_sizes:
             raise ValueError("no capture sizes")
         sizes = sorted(set(int(s) for s in capture_sizes))
@@ -228,8 +331,12 @@ class NpuDecodeGraphRunner:
         # Also call step(..., seq_lens_host=<[bs] int32 CPU view>) so the kernel gets host lengths
         # at capture without copying them off the device inside the graph.
         self.pass_host_seq_lens = pass_host_seq_lens
-        self.api = graph_api if graph_api is not None else NpuGraphApi()
+        self.update_records_per_graph = update_records_per_graph
+        self.api = graph_api if graph_api is not None else NpuGraphApi(auto_dispatch=seq_lens_update_key is not None)
         self.buffers = StaticDecodeBuffers.allocate(sizes[-1], max_pages_per_seq, self.device)
+        # The longest context any replay serves: the attention op's workspace is sized for it at capture
+        # (StepFn gets it as workspace_context_len during the captured run only; see backends/npu/attention.py).
+        self.max_context_len = max_pages_per_seq * int(page_size) if page_size else None
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -246,7 +353,9 @@ class NpuDecodeGraphRunner:
         kwargs.setdefault("max_graphs", int(npu.get("max_graphs", MAX_ACLGRAPH_GRAPHS)))
         kwargs.setdefault("warmup_runs", int(npu.get("warmup_runs", 2)))
         kwargs.setdefault("seq_lens_update_key", npu.get("seq_lens_update_key"))
-        max_pages = math.ceil(int(config.get("max_model_len", 4096)) / int(config.get("page_size", 128)))
+        page_size = int(config.get("page_size", 128))
+        max_pages = math.ceil(int(config.get("max_model_len", 4096)) / page_size)
+        kwargs.setdefault("page_size", page_size)
         return cls(step, capture_sizes=sizes, max_pages_per_seq=max_pages, num_layers=num_layers, **kwargs)
 
     @property
@@ -274,8 +383,13 @@ class NpuDecodeGraphRunner:
                     for _ in range(self.warmup_runs):
                         self.step(*args, **kwargs)
                 self.api.synchronize()
+                if self.pass_host_seq_lens and self.max_context_len:
+                    kwargs["workspace_context_len"] = self.max_context_len  # the captured launch only
                 run_once = functools.partial(self.step, *args, **kwargs)  # bound now, not looked up at replay
                 self.graphs[bs], self.outputs[bs] = self.api.capture(run_once, pool, stream)
+                if self.seq_lens_update_key is not None:
+                    check_update_records(self.api.update_records(self.graphs[bs]), self.seq_lens_update_key,
+                                         self.update_records_per_graph, bs, torch_npu_version())
                 self.buffers.seq_lens[:bs].fill_(PAD_SEQ_LEN)
                 self.buffers.seq_lens_host[:bs].fill_(PAD_SEQ_LEN)
         finally:

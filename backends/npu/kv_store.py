@@ -13,8 +13,12 @@ The op, as Ascend's torch_npu API reference documents it:
 For the engine's per-layer caches [num_slots, kv_heads, head_dim] that gives two forms:
 
 - slot-id form: indices [tokens, 1] int32 (= slot), updates [tokens, kv_heads, head_dim]
-  (SGLang's NPU pool and TGI's Ascend path; SGLang views the cache as
-  [slots, 1, heads, dim] with updates [tokens, 1, heads, dim], the same write);
+  (what SGLang's FIA path scatters through now: sgl-project/sglang
+  python/sglang/srt/hardware_backend/npu/memory_pool_npu.py keeps its cache as
+  [slots, 1, heads, dim] but notes that aclnnScatterNdUpdate on the deployed CANN rejects
+  the 4-D [tokens, 1, heads, dim] update during tiling, so it scatters through this 3-D
+  view; the 4-D form is the same write only on paper, in the reference below. Its default,
+  non-FIA path writes with torch_npu._npu_reshape_and_cache, as vllm-ascend does);
 - page form: cache viewed [num_pages, page_size, kv_heads, head_dim], indices
   [tokens, 2] = (slot // page_size, slot % page_size) (vllm-ascend's torchair path).
 

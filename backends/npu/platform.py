@@ -18,7 +18,9 @@ Ascend runtime settings worth knowing (set them before the process starts):
 - HCCL_BUFFSIZE: HCCL buffer size in MB per communicator.
 - PYTORCH_NPU_ALLOC_CONF=expandable_segments:True: less fragmentation of the
   caching allocator across many captured sizes.
-- TASK_QUEUE_ENABLE: torch_npu's task-queue level (launch overlap).
+- TASK_QUEUE_ENABLE: torch_npu's task-queue level (launch overlap). Level 2 breaks NPU graph
+  capture (torch_npu test/test_task_queue_enable.py expects capture_begin to raise there), so
+  NpuEngineRunner refuses to capture at level 2; 1 (the default) or 0 work.
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ from engine.transfer import to_device
 
 logger = logging.getLogger(__name__)
 MAX_ACLGRAPH_GRAPHS = 1800  # vllm-ascend: 2048 streams minus 248 kept in reserve
+
+
+def torch_npu_version() -> str:
+    """The installed torch_npu's version for error messages ("not installed" without it); never imports it
+    for the first time (only reads it once something else has)."""
+    import sys
+
+    module = sys.modules.get("torch_npu")
+    if module is None:
+        return "(torch_npu not imported)"
+    return str(getattr(module, "__version__", "unknown version"))
 
 
 class NpuPlatform(Platform):
@@ -148,12 +161,19 @@ def model_step(
     `seq_lens_host` (NpuDecodeGraphRunner(pass_host_seq_lens=True)) is the host copy of
     seq_lens that _npu_paged_attention takes as context_lens; it reaches every layer as
     meta.platform_metadata, so no layer copies lengths off the device inside a graph.
+    `workspace_context_len` (the captured run only) sizes the op's workspace for the longest context.
     """
     from backends.npu.attention import NpuDecodeMetadata
     from engine.layers.attention import AttentionMetadata
 
-    def step(input_ids, positions, slot_indices, page_table, seq_lens, seq_lens_host=None):  # noqa: ANN001, ANN202
-        extra = NpuDecodeMetadata(context_lens=seq_lens_host) if seq_lens_host is not None else None
+    workspaces: dict[tuple[Any, ...], torch.Tensor] = {}  # alive as long as the step (and its graphs)
+
+    def step(input_ids, positions, slot_indices, page_table, seq_lens, seq_lens_host=None,  # noqa: ANN001, ANN202
+             workspace_context_len=0):  # noqa: ANN001
+        extra = None
+        if seq_lens_host is not None:
+            extra = NpuDecodeMetadata(context_lens=seq_lens_host, workspace_context_len=int(workspace_context_len),
+                                      workspaces=workspaces)
         meta = AttentionMetadata(
             is_decode=True, slot_indices=slot_indices, page_table=page_table, seq_lens=seq_lens, page_size=page_size,
             platform_metadata=extra,
@@ -161,6 +181,16 @@ def model_step(
         return model.compute_logits(model(input_ids, positions, kv_caches, meta))
 
     return step
+
+
+def attention_shapes(model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> set[tuple[int, int, int]]:
+    """(heads, kv_heads, head_size) of every attention layer: from the model's Attention modules where it has
+    them, else (heads unknown: taken equal to kv_heads) from the caches, [slots, kv_heads, head_size]."""
+    from engine.layers.attention import Attention
+
+    modules = getattr(model, "modules", None)
+    found = {(m.num_heads, m.num_kv_heads, m.head_dim) for m in modules() if isinstance(m, Attention)} if modules else set()
+    return found or {(int(k.shape[1]), int(k.shape[1]), int(k.shape[2])) for k, _ in kv_caches}
 
 
 class NpuEngineRunner:
@@ -175,10 +205,22 @@ class NpuEngineRunner:
         page_size: int,
         device: torch.device,
         slot_dtype: torch.dtype = torch.int32,
+        check_device_limits: bool | None = None,
         **options: Any,
     ) -> None:
-        """Arguments as the engine passes them; `options` go to NpuDecodeGraphRunner (graph_api, ...)."""
-        from backends.npu.graph_runner import NpuDecodeGraphRunner
+        """Arguments as the engine passes them; `options` go to NpuDecodeGraphRunner (graph_api, ...).
+
+        check_device_limits (default: on when `device` is an NPU): refuse, before any capture, what the
+        Ascend kernels cannot run: _npu_paged_attention's block/head limits and TASK_QUEUE_ENABLE=2. Off
+        the NPU the reference ops take any page size, so CPU tests of the runner keep small pages."""
+        from backends.npu.attention import check_paged_attention_limits
+        from backends.npu.graph_runner import NpuDecodeGraphRunner, check_task_queue_for_capture, task_queue_level
+
+        if check_device_limits if check_device_limits is not None else torch.device(device).type == "npu":
+            for heads, kv_heads, head_size in attention_shapes(model, kv_caches):
+                check_paged_attention_limits(heads, kv_heads, head_size, page_size)
+            runtime = getattr(getattr(torch, "npu", None), "get_task_queue_enable", None)
+            check_task_queue_for_capture(task_queue_level(runtime_level=runtime() if callable(runtime) else None))
 
         config = load_yaml_config(NpuPlatform().default_config())
         config.update(
@@ -192,6 +234,8 @@ class NpuEngineRunner:
         options.setdefault("pass_host_seq_lens", True)
         if options.get("seq_lens_update_key") is None and not (config.get("npu") or {}).get("seq_lens_update_key"):
             options["seq_lens_update_key"] = SEQ_LENS_UPDATE_KEY
+        # Every attention layer launches the op once per step: one graph.update record each, or replays are stale.
+        options.setdefault("update_records_per_graph", len(kv_caches))
         step = model_step(model, kv_caches, page_size)
         self.inner = NpuDecodeGraphRunner.from_config(step, config, num_layers=len(kv_caches), device=device, **options)
 

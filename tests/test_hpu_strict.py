@@ -1,0 +1,319 @@
+"""Gaudi strict mode, lazy mark_steps, fp32 softmax and regional compilation, on CPU with a fake bridge.
+
+The fake `habana_frameworks.torch` keeps one process-wide graph-compilation counter, as the bridge's
+metric_global does, and lazy-mode semantics: work queued without a mark_step compiles at the next
+mark_step, wherever that is. Prefill and sampler compiles must not trip strict mode; a compile
+inside the decode step must.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import types
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from backends.hpu.attention import (
+    HpuAttentionBackend,
+    HpuFlatMetadata,
+    flat_paged_attention,
+    fp32_softmax_for,
+)
+from backends.hpu.bucketing import decode_buckets
+from backends.hpu.graph_runner import HpuDecodeRunner, RecompileAfterWarmupError, _bridge_metric_factory
+from backends.hpu.platform import HpuEngineRunner, HpuPlatform, configure_fp32_softmax
+from engine.layers.attention import AttentionMetadata
+from engine.layers.torch_attention import TorchAttentionBackend
+
+
+class FakeBridge:
+    """habana_frameworks.torch as far as the runner uses it: core.mark_step, hpu.wrap_in_hpu_graph, metrics."""
+
+    def __init__(self) -> None:
+        self.total = 0  # graph compilations in the whole process (metric_global's TotalNumber)
+        self.pending = 0  # lazily queued graphs that compile at the next mark_step
+        self.events: list[str] = []
+
+    def queue(self) -> None:
+        """Lazy mode: ops recorded now compile (as one graph) at the next mark_step."""
+        self.pending = 1
+
+    def compile_now(self) -> None:
+        """An eager compile (a sampler op, an eager-mode recipe)."""
+        self.total += 1
+
+    def mark_step(self) -> None:
+        self.events.append("mark_step")
+        self.total += self.pending
+        self.pending = 0
+
+    def stats(self, count: int) -> list[tuple[str, int]]:
+        return [("TotalNumber", count), ("TotalTime", 7 * count), ("AvgTime", 7)]
+
+    @contextmanager
+    def metric_localcontext(self, name: str) -> Iterator[Any]:
+        assert name == "graph_compilation"
+        start = self.total
+        metric = types.SimpleNamespace(stats=lambda: self.stats(0))
+        yield metric
+        counted = self.total - start
+        metric.stats = lambda: self.stats(counted)  # frozen at exit, as the bridge's local metric
+
+    def metric_global(self, name: str) -> Any:
+        return types.SimpleNamespace(stats=lambda: self.stats(self.total))
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        root = types.ModuleType("habana_frameworks")
+        htorch = types.ModuleType("habana_frameworks.torch")
+        hpu = types.ModuleType("habana_frameworks.torch.hpu")
+        metrics = types.ModuleType("habana_frameworks.torch.hpu.metrics")
+        metrics.metric_localcontext = self.metric_localcontext  # type: ignore[attr-defined]
+        metrics.metric_global = self.metric_global  # type: ignore[attr-defined]
+        hpu.metrics = metrics  # type: ignore[attr-defined]
+        hpu.wrap_in_hpu_graph = lambda module, disable_tensor_cache=True: module  # type: ignore[attr-defined]
+        htorch.hpu = hpu  # type: ignore[attr-defined]
+        htorch.core = types.SimpleNamespace(mark_step=self.mark_step)  # type: ignore[attr-defined]
+        root.torch = htorch  # type: ignore[attr-defined]
+        for name, module in [("habana_frameworks", root), ("habana_frameworks.torch", htorch),
+                             ("habana_frameworks.torch.hpu", hpu), ("habana_frameworks.torch.hpu.metrics", metrics)]:
+            monkeypatch.setitem(sys.modules, name, module)
+
+
+def _batch(n: int) -> dict[str, torch.Tensor]:
+    return dict(input_ids=torch.arange(1, n + 1), positions=torch.full((n,), 4), slot_indices=torch.arange(n) + 8,
+                page_table=torch.ones(n, 2, dtype=torch.int32), seq_lens=torch.full((n,), 5, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_strict_counts_only_the_decode_region(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    bridge = FakeBridge()
+    bridge.install(monkeypatch)
+    seen: set[tuple[int, ...]] = set()
+    state = {"compile_inside": False}
+
+    def step(input_ids, positions, slot_indices, page_table, seq_lens, **block):  # noqa: ANN001, ANN003, ANN202
+        bridge.events.append("step")
+        key = (input_ids.shape[0], block["block_list"].shape[0])
+        if key not in seen or state["compile_inside"]:  # a new shape: the bridge compiles a graph for it
+            seen.add(key)
+            bridge.queue() if mode == "lazy" else bridge.compile_now()
+        return input_ids.float().unsqueeze(1)
+
+    runner = HpuDecodeRunner(step, buckets=decode_buckets([1, 2], [2, 4], 4), page_size=4, max_blocks_per_seq=4,
+                             device="cpu", mode=mode, strict=True, with_block_metadata=True, show_progress=False,
+                             compile_metric=_bridge_metric_factory())  # fmt: skip
+    runner.warmup()
+    assert runner.bridge_compiles == len(seen) == len(runner.buckets)  # warm-up's compiles were all counted
+
+    for _ in range(3):
+        # A prefill and the sampler compile outside the decode step: eagerly, and (lazy) queued without a
+        # mark_step, so they would compile at the decode step's own mark_step if it did not flush first.
+        before = bridge.total
+        bridge.compile_now()
+        if mode == "lazy":
+            bridge.queue()
+        bridge.events.clear()
+        out = runner.run(**_batch(2))  # must not raise: none of that compiled inside the decode region
+        assert out.tolist() == [[1.0], [2.0]]
+        assert bridge.total > before  # ...though the process-wide counter (metric_global) moved
+        if mode == "lazy":
+            assert bridge.events == ["mark_step", "step", "mark_step"]  # flushed before the region, then after
+
+    state["compile_inside"] = True  # the step now compiles each time: inside the region
+    with pytest.raises(RecompileAfterWarmupError, match=r"compiled 1 graph\(s\) inside the decode step"):
+        runner.run(**_batch(1))
+
+
+def test_strict_default_is_the_same_in_every_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    bridge = FakeBridge()
+    bridge.install(monkeypatch)
+
+    class Model:
+        def __call__(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN204
+            return input_ids.float().unsqueeze(1)
+
+        def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            return hidden
+
+    kv = [(torch.zeros(64, 1, 2), torch.zeros(64, 1, 2))]
+    for mode in ("compile", "lazy", "eager"):
+        monkeypatch.delenv("ENGINE_HPU_STRICT", raising=False)
+        runner = HpuEngineRunner(Model(), kv, [1, 2], 4, 4, torch.device("cpu"), mode=mode, compile_backend="eager",
+                                 show_progress=False)  # fmt: skip
+        assert runner.inner.strict, mode  # hpu.strict: true in configs/hpu.yaml
+        monkeypatch.setenv("ENGINE_HPU_STRICT", "0")
+        assert not HpuEngineRunner(Model(), kv, [1, 2], 4, 4, torch.device("cpu"), mode=mode,
+                                   compile_backend="eager", show_progress=False).inner.strict  # fmt: skip
+
+
+def test_engine_passes_strict_to_hpu_only_when_forced() -> None:
+    """engine.Engine._graph_runner: no strict= for HPU unless --strict-graphs (the runner's own default then
+    holds in compile mode too, where it used to be overridden with False); CPU's compiled runner keeps False."""
+    from engine.engine import Engine
+
+    def graph_runner_kwargs(platform_name: str, kind: str, strict_graphs: bool) -> dict[str, Any]:
+        got: dict[str, Any] = {}
+
+        class Runner:
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                got.update(kwargs)
+
+            def capture(self) -> None:
+                pass
+
+        platform = types.SimpleNamespace(name=platform_name, slot_index_dtype=torch.int64,
+                                         capture_settings=lambda: types.SimpleNamespace(kind=kind),
+                                         graph_runner_class=lambda: Runner)  # fmt: skip
+        this = types.SimpleNamespace(
+            config=types.SimpleNamespace(disable_graphs=False, strict_graphs=strict_graphs, capture_sizes=[1],
+                                         compile_decode=False),
+            platform=platform, model=None, kv_pool=types.SimpleNamespace(caches=[], page_size=16), device="cpu",
+            max_model_len=64, _graphs_unsupported=lambda: False,
+        )  # fmt: skip
+        Engine._graph_runner(this)  # type: ignore[arg-type]
+        return got
+
+    for kind in ("compile", "hpu_graph", "none"):
+        assert "strict" not in graph_runner_kwargs("hpu", kind, strict_graphs=False), kind
+        assert graph_runner_kwargs("hpu", kind, strict_graphs=True)["strict"] is True, kind
+    assert graph_runner_kwargs("cpu", "compile", strict_graphs=False)["strict"] is False
+
+
+def test_lazy_prefill_ends_with_a_mark_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    bridge = FakeBridge()
+    bridge.install(monkeypatch)
+    backend = HpuAttentionBackend(store_kv=lambda *args: None, mark_steps=True)
+    extend = AttentionMetadata(is_decode=False, slot_indices=torch.zeros(3), page_table=torch.zeros(1, 1),
+                               seq_lens=torch.tensor([3]), page_size=4, query_start_loc=[0, 3], seq_lens_cpu=[3])
+    with backend.step_context(extend):
+        bridge.events.append("prefill")
+    assert bridge.events == ["prefill", "mark_step"]
+    with HpuAttentionBackend(store_kv=lambda *args: None).step_context(extend):  # compile/eager mode: no mark_step
+        bridge.events.append("prefill")
+    assert bridge.events == ["prefill", "mark_step", "prefill"]
+
+
+# ---- attention math: bf16 unless the model needs an fp32 softmax ---------------------------------
+
+
+class DtypeTrace(TorchDispatchMode):
+    """The dtypes of every floating-point tensor an op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.dtypes.add(t.dtype)
+        return out
+
+
+def test_bf16_math_unless_fp32_softmax() -> None:
+    torch.manual_seed(3)
+    page_size, heads, kv_heads, dim = 16, 4, 2, 32
+    k_cache, v_cache = torch.randn(12 * page_size, kv_heads, dim), torch.randn(12 * page_size, kv_heads, dim)
+    table = torch.tensor([[3, 5, 7], [2, 0, 0], [9, 4, 0]], dtype=torch.int32)
+    lens = torch.tensor([40, 9, 17], dtype=torch.int32)
+    q = torch.randn(3, heads, dim)
+    exact = flat_paged_attention(q, k_cache, v_cache, HpuFlatMetadata.from_page_table(table, lens, page_size,
+                                                                                      torch.float32), page_size, 0.2)
+    flat = HpuFlatMetadata.from_page_table(table, lens, page_size, torch.bfloat16)
+    qb, kb, vb = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    results = {}
+    for fp32 in (False, True):
+        with DtypeTrace() as trace:
+            results[fp32] = flat_paged_attention(qb, kb, vb, flat, page_size, 0.2, fp32_softmax=fp32)
+        assert results[fp32].dtype == torch.bfloat16
+        assert (torch.float32 in trace.dtypes) == fp32  # bf16 math keeps every intermediate in bf16
+        torch.testing.assert_close(results[fp32].float(), exact, atol=4e-2, rtol=4e-2)
+    assert (results[True].float() - exact).abs().mean() <= (results[False].float() - exact).abs().mean()
+
+
+def test_fp32_softmax_by_model_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fp32_softmax_for("qwen2") and fp32_softmax_for("qwen2_moe") and not fp32_softmax_for("llama")
+    assert fp32_softmax_for("llama", "true") and not fp32_softmax_for("qwen2", False)
+    with pytest.raises(ValueError):
+        fp32_softmax_for("llama", "sometimes")
+    for model_type, expected in (("qwen2", True), ("llama", False)):
+        backend = HpuPlatform().attention_backend()
+        model = types.SimpleNamespace(config=types.SimpleNamespace(model_type=model_type), attention_backend=backend)
+        monkeypatch.delenv("ENGINE_HPU_FP32_SOFTMAX", raising=False)
+        assert configure_fp32_softmax(model) is expected and backend.fp32_softmax is expected
+        monkeypatch.setenv("ENGINE_HPU_FP32_SOFTMAX", "1")
+        assert configure_fp32_softmax(model) and backend.fp32_softmax
+
+
+# ---- regional compilation: one decoder layer's graph serves every layer ------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.loader import load_model, resolve_model_source
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                         max_position_embeddings=512)  # fmt: skip
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("tiny_hpu_regional"))
+    LlamaForCausalLM(config).save_pretrained(path)
+    return load_model(resolve_model_source(path), torch.float32, torch.device("cpu"))
+
+
+def test_regional_compilation_compiles_one_layer_per_bucket(
+    tiny_llama: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.kv_cache import KVPool
+
+    model, mc = tiny_llama
+    page_size, num_pages, max_pages = 8, 24, 4
+    for part, value in (("MIN", "4"), ("STEP", "4"), ("MAX", "8")):
+        monkeypatch.setenv(f"ENGINE_DECODE_BLOCK_BUCKET_{part}", value)
+    nodes: dict[bool, int] = {}
+    for regional in (True, False):
+        compiled_nodes = [0]
+
+        def counting(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            compiled_nodes[0] += len(gm.graph.nodes)
+            return gm.forward
+
+        torch._dynamo.reset()
+        pool = KVPool(mc.num_hidden_layers, num_pages, page_size, mc.num_key_value_heads, mc.head_dim, torch.float32,
+                      torch.device("cpu"))  # fmt: skip
+        model.set_attention_backend(HpuPlatform().attention_backend())
+        runner = HpuEngineRunner(model, pool.caches, [2], max_pages, page_size, torch.device("cpu"), mode="compile",
+                                 compile_backend=counting, regional_compilation=regional, strict=True,
+                                 show_progress=False)  # fmt: skip
+        assert runner.regional_compilation is regional and runner.inner.precompiled is regional
+        runner.capture()
+        nodes[regional] = compiled_nodes[0]
+        for k, v in pool.caches:
+            k.normal_()
+            v.normal_()
+        rng = random.Random(4)
+        for _ in range(3):  # strict: a compile after warm-up would raise
+            lens = torch.tensor([rng.randint(2, 20), rng.randint(2, 12)], dtype=torch.int32)
+            table = torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=torch.int32)
+            positions = lens.long() - 1
+            slots = table.long().gather(1, (positions // page_size).unsqueeze(1)).squeeze(1) * page_size \
+                + positions % page_size
+            ids = torch.tensor([rng.randrange(256), rng.randrange(256)])
+            meta = AttentionMetadata(True, slots, table, lens, page_size)
+            ref_caches = [(k.clone(), v.clone()) for k, v in pool.caches]
+            with torch.no_grad():
+                model.set_attention_backend(TorchAttentionBackend())
+                ref = model.compute_logits(model(ids, positions, ref_caches, meta))
+                model.set_attention_backend(HpuPlatform().attention_backend())
+                got = runner.run(ids, positions, meta)
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    # Per bucket, the regional graphs hold one layer (and the head); the whole step holds all three layers.
+    assert 0 < nodes[True] < nodes[False] * 0.75, nodes
