@@ -95,6 +95,11 @@ class Platform(abc.ABC):
     def prepare_model(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
         """Device-specific weight preparation after loading (CPU: oneDNN-packed linears)."""
 
+    def fp8_linear_method(self) -> "Any":
+        """The engine.layers.linear.LinearMethod FP8 linears run here; None: this platform has no FP8
+        matmul kernel, and FP8 weights are dequantized once at load."""
+        return None
+
     # ---- capture ---------------------------------------------------------------------
     @abc.abstractmethod
     def capture_settings(self) -> CaptureSettings:

@@ -43,6 +43,16 @@ class CudaPlatform(Platform):
         if (layers := use_fused_moe(model)):
             logger.info("MoE: %d layers run the fused Triton experts kernel (capturable in CUDA graphs)", layers)
 
+    def fp8_linear_method(self):  # noqa: ANN201
+        """Hopper and newer (compute capability 8.9+: FP8 tensor cores and e4m3 conversions): the Triton
+        weight-only kernel at decode batch sizes, torch._scaled_mm above (backends/cuda/fp8_linear.py)."""
+        if torch.cuda.get_device_capability() < (8, 9):
+            logger.warning("FP8 kernels need compute capability 8.9+ (this GPU: %s)", torch.cuda.get_device_capability())
+            return None
+        from backends.cuda.fp8_linear import CUDA_FP8
+
+        return CUDA_FP8
+
     def capture_settings(self) -> CaptureSettings:
         return CaptureSettings(kind="cuda_graph")
 

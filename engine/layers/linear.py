@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.loader.param_loading import row_shard_loader, set_weight_loader
+from engine.loader.param_loading import WHOLE, row_shard_loader, scale_loader, set_weight_loader
+
+SCALE_BLOCK = 128  # block-wise FP8's block edge (DeepSeek-V3, Qwen3-FP8)
 
 
 class LinearMethod(Protocol):
@@ -58,9 +60,13 @@ class Linear(nn.Linear):
         self.attach_weight_loaders()
 
     def attach_weight_loaders(self) -> None:
-        """(Again) after the parameters were replaced, as materialising a meta-device model does."""
-        if self.part_rows:
-            for param in self.parameters(recurse=False):
+        """(Again) after the parameters were replaced, as materialising a meta-device model does.
+        An FP8 layer's `weight_scale` (engine/quantization/fp8.py) takes per-part scales."""
+        for name, param in self.named_parameters(recurse=False):
+            if name == "weight_scale":
+                set_weight_loader(param, scale_loader(self.part_rows, self.out_features, SCALE_BLOCK),
+                                  self.part_rows or WHOLE)
+            elif self.part_rows:
                 set_weight_loader(param, row_shard_loader(self.part_rows), self.part_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,10 @@ def copy_checked(dest: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
     """dest <- tensor, or a ModelLoadError naming `what` and both shapes."""
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"shape mismatch for {what}: checkpoint {tuple(tensor.shape)} vs model {tuple(dest.shape)}")
+    if (dest.dtype == torch.float8_e4m3fn) != (tensor.dtype == torch.float8_e4m3fn):
+        # An FP8 weight must come as FP8 (its scale beside it), and a dense one must not: a silent
+        # cast would drop the scale.
+        raise ModelLoadError(f"dtype mismatch for {what}: checkpoint {tensor.dtype} vs model {dest.dtype}")
     dest.copy_(tensor)
 
 
@@ -55,6 +59,34 @@ def row_shard_loader(shard_rows: dict[Hashable, tuple[int, int]]) -> WeightLoade
         start, end = shard_rows[shard]
         copy_checked(param.data[start:end], tensor, f"part {shard!r} (rows {start}-{end}) of a fused parameter")
         return [shard]
+
+    return load
+
+
+def scale_loader(shard_rows: dict[Hashable, tuple[int, int]], out_features: int, block: int) -> WeightLoader:
+    """An FP8 weight's scale, filled per part of a fused Linear (shard_rows; empty for a plain one).
+    The parameter holds one scale per output row ([out]), or one per block x block tile ([out / block,
+    in / block]). A checkpoint's per-tensor scale (a scalar) covers its part's rows; a per-channel
+    scale ([rows] or [rows, 1]) is copied; a block scale takes its part's block rows, which must
+    then start and end on a block edge."""
+
+    def load(param: nn.Parameter, tensor: torch.Tensor, shard: Any = None) -> list[Hashable]:
+        if shard is None:
+            start, end, keys = 0, out_features, list(shard_rows) or list(WHOLE)
+        elif shard in shard_rows:
+            (start, end), keys = shard_rows[shard], [shard]
+        else:
+            raise ModelLoadError(f"fused parameter has parts {list(shard_rows)}, not {shard!r}")
+        what = f"the scale of rows {start}-{end}"
+        if param.dim() == 2:  # block scales
+            if start % block or (end % block and end != out_features):
+                raise ModelLoadError(f"{what} do not start and end on {block}-row blocks, as block-wise FP8 needs")
+            copy_checked(param.data[start // block:-(-end // block)], tensor.float(), what)
+        elif tensor.numel() == 1:
+            param.data[start:end] = tensor.float().reshape(())
+        else:
+            copy_checked(param.data[start:end], tensor.float().reshape(-1), what)
+        return keys
 
     return load
 

@@ -33,6 +33,20 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
+def safetensors_names(folder: str) -> list[str]:
+    """Every tensor name of a safetensors checkpoint, from the headers only (no tensor is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    names: list[str] = []
+    for path in safetensors_files(folder):
+        try:
+            with safe_open(path, framework="pt") as handle:
+                names.extend(handle.keys())
+        except SafetensorError as exc:
+            raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({exc})") from exc
+    return names
+
+
 def safetensors_weights(folder: str) -> WeightIter:
     from safetensors import SafetensorError, safe_open
 
