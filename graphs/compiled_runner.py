@@ -49,23 +49,23 @@ class CompiledDecodeRunner(DecodeGraphRunner):
 
     def _run_size(self, bs: int) -> torch.Tensor:
         buffers = self.buffers
-        return self.step(buffers.input_ids[:bs], buffers.positions[:bs], buffers.metadata(bs))
+        return self.step(buffers.input_ids[:bs], buffers.positions[:bs], self.capture_metadata(bs))
 
     def _capture_all(self, sizes_largest_first: list[int]) -> None:
         # Smallest first here: the bs=1 graph is what a single prompt needs soonest,
         # and on CPU there is no memory pool that would favour largest first.
         for bs in tqdm(sorted(sizes_largest_first), desc="Compiling decode (cpu)", unit="size", disable=None):
-            self.buffers.seq_lens[:bs].fill_(1)
-            self.buffers.slot_indices[:bs].zero_()
-            self.buffers.page_table[:bs].zero_()
+            self.hooks.prepare_for_capture(self.buffers, bs)
             with torch.no_grad():
                 for _ in range(2):
                     self._run_size(bs)
+            self.hooks.after_capture(self.buffers, bs, None)  # no graph object: the compiled entries
         self.guard.warm = True
 
     def _replay(self, bs: int) -> torch.Tensor:
         # After warm-up only the guards that tell the sizes apart are evaluated
         # (every entry was compiled for these exact inputs); in strict mode a
         # recompile raises instead of silently compiling on the serving path.
+        self.hooks.before_replay(self.buffers, bs, None)
         with torch.no_grad(), self.guard.watch(f"decode graph at batch size {bs}", skip_guards=self.skip_guards):
             return self._run_size(bs)

@@ -78,6 +78,7 @@ class CudaGraphRunner(DecodeGraphRunner):
         with frozen_gc():
             for bs in tqdm(sizes_largest_first, desc="Capturing CUDA graphs", unit="graph", disable=None):
                 with torch.cuda.stream(stream):
+                    self.hooks.prepare_for_capture(self.buffers, bs)
                     for _ in range(WARMUP_RUNS):
                         warm_logits = self._captured_step(bs)
                 stream.synchronize()
@@ -89,15 +90,17 @@ class CudaGraphRunner(DecodeGraphRunner):
                     self.logits[:bs].copy_(self._captured_step(bs))
                 self.outputs[bs] = self.logits[:bs]
                 self.graphs[bs] = graph
+                self.hooks.after_capture(self.buffers, bs, graph)
         self.graph_memory_bytes = max(0, free_before - free_device_memory())
 
     def _captured_step(self, bs: int) -> torch.Tensor:
         if self.compiled_step is None:
             return self.step_eager(bs)
         buffers = self.buffers
-        return self.compiled_step(buffers.input_ids[:bs], buffers.positions[:bs], buffers.metadata(bs))
+        return self.compiled_step(buffers.input_ids[:bs], buffers.positions[:bs], self.capture_metadata(bs))
 
     def _replay(self, bs: int) -> torch.Tensor:
+        self.hooks.before_replay(self.buffers, bs, self.graphs[bs])
         if self.replay_events is None:
             self.graphs[bs].replay()
         else:

@@ -12,7 +12,7 @@ import torch
 from engine.layers.attention import AttentionMetadata, step_context
 from engine.models.interface import CausalLM
 from graphs.buckets import smallest_bucket_at_least
-from graphs.static_buffers import StaticDecodeBuffers
+from graphs.capture_hooks import CaptureHooks, capture_hooks_for
 
 if TYPE_CHECKING:
     from engine.batch_state import DecodeBatchState
@@ -36,7 +36,11 @@ class DecodeRunner(Protocol):
 
 
 class DecodeGraphRunner(abc.ABC):
-    """Captures the decode step (forward through logits) per batch size; replays padded batches."""
+    """Captures the decode step (forward through logits) per batch size; replays padded batches.
+
+    What the graphs read, and how a step reaches it, belongs to the attention backend's capture hooks
+    (graphs/capture_hooks.py); subclasses own only the capture mechanism (_capture_all, _replay).
+    """
 
     def __init__(
         self,
@@ -53,9 +57,10 @@ class DecodeGraphRunner(abc.ABC):
         self.capture_sizes = sorted(capture_sizes)
         self.max_batch_size = self.capture_sizes[-1]
         self.device = device
-        self.buffers = StaticDecodeBuffers.allocate(
-            self.max_batch_size, max_pages_per_seq, page_size, device, slot_dtype
-        )
+        self.hooks: CaptureHooks = capture_hooks_for(getattr(model, "attention_backend", None))
+        # The static state every captured size reads (StaticDecodeBuffers with the default hooks).
+        self.buffers = self.hooks.init_capture_state(self.max_batch_size, max_pages_per_seq, page_size, device,
+                                                     slot_dtype)
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
 
@@ -79,25 +84,24 @@ class DecodeGraphRunner(abc.ABC):
         )
 
     def run_decode(self, message: "DecodeMessage", state: "DecodeBatchState") -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [n, vocab], decode rows [n]) of the message's rows: with int64 slots the static buffers
-        are filled straight from the persistent rows (one copy and a few gathers); otherwise from the
-        rows' device batch."""
+        """(logits [n, vocab], decode rows [n]) of the message's rows: the backend's prepare_for_replay
+        fills the static state (with the default hooks: straight from the persistent rows with int64
+        slots, one copy and a few gathers; otherwise from the rows' device batch)."""
         n = message.batch_size
         padded = self.padded_size(n)
-        if self.buffers.staging is not None:
-            rows = self.buffers.fill_from_rows(message.inputs, state, padded)
-            return self._replay(padded)[:n], rows
-        batch = state.decode_batch(message, [])
-        assert batch.decode_rows is not None
-        self.buffers.fill(batch.input_ids, batch.positions, batch.meta, padded)
-        return self._replay(padded)[:n], batch.decode_rows
+        rows = self.hooks.prepare_for_replay(self.buffers, message, state, padded)
+        return self._replay(padded)[:n], rows
 
     def step_eager(self, bs: int) -> torch.Tensor:
         """The step as captured: the model over the static buffers' first bs rows."""
-        meta = self.buffers.metadata(bs)
+        meta = self.capture_metadata(bs)
         with step_context(self.model.attention_backend, meta):
             hidden = self.model(self.buffers.input_ids[:bs], self.buffers.positions[:bs], self.kv_caches, meta)
         return self.model.compute_logits(hidden)
+
+    def capture_metadata(self, bs: int) -> AttentionMetadata:
+        """The attention metadata the graph of size bs reads (the backend's capture_metadata hook)."""
+        return self.hooks.capture_metadata(self.buffers, bs)
 
     @abc.abstractmethod
     def _capture_all(self, sizes_largest_first: list[int]) -> None: ...

@@ -20,6 +20,7 @@ from backends.cpu.native import load
 from engine.layers.attention import AttentionMetadata
 from engine.layers.ops import define_decode_attention_op
 from engine.layers.torch_attention import TorchAttentionBackend, paged_decode_attention
+from graphs.capture_hooks import StaticBufferCaptureHooks
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -98,7 +99,7 @@ def cpu_paged_decode(
 define_decode_attention_op("cpu_paged_decode", cpu_paged_decode)
 
 
-class CpuAttentionBackend(TorchAttentionBackend):
+class CpuAttentionBackend(StaticBufferCaptureHooks, TorchAttentionBackend):
     """TorchAttentionBackend with decode through the native kernel where it applies."""
 
     name = "cpu"

@@ -30,11 +30,17 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 
-from backends.hpu.bucketing import build_block_metadata
+from backends.hpu.bucketing import (
+    PaddedDecodeBatch,
+    build_block_metadata,
+    choose_decode_bucket,
+    pad_decode_batch,
+    page_table_width,
+)
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import extend_attention
 
@@ -167,6 +173,99 @@ def flat_paged_attention(
     return out.reshape(bs, heads, dim).to(q.dtype)
 
 
+# ---- capture/replay hooks (HpuDecodeRunner calls them; its compile-per-bucket mechanism stays there) ----
+
+STEP_INPUTS = ("input_ids", "positions", "slot_indices", "page_table", "seq_lens")  # the step's positional args
+
+
+def warmup_batch(
+    bucket: tuple[int, int],
+    page_size: int,
+    max_blocks_per_seq: int,
+    slot_dtype: torch.dtype = torch.int64,
+    device: torch.device | str = "cpu",
+) -> PaddedDecodeBatch:
+    """A full batch that lands exactly on `bucket` and only touches the dummy page 0.
+
+    The bucket's blocks are spread over its rows (each >= 1), every page id is 0
+    and every slot is 0, so warm-up never writes into a real request's KV.
+    """
+    bs, blocks = bucket
+    base, extra = divmod(blocks, bs)
+    pages = torch.full((bs,), base, dtype=torch.int64)
+    pages[:extra] += 1
+    if int(pages.min()) < 1 or int(pages.max()) > max_blocks_per_seq:
+        raise ValueError(f"bucket {bucket} is not valid for max_blocks_per_seq={max_blocks_per_seq}")
+    seq_lens = (pages * page_size).to(torch.int32)
+    width = page_table_width(blocks, max_blocks_per_seq)
+    batch = pad_decode_batch(
+        input_ids=torch.zeros(bs, dtype=torch.int64),
+        positions=(seq_lens - 1).to(torch.int64),
+        slot_indices=torch.zeros(bs, dtype=slot_dtype),
+        page_table=torch.zeros(bs, width, dtype=torch.int32),
+        seq_lens=seq_lens,
+        bucket=bucket,
+        page_size=page_size,
+        max_blocks_per_seq=max_blocks_per_seq,
+    )
+    return move_batch(batch, device)
+
+
+def move_batch(batch: PaddedDecodeBatch, device: torch.device | str) -> PaddedDecodeBatch:
+    """One host-to-device copy per tensor; padding happened on the host."""
+    moved = {name: getattr(batch, name).to(device, non_blocking=True) for name in STEP_INPUTS}
+    return PaddedDecodeBatch(**moved, num_real=batch.num_real, bucket=batch.bucket)
+
+
+class HpuGraphHooks:
+    """The HPU's capture/replay hooks (graphs/capture_hooks.py names, over bucketed host batches): the
+    warm-up batch of a bucket, host-side bucket choice and padding before a run, and the flat block
+    metadata (block_list, block_groups, block_usage) built on the host and sent with the inputs.
+
+    with_block_metadata: the step takes the three [blocks] vectors as keyword arguments, so its shapes
+    depend on (bs, blocks) rather than on (bs, page-table width).
+    """
+
+    def __init__(
+        self, buckets: Sequence[tuple[int, int]], page_size: int, max_blocks_per_seq: int,
+        slot_dtype: torch.dtype = torch.int64, with_block_metadata: bool = False,
+    ) -> None:
+        self.buckets = sorted(set(buckets))
+        self.page_size = page_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.slot_dtype = slot_dtype
+        self.with_block_metadata = with_block_metadata
+
+    def shape_key(self, bucket: tuple[int, int]) -> tuple[int, int]:
+        """What the step's shapes depend on: (bs, page-table width), or (bs, blocks) with block metadata."""
+        if self.with_block_metadata:
+            return bucket
+        return bucket[0], page_table_width(bucket[1], self.max_blocks_per_seq)
+
+    def capture_inputs(self, bucket: tuple[int, int]) -> PaddedDecodeBatch:
+        """The host batch a bucket is warmed up (compiled) with: dummy page 0 only."""
+        return warmup_batch(bucket, self.page_size, self.max_blocks_per_seq, self.slot_dtype)
+
+    def prepare_for_replay(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_indices: torch.Tensor, page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> PaddedDecodeBatch:
+        """Choose the bucket and pad host tensors to it (padding with device ops would compile per pair)."""
+        bucket = choose_decode_bucket(seq_lens, self.page_size, self.buckets)
+        return pad_decode_batch(input_ids, positions, slot_indices.to(self.slot_dtype), page_table, seq_lens,
+                                bucket, self.page_size, self.max_blocks_per_seq)
+
+    def replay_inputs(
+        self, host_batch: PaddedDecodeBatch, device: torch.device
+    ) -> tuple[PaddedDecodeBatch, dict[str, torch.Tensor]]:
+        """The padded batch on the device, and the step's block metadata keywords (built on the host)."""
+        kwargs: dict[str, torch.Tensor] = {}
+        if self.with_block_metadata:
+            meta = build_block_metadata(host_batch.page_table, host_batch.seq_lens, self.page_size, host_batch.bucket[1])
+            kwargs = {k: v.to(device, non_blocking=True) for k, v in vars(meta).items()}
+        return move_batch(host_batch, device), kwargs
+
+
 def _hpu_store_kv() -> StoreFn:
     from backends.hpu.platform import HpuPlatform
 
@@ -177,6 +276,8 @@ class HpuAttentionBackend:
     """Decode: index_copy_ store + flat paged attention; extend: the same store + torch extend attention."""
 
     name = "hpu_flat"
+    # Its capture/replay hooks (warm-up batches, host padding, flat block metadata): HpuDecodeRunner's.
+    graph_hooks = HpuGraphHooks
 
     def __init__(
         self, store_kv: StoreFn | None = None, fp32_softmax: bool = False, mark_steps: bool = False

@@ -31,20 +31,18 @@ from typing import Any, Callable, Collection, ContextManager, Mapping, Sequence
 
 import torch
 
-from backends.hpu.bucketing import (
-    PaddedDecodeBatch,
-    build_block_metadata,
-    choose_decode_bucket,
-    pad_decode_batch,
-    page_table_width,
-    resolve_bucket_config,
+from backends.hpu.attention import (  # noqa: F401  (the bucket/block metadata lives with the attention backend)
+    STEP_INPUTS,
+    HpuGraphHooks,
+    move_batch,
+    warmup_batch,
 )
+from backends.hpu.bucketing import PaddedDecodeBatch, page_table_width, resolve_bucket_config
 from graphs.compiled_step import compile_count, compile_limits
 
 logger = logging.getLogger(__name__)
 
 StepFn = Callable[..., torch.Tensor]
-STEP_INPUTS = ("input_ids", "positions", "slot_indices", "page_table", "seq_lens")  # the step's positional args
 
 
 class ShapeGuaranteeError(RuntimeError):
@@ -76,45 +74,6 @@ def check_static_shapes(
         actual = tuple(getattr(batch, name).shape)
         if actual != shape:
             raise ShapeGuaranteeError(f"{name} has shape {actual}, bucket {batch.bucket} expects {shape}")
-
-
-def warmup_batch(
-    bucket: tuple[int, int],
-    page_size: int,
-    max_blocks_per_seq: int,
-    slot_dtype: torch.dtype = torch.int64,
-    device: torch.device | str = "cpu",
-) -> PaddedDecodeBatch:
-    """A full batch that lands exactly on `bucket` and only touches the dummy page 0.
-
-    The bucket's blocks are spread over its rows (each >= 1), every page id is 0
-    and every slot is 0, so warm-up never writes into a real request's KV.
-    """
-    bs, blocks = bucket
-    base, extra = divmod(blocks, bs)
-    pages = torch.full((bs,), base, dtype=torch.int64)
-    pages[:extra] += 1
-    if int(pages.min()) < 1 or int(pages.max()) > max_blocks_per_seq:
-        raise ValueError(f"bucket {bucket} is not valid for max_blocks_per_seq={max_blocks_per_seq}")
-    seq_lens = (pages * page_size).to(torch.int32)
-    width = page_table_width(blocks, max_blocks_per_seq)
-    batch = pad_decode_batch(
-        input_ids=torch.zeros(bs, dtype=torch.int64),
-        positions=(seq_lens - 1).to(torch.int64),
-        slot_indices=torch.zeros(bs, dtype=slot_dtype),
-        page_table=torch.zeros(bs, width, dtype=torch.int32),
-        seq_lens=seq_lens,
-        bucket=bucket,
-        page_size=page_size,
-        max_blocks_per_seq=max_blocks_per_seq,
-    )
-    return move_batch(batch, device)
-
-
-def move_batch(batch: PaddedDecodeBatch, device: torch.device | str) -> PaddedDecodeBatch:
-    """One host-to-device copy per tensor; padding happened on the host."""
-    moved = {name: getattr(batch, name).to(device, non_blocking=True) for name in STEP_INPUTS}
-    return PaddedDecodeBatch(**moved, num_real=batch.num_real, bucket=batch.bucket)
 
 
 def slice_logits(logits: torch.Tensor, num_real: int) -> torch.Tensor:
@@ -174,11 +133,15 @@ class HpuDecodeRunner:
         skip_warmup: bool = False,
         precompiled: bool = False,
         compile_metric: Callable[[], ContextManager[Any]] | None = None,
+        hooks: HpuGraphHooks | None = None,
     ) -> None:
         """precompiled: in compile mode the step compiles its own regions (one decoder layer's graph shared
         by every layer, HpuEngineRunner's regional compilation), so the runner does not wrap it whole.
         compile_metric: a factory of the bridge's local compile metric (default on Gaudi:
-        metric_localcontext("graph_compilation")); its count inside the decode region trips strict mode."""
+        metric_localcontext("graph_compilation")); its count inside the decode region trips strict mode.
+        hooks: the attention backend's capture/replay hooks (default: HpuGraphHooks over the arguments above,
+        backends/hpu/attention.py): warm-up batches, host padding and block metadata; this runner keeps the
+        compile-per-bucket mechanism and the strict checks."""
         if mode not in ("compile", "lazy", "eager"):
             raise ValueError(f"mode must be compile, lazy or eager, got {mode!r}")
         if not buckets:
@@ -194,6 +157,9 @@ class HpuDecodeRunner:
         self.show_progress = show_progress
         self.skip_warmup = skip_warmup
         self.precompiled = precompiled
+        self.hooks = hooks if hooks is not None else HpuGraphHooks(
+            self.buckets, page_size, max_blocks_per_seq, slot_dtype, with_block_metadata
+        )
         self.warmed: set[tuple[int, int]] = set()
         self.dynamo_compiles = 0  # dynamo frames compiled inside this runner's decode regions (warm-up included)
         self.bridge_compiles = 0  # the bridge's graph (recipe) compiles inside them
@@ -249,9 +215,7 @@ class HpuDecodeRunner:
 
     def shape_key(self, bucket: tuple[int, int]) -> tuple[int, int]:
         """What the step's shapes depend on: (bs, page-table width), or (bs, blocks) with block metadata."""
-        if self.with_block_metadata:
-            return bucket
-        return bucket[0], page_table_width(bucket[1], self.max_blocks_per_seq)
+        return self.hooks.shape_key(bucket)
 
     def _mark_step(self) -> None:
         if self.mode == "lazy":
@@ -260,12 +224,8 @@ class HpuDecodeRunner:
             htorch.core.mark_step()
 
     def _call(self, host_batch: PaddedDecodeBatch) -> torch.Tensor:
-        """Build any block metadata on the host, copy everything to the device, run the step."""
-        kwargs: dict[str, torch.Tensor] = {}
-        if self.with_block_metadata:
-            meta = build_block_metadata(host_batch.page_table, host_batch.seq_lens, self.page_size, host_batch.bucket[1])
-            kwargs = {k: v.to(self.device, non_blocking=True) for k, v in vars(meta).items()}
-        batch = move_batch(host_batch, self.device)
+        """Build any block metadata on the host, copy everything to the device (the hooks), run the step."""
+        batch, kwargs = self.hooks.replay_inputs(host_batch, self.device)
         logits = self._fn(
             batch.input_ids, batch.positions, batch.slot_indices, batch.page_table, batch.seq_lens, **kwargs
         )
@@ -306,7 +266,7 @@ class HpuDecodeRunner:
         shapes_done: set[tuple[int, int]] = set()
         for bucket in tqdm(self.buckets, desc="HPU decode warm-up", disable=not self.show_progress):
             if self.shape_key(bucket) not in shapes_done:  # buckets can share shapes; run each shape once
-                batch = warmup_batch(bucket, self.page_size, self.max_blocks_per_seq, self.slot_dtype)
+                batch = self.hooks.capture_inputs(bucket)
                 for _ in range(2):
                     self._counted_call(batch)
                 shapes_done.add(self.shape_key(bucket))
@@ -341,10 +301,7 @@ class HpuDecodeRunner:
         if not self._warned_device_inputs and any(t.device.type != "cpu" for t in inputs):
             self._warned_device_inputs = True
             logger.warning("HPU decode runner got device inputs: each step copies them back to the host to pad")
-        host = [t.cpu() for t in inputs]
-        bucket = choose_decode_bucket(host[4], self.page_size, self.buckets)
-        host[2] = host[2].to(self.slot_dtype)
-        return pad_decode_batch(*host, bucket, self.page_size, self.max_blocks_per_seq)
+        return self.hooks.prepare_for_replay(*(t.cpu() for t in inputs))
 
     def run(
         self,

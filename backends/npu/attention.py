@@ -228,6 +228,172 @@ def paged_attention_reference(
     return out
 
 
+# ---- capture/replay hooks (NpuDecodeGraphRunner calls them; the NPUGraph mechanism stays there) ----
+
+PAD_SLOT = 0
+PAD_PAGE = 0
+PAD_SEQ_LEN = 0  # SGLang's NPU runner: padded rows have no context at all
+CAPTURE_SEQ_LEN = 1  # during capture every row attends one dummy token, so warm-up math is finite
+# graph.update keys whose kernels take a host *tensor* (torch_npu._npu_paged_attention's context_lens,
+# as SGLang passes it); other keys (fused attention's actual_seq_lengths_kv) take a list of ints.
+HOST_TENSOR_UPDATE_KEYS = frozenset({"context_lens"})
+
+
+@dataclass
+class StaticDecodeBuffers:
+    """The tensors every captured graph reads; graphs see [:bs] views of them."""
+
+    input_ids: torch.Tensor  # [max_bs] int64
+    positions: torch.Tensor  # [max_bs] int64
+    slot_indices: torch.Tensor  # [max_bs] int32
+    page_table: torch.Tensor  # [max_bs, max_pages_per_seq] int32
+    seq_lens: torch.Tensor  # [max_bs] int32
+    # Host copy of seq_lens for kernels that take lengths as host arguments (always on the CPU).
+    seq_lens_host: torch.Tensor  # [max_bs] int32
+
+    @classmethod
+    def allocate(
+        cls, max_bs: int, max_pages_per_seq: int, device: torch.device | str, slot_dtype: torch.dtype = torch.int32
+    ) -> "StaticDecodeBuffers":
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(
+            zeros(max_bs, dtype=torch.int64), zeros(max_bs, dtype=torch.int64), zeros(max_bs, dtype=slot_dtype),
+            zeros(max_bs, max_pages_per_seq, dtype=torch.int32), zeros(max_bs, dtype=torch.int32),
+            torch.zeros(max_bs, dtype=torch.int32),
+        )  # fmt: skip
+
+    def views(self, bs: int) -> tuple[torch.Tensor, ...]:
+        """The step's positional arguments for a graph of size bs."""
+        return (
+            self.input_ids[:bs], self.positions[:bs], self.slot_indices[:bs], self.page_table[:bs], self.seq_lens[:bs],
+        )  # fmt: skip
+
+
+def fill_static_inputs(
+    buffers: StaticDecodeBuffers,
+    bs: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_indices: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> int:
+    """Copy n real rows into the buffers in place and pad rows n..bs-1; returns n.
+
+    Padded rows: id 0, position 0, slot 0, page table all page 0, seq_len 0.
+    Columns past the input's width are zeroed, so no stale page id survives from
+    an earlier, longer batch.
+    """
+    n = int(seq_lens.numel())
+    width = buffers.page_table.shape[1]
+    if n > bs:
+        raise ValueError(f"batch of {n} does not fit graph size {bs}")
+    if page_table.dim() != 2 or page_table.shape[0] < n:
+        raise ValueError(f"page_table must be [>= {n}, pages], got {tuple(page_table.shape)}")
+    cols = page_table.shape[1]
+    if cols > width and n and bool((page_table[:n, width:] != PAD_PAGE).any()):
+        raise ValueError(f"page_table uses more than the {width} pages per sequence the graphs were captured for")
+    cols = min(cols, width)
+    buffers.input_ids[:n].copy_(input_ids.reshape(-1)[:n], non_blocking=True)
+    buffers.positions[:n].copy_(positions.reshape(-1)[:n], non_blocking=True)
+    buffers.slot_indices[:n].copy_(slot_indices.reshape(-1)[:n], non_blocking=True)
+    buffers.seq_lens[:n].copy_(seq_lens.reshape(-1)[:n], non_blocking=True)
+    buffers.seq_lens_host[:n].copy_(seq_lens.reshape(-1)[:n])  # blocking: graph.update reads it right away
+    buffers.page_table[:n, :cols].copy_(page_table[:n, :cols], non_blocking=True)
+    buffers.page_table[:n, cols:].fill_(PAD_PAGE)
+    buffers.input_ids[n:bs].zero_()
+    buffers.positions[n:bs].zero_()
+    buffers.slot_indices[n:bs].fill_(PAD_SLOT)
+    buffers.page_table[n:bs].fill_(PAD_PAGE)
+    buffers.seq_lens[n:bs].fill_(PAD_SEQ_LEN)
+    buffers.seq_lens_host[n:bs].fill_(PAD_SEQ_LEN)
+    return n
+
+
+class NpuGraphHooks:
+    """The NPU's capture/replay hooks (graphs/capture_hooks.py names, over the step callable's raw inputs):
+    static buffers with a host copy of the lengths, capture-time lengths, the update-record check after
+    each capture, and graph.update of the host lengths before each replay.
+
+    seq_lens_update_key: the op argument graph.update refreshes ("context_lens" for _npu_paged_attention,
+    "actual_seq_lengths_kv" for npu_fused_infer_attention_score; None: no update).
+    update_records: the graph API's record reader (NpuGraphApi.update_records); records_per_graph: how
+    many each graph must hold (one per attention layer; None: at least one).
+    pass_host_seq_lens / max_context_len: hand the step the host lengths, and the captured launch the
+    longest context its workspace must serve.
+    """
+
+    def __init__(
+        self,
+        seq_lens_update_key: str | None = None,
+        update_records: Callable[[Any], list[str] | None] | None = None,
+        records_per_graph: int | None = None,
+        pass_host_seq_lens: bool = False,
+        max_context_len: int | None = None,
+    ) -> None:
+        self.seq_lens_update_key = seq_lens_update_key
+        self.update_records = update_records
+        self.records_per_graph = records_per_graph
+        self.pass_host_seq_lens = pass_host_seq_lens
+        self.max_context_len = max_context_len
+
+    def init_capture_state(
+        self, max_bs: int, max_pages: int, page_size: int | None, device: torch.device | str,
+        slot_dtype: torch.dtype = torch.int32,
+    ) -> StaticDecodeBuffers:
+        return StaticDecodeBuffers.allocate(max_bs, max_pages, device, slot_dtype)
+
+    def prepare_for_capture(self, state: StaticDecodeBuffers, bs: int) -> None:
+        state.seq_lens[:bs].fill_(CAPTURE_SEQ_LEN)
+        state.seq_lens_host[:bs].fill_(CAPTURE_SEQ_LEN)
+
+    def capture_inputs(
+        self, state: StaticDecodeBuffers, bs: int, captured: bool = False
+    ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+        """The step's (args, kwargs) for size bs: views of `state`; `captured`: the launch being captured,
+        which gets the workspace length."""
+        kwargs: dict[str, Any] = {"seq_lens_host": state.seq_lens_host[:bs]} if self.pass_host_seq_lens else {}
+        if captured and self.pass_host_seq_lens and self.max_context_len:
+            kwargs["workspace_context_len"] = self.max_context_len  # the captured launch only
+        return state.views(bs), kwargs
+
+    def after_capture(self, state: StaticDecodeBuffers, bs: int, graph: Any) -> None:
+        """Refuse a graph whose graph.update would not reach every attention layer; reset the lengths."""
+        if self.seq_lens_update_key is not None:
+            from backends.npu import graph_runner
+            from backends.npu.platform import torch_npu_version
+
+            recorded = self.update_records(graph) if self.update_records is not None else None
+            graph_runner.check_update_records(recorded, self.seq_lens_update_key, self.records_per_graph, bs,
+                                              torch_npu_version())
+        state.seq_lens[:bs].fill_(PAD_SEQ_LEN)
+        state.seq_lens_host[:bs].fill_(PAD_SEQ_LEN)
+
+    def prepare_for_replay(
+        self, state: StaticDecodeBuffers, bs: int, input_ids: torch.Tensor, positions: torch.Tensor,
+        slot_indices: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+    ) -> int:
+        """Fill n real rows and pad to bs (fill_static_inputs); returns n."""
+        return fill_static_inputs(state, bs, input_ids, positions, slot_indices, page_table, seq_lens)
+
+    def host_lengths(self, state: StaticDecodeBuffers, bs: int) -> torch.Tensor | list[int]:
+        """This replay's lengths (padded rows 0) in the form the captured kernel's host argument takes.
+
+        A captured kernel keeps the host arguments it was launched with; writing the
+        host buffer alone does not reach it, graph.update(cpu_update_input=...) does.
+        """
+        lengths = state.seq_lens_host[:bs]
+        if self.seq_lens_update_key in HOST_TENSOR_UPDATE_KEYS:
+            return lengths.clone()  # a fresh tensor: the update may outlive this call's buffer contents
+        return lengths.tolist()
+
+    def before_replay(self, state: StaticDecodeBuffers, bs: int, graph: Any) -> None:
+        if self.seq_lens_update_key is not None:
+            graph.update(cpu_update_input=[{self.seq_lens_update_key: self.host_lengths(state, bs)}])
+
+
 def _npu_store_kv() -> StoreFn:
     from backends.npu.platform import NpuPlatform
 
@@ -239,6 +405,8 @@ class NpuAttentionBackend:
 
     name = "npu_paged"
     seq_lens_update_key = SEQ_LENS_UPDATE_KEY
+    # Its capture/replay hooks (host lengths, graph.update, the update-record check): NpuDecodeGraphRunner's.
+    graph_hooks = NpuGraphHooks
 
     def __init__(self, store_kv: StoreFn | None = None) -> None:
         # npu_scatter_nd_update_ with int32 [tokens, 1] slot indices on NPU, its reference elsewhere.

@@ -33,11 +33,20 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from backends.npu.attention import (  # noqa: F401  (the capture/replay metadata lives with the attention backend)
+    CAPTURE_SEQ_LEN,
+    HOST_TENSOR_UPDATE_KEYS,
+    PAD_PAGE,
+    PAD_SEQ_LEN,
+    PAD_SLOT,
+    NpuGraphHooks,
+    StaticDecodeBuffers,
+    fill_static_inputs,
+)
 from backends.npu.platform import MAX_ACLGRAPH_GRAPHS, torch_npu_version
 from engine.errors import EngineError
 from graphs.buckets import cap_sizes, default_capture_sizes, smallest_bucket_at_least
@@ -45,13 +54,6 @@ from graphs.buckets import cap_sizes, default_capture_sizes, smallest_bucket_at_
 logger = logging.getLogger(__name__)
 
 StepFn = Callable[..., torch.Tensor]
-PAD_SLOT = 0
-PAD_PAGE = 0
-PAD_SEQ_LEN = 0  # SGLang's NPU runner: padded rows have no context at all
-CAPTURE_SEQ_LEN = 1  # during capture every row attends one dummy token, so warm-up math is finite
-# graph.update keys whose kernels take a host *tensor* (torch_npu._npu_paged_attention's context_lens,
-# as SGLang passes it); other keys (fused attention's actual_seq_lengths_kv) take a list of ints.
-HOST_TENSOR_UPDATE_KEYS = frozenset({"context_lens"})
 # The op whose launch each graph.update key refreshes. torch_npu's auto-dispatch capture keeps one
 # record per launch of an op it knows (Ascend/pytorch torch_npu/npu/graphs.py, _GraphDispatchMode;
 # on master the ops are registered in torch_npu/npu/_npugraph_handlers/: simple_handler.py maps
@@ -156,79 +158,6 @@ def check_task_queue_for_capture(level: int) -> None:
         )
 
 
-@dataclass
-class StaticDecodeBuffers:
-    """The tensors every captured graph reads; graphs see [:bs] views of them."""
-
-    input_ids: torch.Tensor  # [max_bs] int64
-    positions: torch.Tensor  # [max_bs] int64
-    slot_indices: torch.Tensor  # [max_bs] int32
-    page_table: torch.Tensor  # [max_bs, max_pages_per_seq] int32
-    seq_lens: torch.Tensor  # [max_bs] int32
-    # Host copy of seq_lens for kernels that take lengths as host arguments (always on the CPU).
-    seq_lens_host: torch.Tensor  # [max_bs] int32
-
-    @classmethod
-    def allocate(
-        cls, max_bs: int, max_pages_per_seq: int, device: torch.device | str, slot_dtype: torch.dtype = torch.int32
-    ) -> "StaticDecodeBuffers":
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        return cls(
-            zeros(max_bs, dtype=torch.int64), zeros(max_bs, dtype=torch.int64), zeros(max_bs, dtype=slot_dtype),
-            zeros(max_bs, max_pages_per_seq, dtype=torch.int32), zeros(max_bs, dtype=torch.int32),
-            torch.zeros(max_bs, dtype=torch.int32),
-        )  # fmt: skip
-
-    def views(self, bs: int) -> tuple[torch.Tensor, ...]:
-        """The step's positional arguments for a graph of size bs."""
-        return (
-            self.input_ids[:bs], self.positions[:bs], self.slot_indices[:bs], self.page_table[:bs], self.seq_lens[:bs],
-        )  # fmt: skip
-
-
-def fill_static_inputs(
-    buffers: StaticDecodeBuffers,
-    bs: int,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    slot_indices: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> int:
-    """Copy n real rows into the buffers in place and pad rows n..bs-1; returns n.
-
-    Padded rows: id 0, position 0, slot 0, page table all page 0, seq_len 0.
-    Columns past the input's width are zeroed, so no stale page id survives from
-    an earlier, longer batch.
-    """
-    n = int(seq_lens.numel())
-    width = buffers.page_table.shape[1]
-    if n > bs:
-        raise ValueError(f"batch of {n} does not fit graph size {bs}")
-    if page_table.dim() != 2 or page_table.shape[0] < n:
-        raise ValueError(f"page_table must be [>= {n}, pages], got {tuple(page_table.shape)}")
-    cols = page_table.shape[1]
-    if cols > width and n and bool((page_table[:n, width:] != PAD_PAGE).any()):
-        raise ValueError(f"page_table uses more than the {width} pages per sequence the graphs were captured for")
-    cols = min(cols, width)
-    buffers.input_ids[:n].copy_(input_ids.reshape(-1)[:n], non_blocking=True)
-    buffers.positions[:n].copy_(positions.reshape(-1)[:n], non_blocking=True)
-    buffers.slot_indices[:n].copy_(slot_indices.reshape(-1)[:n], non_blocking=True)
-    buffers.seq_lens[:n].copy_(seq_lens.reshape(-1)[:n], non_blocking=True)
-    buffers.seq_lens_host[:n].copy_(seq_lens.reshape(-1)[:n])  # blocking: graph.update reads it right away
-    buffers.page_table[:n, :cols].copy_(page_table[:n, :cols], non_blocking=True)
-    buffers.page_table[:n, cols:].fill_(PAD_PAGE)
-    buffers.input_ids[n:bs].zero_()
-    buffers.positions[n:bs].zero_()
-    buffers.slot_indices[n:bs].fill_(PAD_SLOT)
-    buffers.page_table[n:bs].fill_(PAD_PAGE)
-    buffers.seq_lens[n:bs].fill_(PAD_SEQ_LEN)
-    buffers.seq_lens_host[n:bs].fill_(PAD_SEQ_LEN)
-    return n
-
-
 # ---- the torch.npu graph API, behind four methods so tests can substitute an eager stand-in ----
 
 
@@ -307,9 +236,12 @@ class NpuDecodeGraphRunner:
         pass_host_seq_lens: bool = False,
         update_records_per_graph: int | None = None,
         graph_api: Any | None = None,
+        hooks: NpuGraphHooks | None = None,
     ) -> None:
         """update_records_per_graph: how many graph.update records each captured graph must hold for
-        seq_lens_update_key (one per attention layer; None: at least one); checked after every capture."""
+        seq_lens_update_key (one per attention layer; None: at least one); checked after every capture.
+        hooks: the attention backend's capture/replay hooks (default: NpuGraphHooks over the arguments
+        above, backends/npu/attention.py); this runner keeps only the NPUGraph mechanism."""
         if not capture_sizes:
             raise ValueError("no capture sizes")
         sizes = sorted(set(int(s) for s in capture_sizes))
@@ -333,10 +265,14 @@ class NpuDecodeGraphRunner:
         self.pass_host_seq_lens = pass_host_seq_lens
         self.update_records_per_graph = update_records_per_graph
         self.api = graph_api if graph_api is not None else NpuGraphApi(auto_dispatch=seq_lens_update_key is not None)
-        self.buffers = StaticDecodeBuffers.allocate(sizes[-1], max_pages_per_seq, self.device)
         # The longest context any replay serves: the attention op's workspace is sized for it at capture
         # (StepFn gets it as workspace_context_len during the captured run only; see backends/npu/attention.py).
         self.max_context_len = max_pages_per_seq * int(page_size) if page_size else None
+        self.hooks = hooks if hooks is not None else NpuGraphHooks(
+            seq_lens_update_key, lambda graph: self.api.update_records(graph), update_records_per_graph,
+            pass_host_seq_lens, self.max_context_len,
+        )  # the records are read through the API at check time, as before
+        self.buffers = self.hooks.init_capture_state(sizes[-1], max_pages_per_seq, page_size, self.device)
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -374,24 +310,18 @@ class NpuDecodeGraphRunner:
         gc.freeze()
         try:
             for bs in capture_order(self.sizes):
-                self.buffers.seq_lens[:bs].fill_(CAPTURE_SEQ_LEN)
-                self.buffers.seq_lens_host[:bs].fill_(CAPTURE_SEQ_LEN)
+                self.hooks.prepare_for_capture(self.buffers, bs)
                 self.api.synchronize()  # the side stream must see the filled buffers
-                args = self.buffers.views(bs)
-                kwargs = {"seq_lens_host": self.buffers.seq_lens_host[:bs]} if self.pass_host_seq_lens else {}
+                args, kwargs = self.hooks.capture_inputs(self.buffers, bs)
                 with self.api.run_on(stream):
                     for _ in range(self.warmup_runs):
                         self.step(*args, **kwargs)
                 self.api.synchronize()
-                if self.pass_host_seq_lens and self.max_context_len:
-                    kwargs["workspace_context_len"] = self.max_context_len  # the captured launch only
+                args, kwargs = self.hooks.capture_inputs(self.buffers, bs, captured=True)
                 run_once = functools.partial(self.step, *args, **kwargs)  # bound now, not looked up at replay
                 self.graphs[bs], self.outputs[bs] = self.api.capture(run_once, pool, stream)
-                if self.seq_lens_update_key is not None:
-                    check_update_records(self.api.update_records(self.graphs[bs]), self.seq_lens_update_key,
-                                         self.update_records_per_graph, bs, torch_npu_version())
-                self.buffers.seq_lens[:bs].fill_(PAD_SEQ_LEN)
-                self.buffers.seq_lens_host[:bs].fill_(PAD_SEQ_LEN)
+                # The update-record check (check_update_records) and the lengths back to padding.
+                self.hooks.after_capture(self.buffers, bs, self.graphs[bs])
         finally:
             gc.unfreeze()
         self.api.synchronize()
@@ -400,15 +330,8 @@ class NpuDecodeGraphRunner:
         return seconds
 
     def host_lengths(self, bs: int) -> torch.Tensor | list[int]:
-        """This replay's lengths (padded rows 0) in the form the captured kernel's host argument takes.
-
-        A captured kernel keeps the host arguments it was launched with; writing the
-        host buffer alone does not reach it, graph.update(cpu_update_input=...) does.
-        """
-        lengths = self.buffers.seq_lens_host[:bs]
-        if self.seq_lens_update_key in HOST_TENSOR_UPDATE_KEYS:
-            return lengths.clone()  # a fresh tensor: the update may outlive this call's buffer contents
-        return lengths.tolist()
+        """This replay's lengths in the form the captured kernel's host argument takes (NpuGraphHooks)."""
+        return self.hooks.host_lengths(self.buffers, bs)
 
     def run(
         self,
@@ -425,10 +348,9 @@ class NpuDecodeGraphRunner:
             raise ValueError(f"batch of {n} is outside the captured sizes 1..{self.max_size}; run it eagerly")
         if bs not in self.graphs:
             raise RuntimeError("capture() has not run")
-        fill_static_inputs(self.buffers, bs, input_ids, positions, slot_indices, page_table, seq_lens)
+        self.hooks.prepare_for_replay(self.buffers, bs, input_ids, positions, slot_indices, page_table, seq_lens)
         graph = self.graphs[bs]
-        if self.seq_lens_update_key is not None:
-            graph.update(cpu_update_input=[{self.seq_lens_update_key: self.host_lengths(bs)}])
+        self.hooks.before_replay(self.buffers, bs, graph)  # graph.update of the host lengths
         graph.replay()
         return self.outputs[bs][:n]
 
