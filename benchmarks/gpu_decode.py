@@ -143,6 +143,7 @@ def main() -> None:
     parser.add_argument("--parity-dtypes", default="float32,bfloat16")
     parser.add_argument("--quantizations", default="auto", help="comma list of --quantization values to run in turn "
                         "(e.g. auto,fp8: the bf16 weights, then the same weights quantized to FP8 at load)")
+    parser.add_argument("--kv-cache-dtypes", default="auto", help="comma list of --kv-cache-dtype values (e.g. auto,fp8_e4m3)")
     parser.add_argument("--output", default="bench_results/gpu_decode.json")
     args = parser.parse_args()
     report: dict[str, Any] = {"torch": torch.__version__, "device": args.device}
@@ -155,15 +156,17 @@ def main() -> None:
     overlap_modes = tuple(flag == "1" for flag in args.overlap_modes.split(","))
     if args.model:
         report["runs"] = []
-        variants = [(q, flag == "1") for q in args.quantizations.split(",") for flag in args.compile_decode.split(",")]
-        for quantization, compile_decode in variants:
+        variants = [(q, kv, flag == "1") for q in args.quantizations.split(",") for kv in args.kv_cache_dtypes.split(",")
+                    for flag in args.compile_decode.split(",")]
+        for quantization, kv_cache_dtype, compile_decode in variants:
             start = time.perf_counter()
             engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                                          capture_sizes=args.capture_sizes, compile_decode=compile_decode,
-                                         quantization=quantization))
+                                         quantization=quantization, kv_cache_dtype=kv_cache_dtype))
             runner = engine.runner.graph_runner
             run = {
                 "quantization": quantization,
+                "kv_cache_dtype": kv_cache_dtype,
                 "compile_decode": compile_decode,
                 "startup_s": time.perf_counter() - start,
                 "capture": {"sizes": runner.capture_sizes, "seconds": runner.capture_seconds,
@@ -175,7 +178,7 @@ def main() -> None:
                             for b in args.sampled_batch_sizes.split(",") if b],
             }
             report["runs"].append(run)
-            print(f"model {args.model} ({args.dtype}, quantization {quantization}, compile_decode={compile_decode}); start-up {run['startup_s']:.1f} s; "
+            print(f"model {args.model} ({args.dtype}, quantization {quantization}, KV {kv_cache_dtype}, compile_decode={compile_decode}); start-up {run['startup_s']:.1f} s; "
                   f"captured {len(runner.capture_sizes)} sizes in {runner.capture_seconds:.1f} s, "
                   f"graph memory {runner.graph_memory_bytes / 2**20:.0f} MiB")
             modes = [("on" if o else "off") for o in overlap_modes]

@@ -225,7 +225,10 @@ def test_fp8_checkpoint_gives_the_logits_of_the_weights_it_stands_for(checkpoint
     ids, logits = _run(fp8)
     reference_ids, reference_logits = _run(dense)
     assert ids == reference_ids
-    assert torch.allclose(logits, reference_logits, atol=1e-5, rtol=0), (logits - reference_logits).abs().max()
+    # The same float32 weights: only the order of float32 sums may differ (up to 1e-4 seen in a full run,
+    # against logit moves of 0.1 of their spread from FP8 rounding itself).
+    error = (logits - reference_logits).abs().max()
+    assert error <= 1e-4 * reference_logits.abs().max(), error
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU; on one, "
@@ -318,3 +321,51 @@ def test_fp8_decode_graphs_equal_eager_on_cuda(checkpoints: dict[str, tuple[str,
         assert method is CUDA_FP8, method
         runs.append([o.token_ids for o in engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))])
     assert runs[0] == runs[1], runs
+
+
+# ---- FP8 KV cache ----------------------------------------------------------------------------------
+
+
+def test_fp8_kv_store_saturates_instead_of_making_nan() -> None:
+    from backends.cuda.triton_attention import store_kv_rows
+
+    cache = torch.zeros(4, 1, 3, dtype=FP8_DTYPE)
+    rows = torch.tensor([[[1000.0, -3.1, 0.3]], [[-900.0, 447.0, 1e-4]]])
+    store_kv_rows(cache, torch.tensor([2, 0]), rows)
+    assert cache[2, 0].float().tolist() == [FP8_MAX, rows[0, 0, 1].to(FP8_DTYPE).item(), rows[0, 0, 2].to(FP8_DTYPE).item()]
+    assert cache[0, 0, 0].item() == -FP8_MAX and torch.isfinite(cache.float()).all()
+
+
+def test_fp8_kv_cache_is_refused_where_the_backend_reads_float_caches(checkpoints: dict[str, tuple[str, str]]) -> None:
+    from engine.errors import EngineError
+
+    _, dense = checkpoints["llama-dense"]
+    with pytest.raises(EngineError, match="the cpu attention backend reads float caches only"):
+        Engine(model=dense, device="cpu", dtype="float32", kv_cache_dtype="fp8_e4m3", warmup=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")
+def test_fp8_kv_cache_on_cuda(checkpoints: dict[str, tuple[str, str]]) -> None:
+    """--kv-cache-dtype fp8_e4m3 on the GPU: an e4m3 pool, and the last-position logits of prefill and of
+    a decode step (replayed from its graph) near the bf16 cache's. (Greedy ids are not compared: in
+    bf16 the compiled graphs and eager round differently, and e4m3 turns such a difference into a
+    different cached value often enough to change a random tiny model's argmax.)"""
+    _, dense = checkpoints["llama-dense"]
+    from tests.helpers import engine_logits
+
+    logits = {}
+    for kv_dtype, graphs in (("bfloat16", False), ("fp8_e4m3", False), ("fp8_e4m3", True)):
+        engine = Engine(model=dense, device="cuda", dtype="bfloat16", kv_cache_dtype=kv_dtype, disable_graphs=not graphs,
+                        kv_cache_tokens=1024, max_num_seqs=4, capture_sizes="1,2,4", overlap_schedule=False)
+        assert engine.kv_pool.caches[0][0].dtype == (FP8_DTYPE if kv_dtype.startswith("fp8") else torch.bfloat16)
+        prefill, decode = engine_logits(engine, PROMPTS[0], 3)
+        logits[(kv_dtype, graphs)] = torch.cat([prefill, decode]).float()
+    reference = logits[("bfloat16", False)]
+    spread = (reference - reference.mean()).norm()
+    for key in (("fp8_e4m3", False), ("fp8_e4m3", True)):
+        relative = ((logits[key] - reference).norm() / spread).item()
+        print(f"fp8 KV {key}: logits moved by {relative:.3f} of their spread")
+        # 0.127 on the H200 (a random tiny model magnifies rounding, as for FP8 weights above); a cache
+        # read wrongly (bytes as values, a missed scale) moves them by more than their spread.
+        assert relative < 0.3, (key, relative)

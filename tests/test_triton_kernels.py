@@ -250,3 +250,20 @@ def test_soft_capped_scores_in_both_kernels(window: int) -> None:
     torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)
     for out in got_decode:
         torch.testing.assert_close(out.float().cpu(), decode.reference(window, softcap).cpu(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kind", ["decode", "ragged"])
+def test_fp8_kv_cache_is_widened_exactly(kind: str) -> None:
+    """--kv-cache-dtype fp8_e4m3: the kernels read e4m3 caches (NaN where no request owns a slot, as
+    above) and equal the reference over the same caches widened to float32."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    with kernel_mode():
+        if kind == "decode":
+            case = decode_case(8, 2, 64, 16, [1, 17, 64, 150], dtype)
+        else:
+            case = ragged_case(8, 2, 64, 16, [5, 40, 1], [0, 20, 33], dtype)
+        case.k_cache = case.k_cache.to(torch.float8_e4m3fn)
+        case.v_cache = case.v_cache.to(torch.float8_e4m3fn)
+        got = run_decode(case, None) if kind == "decode" else run_ragged(case)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float().cpu(), case.reference().cpu(), atol=tolerance(dtype), rtol=tolerance(dtype))

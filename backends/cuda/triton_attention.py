@@ -15,7 +15,22 @@ import torch
 from backends.cuda.triton_decode import paged_decode_attention_triton
 from backends.cuda.triton_extend import ragged_paged_attention
 from engine.layers.attention import AttentionMetadata
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
 from engine.layers.ops import define_decode_attention_op
+from graphs.capture_hooks import StaticBufferCaptureHooks
+
+
+def store_kv_rows(cache: torch.Tensor, slot_indices: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache[slot_indices] = rows; an FP8 cache takes them saturated to e4m3's range (a plain cast would
+    make NaN of anything past 448) at unit scale, as vLLM stores without calibrated scales."""
+    if cache.dtype == FP8_KV_DTYPE:
+        # index_copy_ has no float8 kernel (CPU or CUDA): the e4m3 bytes are copied as bytes.
+        rows = rows.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+        cache.view(torch.uint8).index_copy_(0, slot_indices, rows.view(torch.uint8))
+        return
+    cache.index_copy_(0, slot_indices, rows)
 
 
 def triton_paged_decode(
@@ -33,8 +48,8 @@ def triton_paged_decode(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """Store this step's k/v, then the Triton kernel; one opaque op so torch.compile leaves both alone."""
-    k_cache.index_copy_(0, slot_indices, k)
-    v_cache.index_copy_(0, slot_indices, v)
+    store_kv_rows(k_cache, slot_indices, k)
+    store_kv_rows(v_cache, slot_indices, v)
     return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window=window,
                                          softcap=softcap)
 
@@ -42,12 +57,13 @@ def triton_paged_decode(
 define_decode_attention_op("triton_paged_decode", triton_paged_decode)
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(StaticBufferCaptureHooks):
     """Decode and ragged extend through the Triton kernels; KV stored with index_copy_ (capturable)."""
 
     name = "triton"
     supports_sliding_window = True
     supports_softcap = True  # held to HF (eager) on the H200: tests/test_cuda.py
+    supports_fp8_kv = True  # the kernels widen e4m3 K/V in registers
 
     def forward(
         self,
@@ -68,8 +84,8 @@ class TritonAttentionBackend:
                 q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale,
                 window, softcap,
             )
-        k_cache.index_copy_(0, meta.slot_indices, k)  # the whole ragged batch's k/v in one launch
-        v_cache.index_copy_(0, meta.slot_indices, v)
+        store_kv_rows(k_cache, meta.slot_indices, k)  # the whole ragged batch's k/v in one launch
+        store_kv_rows(v_cache, meta.slot_indices, v)
         assert meta.query_starts is not None, "extend metadata without device query offsets"
         decodes = meta.num_decodes
         if decodes == 0:

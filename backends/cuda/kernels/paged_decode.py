@@ -62,7 +62,8 @@ def paged_decode_kernel(
         page = tl.load(page_table_ptr + batch * stride_pb + tokens // PAGE_SIZE, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + tokens % PAGE_SIZE
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        # An FP8 cache (--kv-cache-dtype fp8_e4m3) is widened in registers: every e4m3 value is exact in q's dtype.
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE_FP32:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -75,7 +76,7 @@ def paged_decode_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE_FP32:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:

@@ -34,7 +34,8 @@ def _attend_tile(
     page = tl.load(table_row_ptr + tokens // PAGE_SIZE, mask=valid, other=0)
     slot = page.to(tl.int64) * PAGE_SIZE + tokens % PAGE_SIZE
     kv_mask = valid[:, None] & d_mask[None, :]
-    k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    # An FP8 cache (--kv-cache-dtype fp8_e4m3) is widened in registers: every e4m3 value is exact in q's dtype.
+    k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     if IEEE_FP32:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -55,7 +56,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     if IEEE_FP32:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
