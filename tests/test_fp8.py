@@ -26,6 +26,7 @@ from engine.quantization.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     dequantize,
+    expand_block_scale,
     fp8_reference_linear,
     quantize_per_channel,
 )
@@ -59,8 +60,7 @@ def random_fp8(rows: int, cols: int, block: bool, seed: int) -> tuple[torch.Tens
     if not block:
         return quantize_per_channel(weight)
     scale = torch.rand(-(-rows // 128), -(-cols // 128), generator=generator) * 0.01 + 1e-3
-    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
-    return (weight / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    return (weight / expand_block_scale(scale, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def test_per_channel_quantization_keeps_each_row_within_e4m3_rounding() -> None:

@@ -2,8 +2,9 @@
 
 `Linear.method` decides how the matmul runs: plain `F.linear` (every
 platform's default), the CPU's oneDNN-packed weights
-(backends/cpu/packed_linear.py), and later quantized methods (FP8, GGUF
-blocks), as vLLM's `LinearMethodBase`. A method is a stateless object set
+(backends/cpu/packed_linear.py), the CPU's GGUF blocks
+(backends/cpu/gguf_linear.py) and FP8 weights (engine/quantization/fp8.py,
+backends/cuda/fp8_linear.py), as vLLM's `LinearMethodBase`. A method is a stateless object set
 per layer; compiled graphs see it as a constant, so switching a model's
 method is done before capture.
 

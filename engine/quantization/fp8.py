@@ -136,10 +136,3 @@ def dequantize_fp8_linears(model: nn.Module, dtype: torch.dtype) -> int:
         layers += 1
     return layers
 
-
-def model_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype the model computes in (its first floating parameter that is not FP8)."""
-    for param in model.parameters():
-        if param.dtype.is_floating_point and param.dtype != FP8_DTYPE:
-            return param.dtype
-    return torch.float32
