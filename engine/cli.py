@@ -1,4 +1,4 @@
-"""`engine run`, `engine serve`, `engine bench` and `engine bench serving` on the command line."""
+"""`engine run`, `engine serve`, `engine bench`, `engine bench serving` and `engine tune-capture` on the command line."""
 
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     group.add_argument(
-        "--quantization", default="auto", choices=["auto", "gguf", "none"],
-        help="GGUF weights: kept in their blocks on the CPU (auto, gguf) or dequantized at load (none); docs/quantization.md",
+        "--quantization", default="auto", choices=["auto", "fp8", "gguf", "none"],
+        help="auto: the checkpoint's own (FP8 checkpoints in FP8; GGUF blocks kept on the CPU); fp8: also quantize a "
+        "bf16/fp16 checkpoint's linears to FP8 at load (CUDA kernels); gguf: insist on the CPU's GGUF blocks; none: "
+        "dequantize at load; docs/quantization.md",
     )
     group.add_argument(
         "--gguf-activations", default="float32", choices=["float32", "int8"],
@@ -34,8 +36,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=None)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--kv-cache-tokens", type=int, default=None)
-    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3"],
+                       help="the KV cache's dtype (auto: the model's; fp8 / fp8_e4m3: half the bytes of bf16, cuda's Triton "
+                       "attention only; docs/quantization.md)")
     group.add_argument("--capture-sizes", default=None, help="comma-separated decode batch sizes to capture, e.g. 1,2,4,8")
+    group.add_argument("--capture-config", default=None,
+                       help="YAML of tuned capture sizes (written by `engine tune-capture`); --capture-sizes wins over it")
     group.add_argument("--max-capture-size", type=int, default=None)
     group.add_argument("--disable-graphs", action="store_true", help="run every step eagerly")
     group.add_argument("--strict-graphs", action="store_true", help="fail if anything compiles after warm-up")
@@ -96,6 +102,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object):  # n
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
         capture_sizes=args.capture_sizes,
+        capture_config=args.capture_config,
         max_capture_size=args.max_capture_size,
         disable_graphs=args.disable_graphs,
         strict_graphs=args.strict_graphs,
@@ -208,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_throughput_args(throughput)
     throughput.set_defaults(func=cmd_bench_throughput)
+    tune = sub.add_parser("tune-capture", help="measure capture sizes and write the best set for a batch-size distribution")
+    add_engine_args(tune)
+    from graphs.tune import add_tune_args, cmd_tune_capture
+
+    add_tune_args(tune)
+    tune.set_defaults(func=cmd_tune_capture)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
     from engine.server.launch import add_serve_args, cmd_serve

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -12,11 +13,38 @@ from backends.base import Platform, load_yaml_config
 from engine.errors import EngineError
 from graphs.buckets import cap_sizes, parse_sizes
 
+logger = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# KV caches may also be FP8 (e4m3, unit scale as vLLM's default without calibrated scales; "fp8" is vLLM's alias).
+KV_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
 
 
 
-QUANTIZATIONS = ("auto", "gguf", "none")
+def _with_capture_config(defaults: dict[str, Any], path: str, device: str, model: str | None) -> dict[str, Any]:
+    """The device YAML with a tuned file's sizes over it (its device sections merged key by key)."""
+    try:
+        tuned = load_yaml_config(path)
+    except OSError as exc:
+        raise EngineError(f"--capture-config {path}: {exc.strerror or exc}") from exc
+    if not parse_sizes(tuned.get("capture_sizes")):
+        raise EngineError(f"--capture-config {path}: no capture_sizes in it")
+    made_for = tuned.get("tuned_for") or {}
+    if made_for.get("device") not in (None, device):
+        logger.warning("%s was tuned on %s; this engine runs on %s", path, made_for["device"], device)
+    if made_for.get("model") and model and os.path.basename(os.path.normpath(model)) not in str(made_for["model"]):
+        logger.warning("%s was tuned for %s; this engine loads %s", path, made_for["model"], model)
+    merged = dict(defaults)
+    merged["capture_sizes"] = tuned["capture_sizes"]
+    merged["max_capture_size"] = tuned.get("max_capture_size") or max(parse_sizes(tuned["capture_sizes"]) or [1])
+    for section in ("hpu", "npu"):
+        if isinstance(tuned.get(section), dict):
+            merged[section] = {**(defaults.get(section) or {}), **tuned[section]}
+    logger.info("capture sizes from %s: %s", path, merged["capture_sizes"])
+    return merged
+
+
+QUANTIZATIONS = ("auto", "fp8", "gguf", "none")
 GGUF_ACTIVATIONS = ("float32", "int8")
 
 @dataclass
@@ -26,8 +54,9 @@ class EngineConfig:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto: the model dtype (the CPU YAML asks for float32)
     load_format: str = "auto"
-    # How quantized checkpoint weights run: "auto" (GGUF blocks kept on the CPU where its kernels
-    # exist, dequantized elsewhere), "gguf" (kept, or an error), "none" (always dequantized).
+    # How quantized checkpoint weights run: "auto" (FP8 checkpoints in FP8; GGUF blocks kept on the CPU
+    # where its kernels exist, dequantized elsewhere), "fp8" (a dense checkpoint's linears quantized to
+    # FP8 at load), "gguf" (kept, or an error), "none" (always dequantized).
     quantization: str = "auto"
     # How the CPU's GGUF block kernels take their inputs: "float32" (exact, the default) or "int8"
     # (each block of 32 activations quantized to int8, integer dot products: llama.cpp's numerics).
@@ -40,6 +69,9 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = None
     capture_sizes: list[int] | str | None = None
     max_capture_size: int | None = None
+    # A YAML of tuned capture sizes (`engine tune-capture` writes one): its capture_sizes / max_capture_size
+    # (and hpu:/npu: sections) replace the device YAML's; explicit capture_sizes still win.
+    capture_config: str | None = None
     disable_graphs: bool = False
     strict_graphs: bool = False  # raise if anything compiles after warm-up
     compile_decode: bool | None = None  # cuda/rocm: torch.compile the step before capturing it
@@ -66,6 +98,8 @@ class EngineConfig:
     def resolve(self, platform: Platform) -> "EngineConfig":
         """Fill every unset value from the device's YAML; validate."""
         defaults = load_yaml_config(platform.default_config())
+        if self.capture_config:
+            defaults = _with_capture_config(defaults, self.capture_config, platform.name, self.model)
         values: dict[str, Any] = {}
         if self.capture_sizes is not None and self.max_capture_size is None:
             # Sizes given explicitly: their largest is the maximum, not the YAML's.
@@ -97,8 +131,8 @@ class EngineConfig:
                               f"{', '.join(GGUF_ACTIVATIONS)}")
         if resolved.quantization == "gguf" and platform.name != "cpu":
             raise EngineError(f"--quantization gguf runs on the cpu only (its kernels); on {platform.name} use auto or none")
-        if resolved.kv_cache_dtype not in DTYPES:
-            raise EngineError(f"unknown kv_cache_dtype {resolved.kv_cache_dtype!r}; choose one of {', '.join(DTYPES)} or auto")
+        if resolved.kv_cache_dtype not in KV_DTYPES:
+            raise EngineError(f"unknown kv_cache_dtype {resolved.kv_cache_dtype!r}; choose one of {', '.join(KV_DTYPES)} or auto")
         for name in ("page_size", "max_num_seqs", "max_model_len", "max_prefill_tokens"):
             value = getattr(resolved, name)
             if value is None or int(value) < 1:
@@ -115,4 +149,4 @@ class EngineConfig:
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.kv_cache_dtype]
+        return KV_DTYPES[self.kv_cache_dtype]

@@ -56,7 +56,8 @@ class Engine:
         source = resolve_model_source(self.config.model, self.config.load_format)
         if config.dtype == "auto" and (preferred := self.platform.dtype_for_checkpoint(source.kind, self.config.quantization)):
             self.config.dtype = preferred
-        self.model, self.model_config = load_model(source, self.config.torch_dtype, self.device, self.config.load_format)
+        self.model, self.model_config = load_model(source, self.config.torch_dtype, self.device, self.config.load_format,
+                                                     self.config.quantization)
         self.tokenizer = load_tokenizer(source.tokenizer_dir)
         self.max_model_len = min(int(self.config.max_model_len), self.model_config.max_position_embeddings)
         self.context_limit_reason = ""
@@ -70,11 +71,15 @@ class Engine:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
 
         backend = self.platform.attention_backend()
+        if self.config.kv_torch_dtype == torch.float8_e4m3fn and not getattr(backend, "supports_fp8_kv", False):
+            raise EngineError(f"--kv-cache-dtype {self.config.kv_cache_dtype}: the {self.platform.name} attention backend reads "
+                              "float caches only (an FP8 KV cache runs on cuda's Triton attention)")
         if hasattr(backend, "dtype"):
             backend.dtype = self.config.kv_torch_dtype
         self.model.set_attention_backend(backend)
         self._check_softcap(backend)
         self._apply_sliding_window(backend)
+        self._choose_fp8_method()
         self.platform.prepare_model(self.model, {**self.config.device_config, **self.config.__dict__,
                                                  "gguf_path": source.path if source.kind == "gguf" else None})
         self.kv_pool = self._allocate_kv_pool()
@@ -147,9 +152,28 @@ class Engine:
         self.kv_manager.stats = PrefixCacheStats()
         self.scheduler.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.runner.graph_steps = self.runner.eager_steps = 0
+        self.stats_logger.step_sizes.reset()
         logger.info("warm-up request (%d-token prefill, 1 decode step) took %.2f s", prompt_len, time.perf_counter() - start)
 
     # ---- construction -------------------------------------------------------------
+    def _choose_fp8_method(self) -> None:
+        """FP8 linears (an FP8 checkpoint, or --quantization fp8) run the platform's FP8 kernel, or are
+        dequantized once to the model dtype where it has none."""
+        from engine.quantization.fp8 import dequantize_fp8_linears, fp8_linears
+
+        layers = [layer for _, layer in fp8_linears(self.model)]
+        if not layers:
+            return
+        method = self.platform.fp8_linear_method()
+        if method is None:
+            dequantize_fp8_linears(self.model, self.config.torch_dtype)
+            logger.warning("FP8: %s has no FP8 matmul kernel; %d FP8 layers dequantized to %s once (no memory or speed "
+                           "gain here)", self.platform.name, len(layers), self.config.torch_dtype)
+            return
+        for layer in layers:
+            layer.method = method
+        logger.info("FP8: %d linear layers run %s", len(layers), method.name)
+
     def _check_softcap(self, backend: object) -> None:
         """Soft-capped attention scores (Gemma 2) have no exact substitute: refused where the backend lacks them."""
         if getattr(backend, "supports_softcap", False):
@@ -212,17 +236,25 @@ class Engine:
             return True
         return False
 
+    def graph_runner_options(self) -> dict[str, object]:
+        """The platform-specific keyword arguments of this engine's decode graph runner (the tuner builds
+        runners with them too)."""
+        kind = self.platform.capture_settings().kind
+        if self.platform.name == "hpu":
+            # HPU's own default (hpu.strict / ENGINE_HPU_STRICT, on) holds in every graph mode; --strict-graphs forces it.
+            return {"strict": True} if self.config.strict_graphs else {}
+        if kind == "compile":
+            return {"strict": self.config.strict_graphs}
+        if kind == "cuda_graph":
+            return {"compile_step": bool(self.config.compile_decode)}
+        return {}
+
     def _graph_runner(self):  # noqa: ANN202
         if self.config.disable_graphs or self._graphs_unsupported():
             return None
         runner_cls = self.platform.graph_runner_class()
         max_pages = (self.max_model_len + self.kv_pool.page_size - 1) // self.kv_pool.page_size
-        kwargs: dict[str, object] = {}
-        kind = self.platform.capture_settings().kind
-        if kind == "compile":
-            kwargs["strict"] = self.config.strict_graphs
-        elif kind == "cuda_graph":
-            kwargs["compile_step"] = bool(self.config.compile_decode)
+        kwargs = self.graph_runner_options()
         runner = runner_cls(
             self.model,
             self.kv_pool.caches,
@@ -374,6 +406,7 @@ class Engine:
         """Put the step on the device; the scheduler advances its requests as if it had run."""
         if step is None:
             return None
+        self.stats_logger.step_sizes.record(step)  # the step-size histograms of /metrics (tune-capture reads them)
         rewind = _generator_states(step.sampled_requests)
         start = time.perf_counter()
         try:

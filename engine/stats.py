@@ -1,18 +1,93 @@
-"""Engine counters (queue, KV pool, prefix cache, retractions) and their periodic log line."""
+"""Engine counters (queue, KV pool, prefix cache, retractions, step sizes) and their periodic log line."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     from engine.engine import Engine
+    from engine.scheduler import ScheduledStep
 
 logger = logging.getLogger("engine.stats")
 
 LOG_INTERVAL_S = 10.0
+
+
+def _decode_batch_bounds() -> tuple[int, ...]:
+    """Upper bounds of the decode batch-size histogram: every size to 32, then steps of 2, 4, 8, 16.
+
+    Fine enough that `engine tune-capture` can place capture sizes from a scrape (CUDA's defaults
+    step by 8 above 32 and by 16-64 above 96), coarse enough that a scrape stays ~150 lines.
+    """
+    bounds = list(range(1, 33)) + list(range(34, 65, 2)) + list(range(68, 129, 4)) + list(range(136, 513, 8))
+    return tuple(bounds + list(range(528, 1025, 16)))
+
+
+DECODE_BATCH_BOUNDS = _decode_batch_bounds()
+# Tokens of an extend or mixed step (prefill chunks + the decode rows riding along): the shapes that
+# extend_capture_tokens buckets would serve.
+STEP_TOKEN_BOUNDS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
+                     6144, 8192, 12288, 16384, 24576, 32768)
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    """Cumulative-since-start counts of one step-size histogram (a copy: safe to hand to another thread)."""
+
+    bounds: tuple[int, ...]  # upper bounds, inclusive (Prometheus `le`)
+    counts: tuple[int, ...]  # per bucket, not cumulative; one more than bounds: the +Inf bucket
+    total: int  # sum of the observed values
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+class SizeHistogram:
+    """Counts of one integer per step, in fixed buckets (observe is a bisect and an add: hot path)."""
+
+    def __init__(self, bounds: Sequence[int]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.total = 0
+
+    def observe(self, value: int) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(self.bounds, tuple(self.counts), self.total)
+
+    def reset(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.total = 0
+
+
+class StepSizeCounts:
+    """Per launched step: a pure decode step's batch size (what the decode graphs serve) or an extend /
+    mixed step's token count. Read back by /metrics and by `engine tune-capture --metrics-url`."""
+
+    def __init__(self) -> None:
+        self.decode_batch = SizeHistogram(DECODE_BATCH_BOUNDS)
+        self.step_tokens = SizeHistogram(STEP_TOKEN_BOUNDS)
+
+    def record(self, step: "ScheduledStep") -> None:
+        if step.is_decode:
+            self.decode_batch.observe(len(step.requests))
+        else:
+            self.step_tokens.observe(step.num_decodes + sum(step.extend_lens))
+
+    def reset(self) -> None:
+        self.decode_batch.reset()
+        self.step_tokens.reset()
+
+
+_EMPTY_DECODE = SizeHistogram(DECODE_BATCH_BOUNDS).snapshot()
+_EMPTY_TOKENS = SizeHistogram(STEP_TOKEN_BOUNDS).snapshot()
 
 
 @dataclass
@@ -30,6 +105,8 @@ class EngineStats:
     prefill_computed_tokens: int
     evicted_pages: int
     num_retractions: int
+    decode_batch_sizes: HistogramSnapshot = field(default=_EMPTY_DECODE)
+    extend_step_tokens: HistogramSnapshot = field(default=_EMPTY_TOKENS)
 
     @classmethod
     def collect(cls, engine: "Engine") -> "EngineStats":
@@ -48,6 +125,8 @@ class EngineStats:
             prefill_computed_tokens=kv.stats.computed_tokens,
             evicted_pages=kv.evicted_pages,
             num_retractions=scheduler.num_retractions,
+            decode_batch_sizes=engine.stats_logger.step_sizes.decode_batch.snapshot(),
+            extend_step_tokens=engine.stats_logger.step_sizes.step_tokens.snapshot(),
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -60,6 +139,7 @@ class StatsLogger:
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
         self._last = time.monotonic()
+        self.step_sizes = StepSizeCounts()  # fed by Engine._launch, one record per launched step
 
     def maybe_log(self) -> None:
         now = time.monotonic()

@@ -14,7 +14,6 @@ import torch
 
 from conftest import track
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
 from graphs.compiled_runner import compile_count
 from helpers import StepRecorder, get_engine, greedy
 

@@ -152,36 +152,23 @@ def test_strict_default_is_the_same_in_every_mode(monkeypatch: pytest.MonkeyPatc
 
 
 def test_engine_passes_strict_to_hpu_only_when_forced() -> None:
-    """engine.Engine._graph_runner: no strict= for HPU unless --strict-graphs (the runner's own default then
-    holds in compile mode too, where it used to be overridden with False); CPU's compiled runner keeps False."""
+    """engine.Engine.graph_runner_options (what _graph_runner and the tuner build runners with): no strict=
+    for HPU unless --strict-graphs (the runner's own default then holds in compile mode too, where it used to
+    be overridden with False); CPU's compiled runner keeps False."""
     from engine.engine import Engine
 
-    def graph_runner_kwargs(platform_name: str, kind: str, strict_graphs: bool) -> dict[str, Any]:
-        got: dict[str, Any] = {}
-
-        class Runner:
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                got.update(kwargs)
-
-            def capture(self) -> None:
-                pass
-
-        platform = types.SimpleNamespace(name=platform_name, slot_index_dtype=torch.int64,
-                                         capture_settings=lambda: types.SimpleNamespace(kind=kind),
-                                         graph_runner_class=lambda: Runner)  # fmt: skip
+    def options(platform_name: str, kind: str, strict_graphs: bool) -> dict[str, Any]:
         this = types.SimpleNamespace(
-            config=types.SimpleNamespace(disable_graphs=False, strict_graphs=strict_graphs, capture_sizes=[1],
-                                         compile_decode=False),
-            platform=platform, model=None, kv_pool=types.SimpleNamespace(caches=[], page_size=16), device="cpu",
-            max_model_len=64, _graphs_unsupported=lambda: False,
+            config=types.SimpleNamespace(strict_graphs=strict_graphs, compile_decode=False),
+            platform=types.SimpleNamespace(name=platform_name, capture_settings=lambda: types.SimpleNamespace(kind=kind)),
         )  # fmt: skip
-        Engine._graph_runner(this)  # type: ignore[arg-type]
-        return got
+        return Engine.graph_runner_options(this)  # type: ignore[arg-type]
 
     for kind in ("compile", "hpu_graph", "none"):
-        assert "strict" not in graph_runner_kwargs("hpu", kind, strict_graphs=False), kind
-        assert graph_runner_kwargs("hpu", kind, strict_graphs=True)["strict"] is True, kind
-    assert graph_runner_kwargs("cpu", "compile", strict_graphs=False)["strict"] is False
+        assert "strict" not in options("hpu", kind, strict_graphs=False), kind
+        assert options("hpu", kind, strict_graphs=True)["strict"] is True, kind
+    assert options("cpu", "compile", strict_graphs=False)["strict"] is False
+    assert options("cuda", "cuda_graph", strict_graphs=False) == {"compile_step": False}
 
 
 def test_lazy_prefill_ends_with_a_mark_step(monkeypatch: pytest.MonkeyPatch) -> None:

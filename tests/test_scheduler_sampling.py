@@ -13,7 +13,7 @@ import pytest
 from conftest import track
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from helpers import StepRecorder, greedy, hf_greedy, repeats, run_staggered
+from helpers import greedy, hf_greedy, repeats, run_staggered
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 101, 102], [17] * 6, [300, 20, 41, 7, 99, 3, 3, 250, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
 

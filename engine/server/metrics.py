@@ -1,9 +1,14 @@
 """Prometheus metrics for /metrics (prometheus_client), with vLLM-like names under `engine:`.
 
 A registry per app (not the global one) so that several apps in one process, as in
-tests, do not collide. Queue, KV and prefix-cache series are read from the engine's
-latest stats snapshot when scraped; token counters and latency histograms are fed by
-the engine thread through a StepObserver.
+tests, do not collide. Queue, KV and prefix-cache series and the step-size histograms are
+read from the engine's latest stats snapshot when scraped; token counters and latency
+histograms are fed by the engine thread through a StepObserver.
+
+The step-size histograms (engine:decode_batch_size: rows of each pure decode step, the
+shapes the decode graphs serve; engine:extend_step_tokens: tokens of each extend or mixed
+step) are counted in the engine (engine/stats.py), so that they cross the engine process's
+pipe inside its snapshot; `engine tune-capture --metrics-url` reads them back.
 """
 
 from __future__ import annotations
@@ -11,10 +16,11 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from engine.server.async_engine import StepObserver
-from engine.stats import EngineStats
+from engine.stats import EngineStats, HistogramSnapshot
 
 # Buckets in seconds: CPU steps are tens of ms, a queued first token can take many seconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -86,6 +92,27 @@ def _engine_series(s: EngineStats) -> list[tuple[str, str, str, float]]:
     ]
 
 
+def _step_histograms(s: EngineStats) -> list[tuple[str, str, HistogramSnapshot]]:
+    """(name, help, counts) of the per-step size histograms."""
+    return [
+        ("engine:decode_batch_size", "Rows of each decode step (the batch a decode graph serves, before padding).",
+         s.decode_batch_sizes),
+        ("engine:extend_step_tokens", "Tokens of each extend or mixed step (prefill chunks and decode rows riding along).",
+         s.extend_step_tokens),
+    ]
+
+
+def _histogram_family(name: str, doc: str, histogram: HistogramSnapshot, model_name: str) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=["model_name"])
+    cumulative, buckets = 0, []
+    for bound, count in zip(histogram.bounds, histogram.counts):
+        cumulative += count
+        buckets.append((floatToGoString(bound), cumulative))
+    buckets.append(("+Inf", histogram.count))
+    family.add_metric([model_name], buckets, sum_value=histogram.total)
+    return family
+
+
 class _EngineStatsCollector:
     """Queue, KV pool and prefix-cache series, read from one engine snapshot per scrape."""
 
@@ -97,7 +124,10 @@ class _EngineStatsCollector:
         return []  # collected lazily, from whatever snapshot is current at scrape time
 
     def collect(self) -> Iterator[Metric]:
-        for kind, name, doc, value in _engine_series(self.snapshot()):
+        snapshot = self.snapshot()
+        for kind, name, doc, value in _engine_series(snapshot):
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        for name, doc, histogram in _step_histograms(snapshot):
+            yield _histogram_family(name, doc, histogram, self.model_name)

@@ -1,0 +1,153 @@
+"""What `engine tune-capture` leaves behind: the YAML the engine loads, its header comment, the JSON of
+everything measured, and the table printed at the end.
+
+The YAML keeps the shape of configs/<device>.yaml: `capture_sizes` and `max_capture_size` (read by
+EngineConfig.resolve, as the device file's own), under a comment block saying what was measured, when,
+on what, and the expected cost against the default sizes. Written into an existing device file, only
+that block and those two keys change (between the begin/end markers), so every other key and comment
+stays; a new file also gets `tuned_for` (model, device, dtype, page size), which `--capture-config`
+checks against the engine it configures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Sequence
+
+import yaml
+
+from graphs.tune_select import Evaluation
+
+BEGIN = "# --- tune-capture begin (engine tune-capture rewrites this block) ---"
+END = "# --- tune-capture end ---"
+TUNED_KEYS = ("capture_sizes", "max_capture_size")
+
+
+def describe(evaluation: Evaluation) -> str:
+    eager = f", {100 * evaluation.eager_fraction:.1f}% of steps eager" if evaluation.eager_fraction else ""
+    estimated = f"; interpolated costs for {list(evaluation.interpolated)}" if evaluation.interpolated else ""
+    return (f"{evaluation.expected_ms:.3f} ms/step (padding {evaluation.padding_ms:.3f} ms, {evaluation.padding_rows:.2f} "
+            f"rows/step = {100 * evaluation.padded_fraction:.1f}% of replayed rows{eager}); {evaluation.graphs} graphs, "
+            f"~{evaluation.memory_mib:.0f} MiB, ~{evaluation.capture_s:.1f} s capture{estimated}")
+
+
+def header_lines(info: dict[str, Any]) -> list[str]:
+    """The comment block: what, when, on what, and the resulting expected cost vs the defaults."""
+    tuned: Evaluation = info["tuned"]
+    default: Evaluation = info["default"]
+    gain = 100 * (default.expected_ms - tuned.expected_ms) / default.expected_ms if default.expected_ms else 0.0
+    lines = [
+        f"Decode capture sizes tuned by `engine tune-capture` on {info['date']} for {info['model']} "
+        f"({info['dtype']}, page size {info['page_size']}) on {info['device']}: {info['machine']}.",
+        f"Measured at candidate sizes {info['candidates']}: eager step, graph replay (median of {info['iters']} back-to-back "
+        f"steps at {info['context']}-token contexts), capture seconds and graph memory ({info['memory_source']}); "
+        f"{info['cache']}.",
+        f"Distribution: {info['distribution']}.",
+        f"Budgets: {info['budget']}.",
+        f"Expected decode step, tuned {list(tuned.sizes)}: {describe(tuned)}.",
+        f"Expected decode step, default {list(default.sizes)}: {describe(default)}.",
+        f"Tuned vs default: {gain:+.1f}% expected step time saved, padding {default.padding_rows:.2f} -> "
+        f"{tuned.padding_rows:.2f} rows/step.",
+    ]
+    for line in info.get("extra", []):
+        lines.append(line)
+    lines.append(f"Reproduce: {info['command']}")
+    return lines
+
+
+def _comment(lines: Sequence[str], width: int = 118) -> list[str]:
+    """Each line as YAML comments, wrapped at `width`."""
+    out = []
+    for line in lines:
+        words, current = line.split(), "#"
+        for word in words:
+            if len(current) + 1 + len(word) > width and current != "#":
+                out.append(current)
+                current = "#  "
+            current += " " + word
+        out.append(current)
+    return out
+
+
+def tuned_block(sizes: Sequence[int], header: Sequence[str], extra: dict[str, Any] | None = None) -> list[str]:
+    block = [BEGIN, *_comment(header), f"capture_sizes: [{', '.join(str(s) for s in sizes)}]",
+             f"max_capture_size: {max(sizes)}"]
+    if extra:
+        block += yaml.safe_dump(extra, sort_keys=False, default_flow_style=None).rstrip("\n").splitlines()
+    return block + [END]
+
+
+def write_tuned_yaml(path: str, sizes: Sequence[int], header: Sequence[str], tuned_for: dict[str, Any],
+                     extra: dict[str, Any] | None = None) -> str:
+    """Write the tuned sizes to `path`: in place into an existing YAML (only the tuner's block and the two
+    keys change), or as a new file. Returns the text written; raises if the result would not load back."""
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            old = handle.read().splitlines()
+        in_block = False
+        kept: list[str] = []
+        insert_at = None
+        for line in old:
+            if line.strip() == BEGIN:
+                in_block, insert_at = True, len(kept) if insert_at is None else insert_at
+                continue
+            if in_block:
+                in_block = line.strip() != END
+                continue
+            if re.match(rf"^({'|'.join(TUNED_KEYS)}):", line):
+                insert_at = len(kept) if insert_at is None else insert_at
+                continue
+            kept.append(line)
+        at = len(kept) if insert_at is None else insert_at
+        lines = kept[:at] + tuned_block(sizes, header, extra) + kept[at:]
+    else:
+        lines = tuned_block(sizes, header, {"tuned_for": tuned_for, **(extra or {})})
+    text = "\n".join(lines) + "\n"
+    loaded = yaml.safe_load(text) or {}
+    if [int(s) for s in loaded.get("capture_sizes") or []] != sorted(sizes) or loaded.get("max_capture_size") != max(sizes):
+        raise ValueError(f"{path}: the tuned file would not load back as capture_sizes {sorted(sizes)}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    return text
+
+
+def write_json(path: str, report: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2, default=str)
+
+
+def print_tables(measured: Sequence[dict[str, Any]], probability: dict[int, float], tuned: Evaluation,
+                 default: Evaluation, others: Sequence[tuple[str, Evaluation]] = ()) -> None:
+    """Per candidate: its figures, the share of steps it would serve, and whether tuned/default capture it."""
+    served: dict[int, float] = {}
+    for batch, p in probability.items():
+        size = next((s for s in tuned.sizes if s >= batch), None)
+        if size is not None:
+            served[size] = served.get(size, 0.0) + p
+    head = (f"{'size':>6} {'eager ms':>10} {'replay ms':>10} {'x eager':>8} {'capture s':>10} {'memory MiB':>11} "
+            f"{'p(b<=size)':>11} {'served':>7} {'tuned':>6} {'default':>8}")
+    print(head + "\n" + "-" * len(head))
+    cumulative = 0.0
+    sizes = sorted(m["size"] for m in measured)
+    for row in sorted(measured, key=lambda m: m["size"]):
+        size = row["size"]
+        previous = sizes[sizes.index(size) - 1] if sizes.index(size) else 0
+        cumulative += sum(p for b, p in probability.items() if previous < b <= size)
+        speedup = row["eager_ms"] / row["replay_ms"] if row["replay_ms"] else float("nan")
+        print(f"{size:>6} {row['eager_ms']:>10.3f} {row['replay_ms']:>10.3f} {speedup:>8.2f} {row['capture_s']:>10.2f} "
+              f"{row['memory_mib']:>11.1f} {cumulative:>11.3f} {100 * served.get(size, 0.0):>6.1f}% "
+              f"{'x' if size in tuned.sizes else '':>6} {'x' if size in default.sizes else '':>8}")
+    print()
+    rows = [("tuned", tuned), ("default", default), *others]
+    head = (f"{'set':<10} {'ms/step':>9} {'padding ms':>11} {'pad rows':>9} {'pad %':>7} {'eager %':>8} {'graphs':>7} "
+            f"{'MiB':>8} {'capture s':>10}  sizes")
+    print(head + "\n" + "-" * len(head))
+    for name, e in rows:
+        note = " (interpolated: " + ",".join(map(str, e.interpolated)) + ")" if e.interpolated else ""
+        print(f"{name:<10} {e.expected_ms:>9.3f} {e.padding_ms:>11.3f} {e.padding_rows:>9.2f} {100 * e.padded_fraction:>6.1f}% "
+              f"{100 * e.eager_fraction:>7.1f}% {e.graphs:>7} {e.memory_mib:>8.1f} {e.capture_s:>10.2f}  "
+              f"{list(e.sizes)}{note}")
