@@ -26,6 +26,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from graphs.tune_measure import steady_ms  # the tuner times replays and steps the same way
 
 
 def _device_ms(platform_sync, fn, iters: int) -> float:  # noqa: ANN001
@@ -38,22 +39,6 @@ def _device_ms(platform_sync, fn, iters: int) -> float:  # noqa: ANN001
         fn()
         platform_sync()
         samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
-
-
-def _steady_ms(platform_sync, fn, iters: int, runs: int = 5) -> float:  # noqa: ANN001
-    """Per-call milliseconds of fn called back to back (no synchronization between calls)."""
-    for _ in range(3):
-        fn()
-    per_run = max(1, iters // runs)
-    samples = []
-    for _ in range(runs):
-        platform_sync()
-        start = time.perf_counter()
-        for _ in range(per_run):
-            fn()
-        platform_sync()
-        samples.append((time.perf_counter() - start) * 1e3 / per_run)
     return statistics.median(samples)
 
 
@@ -84,19 +69,19 @@ def measure_decode(
                               "graph_replay_ms": nan, "eager_forward_ms": nan, "engine_step_eager_ms": nan}
     if runner is not None and not sampled:
         padded = runner.padded_size(batch_size)
-        result["graph_replay_ms"] = _steady_ms(sync, lambda: runner._replay(padded), iters)
+        result["graph_replay_ms"] = steady_ms(sync, lambda: runner._replay(padded), iters)
         if eager:
             with torch.no_grad():
                 result["eager_forward_ms"] = _device_ms(sync, lambda: runner.step_eager(padded), iters)
     configured = engine.overlap
     for overlap in overlap_modes:
         engine.overlap = overlap
-        result[f"engine_step_graph_ms_overlap_{'on' if overlap else 'off'}"] = _steady_ms(sync, engine.step, iters)
+        result[f"engine_step_graph_ms_overlap_{'on' if overlap else 'off'}"] = steady_ms(sync, engine.step, iters)
     engine.overlap = configured
     result["engine_step_graph_ms"] = result[f"engine_step_graph_ms_overlap_{'on' if overlap_modes[0] else 'off'}"]
     if eager and not sampled:
         engine.runner.graph_runner = None
-        result["engine_step_eager_ms"] = _steady_ms(sync, engine.step, iters)
+        result["engine_step_eager_ms"] = steady_ms(sync, engine.step, iters)
         engine.runner.graph_runner = runner
     for request_id in ids:
         engine.abort(request_id)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform as host_platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -83,15 +82,10 @@ class MeasureReport:
 
 
 def machine_info(engine: "Engine | None" = None) -> dict[str, Any]:
-    """What the figures were measured on: CPU model, GPU name, torch and Python versions."""
-    cpu = host_platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    info: dict[str, Any] = {"cpu_model": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                            "torch": torch.__version__, "python": host_platform.python_version()}
+    """What the figures were measured on: engine.bench's CPU, torch and Python facts, plus the device."""
+    from engine.bench import machine_info as host_info
+
+    info = host_info()
     if engine is not None:
         info["device"] = engine.platform.name
         if engine.platform.device_type == "cuda" and torch.cuda.is_available():
@@ -101,8 +95,8 @@ def machine_info(engine: "Engine | None" = None) -> dict[str, Any]:
 
 
 def describe_machine(info: dict[str, Any]) -> str:
-    where = info.get("gpu") or f"{info.get('cpu_model')} ({info.get('cpu_count')} CPUs, {info.get('torch_threads')} threads)"
-    return f"{where}, torch {info.get('torch')}"
+    where = info.get("gpu") or f"{info.get('cpu_model')} ({info.get('cpu_count')} CPUs, {info.get('torch_num_threads')} threads)"
+    return f"{where}, torch {info.get('torch_version')}"
 
 
 def make_runner(engine: "Engine", sizes: Sequence[int]) -> "DecodeGraphRunner":
@@ -225,22 +219,22 @@ def measure_candidates(
     if two_pass:
         fixed_capture = max(0.0, sum(first.values()) - sum(second.values()))
     fill_rows(runner, max(sizes), context, vocab)
-    replay: dict[int, float] = {}
-    with torch.no_grad():
-        for size in sizes:
-            bar.set_postfix_str(f"replay {size}")
-            replay[size] = steady_ms(sync, lambda size=size: runner._replay(size), iters)
-            bar.update()
+
+    def time_each(label: str, each: Sequence[int], step: Callable[[int], object]) -> dict[int, float]:
+        times: dict[int, float] = {}
+        with torch.no_grad():
+            for size in each:
+                bar.set_postfix_str(f"{label} {size}")
+                times[size] = steady_ms(sync, lambda size=size: step(size), iters)
+                bar.update()
+        return times
+
+    replay = time_each("replay", sizes, runner._replay)
     if isinstance(getattr(runner, "graphs", None), dict):
         runner.graphs.clear()  # CUDA: this measurement's graphs (and their pools) go before the eager probes
     probe = make_runner(engine, [max(eager_sizes)])  # never captured: its buffers hold the eager batches
     fill_rows(probe, max(eager_sizes), context, vocab)
-    eager: dict[int, float] = {}
-    with torch.no_grad():
-        for size in eager_sizes:
-            bar.set_postfix_str(f"eager {size}")
-            eager[size] = steady_ms(sync, lambda size=size: probe.step_eager(size), iters)
-            bar.update()
+    eager = time_each("eager", eager_sizes, probe.step_eager)
     bar.close()
     source = "device" if kind == "cuda_graph" else "rss"
     measured = [

@@ -174,3 +174,18 @@ def engine_logits(engine: Engine, token_ids: Sequence[int], next_token: int) -> 
 def repeats(tokens: Sequence[int]) -> int:
     """How many tokens repeat an earlier token of the same sequence."""
     return len(tokens) - len(set(tokens))
+
+
+def load_tiny_llama(folder: str, num_hidden_layers: int = 2) -> tuple[Any, Any]:
+    """(model, ModelConfig) of a small random Llama saved to folder and loaded on the CPU in float32: the
+    vendor-backend tests' model (4 heads over 2 KV heads, so GQA is exercised)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.loader import load_model, resolve_model_source
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=num_hidden_layers,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                         max_position_embeddings=512)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return load_model(resolve_model_source(folder), torch.float32, torch.device("cpu"))

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.test_docker_lint import linter
+from tests.test_docker_lint import linter, shellcheck_available
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
@@ -40,10 +40,7 @@ DEVICE_FLAGS = {
 
 def shellcheck() -> str:
     """shellcheck for actionlint's run: checks; '' (off) where the test extra has no shellcheck wheel."""
-    try:
-        return linter("shellcheck")
-    except pytest.skip.Exception:
-        return ""
+    return linter("shellcheck") if shellcheck_available() else ""
 
 
 def actionlint(workflow: Path, config: Path = ACTIONLINT_CONFIG) -> subprocess.CompletedProcess:

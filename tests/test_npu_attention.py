@@ -11,6 +11,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from tests.helpers import load_tiny_llama
+
 import backends.npu.attention as npu_attention
 from backends.npu.attention import NpuDecodeMetadata, paged_attention_args, paged_attention_reference
 from backends.npu.platform import NpuEngineRunner, NpuPlatform
@@ -211,17 +213,7 @@ class FrozenHostArgsGraphs:
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.loader import load_model, resolve_model_source
-
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
-                         max_position_embeddings=512)  # fmt: skip
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("tiny_npu_llama"))
-    LlamaForCausalLM(config).save_pretrained(path)
-    return load_model(resolve_model_source(path), torch.float32, torch.device("cpu"))
+    return load_tiny_llama(str(tmp_path_factory.mktemp("tiny_npu_llama")), num_hidden_layers=2)
 
 
 def set_backend(model: torch.nn.Module, backend: Any) -> None:
