@@ -267,3 +267,52 @@ def test_fp8_kv_cache_is_widened_exactly(kind: str) -> None:
         got = run_decode(case, None) if kind == "decode" else run_ragged(case)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float().cpu(), case.reference().cpu(), atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+def last_slots(case: RaggedCase) -> torch.Tensor:
+    """Each decode row's slot of its last position (the new token's)."""
+    last = torch.tensor(case.seq_lens, device=DEVICE) - 1
+    pages = case.page_table.gather(1, (last // case.page_size).unsqueeze(1).to(case.page_table.device)).squeeze(1)
+    return pages.long() * case.page_size + last % case.page_size
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_kernel_stores_the_new_rows_itself(splits: int, window: int, fp8: bool) -> None:
+    """new_kv: the kernel writes this step's k/v to their slots and attends to them, which must equal
+    storing first (torch) and attending over the cache: the same output and the same cache. The new
+    rows' slots hold NaN before the launch, so a program that reads them from the cache poisons its
+    output; an FP8 cache gets them saturated (one value past e4m3's range). The interpreter narrows
+    float32 to e4m3 wrongly, so the FP8 case runs on a GPU only."""
+    from backends.cuda.triton_attention import FP8_KV_MAX, store_kv_rows
+    from backends.cuda.triton_decode import paged_decode_attention_triton
+
+    if fp8 and not ON_GPU:
+        pytest.skip("Triton's interpreter narrows float32 to e4m3 wrongly (checked compiled on the GPU)")
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    with kernel_mode():
+        case = decode_case(8, 2, 64, 16, [1, 17, 64, 150], dtype)
+        if fp8:
+            case.k_cache, case.v_cache = case.k_cache.to(torch.float8_e4m3fn), case.v_cache.to(torch.float8_e4m3fn)
+        slots = last_slots(case)
+        generator = torch.Generator().manual_seed(7)
+        k_new = torch.randn(4, 2, 64, generator=generator).to(DEVICE, dtype)
+        v_new = torch.randn(4, 2, 64, generator=generator).to(DEVICE, dtype)
+        k_new[3, 1, 5] = 1000.0  # past e4m3's 448: saturated, not NaN
+        stored_k, stored_v = case.k_cache.clone(), case.v_cache.clone()
+        store_kv_rows(stored_k, slots, k_new)
+        store_kv_rows(stored_v, slots, v_new)
+        case.k_cache[slots] = float("nan")
+        case.v_cache[slots] = float("nan")
+        lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
+        got = paged_decode_attention_triton(
+            case.q, case.k_cache, case.v_cache, case.page_table, lens, case.page_size, 64**-0.5, splits=splits,
+            window=window, new_kv=(k_new, v_new, slots), fp8_max=FP8_KV_MAX if fp8 else 0.0,
+        )
+        want = paged_decode_attention_triton(case.q, stored_k, stored_v, case.page_table, lens, case.page_size, 64**-0.5,
+                                             splits=splits, window=window)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=tolerance(dtype), rtol=tolerance(dtype))
+    assert torch.equal(case.k_cache[slots].float().cpu(), stored_k[slots].float().cpu())
+    assert torch.equal(case.v_cache[slots].float().cpu(), stored_v[slots].float().cpu())

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.cuda.gemv import gemv
 from backends.cuda.triton_build import load_kernel
 from engine.layers.linear import SCALE_BLOCK, Linear
 from engine.layers.ops import define_op
@@ -114,10 +115,16 @@ def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bi
     return out if bias is None else out + bias
 
 
+# One row with per-channel scales: the GEMV (backends/cuda/gemv.py), one launch without a 16-row tile.
+GEMV_ONE_ROW = True
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    if GEMV_ONE_ROW and rows.shape[0] == 1 and weight_scale.dim() == 1 and rows.is_cuda:
+        return gemv(rows, weight, bias, weight_scale).reshape(*x.shape[:-1], weight.shape[0])
     # torch._scaled_mm's row-wise scaling writes bf16 only; other activations stay weight-only.
     if weight_scale.dim() == 2 or rows.shape[0] <= WEIGHT_ONLY_MAX_ROWS or rows.dtype != torch.bfloat16:
         out = fp8_weight_only_matmul(rows, weight, weight_scale, bias)

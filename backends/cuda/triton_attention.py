@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import torch
 
+from backends.cuda.triton_build import interpreted
 from backends.cuda.triton_decode import paged_decode_attention_triton
 from backends.cuda.triton_extend import ragged_paged_attention
 from engine.layers.attention import AttentionMetadata
+from engine.layers.ops import define_decode_attention_op
+from graphs.capture_hooks import StaticBufferCaptureHooks
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_KV_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
-from engine.layers.ops import define_decode_attention_op
-from graphs.capture_hooks import StaticBufferCaptureHooks
 
 
 def store_kv_rows(cache: torch.Tensor, slot_indices: torch.Tensor, rows: torch.Tensor) -> None:
@@ -47,18 +48,27 @@ def triton_paged_decode(
     window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Store this step's k/v, then the Triton kernel; one opaque op so torch.compile leaves both alone."""
-    store_kv_rows(k_cache, slot_indices, k)
-    store_kv_rows(v_cache, slot_indices, v)
+    """This step's k/v stored and attended to in one Triton launch (the kernel writes them), one opaque
+    op so torch.compile leaves it alone. The kernel reads the new rows in the cache's own dtype or
+    rounds them through e4m3; any other pairing (and an FP8 cache under Triton's interpreter, which
+    narrows float32 to e4m3 wrongly) is stored by torch first."""
+    fp8 = k_cache.dtype == FP8_KV_DTYPE
+    if (fp8 and interpreted()) or (not fp8 and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype)):
+        store_kv_rows(k_cache, slot_indices, k)
+        store_kv_rows(v_cache, slot_indices, v)
+        return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, scale,
+                                             window=window, softcap=softcap)
     return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window=window,
-                                         softcap=softcap)
+                                         softcap=softcap, new_kv=(k, v, slot_indices),
+                                         fp8_max=FP8_KV_MAX if fp8 else 0.0)
 
 
 define_decode_attention_op("triton_paged_decode", triton_paged_decode)
 
 
 class TritonAttentionBackend(StaticBufferCaptureHooks):
-    """Decode and ragged extend through the Triton kernels; KV stored with index_copy_ (capturable)."""
+    """Decode and ragged extend through the Triton kernels; a decode step's k/v stored by the decode
+    kernel, an extend's with one index_copy_ per cache (both capturable)."""
 
     name = "triton"
     supports_sliding_window = True

@@ -60,12 +60,17 @@ def paged_decode_attention_triton(
     splits: int | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    fp8_max: float = 0.0,
 ) -> torch.Tensor:
     """q [B, H, D], caches [slots, KVH, D], page_table [B, pages], seq_lens [B] -> [B, H, D].
 
     splits: context ranges per (request, kv head); default decode_splits() for this batch.
     window: a sliding window (the last `window` positions only); 0 for none.
-    softcap: scores soft-capped to softcap * tanh(score / softcap) (Gemma 2); 0 for none."""
+    softcap: scores soft-capped to softcap * tanh(score / softcap) (Gemma 2); 0 for none.
+    new_kv: (k [B, KVH, D], v [B, KVH, D], slot_indices [B]): this step's k/v, stored by the kernel
+    itself at each row's last position (None: they are in the cache already). fp8_max: an FP8 cache's
+    saturation bound for those stores."""
     import triton
 
     decode_kernel, combine_kernel = load_kernel(KERNELS, "paged_decode_kernel"), load_kernel(KERNELS, "combine_splits_kernel")
@@ -81,8 +86,10 @@ def paged_decode_attention_triton(
     else:
         partial = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)  # unread without STORE_NEW
     decode_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, page_table, seq_lens, partial, lse,
+        k_new, v_new, slots,
         scale,
         window,
         softcap,
@@ -92,6 +99,8 @@ def paged_decode_attention_triton(
         page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
+        k_new.stride(0), k_new.stride(1),
+        v_new.stride(0), v_new.stride(1),
         PAGE_SIZE=page_size,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
@@ -101,6 +110,8 @@ def paged_decode_attention_triton(
         SPLITS=splits,
         IEEE_FP32=q.dtype == torch.float32 and not interpreted(),
         SOFTCAPPED=softcap > 0,
+        STORE_NEW=new_kv is not None,
+        FP8_MAX=fp8_max,
         **triton_launch_options("decode", 4, tile_mn=(max(16, triton.next_power_of_2(group)), 64 if head_dim <= 128 else 32),
                                 block_k=min(dim_pad, 64 if head_dim <= 128 else 32)),
     )

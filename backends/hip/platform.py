@@ -15,6 +15,7 @@ class HipPlatform(CudaPlatform):
     name = "rocm"  # configs/rocm.yaml
     device_type = "cuda"  # HIP devices are torch "cuda" devices
     dist_backend = "nccl"  # RCCL behind torch's nccl backend name
+    one_row_gemv = False  # measured against cuBLAS on the H200 only; rocBLAS stays until measured on AMD
 
     def is_available(self) -> bool:
         return torch.version.hip is not None and torch.cuda.is_available()

@@ -12,6 +12,7 @@ from backends.cuda.kernels.softcap import softcap_scores
 @triton.jit(do_not_specialize=["window", "stride_pb"])
 def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    k_new_ptr, v_new_ptr, slots_ptr,
     scale,
     window,
     softcap,
@@ -21,6 +22,8 @@ def paged_decode_kernel(
     stride_pb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
+    stride_nkb, stride_nkh,
+    stride_nvb, stride_nvh,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -30,7 +33,16 @@ def paged_decode_kernel(
     SPLITS: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     SOFTCAPPED: tl.constexpr = False,
+    STORE_NEW: tl.constexpr = False,
+    FP8_MAX: tl.constexpr = 0.0,
 ):
+    # STORE_NEW: this step's k/v rows (k_new, v_new: [B, KVH, D], one token per request, at position
+    # seq_len - 1) are stored here instead of by separate copies before the launch: the program whose
+    # range holds that position writes them to the request's slot (saturated to +-FP8_MAX first for an
+    # FP8 cache), and every program reads that position's k/v from k_new/v_new instead of the cache,
+    # so no program reads a slot this launch writes. Two index_copy_ kernels a layer (six for an FP8 cache)
+    # disappear from every decode graph. Values pass through the cache's dtype first, so the attention
+    # sees exactly what later steps will read back.
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -53,6 +65,17 @@ def paged_decode_kernel(
         q_ptr + batch * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
     )
+    new_pos = seq_len - 1
+    if STORE_NEW:
+        if (begin <= new_pos) & (new_pos < end):  # this program's range holds the new position: store it
+            k_new = tl.load(k_new_ptr + batch * stride_nkb + kv_head * stride_nkh + offs_d, mask=d_mask, other=0.0)
+            v_new = tl.load(v_new_ptr + batch * stride_nvb + kv_head * stride_nvh + offs_d, mask=d_mask, other=0.0)
+            if FP8_MAX > 0:
+                k_new = tl.minimum(tl.maximum(k_new.to(tl.float32), -FP8_MAX), FP8_MAX)
+                v_new = tl.minimum(tl.maximum(v_new.to(tl.float32), -FP8_MAX), FP8_MAX)
+            new_slot = tl.load(slots_ptr + batch).to(tl.int64)
+            tl.store(k_ptr + new_slot * stride_ks + kv_head * stride_kh + offs_d, k_new.to(k_ptr.dtype.element_ty), mask=d_mask)
+            tl.store(v_ptr + new_slot * stride_vs + kv_head * stride_vh + offs_d, v_new.to(v_ptr.dtype.element_ty), mask=d_mask)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
@@ -62,8 +85,29 @@ def paged_decode_kernel(
         page = tl.load(page_table_ptr + batch * stride_pb + tokens // PAGE_SIZE, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + tokens % PAGE_SIZE
         kv_mask = valid[:, None] & d_mask[None, :]
+        k_ptrs = k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
+        v_ptrs = v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
+        # The new position's row is read from k_new/v_new, never from the slot this launch writes. With the
+        # cache's own dtype that is a pointer choice per row (nothing held across the loop: registers stay
+        # as without the store); an FP8 cache's row is loaded, saturated and rounded through e4m3 as stored.
+        if STORE_NEW:
+            is_new = (tokens == new_pos)[:, None]
+            k_new_ptrs = k_new_ptr + batch * stride_nkb + kv_head * stride_nkh + offs_d[None, :] + 0 * slot[:, None]
+            v_new_ptrs = v_new_ptr + batch * stride_nvb + kv_head * stride_nvh + offs_d[None, :] + 0 * slot[:, None]
+            if FP8_MAX > 0:
+                kv_mask_new = is_new & d_mask[None, :]
+                k_row = tl.load(k_new_ptrs, mask=kv_mask_new, other=0.0).to(tl.float32)
+                v_row = tl.load(v_new_ptrs, mask=kv_mask_new, other=0.0).to(tl.float32)
+                k_row = tl.minimum(tl.maximum(k_row, -FP8_MAX), FP8_MAX).to(k_ptr.dtype.element_ty).to(q.dtype)
+                v_row = tl.minimum(tl.maximum(v_row, -FP8_MAX), FP8_MAX).to(v_ptr.dtype.element_ty).to(q.dtype)
+                kv_mask = kv_mask & (is_new == 0)
+            else:
+                k_ptrs = tl.where(is_new, k_new_ptrs, k_ptrs)
+                v_ptrs = tl.where(is_new, v_new_ptrs, v_ptrs)
         # An FP8 cache (--kv-cache-dtype fp8_e4m3) is widened in registers: every e4m3 value is exact in q's dtype.
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+        if STORE_NEW and FP8_MAX > 0:
+            k = tl.where(is_new, k_row, k)
         if IEEE_FP32:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -76,7 +120,9 @@ def paged_decode_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+        if STORE_NEW and FP8_MAX > 0:
+            v = tl.where(is_new, v_row, v)
         if IEEE_FP32:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:

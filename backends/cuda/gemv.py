@@ -1,0 +1,128 @@
+"""One-row matmuls (decode at batch 1) through a Triton GEMV instead of cuBLAS.
+
+At batch 1 every linear is a matrix-vector product bound by the weight bytes. On the H200 (torch
+2.11, CUDA 13; benchmarks/profile_kernels.py) cuBLAS streamed gate_up (235 MB) at 4.2 TB/s but
+q/k/v and o_proj (50 and 34 MB) at about 3.1 TB/s, and ran o_proj and down_proj split-K with a
+reduce and a copy kernel after each. kernels/gemv.py does each in one launch; the sweep
+(benchmarks/gemv_sweep.py, docs/results/h200_gemv_sweep_2026-12-02.json) found it faster on every
+Llama-3-8B matrix in bf16 and in FP8, and in the engine it took the batch-1 replay from 4.73 to
+4.31 ms (docs/cuda.md). `use_gemv` switches the dense bf16/fp16 linears; the method takes the GEMV
+only for one-row inputs, which in a compiled step is dynamo's own size-1 specialisation (no new
+guard, no extra graph); other row counts stay on cuBLAS.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backends.cuda.triton_build import load_kernel
+from engine.layers.linear import DENSE, Linear
+from engine.layers.ops import define_op
+
+logger = logging.getLogger(__name__)
+
+KERNELS = "backends.cuda.kernels.gemv"
+DISABLE_ENV = "ENGINE_CUDA_GEMV"  # "0": every linear stays on cuBLAS
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = 8
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def choose_config(out_features: int, in_features: int, weight_bytes: int) -> GemvConfig:
+    """Tiles by shape, from the H200 sweep over Llama-3-8B's matrices (benchmarks/gemv_sweep.py,
+    docs/results/h200_gemv_sweep_2026-12-02.json): wide matrices (gate_up, the LM head) in narrow
+    row tiles, long rows (down_proj) in long column chunks, FP8 bytes in longer chunks than bf16's."""
+    if weight_bytes == 1:
+        if in_features >= 8192 or out_features * in_features <= 4096 * 4096:
+            return GemvConfig(8, 1024, 4, 1)
+        return GemvConfig(8, 512, 4, 1) if out_features >= 16384 else GemvConfig(16, 512, 8, 1)
+    if out_features >= 16384:
+        return GemvConfig(4, 1024, 4, 1)
+    return GemvConfig(16, 1024, 8, 1) if in_features >= 8192 else GemvConfig(16, 512, 8, 1)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """x [1, K] @ (weight [N, K] (* scale [N] per row)).T + bias -> [1, N] in x's dtype, float32 sums."""
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"gemv takes one row, got x of shape {tuple(x.shape)}")
+    out_features, in_features = weight.shape
+    config = config or choose_config(out_features, in_features, weight.element_size())
+    x = x.contiguous()
+    out = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
+    kernel = load_kernel(KERNELS, "gemv_kernel")
+    grid = (-(-out_features // config.block_n),)
+    kernel[grid](
+        x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
+        out_features, in_features,
+        weight.stride(0),
+        HAS_SCALE=scale is not None,
+        HAS_BIAS=bias is not None,
+        EVEN_N=out_features % config.block_n == 0,
+        EVEN_K=in_features % config.block_k == 0,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def _dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.shape[0] == 1 and weight.is_cuda:
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _dense_gemv_fake(x, weight, bias):  # noqa: ANN001, ANN202
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+define_op("dense_gemv", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _dense_gemv, _dense_gemv_fake)
+
+
+class GemvLinearMethod:
+    """engine.layers.linear.LinearMethod: one-row inputs through the Triton GEMV, others cuBLAS."""
+
+    name = "dense_gemv"
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1:
+            return torch.ops.engine.dense_gemv(x, layer.weight, layer.bias)
+        return F.linear(x, layer.weight, layer.bias)
+
+
+GEMV = GemvLinearMethod()
+
+# Weight matrices up to this many bytes take the GEMV (every matrix of Llama-3-8B, its 1 GB LM head
+# included, was faster through it in the sweep); larger ones were not measured.
+GEMV_MAX_WEIGHT_BYTES = 2 * 1024**3
+
+
+def use_gemv(model: nn.Module) -> int:
+    """Switch the dense bf16/fp16 linears the GEMV reads faster; returns how many were switched."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return 0
+    switched = 0
+    for module in model.modules():
+        if not isinstance(module, Linear) or module.method is not DENSE:
+            continue
+        weight = module.weight
+        if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float16):
+            continue
+        if weight.numel() * weight.element_size() > GEMV_MAX_WEIGHT_BYTES:
+            continue
+        module.method = GEMV
+        switched += 1
+    return switched

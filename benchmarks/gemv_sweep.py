@@ -1,0 +1,120 @@
+"""One-row matmuls on the GPU: cuBLAS (F.linear) against the Triton GEMV's tiles, bf16 and FP8 weights.
+
+    PYTHONPATH=. python benchmarks/gemv_sweep.py --output bench_results/gemv_sweep.json
+
+Llama-3-8B's shapes at batch 1. Each candidate is timed under CUDA-graph replay over 8 distinct copies
+of the weight (more bytes than the L2 holds, as a model's layers are), so each call streams its weight
+from HBM as in a decode step; a device-to-device copy in the same run gives the bandwidth ceiling.
+Prints a table per shape (best GEMV tile, its time and TB/s against cuBLAS's) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+from typing import Any, Callable
+
+import torch
+
+from backends.cuda.gemv import GemvConfig, gemv
+
+SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336),
+          "lm_head": (128256, 4096)}
+COPIES = 8
+
+
+def graph_us(calls: list[Callable[[], Any]], replays: int = 20) -> float:
+    """Microseconds per call: every call captured once in one graph, the graph replayed."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for call in calls:  # warm-up (JIT) outside the capture
+            call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_us([lambda: dst.copy_(src)], replays=10)
+    return 2 * src.numel() / (us * 1e-6) / 1e12
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--block-n", default="4,8,16")
+    parser.add_argument("--block-k", default="512,1024")
+    parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--stages", default="1,3")
+    parser.add_argument("--dtypes", default="bf16,fp8")
+    parser.add_argument("--output", default="bench_results/gemv_sweep.json")
+    args = parser.parse_args()
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    configs = [GemvConfig(*c) for c in itertools.product(ints(args.block_n), ints(args.block_k), ints(args.warps),
+                                                         ints(args.stages))]
+    ceiling = copy_bandwidth()
+    print(f"device copy: {ceiling:.2f} TB/s")
+    results: list[dict[str, Any]] = []
+    torch.manual_seed(0)
+    x = torch.randn(1, 14336, dtype=torch.bfloat16, device="cuda")
+    for dtype_name in args.dtypes.split(","):
+        for name, (n, k) in SHAPES.items():
+            weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(COPIES)]
+            xk = x[:, :k]
+            row: dict[str, Any] = {"dtype": dtype_name, "layer": name, "n": n, "k": k}
+            if dtype_name == "fp8":
+                from backends.cuda.fp8_linear import fp8_weight_only_matmul
+                from engine.quantization.fp8 import quantize_per_channel
+
+                quantized = [quantize_per_channel(w) for w in weights]
+                del weights
+                bytes_per_call = n * k
+                row["baseline"] = "triton fp8_weight_only_matmul"
+                row["baseline_us"] = graph_us([lambda q=q: fp8_weight_only_matmul(xk, q[0], q[1], None) for q in quantized])
+                candidates = {c: [lambda q=q, c=c: gemv(xk, q[0], None, q[1], c) for q in quantized] for c in configs}
+            else:
+                bytes_per_call = 2 * n * k
+                row["baseline"] = "cublas F.linear"
+                row["baseline_us"] = graph_us([lambda w=w: torch.nn.functional.linear(xk, w) for w in weights])
+                candidates = {c: [lambda w=w, c=c: gemv(xk, w, None, None, c) for w in weights] for c in configs}
+            timings = []
+            for config, calls in candidates.items():
+                try:
+                    timings.append((graph_us(calls), config))
+                except Exception as exc:  # a tile Triton cannot build (registers, shared memory): skip it
+                    print(f"  {config}: {type(exc).__name__}")
+            best_us, best = min(timings, key=lambda t: t[0])
+            row.update(best_us=best_us, best=best.__dict__, baseline_tbs=bytes_per_call / row["baseline_us"] / 1e6,
+                       best_tbs=bytes_per_call / best_us / 1e6,
+                       all=[{"us": us, **c.__dict__} for us, c in sorted(timings, key=lambda t: t[0])])
+            results.append(row)
+            print(f"{dtype_name:5} {name:13} {row['baseline']:32} {row['baseline_us']:8.1f} us ({row['baseline_tbs']:.2f} TB/s)"
+                  f" | GEMV best {best_us:8.1f} us ({row['best_tbs']:.2f} TB/s) {best}")
+            del candidates
+            torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
+    with open(args.output, "w") as handle:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbs": ceiling,
+                   "results": results}, handle, indent=1)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The one-row Triton GEMV (backends/cuda/gemv.py) against F.linear, and its linear method.
+
+Compiled on a GPU; in Triton's interpreter elsewhere (float32), so the kernel's tiling, masks and
+epilogue are checked on every CI machine."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.triton_interpreter import interpreter_mode, triton_installed
+
+pytestmark = pytest.mark.skipif(not triton_installed(), reason="triton is not installed")
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def kernel_mode():  # noqa: ANN201
+    return nullcontext() if ON_GPU else interpreter_mode()
+
+
+@pytest.mark.parametrize("n,k", [(64, 512), (40, 96), (13, 1030)])  # even tiles; ragged rows; ragged rows and columns
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_linear(n: int, k: int, with_bias: bool) -> None:
+    from backends.cuda.gemv import GemvConfig, gemv
+
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    generator = torch.Generator().manual_seed(n * k)
+    x = torch.randn(1, k, generator=generator).to(DEVICE, dtype)
+    weight = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=generator).to(DEVICE, dtype) if with_bias else None
+    with kernel_mode():
+        got = [gemv(x, weight, bias, config=GemvConfig(block_n, block_k, 4, 1)) for block_n, block_k in ((8, 512), (4, 64))]
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for out in got:
+        assert out.dtype == dtype and out.shape == (1, n)
+        torch.testing.assert_close(out.float(), want, atol=tol * k**0.5, rtol=tol)
+
+
+def test_gemv_fp8_rows_with_scales() -> None:
+    """e4m3 weights widened in registers, times a float32 scale per row: the FP8 reference's numerics."""
+    from backends.cuda.gemv import GemvConfig, gemv
+    from engine.quantization.fp8 import fp8_reference_linear, quantize_per_channel
+
+    generator = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    x = torch.randn(1, 256, generator=generator).to(DEVICE, dtype)
+    weight, scale = quantize_per_channel(torch.randn(48, 256, generator=generator) * 0.05)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    if not ON_GPU:
+        pytest.skip("e4m3 loads need a GPU build of Triton's conversions (the interpreter widens via numpy)")
+    got = gemv(x, weight, None, scale, GemvConfig(8, 128, 4, 1))
+    want = fp8_reference_linear(x, weight, scale, None)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_gemv_refuses_more_than_one_row() -> None:
+    from backends.cuda.gemv import gemv
+
+    with pytest.raises(ValueError, match="one row"):
+        gemv(torch.zeros(2, 8), torch.zeros(4, 8))
+
+
+def test_gemv_method_takes_one_row_inputs_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The method's op runs the GEMV for one row and F.linear for more; use_gemv switches the dense
+    bf16/fp16 linears under the size bound and nothing else."""
+    import backends.cuda.gemv as gemv_module
+    from backends.cuda.gemv import GEMV, use_gemv
+    from engine.layers.linear import DENSE, Linear
+
+    dtype = torch.bfloat16
+    model = torch.nn.ModuleList([Linear(64, 96, bias=True), Linear(64, 32), Linear(8, 8)]).to(DEVICE, dtype)
+    model[2].float()  # float32: stays dense
+    assert use_gemv(model) == 2
+    assert model[0].method is GEMV and model[1].method is GEMV and model[2].method is DENSE
+    monkeypatch.setattr(gemv_module, "GEMV_MAX_WEIGHT_BYTES", 64 * 64 * 2 - 1)  # one byte short of a 64 x 64 bf16
+    assert use_gemv(torch.nn.ModuleList([Linear(64, 64).to(dtype), Linear(32, 64).to(dtype)])) == 1
+    monkeypatch.setenv("ENGINE_CUDA_GEMV", "0")
+    assert use_gemv(torch.nn.ModuleList([Linear(32, 64).to(dtype)])) == 0
+    if not ON_GPU:
+        return  # the op's GEMV branch runs on CUDA tensors only; the kernel itself is tested above
+    for rows in (1, 3):
+        x = torch.randn(rows, 64, device=DEVICE, dtype=dtype)
+        torch.testing.assert_close(model[0](x).float(), F.linear(x, model[0].weight, model[0].bias).float(),
+                                   atol=2e-2, rtol=2e-2)
