@@ -62,6 +62,11 @@ def write_gguf(hf_folder: str, path: str) -> str:
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     rope = config.get("rope_parameters") or {}
+    if arch == "gemma3":  # the file holds the global layers' rope; llama.cpp fixes the local layers' (10k)
+        rope = rope["full_attention"]
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope["factor"]))
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     if arch in ("llama", "mistral"):
         writer.add_rope_dimension_count(head_dim)

@@ -1,5 +1,5 @@
 """GGUF beyond the embedded SmolLM2 file: Qwen2, Qwen3, Llama, Mistral (which llama.cpp writes as
-"llama") and Gemma 2, from tiny float32 GGUF files written as llama.cpp lays them out
+"llama"), Gemma 2 and Gemma 3, from tiny float32 GGUF files written as llama.cpp lays them out
 (tests/gguf_files.py), through the same weight loaders as safetensors. Held against transformers
 on the safetensors checkpoint the GGUF was written from: greedy ids over 32 tokens, prompts
 arriving at different steps."""
@@ -19,8 +19,12 @@ from tests.conftest import build_tiny_checkpoint, track
 from tests.gguf_files import write_gguf
 from tests.helpers import run_staggered
 
-# (tiny spec, overrides). Gemma 2's query scale is not in GGUF metadata: llama.cpp uses key_length.
-FAMILIES = [("qwen2", {}), ("qwen3", {}), ("llama_plain", {}), ("mistral", {}), ("gemma2", {"query_pre_attn_scalar": 16})]
+# (tiny spec, overrides). Gemma's query scale is not in GGUF metadata: llama.cpp uses key_length. A Gemma 3
+# GGUF cannot say which layers are global (llama.cpp fixes every sixth) nor the local rope base (10k).
+GEMMA3_LAYOUT = {"num_hidden_layers": 6, "query_pre_attn_scalar": 16,
+                 "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+FAMILIES = [("qwen2", {}), ("qwen3", {}), ("llama_plain", {}), ("mistral", {}), ("gemma2", {"query_pre_attn_scalar": 16}),
+            ("gemma3", GEMMA3_LAYOUT)]
 
 
 def hf_greedy(folder: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
