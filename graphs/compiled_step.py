@@ -125,9 +125,16 @@ class CompiledDecodeStep:
         backend: str = "inductor",
         options: dict[str, Any] | None = None,
         max_entries: int = 8,
+        dynamic_batch: bool = False,
     ) -> None:
+        """dynamic_batch (with dynamic=None): mark the batch dimension dynamic from the first call, so the
+        first (largest) capture size compiles the graph every size above 1 shares. Left to dynamo's automatic
+        dynamic shapes, the first size compiled a static graph, the second a dynamic one, and size 1 its own:
+        three compiles of each piece instead of two. maybe_mark_dynamic: where something in a layer did
+        need a fixed batch, dynamo specialises as before instead of failing."""
         self.model = model
         self.kv_caches = kv_caches
+        self.dynamic_batch = dynamic_batch and dynamic is None
         self.max_entries = max_entries  # compiled entries per piece this step may hold (one per capture size)
         compile_kwargs: dict[str, Any] = {"dynamic": dynamic, "fullgraph": True, "backend": backend}
         if options:
@@ -137,7 +144,15 @@ class CompiledDecodeStep:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.model.embed(input_ids)
+        mark = self.dynamic_batch and input_ids.shape[0] > 1  # size 1 is dynamo's own specialisation anyway
+        if mark:
+            for tensor in (positions, meta.slot_indices, meta.page_table, meta.seq_lens):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
         with compile_limits(self.max_entries), step_context(self.model.attention_backend, meta):
             for layer, (k_cache, v_cache) in zip(self.model.decoder_layers(), self.kv_caches):
+                if mark:
+                    torch._dynamo.maybe_mark_dynamic(hidden, 0)
                 hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, meta)
+        if mark:
+            torch._dynamo.maybe_mark_dynamic(hidden, 0)
         return self.head_fn(self.model, hidden)

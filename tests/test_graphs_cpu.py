@@ -171,3 +171,27 @@ def test_many_graph_engines_in_one_process(tiny_checkpoints: dict[str, str]) -> 
             engine = track(Engine(model=tiny_checkpoints["qwen3"], page_size=page_size, **options))
             assert len(engine.generate([[4, 5, 6]], greedy(3))[0].token_ids) == 3
             assert engine.runner.graph_steps == 2
+
+
+@pytest.mark.parametrize("dynamic_batch", [False, True])
+def test_a_dynamic_batch_compiles_each_piece_twice_not_three_times(tiny_llama: str, dynamic_batch: bool) -> None:
+    """The CUDA runner's compiled step (dynamic=None), captured largest size first: marked dynamic from the
+    first call, every size above 1 shares the first compile and size 1 gets its own (two per piece, layer
+    and head); left to dynamo's automatic dynamic shapes the first size compiled static, the second again
+    dynamic (three). Counted with dynamo's eager backend: the frames are the same whatever the backend."""
+    from graphs.compiled_step import CompiledDecodeStep, compile_count
+    from graphs.static_buffers import StaticDecodeBuffers
+
+    engine = track(Engine(model=tiny_llama, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256,
+                          warmup=False))
+    step = CompiledDecodeStep(engine.model, engine.kv_pool.caches, dynamic=None, backend="eager", max_entries=16,
+                              dynamic_batch=dynamic_batch)
+    buffers = StaticDecodeBuffers.allocate(8, 4, engine.kv_pool.page_size, torch.device("cpu"), torch.int64)
+    before = compile_count()
+    outputs = {}
+    with torch.no_grad():
+        for bs in (8, 4, 2, 1):  # largest first, as capture runs
+            outputs[bs] = step(buffers.input_ids[:bs], buffers.positions[:bs], buffers.metadata(bs))
+    assert compile_count() - before == (4 if dynamic_batch else 6)
+    for bs, logits in outputs.items():
+        torch.testing.assert_close(logits, outputs[8][:bs])  # the same dummy rows give the same logits
