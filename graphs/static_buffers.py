@@ -24,16 +24,21 @@ class StaticDecodeBuffers:
     # [4, max_bs] int64 whose rows ARE input_ids, positions and slot_indices (int64 slots only), and
     # the decode rows of the persistent state: one host-to-device copy fills all four.
     staging: torch.Tensor | None = None
+    # [max_bs] int32 on the host: a copy of seq_lens for kernels that take lengths as host arguments
+    # (Ascend's paged attention, refreshed by graph.update), where the platform asks for it.
+    seq_lens_host: torch.Tensor | None = None
 
     @classmethod
     def allocate(
-        cls, max_bs: int, max_pages: int, page_size: int, device: torch.device, slot_dtype: torch.dtype
+        cls, max_bs: int, max_pages: int, page_size: int, device: torch.device | str, slot_dtype: torch.dtype,
+        host_lengths: bool = False,
     ) -> "StaticDecodeBuffers":
         page_table = torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device)
         seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        seq_lens_host = torch.zeros(max_bs, dtype=torch.int32) if host_lengths else None
         if slot_dtype == torch.int64:
             staging = torch.zeros(4, max_bs, dtype=torch.int64, device=device)
-            return cls(staging[0], staging[1], staging[2], page_table, seq_lens, page_size, staging)
+            return cls(staging[0], staging[1], staging[2], page_table, seq_lens, page_size, staging, seq_lens_host)
         return cls(
             input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
             positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
@@ -41,7 +46,14 @@ class StaticDecodeBuffers:
             page_table=page_table,
             seq_lens=seq_lens,
             page_size=page_size,
+            seq_lens_host=seq_lens_host,
         )
+
+    def views(self, bs: int) -> tuple[torch.Tensor, ...]:
+        """(input_ids, positions, slot_indices, page_table, seq_lens) of the first bs rows: a step
+        callable's positional arguments for the graph of size bs."""
+        return (self.input_ids[:bs], self.positions[:bs], self.slot_indices[:bs], self.page_table[:bs],
+                self.seq_lens[:bs])
 
     def fill_from_rows(self, host_inputs: torch.Tensor, state: "DecodeBatchState", padded_bs: int) -> torch.Tensor:
         """Fill from the persistent decode state: host_inputs [4, n] int64 = (tokens, positions, slots,

@@ -133,9 +133,9 @@ def test_npu_and_hpu_runners_take_their_platform_hooks() -> None:
             calls.append("after_capture")
             super().after_capture(state, bs, graph)
 
-        def prepare_for_replay(self, state: Any, bs: int, *inputs: torch.Tensor) -> int:
-            calls.append("prepare_for_replay")
-            return super().prepare_for_replay(state, bs, *inputs)
+        def fill_inputs(self, state: Any, bs: int, *inputs: torch.Tensor) -> int:
+            calls.append("fill_inputs")
+            return super().fill_inputs(state, bs, *inputs)
 
         def before_replay(self, state: Any, bs: int, graph: Any) -> None:
             calls.append("before_replay")
@@ -151,14 +151,14 @@ def test_npu_and_hpu_runners_take_their_platform_hooks() -> None:
     args = (torch.tensor([3, 4, 5]), seq_lens.long() - 1, torch.tensor([20, 30, 40]),
             torch.randint(1, 50, (3, 4), dtype=torch.int32), seq_lens)
     assert torch.equal(runner.run(*args), _step(*args))
-    assert calls[-2:] == ["prepare_for_replay", "before_replay"]
+    assert calls[-2:] == ["fill_inputs", "before_replay"]
     assert api.updates[-1] == [{"actual_seq_lengths_kv": seq_lens.tolist() + [0]}]
 
     seen: list[tuple[int, int]] = []
 
     class HpuRecording(HpuGraphHooks):
-        def prepare_for_replay(self, *inputs: torch.Tensor) -> Any:
-            batch = super().prepare_for_replay(*inputs)
+        def pad_inputs(self, *inputs: torch.Tensor) -> Any:
+            batch = super().pad_inputs(*inputs)
             seen.append(batch.bucket)
             return batch
 

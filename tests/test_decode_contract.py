@@ -67,7 +67,20 @@ def test_vendor_runners_take_the_engines_step_messages(
         return run_decode(self, message, state)
 
     monkeypatch.setattr(type(engine.runner.graph_runner), "run_decode", counted)
+    # The runner's hooks are the attention backend's (its graph_hooks), and every decode step's replay
+    # inputs come through their prepare_for_replay (graphs/capture_hooks.py's contract).
+    hooks = engine.runner.graph_runner.inner.hooks
+    assert type(hooks) is type(engine.model.attention_backend).graph_hooks
+    replays: list[int] = []
+    prepare = type(hooks).prepare_for_replay
+
+    def recorded(self: Any, replay_state: Any, message: Any, batch_state: Any, padded_bs: int) -> torch.Tensor:
+        replays.append(message.batch_size)
+        return prepare(self, replay_state, message, batch_state, padded_bs)
+
+    monkeypatch.setattr(type(hooks), "prepare_for_replay", recorded)
     got = run_staggered(engine, PROMPTS, PARAMS, ARRIVALS)
     assert got.token_ids == want
     assert calls and set(calls) >= {1, 2, 3, 4}  # padded sizes (3) included
+    assert replays == calls
     assert engine.runner.eager_steps == len(got.recorder.extend_sizes)  # every decode step went through it

@@ -15,9 +15,9 @@ import torch
 import yaml
 
 from backends.base import CONFIG_DIR, DeviceUnavailableError
+from graphs.static_buffers import StaticDecodeBuffers
 from backends.npu.graph_runner import (
     NpuDecodeGraphRunner,
-    StaticDecodeBuffers,
     capture_order,
     fill_static_inputs,
     npu_graph_budget,
@@ -137,7 +137,7 @@ def test_graph_budget_and_sampling() -> None:
 
 
 def test_fill_static_inputs_pads_with_dummy_slot_and_zero_len() -> None:
-    buffers = StaticDecodeBuffers.allocate(max_bs=8, max_pages_per_seq=6, device="cpu")
+    buffers = StaticDecodeBuffers.allocate(8, 6, 16, "cpu", torch.int32, host_lengths=True)
     assert buffers.slot_indices.dtype == buffers.page_table.dtype == buffers.seq_lens.dtype == torch.int32
     long = torch.arange(1, 8 * 6 + 1, dtype=torch.int32).reshape(8, 6)
     fill_static_inputs(buffers, 8, torch.arange(8), torch.arange(8), torch.arange(8) + 100, long, torch.full((8,), 9))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
@@ -43,6 +43,11 @@ from backends.hpu.bucketing import (
 )
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import extend_attention
+from engine.transfer import to_device
+
+if TYPE_CHECKING:
+    from engine.batch_state import DecodeBatchState
+    from engine.step_message import DecodeMessage
 
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -246,7 +251,25 @@ class HpuGraphHooks:
         """The host batch a bucket is warmed up (compiled) with: dummy page 0 only."""
         return warmup_batch(bucket, self.page_size, self.max_blocks_per_seq, self.slot_dtype)
 
+    def init_capture_state(
+        self, max_bs: int, max_pages: int, page_size: int, device: torch.device | str, slot_dtype: torch.dtype,
+    ) -> "HpuReplayState":
+        """HPU graphs are compiled per bucket shape and take fresh inputs each call: no static buffers, only
+        the padded batch prepare_for_replay hands the runner."""
+        return HpuReplayState()
+
     def prepare_for_replay(
+        self, state: "HpuReplayState", message: "DecodeMessage", batch_state: "DecodeBatchState", padded_bs: int
+    ) -> torch.Tensor:
+        """The engine's decode step (graphs/capture_hooks.py's contract): the bucket chosen and the batch
+        padded on the host from the step message's host tensors and the host copy of the rows' pages, so
+        no step copies its inputs back from the device; the padded batch goes to `state.batch`. padded_bs
+        is not used: the bucket (rows and blocks) is this hook's choice. Returns the decode rows on the device."""
+        ids, positions, slots, page_table, seq_lens = message.host_batch()
+        state.batch = self.pad_inputs(ids, positions, slots, page_table, seq_lens)
+        return to_device(message.inputs[3], torch.int64, batch_state.device)
+
+    def pad_inputs(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_indices: torch.Tensor, page_table: torch.Tensor,
         seq_lens: torch.Tensor,
     ) -> PaddedDecodeBatch:
@@ -264,6 +287,13 @@ class HpuGraphHooks:
             meta = build_block_metadata(host_batch.page_table, host_batch.seq_lens, self.page_size, host_batch.bucket[1])
             kwargs = {k: v.to(device, non_blocking=True) for k, v in vars(meta).items()}
         return move_batch(host_batch, device), kwargs
+
+
+@dataclass
+class HpuReplayState:
+    """What HpuGraphHooks.prepare_for_replay hands the runner: the step's batch, padded to its bucket."""
+
+    batch: PaddedDecodeBatch | None = None
 
 
 def _hpu_store_kv() -> StoreFn:

@@ -134,12 +134,14 @@ class HpuDecodeRunner:
         precompiled: bool = False,
         compile_metric: Callable[[], ContextManager[Any]] | None = None,
         hooks: HpuGraphHooks | None = None,
+        hooks_class: type[HpuGraphHooks] = HpuGraphHooks,
     ) -> None:
         """precompiled: in compile mode the step compiles its own regions (one decoder layer's graph shared
         by every layer, HpuEngineRunner's regional compilation), so the runner does not wrap it whole.
         compile_metric: a factory of the bridge's local compile metric (default on Gaudi:
         metric_localcontext("graph_compilation")); its count inside the decode region trips strict mode.
-        hooks: the attention backend's capture/replay hooks (default: HpuGraphHooks over the arguments above,
+        hooks: the attention backend's capture/replay hooks (default: hooks_class, the backend's `graph_hooks`,
+        over the arguments above,
         backends/hpu/attention.py): warm-up batches, host padding and block metadata; this runner keeps the
         compile-per-bucket mechanism and the strict checks."""
         if mode not in ("compile", "lazy", "eager"):
@@ -157,9 +159,11 @@ class HpuDecodeRunner:
         self.show_progress = show_progress
         self.skip_warmup = skip_warmup
         self.precompiled = precompiled
-        self.hooks = hooks if hooks is not None else HpuGraphHooks(
+        self.hooks = hooks if hooks is not None else hooks_class(
             self.buckets, page_size, max_blocks_per_seq, slot_dtype, with_block_metadata
         )
+        self.replay_state = self.hooks.init_capture_state(max(bs for bs, _ in self.buckets), max_blocks_per_seq,
+                                                          page_size, self.device, slot_dtype)
         self.warmed: set[tuple[int, int]] = set()
         self.dynamo_compiles = 0  # dynamo frames compiled inside this runner's decode regions (warm-up included)
         self.bridge_compiles = 0  # the bridge's graph (recipe) compiles inside them
@@ -301,7 +305,15 @@ class HpuDecodeRunner:
         if not self._warned_device_inputs and any(t.device.type != "cpu" for t in inputs):
             self._warned_device_inputs = True
             logger.warning("HPU decode runner got device inputs: each step copies them back to the host to pad")
-        return self.hooks.prepare_for_replay(*(t.cpu() for t in inputs))
+        return self.hooks.pad_inputs(*(t.cpu() for t in inputs))
+
+    def run_decode(self, message: Any, batch_state: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's decode contract (graphs/runner.py DecodeRunner): the hooks pick the bucket and pad
+        the step message on the host; returns (logits [n, vocab], decode rows)."""
+        rows = self.hooks.prepare_for_replay(self.replay_state, message, batch_state, 0)
+        batch = self.replay_state.batch
+        assert batch is not None
+        return self._run_padded(batch), rows
 
     def run(
         self,
@@ -311,8 +323,10 @@ class HpuDecodeRunner:
         page_table: torch.Tensor,
         seq_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """One decode step for n requests -> logits [n, vocab]."""
-        batch = self.pad(input_ids, positions, slot_indices, page_table, seq_lens)  # on the host
+        """One decode step for n requests given as tensors -> logits [n, vocab]."""
+        return self._run_padded(self.pad(input_ids, positions, slot_indices, page_table, seq_lens))  # padded on the host
+
+    def _run_padded(self, batch: PaddedDecodeBatch) -> torch.Tensor:
         if not (self.strict and self._warm):
             self._mark_step()  # lazy: the step's graph never takes in work queued before it
             return slice_logits(self._call(batch), batch.num_real)

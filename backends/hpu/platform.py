@@ -305,6 +305,10 @@ class HpuEngineRunner:
                                         backend=options.get("compile_backend", "hpu_backend"), max_entries=entries)  # fmt: skip
             options["precompiled"] = True
         self.regional_compilation = decode is not None
+        # The hooks are the attention backend's (its `graph_hooks`), configured with the runner's settings.
+        backend = getattr(model, "attention_backend", None)
+        if backend is not None and hasattr(backend, "graph_hooks"):
+            options.setdefault("hooks_class", backend.graph_hooks)
         step = model_step(model, kv_caches, page_size, kv_caches[0][0].dtype, decode)
         self.inner = HpuDecodeRunner.from_config(step, config, pool_pages, **options)
         self.max_batch_size = max(bs for bs, _ in self.inner.buckets)
@@ -317,12 +321,18 @@ class HpuEngineRunner:
             self.inner.warmup()
 
     def run_decode(self, message: Any, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The engine's decode contract (graphs/runner.py DecodeRunner). Buckets are chosen and padded
-        on the host (HpuDecodeRunner.pad), from the message's host tensors and the host copy of the
-        rows' pages, so no step copies its inputs back from the device."""
-        ids, positions, slots, page_table, seq_lens = message.host_batch()
-        rows = to_device(message.inputs[3], torch.int64, state.device)
-        return self.run(ids, positions, AttentionMetadata(True, slots, page_table, seq_lens, state.page_size)), rows
+        """The engine's decode contract (graphs/runner.py DecodeRunner), through the attention backend's
+        hooks (HpuGraphHooks.prepare_for_replay: bucket chosen and batch padded on the host, from the
+        message's host tensors, so no step copies its inputs back from the device); a batch past every
+        block bucket runs eagerly, as run() does."""
+        from backends.hpu.bucketing import BucketOverflowError
+
+        try:
+            return self.inner.run_decode(message, state)
+        except BucketOverflowError:
+            ids, positions, slots, page_table, seq_lens = message.host_batch()
+            rows = to_device(message.inputs[3], torch.int64, state.device)
+            return self.run(ids, positions, AttentionMetadata(True, slots, page_table, seq_lens, state.page_size)), rows
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         """Logits of one decode batch given as (host or device) tensors."""

@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -54,6 +54,12 @@ from backends.npu.kv_store import paged_view
 from engine.errors import EngineError
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import extend_attention, gather_context
+from engine.transfer import to_device
+from graphs.static_buffers import StaticDecodeBuffers
+
+if TYPE_CHECKING:
+    from engine.batch_state import DecodeBatchState
+    from engine.step_message import DecodeMessage
 
 logger = logging.getLogger(__name__)
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -239,40 +245,8 @@ CAPTURE_SEQ_LEN = 1  # during capture every row attends one dummy token, so warm
 HOST_TENSOR_UPDATE_KEYS = frozenset({"context_lens"})
 
 
-@dataclass
-class StaticDecodeBuffers:
-    """The tensors every captured graph reads; graphs see [:bs] views of them."""
-
-    input_ids: torch.Tensor  # [max_bs] int64
-    positions: torch.Tensor  # [max_bs] int64
-    slot_indices: torch.Tensor  # [max_bs] int32
-    page_table: torch.Tensor  # [max_bs, max_pages_per_seq] int32
-    seq_lens: torch.Tensor  # [max_bs] int32
-    # Host copy of seq_lens for kernels that take lengths as host arguments (always on the CPU).
-    seq_lens_host: torch.Tensor  # [max_bs] int32
-
-    @classmethod
-    def allocate(
-        cls, max_bs: int, max_pages_per_seq: int, device: torch.device | str, slot_dtype: torch.dtype = torch.int32
-    ) -> "StaticDecodeBuffers":
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        return cls(
-            zeros(max_bs, dtype=torch.int64), zeros(max_bs, dtype=torch.int64), zeros(max_bs, dtype=slot_dtype),
-            zeros(max_bs, max_pages_per_seq, dtype=torch.int32), zeros(max_bs, dtype=torch.int32),
-            torch.zeros(max_bs, dtype=torch.int32),
-        )  # fmt: skip
-
-    def views(self, bs: int) -> tuple[torch.Tensor, ...]:
-        """The step's positional arguments for a graph of size bs."""
-        return (
-            self.input_ids[:bs], self.positions[:bs], self.slot_indices[:bs], self.page_table[:bs], self.seq_lens[:bs],
-        )  # fmt: skip
-
-
 def fill_static_inputs(
-    buffers: StaticDecodeBuffers,
+    buffers: StaticDecodeBuffers,  # allocated with host_lengths=True
     bs: int,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
@@ -296,6 +270,7 @@ def fill_static_inputs(
     if cols > width and n and bool((page_table[:n, width:] != PAD_PAGE).any()):
         raise ValueError(f"page_table uses more than the {width} pages per sequence the graphs were captured for")
     cols = min(cols, width)
+    assert buffers.seq_lens_host is not None, "NPU buffers keep a host copy of the lengths (host_lengths=True)"
     buffers.input_ids[:n].copy_(input_ids.reshape(-1)[:n], non_blocking=True)
     buffers.positions[:n].copy_(positions.reshape(-1)[:n], non_blocking=True)
     buffers.slot_indices[:n].copy_(slot_indices.reshape(-1)[:n], non_blocking=True)
@@ -343,9 +318,14 @@ class NpuGraphHooks:
         self, max_bs: int, max_pages: int, page_size: int | None, device: torch.device | str,
         slot_dtype: torch.dtype = torch.int32,
     ) -> StaticDecodeBuffers:
-        return StaticDecodeBuffers.allocate(max_bs, max_pages, device, slot_dtype)
+        """The shared static buffers (graphs/static_buffers.py) with a host copy of the lengths."""
+        return StaticDecodeBuffers.allocate(max_bs, max_pages, page_size or 0, device, slot_dtype, host_lengths=True)
+
+    def capture_metadata(self, state: StaticDecodeBuffers, bs: int) -> AttentionMetadata:
+        return state.metadata(bs)
 
     def prepare_for_capture(self, state: StaticDecodeBuffers, bs: int) -> None:
+        assert state.seq_lens_host is not None
         state.seq_lens[:bs].fill_(CAPTURE_SEQ_LEN)
         state.seq_lens_host[:bs].fill_(CAPTURE_SEQ_LEN)
 
@@ -368,15 +348,28 @@ class NpuGraphHooks:
             recorded = self.update_records(graph) if self.update_records is not None else None
             graph_runner.check_update_records(recorded, self.seq_lens_update_key, self.records_per_graph, bs,
                                               torch_npu_version())
+        assert state.seq_lens_host is not None
         state.seq_lens[:bs].fill_(PAD_SEQ_LEN)
         state.seq_lens_host[:bs].fill_(PAD_SEQ_LEN)
 
     def prepare_for_replay(
+        self, state: StaticDecodeBuffers, message: "DecodeMessage", batch_state: "DecodeBatchState", padded_bs: int
+    ) -> torch.Tensor:
+        """The engine's decode step (graphs/capture_hooks.py's contract): the rows filled from the step
+        message's host tensors and the host copy of the rows' pages (the captured kernel takes host
+        lengths, so nothing is copied back from the device), padded to padded_bs; returns the decode rows
+        on the device."""
+        ids, positions, slots, page_table, seq_lens = message.host_batch()
+        self.fill_inputs(state, padded_bs, ids, positions, slots, page_table, seq_lens)
+        return to_device(message.inputs[3], torch.int64, batch_state.device)
+
+    def fill_inputs(
         self, state: StaticDecodeBuffers, bs: int, input_ids: torch.Tensor, positions: torch.Tensor,
         slot_indices: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
     ) -> int:
-        """Fill n real rows and pad to bs (fill_static_inputs); returns n."""
-        return fill_static_inputs(state, bs, input_ids, positions, slot_indices, page_table, seq_lens)
+        """Fill n real rows given as tensors (host or device) and pad to bs (fill_static_inputs); returns n."""
+        return fill_static_inputs(state, bs, input_ids, positions, slot_indices.to(state.slot_indices.dtype), page_table,
+                                  seq_lens)
 
     def host_lengths(self, state: StaticDecodeBuffers, bs: int) -> torch.Tensor | list[int]:
         """This replay's lengths (padded rows 0) in the form the captured kernel's host argument takes.
@@ -384,6 +377,7 @@ class NpuGraphHooks:
         A captured kernel keeps the host arguments it was launched with; writing the
         host buffer alone does not reach it, graph.update(cpu_update_input=...) does.
         """
+        assert state.seq_lens_host is not None
         lengths = state.seq_lens_host[:bs]
         if self.seq_lens_update_key in HOST_TENSOR_UPDATE_KEYS:
             return lengths.clone()  # a fresh tensor: the update may outlive this call's buffer contents

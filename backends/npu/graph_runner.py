@@ -44,12 +44,12 @@ from backends.npu.attention import (  # noqa: F401  (the capture/replay metadata
     PAD_SEQ_LEN,
     PAD_SLOT,
     NpuGraphHooks,
-    StaticDecodeBuffers,
     fill_static_inputs,
 )
 from backends.npu.platform import MAX_ACLGRAPH_GRAPHS, torch_npu_version
 from engine.errors import EngineError
 from graphs.buckets import cap_sizes, default_capture_sizes, smallest_bucket_at_least
+from graphs.static_buffers import StaticDecodeBuffers  # noqa: F401  (the buffers every platform's graphs read)
 
 logger = logging.getLogger(__name__)
 
@@ -237,11 +237,13 @@ class NpuDecodeGraphRunner:
         update_records_per_graph: int | None = None,
         graph_api: Any | None = None,
         hooks: NpuGraphHooks | None = None,
+        hooks_class: type[NpuGraphHooks] = NpuGraphHooks,
     ) -> None:
         """update_records_per_graph: how many graph.update records each captured graph must hold for
         seq_lens_update_key (one per attention layer; None: at least one); checked after every capture.
-        hooks: the attention backend's capture/replay hooks (default: NpuGraphHooks over the arguments
-        above, backends/npu/attention.py); this runner keeps only the NPUGraph mechanism."""
+        hooks: the attention backend's capture/replay hooks (default: hooks_class, the backend's
+        `graph_hooks`, over the arguments above, backends/npu/attention.py); this runner keeps only the
+        NPUGraph mechanism."""
         if not capture_sizes:
             raise ValueError("no capture sizes")
         sizes = sorted(set(int(s) for s in capture_sizes))
@@ -268,7 +270,7 @@ class NpuDecodeGraphRunner:
         # The longest context any replay serves: the attention op's workspace is sized for it at capture
         # (StepFn gets it as workspace_context_len during the captured run only; see backends/npu/attention.py).
         self.max_context_len = max_pages_per_seq * int(page_size) if page_size else None
-        self.hooks = hooks if hooks is not None else NpuGraphHooks(
+        self.hooks = hooks if hooks is not None else hooks_class(
             seq_lens_update_key, lambda graph: self.api.update_records(graph), update_records_per_graph,
             pass_host_seq_lens, self.max_context_len,
         )  # the records are read through the API at check time, as before
@@ -333,6 +335,28 @@ class NpuDecodeGraphRunner:
         """This replay's lengths in the form the captured kernel's host argument takes (NpuGraphHooks)."""
         return self.hooks.host_lengths(self.buffers, bs)
 
+    def _graph_size(self, n: int) -> int:
+        bs = smallest_bucket_at_least(self.sizes, n)
+        if bs is None or n < 1:
+            raise ValueError(f"batch of {n} is outside the captured sizes 1..{self.max_size}; run it eagerly")
+        if bs not in self.graphs:
+            raise RuntimeError("capture() has not run")
+        return bs
+
+    def _replay(self, bs: int, n: int) -> torch.Tensor:
+        graph = self.graphs[bs]
+        self.hooks.before_replay(self.buffers, bs, graph)  # graph.update of the host lengths
+        graph.replay()
+        return self.outputs[bs][:n]
+
+    def run_decode(self, message: Any, batch_state: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's decode contract (graphs/runner.py DecodeRunner): the hooks fill the static buffers
+        from the step message and the persistent decode state; returns (logits [n, vocab], decode rows)."""
+        n = message.batch_size
+        bs = self._graph_size(n)
+        rows = self.hooks.prepare_for_replay(self.buffers, message, batch_state, bs)
+        return self._replay(bs, n), rows
+
     def run(
         self,
         input_ids: torch.Tensor,
@@ -341,16 +365,9 @@ class NpuDecodeGraphRunner:
         page_table: torch.Tensor,
         seq_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """One decode step for n requests -> logits [n, vocab] (a view of the static output)."""
+        """One decode step for n requests given as tensors -> logits [n, vocab] (a view of the static output)."""
         n = int(seq_lens.numel())
-        bs = smallest_bucket_at_least(self.sizes, n)
-        if bs is None or n < 1:
-            raise ValueError(f"batch of {n} is outside the captured sizes 1..{self.max_size}; run it eagerly")
-        if bs not in self.graphs:
-            raise RuntimeError("capture() has not run")
-        self.hooks.prepare_for_replay(self.buffers, bs, input_ids, positions, slot_indices, page_table, seq_lens)
-        graph = self.graphs[bs]
-        self.hooks.before_replay(self.buffers, bs, graph)  # graph.update of the host lengths
-        graph.replay()
-        return self.outputs[bs][:n]
+        bs = self._graph_size(n)
+        self.hooks.fill_inputs(self.buffers, bs, input_ids, positions, slot_indices, page_table, seq_lens)
+        return self._replay(bs, n)
 

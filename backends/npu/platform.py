@@ -32,7 +32,6 @@ import torch
 
 from backends.base import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform, load_yaml_config
 from backends.npu.kv_store import slot_scatter_indices, store_kv_reference, updates_for
-from engine.transfer import to_device
 
 logger = logging.getLogger(__name__)
 MAX_ACLGRAPH_GRAPHS = 1800  # vllm-ascend: 2048 streams minus 248 kept in reserve
@@ -236,6 +235,10 @@ class NpuEngineRunner:
             options["seq_lens_update_key"] = SEQ_LENS_UPDATE_KEY
         # Every attention layer launches the op once per step: one graph.update record each, or replays are stale.
         options.setdefault("update_records_per_graph", len(kv_caches))
+        # The hooks are the attention backend's (its `graph_hooks`), configured with the runner's settings.
+        backend = getattr(model, "attention_backend", None)
+        if backend is not None and hasattr(backend, "graph_hooks"):
+            options.setdefault("hooks_class", backend.graph_hooks)
         step = model_step(model, kv_caches, page_size)
         self.inner = NpuDecodeGraphRunner.from_config(step, config, num_layers=len(kv_caches), device=device, **options)
 
@@ -247,13 +250,9 @@ class NpuEngineRunner:
             self.inner.capture()
 
     def run_decode(self, message: Any, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The engine's decode contract (graphs/runner.py DecodeRunner). The captured attention op takes
-        host-side lengths (seq_lens_host, graph.update), so the step is filled from the message's host
-        tensors and the host copy of the rows' pages: no step copies lengths back from the device
-        before its replay (fill_static_inputs copies host -> device)."""
-        ids, positions, slots, page_table, seq_lens = message.host_batch()
-        rows = to_device(message.inputs[3], torch.int64, state.device)
-        return self.inner.run(ids, positions, slots.to(torch.int32), page_table, seq_lens), rows
+        """The engine's decode contract (graphs/runner.py DecodeRunner), through the attention backend's
+        hooks (NpuGraphHooks.prepare_for_replay: the message's host tensors, no copy back from the device)."""
+        return self.inner.run_decode(message, state)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         """Logits of one decode batch given as (host or device) tensors."""
