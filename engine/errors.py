@@ -19,3 +19,7 @@ class InvalidRequestError(EngineError, ValueError):
 
 class RequestFailedError(EngineError):
     """A step failed because of this request; it was dropped (pages freed) and the others went on."""
+
+
+class RankFailedError(EngineError):
+    """A tensor-parallel rank died, hung or failed: the message names it. The engine cannot step any more."""
