@@ -24,9 +24,10 @@ import os
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -38,6 +39,9 @@ from engine.errors import RankFailedError
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0  # a worker told to stop has this long to leave before it is terminated
+# Start-up (spawn, imports, loading the model, capturing graphs) may take far longer than one collective:
+# a worker has at least this long to report that it started and that its engine is built.
+START_TIMEOUT_S = 900.0
 DIAGNOSE_GRACE_S = 2.0  # after a failed collective: how long to wait for a rank's death or report to show
 
 
@@ -78,10 +82,13 @@ class RankGroup:
         self.workers: list[_Worker] = []
         self.channel: StepChannel | None = None
         self.failed: RankFailedError | None = None
-        self._stopping = False
+        self._stopping = False  # exits from here on are expected (stopping or stopped): not logged as failures
+        self._closed = False
         self._changed = threading.Condition()
         self._monitor: threading.Thread | None = None
         self._previous_sigterm: Any = None
+        self._in_step = False  # rank 0 is between sending a step and its tokens' broadcast
+        self._exit_code: int | None = None  # SIGTERM arrived during a step: exit once it is over
         self._store: Any = None  # rank 0's rendezvous store: kept alive with the group
 
     # ---- start-up ------------------------------------------------------------------------------
@@ -147,7 +154,8 @@ class RankGroup:
                     ", ".join(str(w.process.pid) for w in self.workers))
 
     def _await(self, status: str, what: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        limit = max(self.timeout_s, START_TIMEOUT_S)
+        deadline = time.monotonic() + limit
         order = ("spawned", "started", "ready")
         with self._changed:
             while True:
@@ -165,7 +173,7 @@ class RankGroup:
                 if left <= 0:
                     silent = [w for w in self.workers if w.status in order and order.index(w.status) < order.index(status)]
                     raise self._fail("; ".join(f"tensor-parallel rank {w.rank} (pid {w.process.pid}) did not {what} "
-                                               f"within {self.timeout_s:.0f} s" for w in silent))
+                                               f"within {limit:.0f} s" for w in silent))
                 self._changed.wait(min(left, 1.0))
 
     # ---- monitoring ----------------------------------------------------------------------------
@@ -183,7 +191,7 @@ class RankGroup:
                     if not worker.reports.closed and worker.reports in ready:
                         self._read_report(worker)
                     if worker.process.sentinel in ready:
-                        worker.process.join(0)
+                        worker.process.join(5.0)  # the sentinel closes a moment before the exit status is there
                         while not worker.reports.closed and worker.reports.poll():  # its last words first
                             self._read_report(worker)
                         worker.ended = True
@@ -251,12 +259,24 @@ class RankGroup:
         self._terminate()
         return self.failed
 
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Around each step on rank 0: a SIGTERM that arrives inside takes effect once every rank is done
+        with the step, so the workers are back in their loop and take the STOP message."""
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
+        if self._exit_code is not None:
+            raise SystemExit(self._exit_code)
+
     # ---- shutdown ------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop every worker (a STOP message, a grace period, then terminate) and leave the group. Idempotent."""
-        if self._stopping:
+        if self._closed:
             return
-        self._stopping = True
+        self._closed = self._stopping = True
         atexit.unregister(self.shutdown)
         if self.channel is not None and self.failed is None:
             try:
@@ -290,6 +310,9 @@ class RankGroup:
             return
 
         def on_sigterm(signum: int, frame: object) -> None:
+            if self._in_step:
+                self._exit_code = 128 + signum  # leaving mid-step would leave the workers inside a collective
+                return
             raise SystemExit(128 + signum)
 
         self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)

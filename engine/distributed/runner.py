@@ -41,9 +41,14 @@ class TensorParallelRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.ranks = ranks
 
-    def forward(self, step: ScheduledStep, message: StepMessage,
-                samples: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The step on every rank; samples: rank 0 broadcasts sampled tokens after it (launch)."""
+    def forward(self, step: ScheduledStep, message: StepMessage) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A forward without sampling (ModelRunner.logits) on every rank."""
+        with self.ranks.step():
+            return self._forward_everywhere(step, message, samples=False)
+
+    def _forward_everywhere(self, step: ScheduledStep, message: StepMessage,
+                            samples: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """samples: rank 0 broadcasts the sampled tokens after this forward (launch)."""
         ranks = self.ranks
         ranks.raise_if_failed()
         assert ranks.channel is not None, "the worker ranks have not joined"
@@ -57,7 +62,12 @@ class TensorParallelRunner(ModelRunner):
     def launch(
         self, step: ScheduledStep, message: StepMessage, before_sampling: Callable[[], None] | None = None
     ) -> SampledTokens | None:
-        logits, rows = self.forward(step, message, samples=True)
+        with self.ranks.step():
+            return self._launch_everywhere(step, message, before_sampling)
+
+    def _launch_everywhere(self, step: ScheduledStep, message: StepMessage,
+                           before_sampling: Callable[[], None] | None) -> SampledTokens | None:
+        logits, rows = self._forward_everywhere(step, message, samples=True)
         if logits is None:
             return None
         state = self.decode_state

@@ -38,6 +38,11 @@ def worker_main(rank: int, world_size: int, store_port: int, config: Any, comman
                         stream=sys.stderr)
     _exit_with_parent(parent_pid)
     torch.set_num_threads(threads)
+    # tqdm's default lock is a multiprocessing semaphore; a worker that is killed leaves it behind (and a
+    # warning at exit). Its bars need only a thread lock here.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     code = 0
     try:
         reports.send(("started", os.getpid()))
