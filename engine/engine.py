@@ -21,8 +21,8 @@ from engine.distributed.sharding import kv_head_shard
 from engine.distributed.state import SINGLE, TensorParallelState, building_for, tp_state
 from engine.errors import (
     EngineError,
+    EngineStoppedError,
     InvalidRequestError,
-    RankFailedError,
     RequestFailedError,
     UnsupportedArchitectureError,
 )
@@ -70,6 +70,13 @@ class Engine:
         self.tp = self._join_tensor_parallel(source)
         try:
             self._build(config, source)
+        except Exception as exc:
+            if self.tp_ranks is not None and not isinstance(exc, EngineError):
+                # A collective of the build (KV pool size, graph capture, warm-up) failed: name the rank
+                # (every rank is stopped then).
+                raise self.tp_ranks.failure(exc) from exc
+            self.shutdown()
+            raise
         except BaseException:
             self.shutdown()
             raise
@@ -475,8 +482,8 @@ class Engine:
         try:
             parts = [(step, self.runner.launch(step, self.step_builder.build(step), self._settle_constrained))]
             failed: list[tuple[Request, Exception]] = []
-        except RankFailedError:
-            raise  # a tensor-parallel rank is gone: no re-run can help
+        except EngineStoppedError:
+            raise  # a tensor-parallel rank is gone (or the ranks were shut down): no re-run can help
         except Exception as exc:  # noqa: BLE001 - isolated below: only the culprit fails
             parts, failed = self._isolate_failure(step, exc, rewind)
         for part, sampled in parts:
@@ -546,7 +553,7 @@ class Engine:
             _rewind_generators(sub.sampled_requests, rewind)
             try:
                 done.append((sub, self.runner.launch(sub, self.step_builder.build(sub), self._settle_constrained)))
-            except RankFailedError:
+            except EngineStoppedError:
                 raise
             except Exception as exc:  # noqa: BLE001
                 sub_done, sub_failed = self._isolate_failure(sub, exc, rewind)

@@ -21,5 +21,9 @@ class RequestFailedError(EngineError):
     """A step failed because of this request; it was dropped (pages freed) and the others went on."""
 
 
-class RankFailedError(EngineError):
-    """A tensor-parallel rank died, hung or failed: the message names it. The engine cannot step any more."""
+class EngineStoppedError(EngineError):
+    """The engine cannot step any more: its tensor-parallel ranks were shut down, or one of them failed."""
+
+
+class RankFailedError(EngineStoppedError):
+    """A tensor-parallel rank died, hung or failed: the message names it."""

@@ -26,7 +26,7 @@ import engine.distributed.runner as tp_runner
 from conftest import REPO_ROOT, build_tiny_checkpoint
 from engine.distributed.state import tp_state
 from engine.engine import Engine
-from engine.errors import EngineError, RankFailedError
+from engine.errors import EngineError, EngineStoppedError, RankFailedError
 from engine.sampling_params import SamplingParams
 from helpers import greedy, run_staggered
 
@@ -72,6 +72,8 @@ class OneAtATime:
             workers = self.engine.tp_ranks.workers if self.engine.tp_ranks is not None else []
             self.engine.shutdown()
             assert [w.exitcode for w in workers] == [0] * len(workers), "a worker did not stop cleanly"
+            with pytest.raises(EngineStoppedError, match="was shut down"):
+                self.engine.generate([[1, 2]], greedy(2))
         self.engine = self.key = None
         assert not tp_state().enabled
 
@@ -197,11 +199,11 @@ def test_a_killed_rank_ends_in_a_clear_error(checkpoints: dict[str, str], tp_eng
         error, seconds = _generate_until_it_fails(engine, lambda pid: os.kill(pid, signal.SIGKILL))
         assert "tensor-parallel rank 1" in str(error) and "SIGKILL" in str(error), str(error)
         assert seconds < 10, f"the error took {seconds:.1f} s"
+        assert not tp_state().enabled  # every rank stopped, the group left: a new engine may start
         with pytest.raises(RankFailedError, match="rank 1"):  # the engine stays stopped, saying why
             engine.generate([[1, 2]], greedy(2))
     finally:
         engine.shutdown()
-    assert not tp_state().enabled
 
 
 def test_a_hung_rank_ends_in_a_clear_error_after_the_timeout(checkpoints: dict[str, str], tp_engines: OneAtATime) -> None:

@@ -34,7 +34,7 @@ import torch
 from engine.distributed.channel import Command, RankGoneError, StepChannel
 from engine.distributed.process_group import create_store, destroy_tensor_parallel, init_tensor_parallel
 from engine.distributed.state import TensorParallelState
-from engine.errors import RankFailedError
+from engine.errors import EngineStoppedError, RankFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -99,14 +99,21 @@ class RankGroup:
         from engine.distributed.worker import worker_main
 
         context = mp.get_context("spawn")
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu" and threads * self.world_size > (os.cpu_count() or 1):
+            # Every rank runs with rank 0's thread count; more threads than cores made a tiny model's decode
+            # step 9x slower here (OpenMP teams spinning against each other and gloo).
+            logger.warning("%d ranks x %d threads on %d cores: oversubscribed; give each rank cores / ranks threads "
+                           "(OMP_NUM_THREADS=%d)", self.world_size, threads, os.cpu_count() or 1,
+                           max(1, (os.cpu_count() or 1) // self.world_size))
         store = self._store = create_store(self.world_size, self.timeout_s)
         for rank in range(1, self.world_size):
             command_recv, command_send = context.Pipe(duplex=False)
             report_recv, report_send = context.Pipe(duplex=False)
             process = context.Process(
                 target=worker_main, name=f"engine-tp-rank{rank}",
-                args=(rank, self.world_size, store.port, config, command_recv, report_send, torch.get_num_threads(),
-                      os.getpid(), logging.getLogger().getEffectiveLevel()),
+                args=(rank, self.world_size, store.port, config, command_recv, report_send, threads, os.getpid(),
+                      logging.getLogger().getEffectiveLevel()),
             )
             process.start()
             command_recv.close()  # the child's ends: closed here so a dead child shows as EOF / a broken pipe
@@ -216,6 +223,8 @@ class RankGroup:
         """Before each step: the engine stopped already, or a worker died since the last step."""
         if self.failed is not None:
             raise self.failed
+        if self._closed:
+            raise EngineStoppedError("this tensor-parallel engine was shut down (Engine.shutdown()); build a new one")
         if not self._stopping and any(w.ended or w.status == "failed" for w in self.workers):
             raise self.failure(RuntimeError("a worker rank is gone"))
 
@@ -234,7 +243,7 @@ class RankGroup:
             broken = [w for w in self.workers if w.ended or w.status == "failed"]
             message = self._explain(broken, timed_out)
         if not message:
-            message = f"tensor-parallel rank 0's step failed: {type(error).__name__}: {error}"
+            message = f"tensor-parallel rank 0 failed: {type(error).__name__}: {error}"
             if isinstance(error, RankGoneError):
                 message = f"tensor-parallel rank {error.rank} is gone: {error}"
         return self._fail(message)
@@ -254,9 +263,10 @@ class RankGroup:
                          f"{(w.error.strip().splitlines() or ['?'])[-1]}" for w in broken)
 
     def _fail(self, message: str) -> RankFailedError:
+        """Record the error, stop every rank and leave the group (a new engine may then start)."""
         self.failed = RankFailedError(f"{message}; the engine stops (a tensor-parallel step needs every rank)")
         logger.error("%s", self.failed)
-        self._terminate()
+        self.shutdown()
         return self.failed
 
     @contextmanager
@@ -283,9 +293,9 @@ class RankGroup:
                 self.channel.publish(Command.STOP)
             except RankGoneError:
                 pass
-        deadline = time.monotonic() + STOP_GRACE_S
-        for worker in self.workers:
-            worker.process.join(max(0.0, deadline - time.monotonic()))
+            deadline = time.monotonic() + STOP_GRACE_S
+            for worker in self.workers:
+                worker.process.join(max(0.0, deadline - time.monotonic()))
         self._terminate()
         destroy_tensor_parallel()
         self._restore_sigterm()
@@ -293,11 +303,11 @@ class RankGroup:
             worker.commands.close()
 
     def _terminate(self) -> None:
-        """Workers still running: SIGTERM, then SIGKILL (a stopped, SIGSTOP'd one takes only that)."""
-        self._stopping = True
+        """Workers still running: SIGTERM, then SIGKILL (a stopped, SIGSTOP'd one takes only that). After a
+        failure straight to SIGKILL: a rank that hangs would not act on SIGTERM either."""
         for worker in self.workers:
             if worker.exitcode is None:
-                worker.process.terminate()
+                worker.process.kill() if self.failed is not None else worker.process.terminate()
         for worker in self.workers:
             worker.process.join(2.0)
             if worker.exitcode is None:
