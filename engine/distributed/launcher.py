@@ -303,13 +303,16 @@ class RankGroup:
             worker.commands.close()
 
     def _terminate(self) -> None:
-        """Workers still running: SIGTERM, then SIGKILL (a stopped, SIGSTOP'd one takes only that). After a
-        failure straight to SIGKILL: a rank that hangs would not act on SIGTERM either."""
+        """Workers still running: SIGTERM (a worker leaves TERM_GRACE_S after it), then SIGKILL (a stopped,
+        SIGSTOP'd one takes only that). After a failure straight to SIGKILL: a rank that hangs would not act
+        on SIGTERM either."""
+        from engine.distributed.worker import TERM_GRACE_S
+
         for worker in self.workers:
             if worker.exitcode is None:
                 worker.process.kill() if self.failed is not None else worker.process.terminate()
         for worker in self.workers:
-            worker.process.join(2.0)
+            worker.process.join(TERM_GRACE_S + 1.0)
             if worker.exitcode is None:
                 worker.process.kill()
                 worker.process.join(2.0)

@@ -34,6 +34,7 @@ def worker_main(rank: int, world_size: int, store_port: int, config: Any, comman
                 threads: int, parent_pid: int, log_level: int) -> None:
     """The spawned process's entry point (torch.multiprocessing, spawn); threads and log_level: rank 0's."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
+    signal.signal(signal.SIGTERM, _leave_soon)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
                         stream=sys.stderr)
     _exit_with_parent(parent_pid)
@@ -110,6 +111,18 @@ def run_step(engine: Any, wire: Any) -> None:
             rows = to_device(message.sample_rows, torch.int64, runner.device)
         tokens = broadcast_sampled(None, int(rows.shape[0]), runner.device)
         state.record_sampled(rows, received_tokens(tokens, state.last_tokens.index_select(0, rows)))
+
+
+TERM_GRACE_S = 5.0
+
+
+def _leave_soon(signum: int, frame: object) -> None:
+    """SIGTERM: sent to every process at once (systemd stops a service's whole cgroup, `kill -- -pgid`),
+    rank 0 then stops this rank with its STOP message; if that does not come within TERM_GRACE_S (rank 0 is
+    stuck, or the signal was for this rank alone), leave anyway."""
+    timer = threading.Timer(TERM_GRACE_S, os._exit, (128 + signum,))
+    timer.daemon = True
+    timer.start()
 
 
 def _exit_with_parent(parent_pid: int) -> None:
