@@ -166,7 +166,8 @@ class RankGroup:
         order = ("spawned", "started", "ready")
         with self._changed:
             while True:
-                self.raise_if_failed()
+                if self.failed is not None:
+                    raise self.failed
                 broken = [w for w in self.workers if w.status == "failed" or w.ended]
                 if broken:
                     hint = ""

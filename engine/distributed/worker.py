@@ -72,9 +72,10 @@ def _serve(rank: int, world_size: int, store_port: int, config: Any, commands: C
 
     platform = get_platform(config.device)
     device = platform.device
-    if device.type == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
+    if device.type != "cpu":
+        # Rank r on accelerator r: the platform's device ("cuda", "npu", ...) is the current one from here on.
+        getattr(torch, device.type).set_device(rank)
+        device = torch.device(device.type, rank)
     init_tensor_parallel(rank, world_size, platform.dist_backend, float(config.dist_timeout_s),
                          store_port=store_port, device=device)
     engine = Engine(dataclasses.replace(config, warmup=False))  # rank 0 runs the warm-up request through us

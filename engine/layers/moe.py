@@ -111,9 +111,9 @@ class ExpertWeights(nn.Module):
             if is_down:
                 copy_checked(param.data, tensor.narrow(2, piece.start, size), "this rank's columns of stacked down_proj")
             else:
-                for half, offset in (("gate", 0), ("up", piece.total)):
-                    dest = param.data[:, (0 if half == "gate" else size) : (size if half == "gate" else 2 * size)]
-                    copy_checked(dest, tensor.narrow(1, offset + piece.start, size), f"this rank's {half} rows of stacked gate_up_proj")
+                for half, rows, offset in (("gate", slice(0, size), 0), ("up", slice(size, 2 * size), piece.total)):
+                    copy_checked(param.data[:, rows], tensor.narrow(1, offset + piece.start, size),
+                                 f"this rank's {half} rows of stacked gate_up_proj")
             return list(fill_keys(param))
         expert, half = shard
         if not 0 <= expert < param.shape[0]:

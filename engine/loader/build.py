@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 
 import torch
 
@@ -88,7 +89,7 @@ def _check_shardable(source: ModelSource, quant: object, quantization: str) -> N
                              "blocks are not sharded); use a safetensors checkpoint or --tensor-parallel-size 1")
     if quant is not None or quantization == "fp8":
         raise ModelLoadError(f"FP8 weights cannot be split over {world} tensor-parallel ranks yet (their scales are not "
-                             "sharded); use a bf16/fp16 checkpoint with --quantization none, or --tensor-parallel-size 1")
+                             "sharded); use a bf16/fp16 checkpoint without --quantization fp8, or --tensor-parallel-size 1")
 
 
 @torch.no_grad()
@@ -96,8 +97,6 @@ def fill_dummy_weights(model: torch.nn.Module, seed: int = 0, per_parameter_seed
     """Random weights (as vLLM's dummy format): small uniform values, norms at 1, drawn on the device.
     per_parameter_seeds (tensor parallelism): each parameter drawn from a generator seeded by its name,
     so the parameters every rank holds whole (norms, the MoE router) are the same on every rank."""
-    import zlib
-
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata
-from engine.layers.vocab_parallel import lm_head, vocab_embedding
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.vocab_parallel import lm_head, vocab_embedding
 from engine.model_config import ModelConfig
 from engine.layers.mlp import GatedMLP
 from engine.models.llama import DecoderAttention, KVCache, LlamaForCausalLM
