@@ -49,7 +49,9 @@ def init_tensor_parallel(rank: int, world_size: int, backend: str, timeout_s: fl
         store = dist.TCPStore(STORE_HOST, store_port, world_size, is_master=False, timeout=timeout)
     options: dict[str, Any] = {}
     if device is not None and device.type != "cpu":
-        options["device_id"] = device
+        if device.index is None:  # rank 0 passes the platform's device: the current one
+            device = torch.device(device.type, getattr(torch, device.type).current_device())
+        options["device_id"] = device  # NCCL/HCCL communicators bound to this rank's device from the start
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **options)
     control = dist.new_group(backend="gloo", timeout=timeout)  # a second group even when the first is gloo
     state = TensorParallelState(rank, world_size, dist.group.WORLD, control, timeout_s)
