@@ -71,7 +71,7 @@ class OneAtATime:
         if self.engine is not None:
             workers = self.engine.tp_ranks.workers if self.engine.tp_ranks is not None else []
             self.engine.shutdown()
-            assert [w.exitcode for w in workers] == [0] * len(workers), "a worker did not stop cleanly"
+            assert [w.exit_code for w in workers] == [0] * len(workers), "a worker did not stop cleanly"
             with pytest.raises(EngineStoppedError, match="was shut down"):
                 self.engine.generate([[1, 2]], greedy(2))
         self.engine = self.key = None
@@ -216,7 +216,7 @@ def test_a_hung_rank_ends_in_a_clear_error_after_the_timeout(checkpoints: dict[s
         assert seconds < 15, f"the error took {seconds:.1f} s"
     finally:
         engine.shutdown()
-    assert worker.exitcode is not None  # the stopped worker was killed, not left behind
+    assert worker.exit_code == -signal.SIGKILL  # the stopped worker was killed, not left behind
 
 
 SIGTERM_SCRIPT = textwrap.dedent("""

@@ -54,13 +54,12 @@ class _Worker:
     status: str = "spawned"  # started, ready, failed, stopped
     error: str = ""  # its traceback, when it reported one
     ended: bool = False  # the monitor saw the process exit (and read its last reports first)
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.process.exitcode
+    # Its exit status, as the monitor reaped it. Only the monitor thread waits for the process: two threads
+    # reaping one child race (the loser sees no status at all).
+    exit_code: int | None = None
 
     def describe_exit(self) -> str:
-        code = self.exitcode
+        code = self.exit_code
         if code is None:
             return "is alive"
         if code < 0:
@@ -200,6 +199,7 @@ class RankGroup:
                         self._read_report(worker)
                     if worker.process.sentinel in ready:
                         worker.process.join(5.0)  # the sentinel closes a moment before the exit status is there
+                        worker.exit_code = worker.process.exitcode
                         while not worker.reports.closed and worker.reports.poll():  # its last words first
                             self._read_report(worker)
                         worker.ended = True
@@ -294,9 +294,7 @@ class RankGroup:
                 self.channel.publish(Command.STOP)
             except RankGoneError:
                 pass
-            deadline = time.monotonic() + STOP_GRACE_S
-            for worker in self.workers:
-                worker.process.join(max(0.0, deadline - time.monotonic()))
+            self._wait_ended(STOP_GRACE_S)
         self._terminate()
         destroy_tensor_parallel()
         self._restore_sigterm()
@@ -309,14 +307,32 @@ class RankGroup:
         on SIGTERM either."""
         from engine.distributed.worker import TERM_GRACE_S
 
-        for worker in self.workers:
-            if worker.exitcode is None:
-                worker.process.kill() if self.failed is not None else worker.process.terminate()
-        for worker in self.workers:
-            worker.process.join(TERM_GRACE_S + 1.0)
-            if worker.exitcode is None:
-                worker.process.kill()
-                worker.process.join(2.0)
+        running = [w for w in self.workers if not w.ended]
+        for worker in running:
+            worker.process.kill() if self.failed is not None else worker.process.terminate()
+        if running and not self._wait_ended(TERM_GRACE_S + 1.0):
+            for worker in self.workers:
+                if not worker.ended:
+                    worker.process.kill()
+            self._wait_ended(5.0)
+
+    def _wait_ended(self, timeout_s: float) -> bool:
+        """Wait until the monitor has seen every worker exit; False if some are still running after timeout_s."""
+        if self._monitor is None or not self._monitor.is_alive():
+            for worker in self.workers:  # no monitor (a failed start, or all ended): reap here
+                if not worker.ended:
+                    worker.process.join(timeout_s)
+                    worker.exit_code = worker.process.exitcode
+                    worker.ended = worker.exit_code is not None
+            return all(w.ended for w in self.workers)
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while not all(w.ended for w in self.workers):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 0.5))
+        return True
 
     def _install_sigterm(self) -> None:
         """SIGTERM on rank 0 exits through Python (so atexit stops the workers) where nobody else handles it."""

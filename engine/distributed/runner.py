@@ -37,6 +37,8 @@ from engine.transfer import to_device
 
 
 class TensorParallelRunner(ModelRunner):
+    """Rank 0's ModelRunner at world size > 1 (the module docstring says what it adds)."""
+
     def __init__(self, *args: Any, ranks: RankGroup, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ranks = ranks
