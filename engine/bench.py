@@ -307,6 +307,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         variants.append(("engine-eager", {"disable_graphs": True}))
     if args.with_int8_activations:
         variants.append(("engine-int8act", {"disable_graphs": args.disable_graphs, "gguf_activations": "int8"}))
+    if len(variants) > 1 and args.tensor_parallel_size > 1:
+        raise ValueError("--include-eager / --with-int8-activations build several engines at once; a process runs one "
+                         "tensor-parallel engine at a time")
     results: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join((["engine"] if os.path.basename(sys.argv[0]) == "engine" else sys.argv[:1]) + sys.argv[1:]),
@@ -374,6 +377,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 pairs = zip(last_ids[(name, bs)], last_ids[("hf", bs)])
                 row["mean_prefix_agreement_with_hf"] = statistics.mean(_common_prefix(a, b) for a, b in pairs)
             rows.append(row)
+        for system in systems.values():
+            if isinstance(system, Engine):
+                system.shutdown()  # tensor parallelism: its ranks go before the next dtype's engine starts
         del systems, hf_model
     order = {"engine": 0, "engine-int8act": 1, "engine-eager": 2, "llama.cpp": 3, "hf": 4}
     rows.sort(key=lambda r: (dtypes.index(r["dtype"]), r["batch_size"], order.get(r["system"], 3)))

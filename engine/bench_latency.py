@@ -61,10 +61,13 @@ def matmul_params(engine: Engine) -> int:
 
 
 def attention_flops(engine: Engine, prefix: int, new: int) -> float:
-    """Causal attention of `new` tokens behind `prefix` cached ones, one request, every layer."""
+    """Causal attention of `new` tokens behind `prefix` cached ones, one request, every layer. Under tensor
+    parallelism one rank's heads, as matmul_params counts one rank's weights: one GPU's share of the work,
+    held against one GPU's matmul rate."""
     cfg = engine.model_config
     pairs = new * prefix + new * (new + 1) / 2
-    return 4.0 * cfg.head_dim * cfg.num_attention_heads * cfg.num_hidden_layers * pairs
+    heads = cfg.num_attention_heads // engine.tp.world_size
+    return 4.0 * cfg.head_dim * heads * cfg.num_hidden_layers * pairs
 
 
 def measured_matmul_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
@@ -148,6 +151,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> None:
     with open(args.output, "w", encoding="utf-8") as handle:
         json.dump({"device": str(engine.device), "gpu": torch.cuda.get_device_name() if engine.device.type == "cuda" else None,
                    "torch": torch.__version__, "model": args.model, "dtype": engine.config.dtype,
+                   "tensor_parallel_size": engine.tp.world_size,
                    "matmul_peak_tflops": peak, "cases": reports}, handle, indent=2)
 
 

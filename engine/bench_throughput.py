@@ -217,7 +217,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     requests = make_requests(args.num_requests, input_len, output_len, engine.model_config.vocab_size, args.seed)  # --seed: the engine's flag
     report: dict[str, Any] = {"torch": torch.__version__, "device": args.device, "model": args.model,
                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                              "input_len": input_len, "output_len": output_len}
+                              "input_len": input_len, "output_len": output_len,
+                              "tensor_parallel_size": engine.tp.world_size}
     syncs = _SyncReport() if args.sync_report and torch.cuda.is_available() else None
     report["engine"] = run_engine(engine, requests)
     if syncs is not None:
@@ -225,6 +226,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         for site, count in report["engine"]["host_syncs"].items():
             print(f"sync x{count}: {site}")
     engine_device = engine.device
+    engine.shutdown()  # tensor parallelism: the other ranks' GPUs are free before HF loads
     del engine
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None

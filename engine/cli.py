@@ -83,6 +83,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "cuda/rocm); --no-mixed-steps keeps separate prefill and decode steps",
     )
     group.add_argument("--debug-kv-invariant", action="store_true", help="check the KV pool invariant after every step")
+    group.add_argument(
+        "--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int, default=1, metavar="N",
+        help="split the model over N ranks, one process each (NCCL on CUDA, gloo on CPU); docs/tensor_parallel.md",
+    )
+    group.add_argument(
+        "--dist-timeout", dest="dist_timeout_s", type=float, default=600.0, metavar="SECONDS",
+        help="tensor parallelism: how long a collective waits for the other ranks before the engine fails naming "
+        "the rank that did not respond",
+    )
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -115,6 +124,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object):  # n
         overlap_schedule=args.overlap_schedule,
         mixed_steps=args.mixed_steps,
         debug_kv_invariant=args.debug_kv_invariant,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dist_timeout_s=args.dist_timeout_s,
         seed=args.seed,
     )
     values.update(overrides)

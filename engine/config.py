@@ -91,6 +91,11 @@ class EngineConfig:
     # (None: the device's YAML; on for cuda/rocm; off where prefill and decode graphs differ).
     mixed_steps: bool | None = None
     debug_kv_invariant: bool = False  # check the KV pool invariant after every step
+    # Tensor parallelism: this many ranks, one process each (rank 0 is this process; docs/tensor_parallel.md).
+    tensor_parallel_size: int = 1
+    # How long a tensor-parallel collective (and start-up) waits for the other ranks before the engine fails
+    # naming the rank that did not come: a hung rank ends in an error, not a silent hang.
+    dist_timeout_s: float = 600.0
     warmup: bool = True  # one short request through the real step path at start-up (first-call costs)
     seed: int = 0
     device_config: dict[str, Any] = field(default_factory=dict)  # the YAML, as read
@@ -137,6 +142,11 @@ class EngineConfig:
             value = getattr(resolved, name)
             if value is None or int(value) < 1:
                 raise EngineError(f"{name} must be a positive integer, got {value!r}")
+        tp = resolved.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise EngineError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if not float(resolved.dist_timeout_s) > 0:
+            raise EngineError(f"dist_timeout_s must be positive, got {resolved.dist_timeout_s!r}")
         sizes = parse_sizes(resolved.capture_sizes) or [1]
         max_size = min(resolved.max_capture_size or sizes[-1], resolved.max_num_seqs)
         # Never capture beyond what the scheduler can batch (vLLM caps at max_num_seqs too).

@@ -16,11 +16,20 @@ from engine.batch_state import DecodeBatchState, PenaltyState
 from engine.step_message import StepBuilder
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineError, InvalidRequestError, RequestFailedError, UnsupportedArchitectureError
+from engine.distributed.collectives import min_over_ranks
+from engine.distributed.sharding import kv_head_shard
+from engine.distributed.state import SINGLE, TensorParallelState, building_for, tp_state
+from engine.errors import (
+    EngineError,
+    EngineStoppedError,
+    InvalidRequestError,
+    RequestFailedError,
+    UnsupportedArchitectureError,
+)
 from engine.kv_cache import KVPool
 from engine.kv_manager import KVCacheManager, PrefixCacheStats
 from engine.layers.attention import Attention, AttentionMetadata, step_context
-from engine.loader import load_model, resolve_model_source
+from engine.loader import ModelSource, load_model, resolve_model_source
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput
 from engine.sampler import SampledTokens
@@ -32,6 +41,7 @@ from engine.tokenizer import encode_prompt, load_tokenizer
 from graphs.buckets import parse_sizes
 
 if TYPE_CHECKING:
+    from engine.distributed.launcher import RankGroup
     from graphs.compiled_extend import CompiledExtendStep
     from graphs.extend_graph_runner import ExtendGraphRunner
 
@@ -54,11 +64,32 @@ class Engine:
         self.platform.set_seed(self.config.seed)
 
         source = resolve_model_source(self.config.model, self.config.load_format)
+        # Tensor parallelism (engine/distributed/): rank 0 spawns the other ranks here and they build this
+        # same engine on their shard; a worker rank finds its group joined already. World size 1: nothing.
+        self.tp_ranks: RankGroup | None = None
+        self.tp = self._join_tensor_parallel(source)
+        try:
+            self._build(config, source)
+        except Exception as exc:
+            if self.tp_ranks is not None and not isinstance(exc, EngineError):
+                # A collective of the build (KV pool size, graph capture, warm-up) failed: name the rank
+                # (every rank is stopped then).
+                raise self.tp_ranks.failure(exc) from exc
+            self.shutdown()
+            raise
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, source: ModelSource) -> None:
+        """Everything after the config and the ranks: model, KV pool, scheduler, runner, graphs, warm-up."""
         if config.dtype == "auto" and (preferred := self.platform.dtype_for_checkpoint(source.kind, self.config.quantization)):
             self.config.dtype = preferred
-        self.model, self.model_config = load_model(source, self.config.torch_dtype, self.device, self.config.load_format,
-                                                     self.config.quantization)
-        self.tokenizer = load_tokenizer(source.tokenizer_dir)
+        with building_for(self.tp):
+            self.model, self.model_config = load_model(source, self.config.torch_dtype, self.device,
+                                                         self.config.load_format, self.config.quantization)
+        # Rank 0 owns the tokenizer (and the scheduler's requests); the other ranks only run steps.
+        self.tokenizer = load_tokenizer(source.tokenizer_dir) if self.tp.is_driver else None
         self.max_model_len = min(int(self.config.max_model_len), self.model_config.max_position_embeddings)
         self.context_limit_reason = ""
         limit = self.model_config.context_limit
@@ -107,10 +138,14 @@ class Engine:
         self.kv_manager.on_release = self.step_builder.release
         graph_runner = self._graph_runner()
         extend_step = self._extend_step()
-        self.runner = ModelRunner(
-            self.model, self.kv_pool, self.device, self.platform.slot_index_dtype, graph_runner,
-            self.decode_state, extend_step, self._extend_graphs(extend_step, graph_runner, max_pages),
-        )
+        runner_args = (self.model, self.kv_pool, self.device, self.platform.slot_index_dtype, graph_runner,
+                       self.decode_state, extend_step, self._extend_graphs(extend_step, graph_runner, max_pages))
+        if self.tp_ranks is not None:
+            from engine.distributed.runner import TensorParallelRunner
+
+            self.runner: ModelRunner = TensorParallelRunner(*runner_args, ranks=self.tp_ranks)
+        else:
+            self.runner = ModelRunner(*runner_args)
         # Debug mode: the pool invariant after every step (ENGINE_DEBUG_KV=1 or debug_kv_invariant).
         self.debug_kv = bool(self.config.debug_kv_invariant) or os.environ.get("ENGINE_DEBUG_KV", "") not in ("", "0")
         self.stats_logger = StatsLogger(self)
@@ -124,8 +159,40 @@ class Engine:
         self.grammar_waitlist = GrammarWaitlist(self.tokenizer, int(self.model_config.vocab_size), self.eos_token_ids)
         logger.info("overlap scheduling %s; %s", "on" if self.overlap else "off",
                     "mixed prefill+decode steps" if self.scheduler.mixed_steps else "separate prefill and decode steps")
+        if self.tp_ranks is not None:
+            self.tp_ranks.wait_ready()
         if self.config.warmup:
             self._warm_up()
+
+    def _join_tensor_parallel(self, source: ModelSource) -> TensorParallelState:
+        """This engine's rank: rank 0 of 1 (no tensor parallelism), a worker's (its group joined by
+        engine/distributed/worker.py), or rank 0 of N after spawning the workers and joining them."""
+        world = int(self.config.tensor_parallel_size)
+        current = tp_state()
+        if world == 1:
+            return SINGLE
+        if current.enabled:
+            if current.is_driver or current.world_size != world:
+                raise EngineError("a tensor-parallel engine is running in this process already (one at a time: "
+                                  "Engine.shutdown() it first)")
+            return current  # a worker rank
+        from engine.distributed.launcher import RankGroup
+        from engine.distributed.preflight import check_launch
+        from engine.model_config import ModelConfig
+
+        check_launch(self.config, self.platform, source, ModelConfig.from_hf(source.hf_config))
+        self.tp_ranks = RankGroup(world, self.platform.dist_backend, float(self.config.dist_timeout_s), self.device)
+        try:
+            return self.tp_ranks.start(self.config)
+        except BaseException:
+            self.tp_ranks.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop a tensor-parallel engine's worker ranks and leave its process group (also done at exit and
+        on SIGTERM); idempotent, and nothing to do at world size 1. The engine cannot step afterwards."""
+        if self.tp_ranks is not None:
+            self.tp_ranks.shutdown()
 
     def _warm_up(self) -> None:
         """One short request through the real step path (prefill, decode, sampling, detokenizing).
@@ -207,12 +274,15 @@ class Engine:
     def _allocate_kv_pool(self) -> KVPool:
         cfg, mc = self.config, self.model_config
         page_size = int(cfg.page_size)
-        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cfg.kv_torch_dtype)
+        kv_heads = kv_head_shard(mc.num_key_value_heads, self.tp.rank, self.tp.world_size).size  # this rank's heads
+        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, mc.head_dim, cfg.kv_torch_dtype)
         useful_tokens = int(cfg.max_num_seqs) * self.max_model_len
         if cfg.kv_cache_tokens is not None:
             tokens = int(cfg.kv_cache_tokens)
         else:
             free = self.platform.memory_info().free_bytes
+            if self.tp.enabled:
+                free = min_over_ranks(free)  # every rank holds the same pages: the tightest rank decides
             tokens = min(int(free * float(cfg.kv_cache_memory_fraction or 0.1)) // per_token, useful_tokens)
         num_pages = -(-tokens // page_size) + 1  # whole pages, rounded up, + the reserved page 0
         if num_pages < 2:
@@ -223,7 +293,7 @@ class Engine:
             logger.warning("KV pool holds %d tokens: context length lowered from %d", capacity, self.max_model_len)
             self.max_model_len = capacity
             self.context_limit_reason = f" (lowered to the KV pool's {capacity} tokens)"
-        pool = KVPool(mc.num_hidden_layers, num_pages, page_size, mc.num_key_value_heads, mc.head_dim, cfg.kv_torch_dtype, self.device)
+        pool = KVPool(mc.num_hidden_layers, num_pages, page_size, kv_heads, mc.head_dim, cfg.kv_torch_dtype, self.device)
         logger.info("KV pool: %d pages x %d tokens (%.1f MiB)", num_pages - 1, page_size, pool.nbytes() / 2**20)
         return pool
 
@@ -412,6 +482,8 @@ class Engine:
         try:
             parts = [(step, self.runner.launch(step, self.step_builder.build(step), self._settle_constrained))]
             failed: list[tuple[Request, Exception]] = []
+        except EngineStoppedError:
+            raise  # a tensor-parallel rank is gone (or the ranks were shut down): no re-run can help
         except Exception as exc:  # noqa: BLE001 - isolated below: only the culprit fails
             parts, failed = self._isolate_failure(step, exc, rewind)
         for part, sampled in parts:
@@ -481,6 +553,8 @@ class Engine:
             _rewind_generators(sub.sampled_requests, rewind)
             try:
                 done.append((sub, self.runner.launch(sub, self.step_builder.build(sub), self._settle_constrained)))
+            except EngineStoppedError:
+                raise
             except Exception as exc:  # noqa: BLE001
                 sub_done, sub_failed = self._isolate_failure(sub, exc, rewind)
                 done += sub_done
@@ -605,8 +679,12 @@ class Engine:
 
     # ---- introspection ------------------------------------------------------------------
     def check_kv_invariant(self) -> None:
-        """free + evictable + protected + in use == total pages; raises with the numbers if not."""
+        """free + evictable + protected + in use == total pages; raises with the numbers if not. Under tensor
+        parallelism also every other rank's pool and decode rows against rank 0's (engine/distributed/
+        consistency.py)."""
         self.kv_manager.check_invariant()
+        if self.tp_ranks is not None:
+            self.runner.check_ranks(self)  # type: ignore[attr-defined]
 
     def kv_pages_in_use(self) -> int:
         """Pages held by live requests (cached pages nobody uses are free to evict, so not counted)."""

@@ -19,3 +19,11 @@ class InvalidRequestError(EngineError, ValueError):
 
 class RequestFailedError(EngineError):
     """A step failed because of this request; it was dropped (pages freed) and the others went on."""
+
+
+class EngineStoppedError(EngineError):
+    """The engine cannot step any more: its tensor-parallel ranks were shut down, or one of them failed."""
+
+
+class RankFailedError(EngineStoppedError):
+    """A tensor-parallel rank died, hung or failed: the message names it."""

@@ -26,7 +26,10 @@ class ForwardBatch:
 
     @property
     def batch_size(self) -> int:
-        return len(self.requests)
+        """Requests (rows) in the batch, from its metadata: a tensor-parallel rank > 0 runs batches
+        without Request objects."""
+        starts = self.meta.query_start_loc
+        return len(starts) - 1 if starts is not None else int(self.meta.seq_lens.shape[0])
 
 
 def extend_forward_batch(message: ExtendMessage, requests: list[Request], page_size: int, device: torch.device,

@@ -14,7 +14,7 @@ from engine.layers.attention import step_context
 from engine.models.interface import CausalLM
 from engine.sampler import SampledTokens, record_prompt_logprobs, sample
 from engine.scheduler import ScheduledStep
-from engine.step_message import StepMessage
+from engine.step_message import ExtendMessage, StepMessage
 from engine.transfer import to_device
 from graphs.runner import DecodeRunner
 
@@ -57,10 +57,12 @@ class ModelRunner:
     @torch.no_grad()
     def logits(self, step: ScheduledStep, message: StepMessage) -> torch.Tensor | None:
         """Logits [sampled requests, vocab]; None when no request samples (chunks of long prompts only)."""
-        return self._forward(step, message)[0]
+        return self.forward(step, message)[0]
 
-    def _forward(self, step: ScheduledStep, message: StepMessage) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(logits of the sampled requests, their decode rows on the device: None for extend steps)."""
+    def forward(self, step: ScheduledStep, message: StepMessage) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits of the sampled requests, their decode rows on the device: None for extend steps).
+        Needs only the step's kind and sample mask, never its Request objects (a tensor-parallel rank > 0
+        runs steps that have none: engine/distributed/wire.py)."""
         state = self.decode_state
         if message.decode is not None:
             state.apply(message.decode)
@@ -82,7 +84,8 @@ class ModelRunner:
             with step_context(self.model.attention_backend, batch.meta):
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_pool.caches, batch.meta)
         if not step.is_decode:
-            self._record_prompt_logprobs(hidden, batch)
+            assert message.extend is not None
+            self._record_prompt_logprobs(hidden, batch, message.extend)
             if not any(step.sample_mask):
                 return None, None
             hidden = hidden[batch.logits_indices]
@@ -100,24 +103,23 @@ class ModelRunner:
         decode_seq_lens = (message.decode.inputs[1] + 1).tolist()  # host tensor: no device sync
         return mixed_forward_batch(decode, extend, decode_seq_lens)
 
-    def _record_prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch) -> None:
-        """Echo with logprobs (server): logits of every prompt token, only for requests that ask.
-
-        A separate path so that the usual extend still computes logits for one row per request.
+    def _record_prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch, extend: ExtendMessage) -> None:
+        """Echo with logprobs (server): logits of every prompt token, only for requests that ask
+        (the message names them). A separate path so that the usual extend still computes logits
+        for one row per request.
         """
         starts = batch.meta.query_start_loc
-        if starts is None:
+        if starts is None or not extend.prompt_logprob_requests:
             return
-        for index, request in enumerate(batch.requests):
-            if index < batch.meta.num_decodes or request.params.prompt_logprobs is None:
-                continue
+        for index in (batch.meta.num_decodes + i for i in extend.prompt_logprob_requests):
             positions = batch.positions[starts[index] : starts[index + 1]].tolist()
             # In slices: full-vocabulary logits for a whole 8k-token chunk would take gigabytes.
             for begin in range(starts[index], starts[index + 1], PROMPT_LOGPROB_ROWS):
                 end = min(begin + PROMPT_LOGPROB_ROWS, starts[index + 1])
                 offset = begin - starts[index]
                 logits = self.model.compute_logits(hidden[begin:end])
-                record_prompt_logprobs(request, logits, positions[offset : offset + end - begin])
+                if batch.requests:  # a tensor-parallel rank > 0 has none: it only joins the LM head's collectives
+                    record_prompt_logprobs(batch.requests[index], logits, positions[offset : offset + end - begin])
 
     @torch.no_grad()
     def launch(
@@ -127,7 +129,7 @@ class ModelRunner:
         rows for the next step. Nothing here waits for the device; None when no request samples.
         before_sampling: called once the forward is queued (structured output reads the last step's
         tokens there, while the device runs this forward, so that its masks are up to date)."""
-        logits, rows = self._forward(step, message)
+        logits, rows = self.forward(step, message)
         if logits is None:
             return None
         if before_sampling is not None:

@@ -12,13 +12,14 @@ are sent once, and afterwards only a new page every `page_size` tokens.
 The model runner applies a message to the device state (engine/batch_state.py:
 the device page table takes the diffs) and runs it, and every platform's graph
 runner takes the same decode message (graphs/runner.py `run_decode`). This is
-the message tensor parallelism will broadcast from rank 0: it holds no
-Request objects and nothing that grows with a request's context per step.
+the message tensor parallelism sends from rank 0 to the other ranks
+(engine/distributed/wire.py): it holds no Request objects and nothing that
+grows with a request's context per step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -68,6 +69,9 @@ class ExtendMessage:
     query_start_loc: list[int]  # [requests + 1] offsets into the tokens
     page_rows: list[list[int]]  # per request, 0-padded to the widest
     logits_indices: list[int]  # token rows whose logits are sampled
+    # Requests (indices among these) whose prompt tokens' logprobs are asked for (echo): the runner computes
+    # the LM head over their whole chunk, which every tensor-parallel rank must join.
+    prompt_logprob_requests: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -103,6 +107,8 @@ def extend_message(
         message.query_start_loc.append(len(message.input_ids))
         if sample_mask is None or sample_mask[index]:
             message.logits_indices.append(len(message.input_ids) - 1)
+        if request.params.prompt_logprobs is not None:
+            message.prompt_logprob_requests.append(index)
         message.page_rows.append(pages + [0] * (width - len(pages)))
     return message
 

@@ -177,6 +177,9 @@ def _budget(args: argparse.Namespace, default: Evaluation, platform_name: str, c
 def cmd_tune_capture(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     config, platform = _resolved_baseline(args)
+    if int(config.tensor_parallel_size) > 1:
+        # The tuner replays the engine's runners directly; the other ranks would never see those steps.
+        raise ValueError("tune-capture measures one rank; run it with --tensor-parallel-size 1")
     max_size = int(config.max_num_seqs)
     defaults = cap_sizes(parse_sizes(config.capture_sizes) or [1], min(int(config.max_capture_size or max_size), max_size))
     distribution = load_distribution(args.distribution, args.metrics_url, max_size, args.api_key)

@@ -11,6 +11,13 @@ method is done before capture.
 A fused projection (q/k/v, gate/up) is one Linear whose rows are parts
 (`parts` = their sizes in order); its weight (and bias) loads each part from
 its own checkpoint tensor through the per-parameter weight loader.
+
+Tensor parallelism (engine/distributed/): `column_parallel_linear` and
+`row_parallel_linear` build a model's projections. At world size 1 they are
+the plain Linear above, nothing else; at world size > 1 a column-parallel
+layer holds its rank's rows of each part (its loader narrows each checkpoint
+part to them) and a row-parallel one its rank's input columns, summing the
+ranks' partial products with one all-reduce.
 """
 
 from __future__ import annotations
@@ -21,7 +28,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.loader.param_loading import WHOLE, row_shard_loader, scale_loader, set_weight_loader
+from engine.distributed.collectives import all_reduce
+from engine.distributed.sharding import Shard
+from engine.distributed.state import tp_state
+from engine.loader.param_loading import (
+    WHOLE,
+    column_parallel_loader,
+    first_rank_bias_loader,
+    row_parallel_loader,
+    row_shard_loader,
+    scale_loader,
+    set_weight_loader,
+)
 
 SCALE_BLOCK = 128  # block-wise FP8's block edge (DeepSeek-V3, Qwen3-FP8)
 
@@ -72,3 +90,55 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
+
+
+class ColumnParallelLinear(Linear):
+    """Output rows split over the ranks (world size > 1): each part (q, k, v; gate, up; or the one part
+    "" of a plain layer) holds this rank's piece of the checkpoint's part. Outputs stay per rank."""
+
+    def __init__(self, in_features: int, parts: Sequence[tuple[Hashable, Shard]], bias: bool = False) -> None:
+        self.shards = dict(parts)  # plain attributes may be set before nn.Module.__init__; loaders need them
+        fused = list(self.shards) != [""]
+        super().__init__(in_features, sum(piece.size for piece in self.shards.values()), bias=bias,
+                         parts=[(key, piece.size) for key, piece in parts] if fused else None)
+
+    def attach_weight_loaders(self) -> None:
+        rows = self.part_rows or {"": (0, self.out_features)}
+        for _, param in self.named_parameters(recurse=False):
+            set_weight_loader(param, column_parallel_loader(rows, self.shards), self.part_rows or WHOLE, reads_lazily=True)
+
+
+class RowParallelLinear(Linear):
+    """Input columns split over the ranks (world size > 1): each rank multiplies its slice of the input
+    (the column-parallel layer's output before it) and the partial products are summed over the ranks
+    (reduce_results=False: the caller sums, once for several partial products, as the MoE layer does)."""
+
+    def __init__(self, input_shard: Shard, out_features: int, bias: bool = False, reduce_results: bool = True) -> None:
+        self.input_shard = input_shard
+        self.reduce_results = reduce_results
+        super().__init__(input_shard.size, out_features, bias=bias)
+
+    def attach_weight_loaders(self) -> None:
+        set_weight_loader(self.weight, row_parallel_loader(self.input_shard), reads_lazily=True)
+        if self.bias is not None:
+            set_weight_loader(self.bias, first_rank_bias_loader(tp_state().rank), reads_lazily=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.method.apply(self, x)
+        return all_reduce(out) if self.reduce_results else out
+
+
+def column_parallel_linear(in_features: int, parts: Sequence[tuple[Hashable, Shard]], bias: bool = False) -> Linear:
+    """q/k/v, gate/up or a plain layer (one part ""): parts -> this rank's piece of each. At world size 1 the
+    plain (fused) Linear."""
+    if tp_state().world_size == 1:
+        fused = [(key, piece.size) for key, piece in parts]
+        return Linear(in_features, sum(size for _, size in fused), bias=bias, parts=fused if [k for k, _ in fused] != [""] else None)
+    return ColumnParallelLinear(in_features, parts, bias=bias)
+
+
+def row_parallel_linear(input_shard: Shard, out_features: int, bias: bool = False, reduce_results: bool = True) -> Linear:
+    """o_proj, down_proj: this rank's input columns. At world size 1 the plain Linear."""
+    if tp_state().world_size == 1:
+        return Linear(input_shard.total, out_features, bias=bias)
+    return RowParallelLinear(input_shard, out_features, bias=bias, reduce_results=reduce_results)

@@ -19,6 +19,13 @@ its fused Triton grouped GEMM (backends/cuda/moe_method.py), which is
 capturable, so MoE models keep their CUDA graphs there. A model whose MoE
 layers all have a capturable method may be captured
 (MoEForCausalLM.supports_device_graphs).
+
+With tensor parallelism every rank holds every expert, with its share of
+each expert's intermediate dimension (vLLM's default for MoE under TP, rather
+than whole experts per rank): routing is computed identically on every rank
+from the same hidden states, every method runs unchanged on the narrower
+weights (the CPU's torch op, the fused Triton kernel), and the ranks' partial
+outputs, the shared expert's included, are summed by one all-reduce.
 """
 
 from __future__ import annotations
@@ -29,10 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.collectives import all_reduce
+from engine.distributed.sharding import even_shard
+from engine.distributed.state import tp_state
 from engine.errors import ModelLoadError
 from engine.layers.mlp import GatedMLP
 from engine.layers.ops import define_op
-from engine.loader.param_loading import copy_checked, fill_keys, set_weight_loader
+from engine.loader.param_loading import LazyTensor, copy_checked, fill_keys, set_weight_loader
 
 
 def moe_experts(
@@ -72,19 +82,48 @@ define_op(
 
 class ExpertWeights(nn.Module):
     """The stacked expert weights (`experts.gate_up_proj`, `experts.down_proj` in our names). Each loads
-    one expert's projection at a time, shard (expert, "gate" | "up") or (expert, None), or all at once."""
+    one expert's projection at a time, shard (expert, "gate" | "up") or (expert, None), or all at once.
+    With tensor parallelism: this rank's share of every expert's intermediate dimension."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        state = tp_state()
+        self.shard = even_shard(intermediate_size, state.rank, state.world_size, "expert intermediate size")
+        self.intermediate_size = self.shard.size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.shard.size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard.size))
         self.attach_weight_loaders()
 
     def attach_weight_loaders(self) -> None:
         experts = range(self.gate_up_proj.shape[0])
-        set_weight_loader(self.gate_up_proj, self._load_expert, [(e, half) for e in experts for half in ("gate", "up")])
-        set_weight_loader(self.down_proj, self._load_expert, [(e, None) for e in experts])
+        sharded = self.shard.count > 1
+        loader = self._load_expert_shard if sharded else self._load_expert
+        set_weight_loader(self.gate_up_proj, loader, [(e, half) for e in experts for half in ("gate", "up")],
+                          reads_lazily=sharded)
+        set_weight_loader(self.down_proj, loader, [(e, None) for e in experts], reads_lazily=sharded)
+
+    def _load_expert_shard(self, param: nn.Parameter, tensor: torch.Tensor | LazyTensor, shard: Any = None) -> list[Hashable]:
+        """This rank's intermediate rows (gate, up: [I, H]) or columns (down: [H, I]) of the checkpoint's
+        per-expert tensor, or of the stacked tensor of all experts (shard None: [E, 2I, H] / [E, H, I])."""
+        piece, size = self.shard, self.shard.size
+        is_down = param is self.down_proj
+        if shard is None:
+            if is_down:
+                copy_checked(param.data, tensor.narrow(2, piece.start, size), "this rank's columns of stacked down_proj")
+            else:
+                for half, rows, offset in (("gate", slice(0, size), 0), ("up", slice(size, 2 * size), piece.total)):
+                    copy_checked(param.data[:, rows], tensor.narrow(1, offset + piece.start, size),
+                                 f"this rank's {half} rows of stacked gate_up_proj")
+            return list(fill_keys(param))
+        expert, half = shard
+        if not 0 <= expert < param.shape[0]:
+            raise ModelLoadError(f"expert {expert} of {param.shape[0]}")
+        if half is None:
+            copy_checked(param.data[expert], tensor.narrow(1, piece.start, size), f"expert {expert}'s columns")
+        else:
+            rows = slice(0, size) if half == "gate" else slice(size, 2 * size)
+            copy_checked(param.data[expert][rows], tensor.narrow(0, piece.start, size), f"expert {expert} {half} rows")
+        return [shard]
 
     def _load_expert(self, param: nn.Parameter, tensor: torch.Tensor, shard: Any = None) -> list[Hashable]:
         if shard is None:
@@ -134,7 +173,8 @@ class SparseMoE(nn.Module):
         self.experts = ExpertWeights(num_experts, hidden_size, intermediate_size)
         self.shared_expert: GatedMLP | None = None
         if shared_intermediate_size:
-            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+            # Under tensor parallelism its partial output is summed with the routed experts' (one all-reduce).
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, reduce_output=tp_state().world_size == 1)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,3 +191,19 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
         return out
+
+
+class TensorParallelSparseMoE(SparseMoE):
+    """World size > 1: the same layer over this rank's share of every expert; the partial outputs (routed
+    and shared: the shared expert's gate is a per-token scale, so it distributes over the sum) are summed
+    over the ranks once."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return all_reduce(super().forward(hidden))
+
+
+def sparse_moe(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
+               shared_intermediate_size: int = 0) -> SparseMoE:
+    """A SparseMoE; its tensor-parallel form at world size > 1."""
+    cls = SparseMoE if tp_state().world_size == 1 else TensorParallelSparseMoE
+    return cls(hidden_size, intermediate_size, num_experts, top_k, renormalize, shared_intermediate_size)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 
 import torch
 
+from engine.distributed.state import tp_state
 from engine.errors import ModelLoadError
 from engine.loader.resolve import ModelSource
 from engine.loader.weights import gguf_weights, safetensors_names, safetensors_weights
@@ -35,6 +37,9 @@ def load_model(
         quant = checkpoint_quantization(source.hf_config, safetensors_names(source.path))
     if quantization == "fp8" and source.kind == "gguf":
         raise ModelLoadError(f"{source.path}: --quantization fp8 takes a safetensors checkpoint or a preset, not a GGUF file")
+    world = tp_state().world_size
+    if world > 1:
+        _check_shardable(source, quant, quantization)
     # Built on the meta device, then materialised once on the target: no wasted random init.
     with torch.device("meta"):
         model = config.model_class(config)
@@ -49,12 +54,13 @@ def load_model(
     if load_format == "dummy" or source.kind == "preset":
         if source.kind == "preset" and load_format != "dummy":
             raise ModelLoadError(f"{source.path}: a preset has no weights; pass --load-format dummy")
-        fill_dummy_weights(model)
+        fill_dummy_weights(model, per_parameter_seeds=world > 1)
     elif source.kind == "gguf":
         with torch.no_grad():
             model.load_weights(gguf_weights(source.path, source.hf_config))
     else:
-        weights = safetensors_weights(source.path)
+        # Tensor parallelism: each rank's loaders read only their shard of each tensor from the file.
+        weights = safetensors_weights(source.path, lazy=world > 1)
         with torch.no_grad():
             model.load_weights(rename_scales(weights, quant) if quant is not None else weights)
     model.eval().requires_grad_(False)
@@ -75,13 +81,28 @@ def load_model(
     return model, config
 
 
+def _check_shardable(source: ModelSource, quant: object, quantization: str) -> None:
+    """Tensor parallelism shards dense safetensors weights (and dummy ones); the rest is refused here, by name."""
+    world = tp_state().world_size
+    if source.kind == "gguf":
+        raise ModelLoadError(f"{source.path}: a GGUF model cannot be split over {world} tensor-parallel ranks (its "
+                             "blocks are not sharded); use a safetensors checkpoint or --tensor-parallel-size 1")
+    if quant is not None or quantization == "fp8":
+        raise ModelLoadError(f"FP8 weights cannot be split over {world} tensor-parallel ranks yet (their scales are not "
+                             "sharded); use a bf16/fp16 checkpoint without --quantization fp8, or --tensor-parallel-size 1")
+
+
 @torch.no_grad()
-def fill_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights (as vLLM's dummy format): small uniform values, norms at 1, drawn on the device."""
+def fill_dummy_weights(model: torch.nn.Module, seed: int = 0, per_parameter_seeds: bool = False) -> None:
+    """Random weights (as vLLM's dummy format): small uniform values, norms at 1, drawn on the device.
+    per_parameter_seeds (tensor parallelism): each parameter drawn from a generator seeded by its name,
+    so the parameters every rank holds whole (norms, the MoE router) are the same on every rank."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if "norm" in name:
             param.fill_(1.0)
         else:
+            if per_parameter_seeds:
+                generator.manual_seed(seed + zlib.crc32(name.encode()))
             param.uniform_(-0.05, 0.05, generator=generator)

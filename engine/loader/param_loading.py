@@ -4,8 +4,14 @@ As in vLLM and nano-vllm, a parameter carries a `weight_loader(param, tensor,
 shard)` that copies one checkpoint tensor into it: the whole parameter
 (`shard` None), or one part of a fused parameter (q, k or v of `qkv_proj`;
 gate or up of `gate_up_proj`; one expert's projection of a stacked expert
-weight; later, a tensor-parallel rank's slice). A model's loader then only
-maps checkpoint names to (parameter, shard).
+weight). A model's loader then only maps checkpoint names to (parameter, shard).
+
+With tensor parallelism a parameter holds only its rank's slice, and its
+loader narrows the checkpoint tensor to that slice (`column_parallel_loader`,
+`row_parallel_loader`, the vocabulary's and the experts' own). Those loaders
+take the checkpoint tensor unread (`LazyTensor`: a safetensors slice) and read
+only their rows or columns, so no rank ever holds a whole weight it does not
+keep; every other loader gets the tensor read in full, as before.
 
 Each parameter also declares the parts it is filled from (`fill_keys`), so
 a checkpoint that leaves one out is caught: `FillTracker` names the
@@ -15,12 +21,15 @@ is refused with both names.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Protocol
 
 import torch
 from torch import nn
 
 from engine.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from engine.distributed.sharding import Shard, VocabShard
 
 # (param, checkpoint tensor, shard or None) -> the fill keys it filled
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], list[Hashable]]
@@ -91,9 +100,103 @@ def scale_loader(shard_rows: dict[Hashable, tuple[int, int]], out_features: int,
     return load
 
 
-def set_weight_loader(param: nn.Parameter, loader: WeightLoader, keys: Iterable[Hashable] = WHOLE) -> None:
+class LazyTensor(Protocol):
+    """A checkpoint tensor not read yet (engine/loader/weights.py: a safetensors slice)."""
+
+    shape: tuple[int, ...]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Only these rows (dim 0) or columns (dim 1), read from the file."""
+
+    def read(self) -> torch.Tensor:
+        """The whole tensor."""
+
+
+def column_parallel_loader(part_rows: dict[Hashable, tuple[int, int]], shards: dict[Hashable, "Shard"]) -> WeightLoader:
+    """A column-parallel weight or bias (output rows split): part -> its rows here and this rank's piece of
+    the checkpoint's part (a plain Linear: the one part ""). A checkpoint storing the parts fused (Phi-3,
+    shard None) is cut into them first, in order."""
+
+    def load(param: nn.Parameter, tensor: torch.Tensor | LazyTensor, shard: Any = None) -> list[Hashable]:
+        if shard is None and list(part_rows) != [""]:
+            offset = 0
+            for key, (start, end) in part_rows.items():
+                piece = shards[key]
+                copy_checked(param.data[start:end], tensor.narrow(0, offset + piece.start, piece.size),
+                             f"rank's rows of part {key!r} of a fused parameter")
+                offset += piece.total
+            if offset != tensor.shape[0]:
+                raise ModelLoadError(f"fused checkpoint tensor has {tensor.shape[0]} rows; its parts add up to {offset}")
+            return list(part_rows)
+        key = "" if shard is None else shard
+        if key not in part_rows:
+            raise ModelLoadError(f"fused parameter has parts {list(part_rows)}, not {shard!r}")
+        (start, end), piece = part_rows[key], shards[key]
+        if tensor.shape[0] != piece.total:
+            raise ModelLoadError(f"shape mismatch for part {key!r}: checkpoint has {tensor.shape[0]} rows, the model "
+                                 f"{piece.total} (split {piece.count} ways)")
+        copy_checked(param.data[start:end], tensor.narrow(0, piece.start, piece.size),
+                     f"rows {piece.start}-{piece.start + piece.size} of part {key!r}")
+        return [key]
+
+    return load
+
+
+def row_parallel_loader(piece: "Shard") -> WeightLoader:
+    """A row-parallel weight (input columns split): this rank's columns of the checkpoint's [out, in]."""
+
+    def load(param: nn.Parameter, tensor: torch.Tensor | LazyTensor, shard: Any = None) -> list[Hashable]:
+        if shard is not None:
+            raise ModelLoadError(f"row-parallel parameter is not fused, but was given shard {shard!r}")
+        if len(tensor.shape) != 2 or tensor.shape[1] != piece.total:
+            raise ModelLoadError(f"shape mismatch: checkpoint {tuple(tensor.shape)}, the model [{param.shape[0]}, "
+                                 f"{piece.total}] split {piece.count} ways along its columns")
+        copy_checked(param.data, tensor.narrow(1, piece.start, piece.size),
+                     f"columns {piece.start}-{piece.start + piece.size}")
+        return list(WHOLE)
+
+    return load
+
+
+def first_rank_bias_loader(rank: int) -> WeightLoader:
+    """A row-parallel layer's bias: every rank adds its bias before the sum over ranks, so only rank 0
+    holds it (the others hold zeros) and the sum adds it once."""
+
+    def load(param: nn.Parameter, tensor: torch.Tensor | LazyTensor, shard: Any = None) -> list[Hashable]:
+        full = tensor if isinstance(tensor, torch.Tensor) else tensor.read()
+        if rank == 0:
+            copy_checked(param.data, full, f"a bias of shape {tuple(param.shape)}")
+        else:
+            copy_checked(param.data, torch.zeros_like(full), f"a bias of shape {tuple(param.shape)}")
+        return list(WHOLE)
+
+    return load
+
+
+def vocab_parallel_loader(piece: "VocabShard") -> WeightLoader:
+    """An embedding or LM head split by vocabulary: this rank's rows; the padding rows past the real
+    vocabulary (the last rank's) are zero."""
+
+    def load(param: nn.Parameter, tensor: torch.Tensor | LazyTensor, shard: Any = None) -> list[Hashable]:
+        if shard is not None:
+            raise ModelLoadError(f"vocabulary-parallel parameter is not fused, but was given shard {shard!r}")
+        if tensor.shape[0] < piece.end:
+            raise ModelLoadError(f"shape mismatch: checkpoint has {tensor.shape[0]} vocabulary rows, the model "
+                                 f"{piece.end} or more")
+        copy_checked(param.data[: piece.size], tensor.narrow(0, piece.start, piece.size),
+                     f"vocabulary rows {piece.start}-{piece.end}")
+        param.data[piece.size :].zero_()
+        return list(WHOLE)
+
+    return load
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader, keys: Iterable[Hashable] = WHOLE,
+                      reads_lazily: bool = False) -> None:
+    """reads_lazily: the loader takes a LazyTensor and reads only its slice (tensor-parallel loaders)."""
     param.weight_loader = loader  # type: ignore[attr-defined]
     param.fill_keys = tuple(keys)  # type: ignore[attr-defined]
+    param.reads_lazily = reads_lazily  # type: ignore[attr-defined]
 
 
 def attach_weight_loaders(model: nn.Module) -> None:
@@ -135,7 +238,7 @@ class FillTracker:
 
 def load_checkpoint(
     params: dict[str, nn.Parameter],
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, torch.Tensor | LazyTensor]],
     route: Callable[[str], tuple[str, Any] | None],
     skip: Iterable[str] = (),
 ) -> None:
@@ -150,6 +253,8 @@ def load_checkpoint(
         param = params.get(param_name)
         if param is None:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no home: the model has no parameter {param_name!r}")
+        if not isinstance(tensor, torch.Tensor) and not getattr(param, "reads_lazily", False):
+            tensor = tensor.read()
         try:
             keys = weight_loader(param)(param, tensor, shard)
         except ModelLoadError as exc:

@@ -47,7 +47,28 @@ def safetensors_names(folder: str) -> list[str]:
     return names
 
 
-def safetensors_weights(folder: str) -> WeightIter:
+class SafetensorsSlice:
+    """A checkpoint tensor not read yet (engine.loader.param_loading.LazyTensor): a tensor-parallel
+    loader reads only its rows or columns from the memory-mapped file. Valid while its file is open,
+    that is, until the iterator below moves on."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._handle = handle
+        self._name = name
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+    def read(self) -> torch.Tensor:
+        return self._handle.get_tensor(self._name)
+
+
+def safetensors_weights(folder: str, lazy: bool = False) -> WeightIter:
+    """(name, tensor) of every checkpoint tensor; lazy: (name, SafetensorsSlice) instead, read by its
+    loader (tensor parallelism: each rank reads only its shard)."""
     from safetensors import SafetensorError, safe_open
 
     files = safetensors_files(folder)
@@ -56,7 +77,7 @@ def safetensors_weights(folder: str) -> WeightIter:
             try:
                 with safe_open(path, framework="pt") as handle:
                     for name in handle.keys():
-                        yield name, handle.get_tensor(name)
+                        yield name, SafetensorsSlice(handle, name) if lazy else handle.get_tensor(name)
                         bar.update(1)
             except SafetensorError as exc:
                 raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({exc})") from exc

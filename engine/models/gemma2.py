@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata
-from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.vocab_parallel import lm_head, vocab_embedding
 from engine.model_config import ModelConfig
 from engine.layers.mlp import GatedMLP
 from engine.models.llama import DecoderAttention, KVCache, LlamaForCausalLM
@@ -86,7 +86,7 @@ class Gemma2Model(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         family: GemmaConfig = config.family_config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_parameters,
                                       config.hf_config)
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, self.rotary, family) for _ in range(config.num_hidden_layers))
@@ -107,7 +107,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.config = config
         self.attention_backend: object | None = None
         self.model = self.model_class(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.embed_scale = float(config.hidden_size) ** 0.5

@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.errors import UnsupportedArchitectureError
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.vocab_parallel import vocab_embedding
 from engine.model_config import ModelConfig
 from engine.models.gemma2 import GemmaConfig, GemmaDecoderLayer, GemmaRMSNorm, Gemma2ForCausalLM
 from engine.models.registry import register_model
@@ -29,7 +30,7 @@ class Gemma3Model(nn.Module):
         super().__init__()
         family: GemmaConfig = config.family_config
         types = list(config.hf_config.layer_types)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.rotaries = nn.ModuleDict({kind: _rotary(config, kind) for kind in sorted(set(types))})
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, self.rotaries[kind], family, qk_norm=True) for kind in types)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -12,11 +12,14 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from engine.distributed.sharding import Shard, even_shard, kv_head_shard
+from engine.distributed.state import tp_state
 from engine.layers.attention import Attention, AttentionMetadata
-from engine.layers.linear import Linear
+from engine.layers.linear import column_parallel_linear, row_parallel_linear
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.vocab_parallel import lm_head, vocab_embedding
 from engine.loader.param_loading import load_checkpoint
 from engine.model_config import ModelConfig
 from engine.models.registry import register_model
@@ -24,22 +27,32 @@ from engine.models.registry import register_model
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def _rows(heads: Shard, head_dim: int) -> Shard:
+    """A shard of heads as a shard of projection rows."""
+    return Shard(heads.index, heads.count, heads.size * head_dim)
+
+
 class DecoderAttention(nn.Module):
     """q/k/v (one fused matmul), optional per-head q/k norms, rotary, paged attention, o_proj.
     scale (default head_dim ** -0.5) and softcap: Gemma 2's query_pre_attn_scalar and logit cap;
-    norm_class: the q/k norms' class (Gemma's norms scale by 1 + weight)."""
+    norm_class: the q/k norms' class (Gemma's norms scale by 1 + weight). With tensor parallelism
+    num_heads and num_kv_heads are this rank's (engine/distributed/sharding.py)."""
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, scale: float | None = None,
                  softcap: float | None = None, norm_class: type[nn.Module] = RMSNorm, qk_norm: bool | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        state = tp_state()
+        heads = even_shard(config.num_attention_heads, state.rank, state.world_size, "attention heads")
+        kv_heads = kv_head_shard(config.num_key_value_heads, state.rank, state.world_size)
+        self.num_heads = heads.size
+        self.num_kv_heads = kv_heads.size
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias,
-                               parts=[("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)])
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        q_rows, kv_rows = _rows(heads, self.head_dim), _rows(kv_heads, self.head_dim)
+        self.qkv_proj = column_parallel_linear(config.hidden_size, [("q", q_rows), ("k", kv_rows), ("v", kv_rows)],
+                                               bias=config.attention_bias)
+        self.o_proj = row_parallel_linear(q_rows, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm if qk_norm is None else qk_norm
         if self.qk_norm:
             self.q_norm = norm_class(self.head_dim, config.rms_norm_eps)
@@ -89,7 +102,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: ModelConfig, build_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_parameters, config.hf_config
         )
@@ -116,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.attention_backend: object | None = None
         self.model = DecoderModel(config, self.build_mlp)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from engine.layers.moe import SparseMoE
+from engine.layers.moe import SparseMoE, sparse_moe
 from engine.layers.mlp import GatedMLP
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import register_model
@@ -69,8 +69,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         moe: MoEConfig = self.config.family_config
         if not moe.moe_layers[layer_index]:
             return GatedMLP(self.config.hidden_size, self.config.intermediate_size, self.config.hidden_act)
-        return SparseMoE(self.config.hidden_size, moe.moe_intermediate_size, moe.num_experts,
-                         moe.num_experts_per_tok, moe.norm_topk_prob, moe.shared_expert_intermediate_size)
+        return sparse_moe(self.config.hidden_size, moe.moe_intermediate_size, moe.num_experts,
+                          moe.num_experts_per_tok, moe.norm_topk_prob, moe.shared_expert_intermediate_size)
 
     def supports_device_graphs(self, platform: str) -> bool:
         # The torch experts op looks at which experts were hit (engine/layers/moe.py): CPU compiled

@@ -16,7 +16,7 @@ import time
 from typing import Callable, Protocol
 
 from engine.engine import Engine
-from engine.errors import EngineError, RequestFailedError
+from engine.errors import EngineError, EngineStoppedError, RequestFailedError
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -114,6 +114,8 @@ class EngineLoop:
     def step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineStoppedError:
+            raise  # a tensor-parallel rank is gone: the engine cannot step again, so the loop ends (run())
         except Exception as exc:  # noqa: BLE001
             self._fail_step(exc)
             return
