@@ -28,9 +28,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "dequantize at load; docs/quantization.md",
     )
     group.add_argument(
-        "--gguf-activations", default="float32", choices=["float32", "int8"],
-        help="kept GGUF blocks, decode rows: float32 (exact) or int8 blocks with integer dot products (llama.cpp's "
-        "numerics: faster, each activation rounded to 1/254 of its block's largest); docs/quantization.md",
+        "--gguf-activations", default="auto", choices=["auto", "float32", "int8x2", "int8"],
+        help="kept GGUF blocks, decode rows: auto (int8x2), float32 (exact), int8x2 (each block of 32 activations as "
+        "two int8 levels, ~16 bits, integer dot products) or int8 (one level: llama.cpp's numerics, each activation "
+        "rounded to 1/254 of its block's largest); docs/quantization.md",
     )
     group.add_argument("--page-size", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=None)

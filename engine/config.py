@@ -45,7 +45,7 @@ def _with_capture_config(defaults: dict[str, Any], path: str, device: str, model
 
 
 QUANTIZATIONS = ("auto", "fp8", "gguf", "none")
-GGUF_ACTIVATIONS = ("float32", "int8")
+GGUF_ACTIVATIONS = ("auto", "float32", "int8x2", "int8")
 
 @dataclass
 class EngineConfig:
@@ -58,9 +58,10 @@ class EngineConfig:
     # where its kernels exist, dequantized elsewhere), "fp8" (a dense checkpoint's linears quantized to
     # FP8 at load), "gguf" (kept, or an error), "none" (always dequantized).
     quantization: str = "auto"
-    # How the CPU's GGUF block kernels take their inputs: "float32" (exact, the default) or "int8"
-    # (each block of 32 activations quantized to int8, integer dot products: llama.cpp's numerics).
-    gguf_activations: str = "float32"
+    # How the CPU's GGUF block kernels take the inputs of decode-sized matmuls: "auto" (int8x2),
+    # "float32" (exact), "int8x2" (each block of 32 activations as two int8 levels, ~16 bits, integer dot
+    # products) or "int8" (one level: llama.cpp's numerics); docs/quantization.md.
+    gguf_activations: str = "auto"
     page_size: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None

@@ -42,7 +42,66 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(hf_folder: str, path: str) -> str:
+def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
+    """ggml's Q4_K blocks [rows, cols / 256 * 144] of a float32 [rows, cols] matrix (the `gguf` package
+    dequantizes Q4_K but has no quantizer): per 32 columns a 6-bit scale and minimum under the block's
+    fp16 d and dmin, 4-bit quants. Simple, not llama.cpp's search, but every byte in ggml's layout."""
+    rows, cols = weight.shape
+    x = weight.astype(np.float32).reshape(rows, cols // 256, 8, 32)
+    low = np.minimum(x.min(-1), 0.0)
+    scale, minimum = (x.max(-1) - low) / 15.0, -low
+    d = (scale.max(-1, keepdims=True) / 63.0).astype(np.float16)
+    dmin = (minimum.max(-1, keepdims=True) / 63.0).astype(np.float16)
+    d32, dmin32 = np.maximum(d.astype(np.float32), 1e-12), np.maximum(dmin.astype(np.float32), 1e-12)
+    sc = np.clip(np.rint(scale / d32), 1, 63).astype(np.uint8)
+    mn = np.clip(np.rint(minimum / dmin32), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32) * sc
+    q = np.clip(np.rint((x + (dmin.astype(np.float32) * mn)[..., None]) / np.maximum(step, 1e-12)[..., None]), 0, 15)
+    q = q.astype(np.uint8)
+    scales = np.zeros((rows, cols // 256, 12), dtype=np.uint8)
+    scales[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    scales[..., 4:8] = mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:8] & 0x0F) | ((mn[..., 4:8] & 0x0F) << 4)
+    qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(rows, cols // 256, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(rows, -1, 2), dmin.view(np.uint8).reshape(rows, -1, 2), scales, qs],
+                            axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
+    """ggml's Q6_K blocks [rows, cols / 256 * 210]: per 16 columns an int8 scale under the block's fp16
+    d, 6-bit quants q with w = d * scale * (q - 32), stored as ql[128] qh[64] scales[16] d."""
+    rows, cols = weight.shape
+    x = weight.astype(np.float32).reshape(rows, cols // 256, 16, 16)
+    scale = np.abs(x).max(-1) / 31.0
+    d = (scale.max(-1, keepdims=True) / 127.0).astype(np.float16)
+    sc = np.clip(np.rint(scale / np.maximum(d.astype(np.float32), 1e-12)), 1, 127).astype(np.int8)
+    step = np.maximum(d.astype(np.float32) * sc, 1e-12)
+    q = (np.clip(np.rint(x / step[..., None]), -32, 31) + 32).astype(np.uint8).reshape(rows, cols // 256, 2, 4, 32)
+    low = q & 0x0F
+    ql = np.concatenate([low[..., 0, :] | (low[..., 2, :] << 4), low[..., 1, :] | (low[..., 3, :] << 4)], axis=-1)
+    qh = (q[..., 0, :] >> 4) | ((q[..., 1, :] >> 4) << 2) | ((q[..., 2, :] >> 4) << 4) | ((q[..., 3, :] >> 4) << 6)
+    blocks = np.concatenate([ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64), sc.view(np.uint8),
+                             d.view(np.uint8).reshape(rows, -1, 2)], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize(weight: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
+    """(blocks, GGMLQuantizationType) of a float32 matrix in kind (Q4_0, Q4_1, Q8_0 through the `gguf`
+    package's quantizer; Q4_K, Q6_K through the ones above)."""
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    if kind == "Q4_K":
+        return quantize_q4_k(weight), qtype
+    if kind == "Q6_K":
+        return quantize_q6_k(weight), qtype
+    return gguf.quants.quantize(weight.astype(np.float32), qtype), qtype
+
+
+def write_gguf(hf_folder: str, path: str, formats: dict[str, str] | None = None) -> str:
+    """formats: llama.cpp tensor kind (attn_q, ffn_down, token_embd, output, ...) -> a block type to
+    quantize it to ("*": every 2-D weight not named); norms and biases stay float32."""
     import gguf
 
     with open(os.path.join(hf_folder, "config.json"), encoding="utf-8") as handle:
@@ -97,6 +156,12 @@ def write_gguf(hf_folder: str, path: str) -> str:
             array = _permute(array, heads if "q_proj" in name else kv_heads)
         if gemma and name.endswith("norm.weight"):
             array = array + 1.0  # llama.cpp stores Gemma's (1 + w)
+        kind = gguf_name.split(".")[-2]
+        block_type = (formats or {}).get(kind, (formats or {}).get("*")) if array.ndim == 2 else None
+        if block_type is not None:
+            blocks, qtype = quantize(array, block_type)
+            writer.add_tensor(gguf_name, np.ascontiguousarray(blocks), raw_dtype=qtype)
+            continue
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -1,14 +1,18 @@
-"""GGUF weights kept in their blocks on the CPU (Q4_1, Q8_0): a linear method and an embedding.
+"""GGUF weights kept quantized on the CPU (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K): a linear method and an embedding.
 
 The dense path dequantizes every GGUF tensor at load: SmolLM2's 98 MB Q4_1 file became 513 MiB of
-float32 that each decode step streams. Here the linear layers keep the file's blocks and multiply
-through kernels/gguf_matmul.c, which unpacks each block in registers (AVX2 where the CPU has it,
-portable C otherwise); a step with more rows than the fused kernel takes (prefill) dequantizes the
-matrix in C and runs the float GEMM. The token embedding gathers its rows' blocks and dequantizes
-them; a tied LM head multiplies by the same blocks.
+float32 that each decode step streams. Here the linear layers keep the file's blocks, interleaved
+16 rows at a time at load (kernels/gguf.h: the same bytes, laid out so one int8 dot-product
+instruction covers 16 rows) and multiply through kernels/gguf_matmul*.c, which unpack each block
+in registers: AVX512 (VNNI for int8 activations), AVX2 (AVX-VNNI where present), or portable C,
+chosen at run time from what the CPU has (backends/cpu/features.py). A step with more rows than
+FUSED_MAX_ROWS (prefill) dequantizes the matrix in C and runs the float GEMM. The token embedding
+gathers and dequantizes its rows; a tied LM head multiplies by the same tiles. The decode step of a
+Llama-family model runs all of this in one native call (backends/cpu/gguf_decode.py).
 
-Which tensors stay quantized: those whose every part (q, k, v of a fused projection) has one of
-the kernel's block types. Others (F32 norms; Q6_K, Q4_K until their kernels exist) load dense.
+Which tensors stay quantized: every part (q, k, v of a fused projection) in one of FORMATS, each
+part in its own format (Q4_K_M files keep v and down in Q6_K). Others (F32 norms, Q5_K, ...) load
+dense; with the native kernels off or unbuildable, everything loads dense (dequantized once).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import ctypes
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -31,35 +35,56 @@ from engine.layers.ops import define_op
 
 logger = logging.getLogger(__name__)
 
-FUSED_MAX_ROWS = 16  # the C kernel's MAX_ROWS
-FUSED_MAX_COLUMNS = 1024 * 32  # and its MAX_BLOCKS blocks of 32 (Llama-3-405B's down_proj takes the other path)
+FUSED_MAX_ROWS = 16  # above this many rows (prefill), one dequantized matrix and the float GEMM win
 
 
 @dataclass(frozen=True)
 class BlockFormat:
     name: str
-    code: int  # the kernel's q8 flag
-    block_bytes: int  # per 32 weights
+    code: int  # kernels/gguf.h's GG_* format
+    block_columns: int  # weights per block of one row
+    block_bytes: int
 
 
-FORMATS = {"Q4_1": BlockFormat("Q4_1", 0, 20), "Q8_0": BlockFormat("Q8_0", 1, 34)}
-_BY_CODE = {f.code: f for f in FORMATS.values()}
+FORMATS = {
+    "Q4_0": BlockFormat("Q4_0", 0, 32, 18),
+    "Q4_1": BlockFormat("Q4_1", 1, 32, 20),
+    "Q8_0": BlockFormat("Q8_0", 2, 32, 34),
+    "Q4_K": BlockFormat("Q4_K", 3, 256, 144),
+    "Q6_K": BlockFormat("Q6_K", 4, 256, 210),
+}
+BY_CODE = {f.code: f for f in FORMATS.values()}
+PATH_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX-VNNI", 3: "AVX512"}  # kernels/gguf.h's GG_PORTABLE ..
+# --gguf-activations: how matmuls of up to FUSED_MAX_ROWS rows (decode) take their inputs, as the
+# kernels' activation levels: float32 (exact), int8x2 (each block of 32 as two int8 levels: ~16-bit,
+# integer dot products) or int8 (llama.cpp's numerics: one int8 level).
+ACTIVATIONS = {"float32": 0, "int8": 1, "int8x2": 2}
+
+
+class GGMatrix(ctypes.Structure):
+    """kernels/gguf.h's gg_matrix: one matrix in the tiled layout."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("format", ctypes.c_int32), ("rows", ctypes.c_int32),
+                ("cols", ctypes.c_int32), ("reserved", ctypes.c_int32)]
 
 
 @lru_cache(maxsize=None)
 def _library() -> Any:
-    lib = load("gguf_matmul")
+    lib = load("gguf")
     if lib is None:
         return None
-    for name in ("gguf_q4_1_matmul", "gguf_q8_0_matmul"):
+    p, i = ctypes.c_void_p, ctypes.c_int
+    for name, restype, argtypes in (
+        ("gguf_tiled_bytes", ctypes.c_int64, [i, i, i]),
+        ("gguf_repack", i, [i, p, p, i, i, i]),
+        ("gguf_dequantize", i, [p, p, i]),
+        ("gguf_dequantize_rows", i, [p, p, i, p]),
+        ("gguf_matmul", i, [p, i, p, i, p, i, i, i]),  # parts, nparts, x, m, y, levels, path, threads
+        ("gguf_paths", i, []),
+        ("gguf_quantized_activations", i, [p, i, i, i, p]),
+    ):
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
-    lib.gguf_matmul_int8.restype = ctypes.c_int
-    lib.gguf_matmul_int8.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6
-    lib.gguf_dequantize.restype = ctypes.c_int
-    lib.gguf_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
-    lib.gguf_has_avx2.restype = ctypes.c_int
+        fn.restype, fn.argtypes = restype, argtypes
     return lib
 
 
@@ -67,102 +92,164 @@ def gguf_kernels_available() -> bool:
     return _library() is not None
 
 
+class CodePaths(NamedTuple):
+    float32: int  # the path float32 activations take (PATH_NAMES)
+    int8: int  # and int8 activations
+
+
 @lru_cache(maxsize=None)
-def simd_path() -> bool:
-    """The kernel's AVX2 path: built in (gcc targets this CPU) and not hidden (ENGINE_CPU_HIDE_FEATURES).
-    Decided once: every linear of every decode step asks."""
+def code_paths() -> CodePaths:
+    """The best path of each kind that this build has and the CPU shows (ENGINE_CPU_HIDE_FEATURES hides
+    features from it). Decided once: every linear of every step asks."""
     lib = _library()
-    return lib is not None and bool(lib.gguf_has_avx2()) and cpu_features().has("avx2", "fma3")
+    if lib is None:
+        return CodePaths(0, 0)
+    built, cpu = lib.gguf_paths(), cpu_features()
+    avx2 = bool(built & 2) and cpu.has("avx2", "fma3", "f16c")
+    avx512 = avx2 and cpu.avx512
+    vnni256 = avx2 and bool(built & 4) and (cpu.has("avx_vnni") or cpu.has("avx512_vnni", "avx512_vl"))
+    float32 = 3 if avx512 and built & 8 else 1 if avx2 else 0
+    int8 = 3 if avx512 and built & 16 and cpu.has("avx512_vnni") else 2 if vnni256 else 1 if avx2 else 0
+    return CodePaths(float32, int8)
 
 
-def dequantize_blocks(blocks: torch.Tensor, code: int, out_features: int, in_features: int) -> torch.Tensor:
-    """The float32 [out, in] matrix of a block tensor [out, in / 32 * block_bytes]."""
-    out = torch.empty(out_features, in_features, dtype=torch.float32)
-    status = _library().gguf_dequantize(blocks.data_ptr(), out.data_ptr(), out_features, in_features, code,
-                                        torch.get_num_threads())
+def describe_paths() -> str:
+    paths = code_paths()
+    return f"float32 activations {PATH_NAMES[paths.float32]}, int8 activations {PATH_NAMES[paths.int8]}"
+
+
+def _matrix(tiles: torch.Tensor, code: int, rows: int, cols: int) -> GGMatrix:
+    return GGMatrix(tiles.data_ptr(), code, rows, cols, 0)
+
+
+def tile_blocks(fmt: BlockFormat, blocks: np.ndarray) -> torch.Tensor:
+    """A GGUF tensor's blocks [rows, cols / block_columns * block_bytes] (uint8) in the tiled layout
+    of kernels/gguf.h: [row groups of 16, bytes of a group] uint8, the same bytes interleaved (Q4_K
+    2.8% more: its 6-bit scales widened)."""
+    lib = _library()
+    rows = blocks.shape[0]
+    cols = blocks.shape[1] // fmt.block_bytes * fmt.block_columns
+    size = lib.gguf_tiled_bytes(fmt.code, rows, cols)
+    if size < 0 or blocks.shape[1] % fmt.block_bytes:
+        raise ValueError(f"{fmt.name} blocks of shape {blocks.shape} do not tile")
+    source = np.ascontiguousarray(blocks, dtype=np.uint8)
+    groups = -(-rows // 16)
+    tiles = torch.empty(groups, size // groups, dtype=torch.uint8)
+    status = lib.gguf_repack(fmt.code, source.ctypes.data, tiles.data_ptr(), rows, cols, torch.get_num_threads())
     if status != 0:
-        raise ValueError(f"GGUF dequantize refused shape [{out_features}, {in_features}]")
+        raise ValueError(f"{fmt.name} repack refused shape [{rows}, {cols}]")
+    return tiles
+
+
+def dequantize_tiles(tiles: torch.Tensor, code: int, rows: int, cols: int) -> torch.Tensor:
+    """The float32 [rows, cols] matrix the tiles hold."""
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    matrix = _matrix(tiles, code, rows, cols)
+    if _library().gguf_dequantize(ctypes.byref(matrix), out.data_ptr(), torch.get_num_threads()) != 0:
+        raise ValueError(f"GGUF dequantize refused shape [{rows}, {cols}]")
     return out
 
 
-def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, code: int, out_features: int,
-                int8_activations: bool = False) -> torch.Tensor:
-    """x [..., in] @ W.T with W in GGUF blocks; in x's dtype, accumulated in float32.
-    int8_activations: decode rows quantized to int8 blocks first, integer dot products (llama.cpp's
-    numerics: faster, less exact)."""
-    lib = _library()
-    in_features = x.shape[-1]
-    rows = x.reshape(-1, in_features)
-    if rows.shape[0] > FUSED_MAX_ROWS or in_features > FUSED_MAX_COLUMNS:
-        # Prefill (or a matrix wider than the fused kernel's per-block sums): one dequantized matrix
-        # serves every row, and the float GEMM is the fast part.
-        weight = dequantize_blocks(blocks, code, out_features, in_features).to(x.dtype)
+def gguf_linear(x: torch.Tensor, tiles: Sequence[torch.Tensor], codes: Sequence[int], rows: Sequence[int],
+                levels: int = 0) -> torch.Tensor:
+    """x [..., in] @ W.T with W's row parts in tiles (codes: their formats, rows: their heights), in
+    x's dtype, accumulated in float32. levels (ACTIVATIONS): 0 float32 activations, 1 or 2: each row
+    quantized to one or two int8 levels per block of 32, then integer dot products."""
+    cols = x.shape[-1]
+    flat = x.reshape(-1, cols)
+    if flat.shape[0] > FUSED_MAX_ROWS:
+        # Prefill: one dequantized matrix serves every row, and the float GEMM is the fast part.
+        weight = torch.cat([dequantize_tiles(t, c, r, cols) for t, c, r in zip(tiles, codes, rows)]).to(x.dtype)
         return F.linear(x, weight)
-    rows32 = rows.to(torch.float32).contiguous()
-    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-    if int8_activations:
-        status = lib.gguf_matmul_int8(blocks.data_ptr(), rows32.data_ptr(), out.data_ptr(), rows.shape[0],
-                                      out_features, in_features, code, torch.get_num_threads(), int(simd_path()))
-    else:
-        kernel = lib.gguf_q8_0_matmul if code == FORMATS["Q8_0"].code else lib.gguf_q4_1_matmul
-        status = kernel(blocks.data_ptr(), rows32.data_ptr(), out.data_ptr(), rows.shape[0], out_features,
-                        in_features, torch.get_num_threads(), int(simd_path()))
+    x32 = flat.to(torch.float32).contiguous()
+    out = torch.empty(flat.shape[0], sum(rows), dtype=torch.float32)
+    parts = (GGMatrix * len(tiles))(*(_matrix(t, c, r, cols) for t, c, r in zip(tiles, codes, rows)))
+    paths = code_paths()
+    status = _library().gguf_matmul(parts, len(tiles), x32.data_ptr(), flat.shape[0], out.data_ptr(), levels,
+                                    paths.int8 if levels else paths.float32, torch.get_num_threads())
     if status != 0:
-        raise ValueError(f"GGUF matmul refused x {tuple(x.shape)} by [{out_features}, {in_features}]")
-    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+        raise ValueError(f"GGUF matmul refused x {tuple(x.shape)} by parts {list(rows)} x {cols}")
+    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _gguf_linear_fake(x, blocks, code, out_features, int8_activations=False):  # noqa: ANN001, ANN202
-    return x.new_empty((*x.shape[:-1], out_features))
+def quantized_activations(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """x [m, k] float32 as the int8 kernels see it (float64): per block of 32, one or two int8 levels
+    times their scales (kernels/gguf_matmul.c's quantizer)."""
+    x32 = x.to(torch.float32).contiguous()
+    out = torch.empty(x32.shape, dtype=torch.float64)
+    if _library().gguf_quantized_activations(x32.data_ptr(), x32.shape[0], x32.shape[1], levels, out.data_ptr()) != 0:
+        raise ValueError(f"cannot quantize activations of shape {tuple(x.shape)} to {levels} levels")
+    return out
 
 
-define_op("gguf_linear", "(Tensor x, Tensor blocks, int code, int out_features, bool int8_activations=False) -> Tensor",
+def _gguf_linear_fake(x, tiles, codes, rows, levels=0):  # noqa: ANN001, ANN202
+    return x.new_empty((*x.shape[:-1], sum(rows)))
+
+
+define_op("gguf_linear", "(Tensor x, Tensor[] tiles, int[] codes, int[] rows, int levels=0) -> Tensor",
           gguf_linear, _gguf_linear_fake)
 
-ACTIVATIONS = ("float32", "int8")  # --gguf-activations
+
+def gguf_embedding(ids: torch.Tensor, tiles: torch.Tensor, code: int, vocab: int, dim: int) -> torch.Tensor:
+    """Rows ids of the tiled [vocab, dim] matrix, float32 [*ids.shape, dim]."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.shape[0], dim, dtype=torch.float32)
+    matrix = _matrix(tiles, code, vocab, dim)
+    if _library().gguf_dequantize_rows(ctypes.byref(matrix), flat.data_ptr(), flat.shape[0], out.data_ptr()) != 0:
+        raise IndexError(f"token id out of range [0, {vocab})")
+    return out.reshape(*ids.shape, dim)
+
+
+def _gguf_embedding_fake(ids, tiles, code, vocab, dim):  # noqa: ANN001, ANN202
+    return torch.empty((*ids.shape, dim), dtype=torch.float32, device=ids.device)
+
+
+define_op("gguf_embedding", "(Tensor ids, Tensor tiles, int code, int vocab, int dim) -> Tensor", gguf_embedding,
+          _gguf_embedding_fake)
 
 
 class GGUFLinearMethod:
-    """engine.layers.linear.LinearMethod over the layer's `gguf_blocks` buffer."""
+    """engine.layers.linear.LinearMethod over the layer's `gguf_tiles_<i>` buffers (`gguf_parts`: per
+    part, its format and rows); `activations`: a key of ACTIVATIONS."""
 
-    def __init__(self, fmt: BlockFormat, int8_activations: bool = False) -> None:
-        self.fmt = fmt
-        self.int8_activations = int8_activations
-        self.name = f"gguf_{fmt.name.lower()}" + ("_int8_activations" if int8_activations else "")
+    def __init__(self, activations: str = "float32") -> None:
+        self.activations = activations
+        self.levels = ACTIVATIONS[activations]
+        self.name = "gguf" if activations == "float32" else f"gguf_{activations}_activations"
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.engine.gguf_linear(x, layer.gguf_blocks, self.fmt.code, layer.out_features,
-                                           self.int8_activations)
+        parts = layer.gguf_parts
+        tiles = [getattr(layer, f"gguf_tiles_{i}") for i in range(len(parts))]
+        out = torch.ops.engine.gguf_linear(x, tiles, [f.code for f, _ in parts], [rows for _, rows in parts],
+                                           self.levels)
         return out if layer.bias is None else out + layer.bias
 
 
-_METHODS = {(name, int8): GGUFLinearMethod(fmt, int8) for name, fmt in FORMATS.items() for int8 in (False, True)}
+_METHODS = {name: GGUFLinearMethod(name) for name in ACTIVATIONS}
+
+
+def gguf_tiles(layer: nn.Module) -> list[tuple[BlockFormat, int, torch.Tensor]]:
+    """(format, rows, tiles) of each part of a Linear kept in GGUF blocks (empty for any other)."""
+    parts = getattr(layer, "gguf_parts", ())
+    return [(fmt, rows, getattr(layer, f"gguf_tiles_{i}")) for i, (fmt, rows) in enumerate(parts)]
 
 
 class QuantizedEmbedding(nn.Module):
-    """nn.Embedding over GGUF blocks [vocab, dim / 32 * block_bytes]: gathered rows dequantized."""
+    """nn.Embedding over GGUF tiles [vocab rows]: gathered rows dequantized."""
 
-    def __init__(self, blocks: torch.Tensor, fmt: BlockFormat, dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, tiles: torch.Tensor, fmt: BlockFormat, vocab: int, dim: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.register_buffer("gguf_blocks", blocks, persistent=False)
-        self.fmt, self.dim, self.dtype = fmt, dim, dtype
+        self.register_buffer("gguf_tiles", tiles, persistent=False)
+        self.fmt, self.vocab, self.dim, self.dtype = fmt, vocab, dim, dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.gguf_blocks[input_ids.reshape(-1)]
-        blocks = rows.view(rows.shape[0], self.dim // 32, self.fmt.block_bytes)
-        scale = blocks[..., 0:2].contiguous().view(torch.float16).float()
-        if self.fmt.name == "Q8_0":
-            values = blocks[..., 2:].contiguous().view(torch.int8).float() * scale
-        else:
-            packed = blocks[..., 4:]
-            quants = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-            values = quants * scale + blocks[..., 2:4].contiguous().view(torch.float16).float()
-        return values.reshape(*input_ids.shape, self.dim).to(self.dtype)
+        rows = torch.ops.engine.gguf_embedding(input_ids, self.gguf_tiles, self.fmt.code, self.vocab, self.dim)
+        return rows.to(self.dtype)
 
 
 def keep_gguf_blocks(model: nn.Module, path: str, activations: str = "float32") -> int:
     """Switch every Linear (and the token embedding) whose GGUF tensors all have a kernel format to
-    those blocks, freeing the dense weights; returns the bytes of blocks kept. activations: how the
+    their tiles, freeing the dense weights; returns the bytes of tiles kept. activations: how the
     decode kernels take their inputs (ACTIVATIONS)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"GGUF activations must be one of {ACTIVATIONS}, got {activations!r}")
@@ -194,39 +281,37 @@ def keep_gguf_blocks(model: nn.Module, path: str, activations: str = "float32") 
             parts.setdefault(route[0], {})[route[1]] = (fmt, data)
     kept = 0
     modules = dict(model.named_modules())
-    shared: dict[int, torch.Tensor] = {}  # one tensor for the tied embedding and head
+    shared: dict[int, torch.Tensor] = {}  # one tile tensor for the tied embedding and head
+    method = _METHODS[activations]
+
+    def tiles_of(fmt: str, array: np.ndarray) -> torch.Tensor:
+        nonlocal kept
+        if id(array) not in shared:
+            shared[id(array)] = tile_blocks(FORMATS[fmt], array)
+            kept += shared[id(array)].nbytes
+        return shared[id(array)]
+
     for param_name, by_part in parts.items():
         layer = modules.get(param_name.rsplit(".", 1)[0])
         if not isinstance(layer, Linear) or layer.method is not DENSE:
             continue
         order = list(layer.part_rows) if layer.part_rows else [None]
-        if set(by_part) != set(order) or len({fmt for fmt, _ in by_part.values()}) != 1:
-            continue  # a part missing or in another format: the layer stays dense
-        fmt = next(iter(by_part.values()))[0]
-        if fmt not in FORMATS:
+        if set(by_part) != set(order) or any(fmt not in FORMATS for fmt, _ in by_part.values()):
+            continue  # a part missing or in a format without a kernel: the layer stays dense
+        pieces = [(FORMATS[by_part[p][0]], by_part[p][1]) for p in order]
+        if sum(a.shape[0] for _, a in pieces) != layer.out_features or any(
+                a.shape[1] != layer.in_features // f.block_columns * f.block_bytes for f, a in pieces):
             continue
-        arrays = [by_part[p][1] for p in order]
-        key = id(arrays[0]) if len(arrays) == 1 else None
-        blocks = shared.get(key) if key is not None else None
-        if blocks is None:
-            blocks = torch.from_numpy(np.ascontiguousarray(np.concatenate(arrays, axis=0)))
-            if key is not None:
-                shared[key] = blocks
-            kept += blocks.nbytes
-        if blocks.shape[0] != layer.out_features or blocks.shape[1] != layer.in_features // 32 * FORMATS[fmt].block_bytes:
-            continue
-        dtype = layer.weight.dtype
-        layer.register_buffer("gguf_blocks", blocks, persistent=False)
-        layer.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
-        layer.method = _METHODS[(fmt, activations == "int8")]
+        layer.gguf_parts = tuple((f, a.shape[0]) for f, a in pieces)
+        for i, (f, array) in enumerate(pieces):
+            layer.register_buffer(f"gguf_tiles_{i}", tiles_of(f.name, array), persistent=False)
+        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+        layer.method = method
     if embedding is not None and embedding[0] in FORMATS:
         inner = model.model
         dense = inner.embed_tokens.weight
-        array = embedding[1]
-        blocks = shared.get(id(array))
-        if blocks is None:
-            blocks = torch.from_numpy(np.ascontiguousarray(array))
-            kept += blocks.nbytes
-        if blocks.shape[0] == dense.shape[0]:
-            inner.embed_tokens = QuantizedEmbedding(blocks, FORMATS[embedding[0]], dense.shape[1], dense.dtype)
+        if embedding[1].shape[0] == dense.shape[0]:
+            tiles = tiles_of(embedding[0], embedding[1])
+            inner.embed_tokens = QuantizedEmbedding(tiles, FORMATS[embedding[0]], dense.shape[0], dense.shape[1],
+                                                    dense.dtype)
     return kept

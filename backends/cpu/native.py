@@ -51,12 +51,26 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+# Libraries built from several kernel files (each file one job, sharing kernels/*.h); any other
+# name is kernels/<name>.c alone.
+LIBRARIES = {
+    "gguf": ("gguf_repack", "gguf_matmul", "gguf_matmul_portable", "gguf_matmul_avx2", "gguf_matmul_avx512"),
+}
+
+
+def _sources(name: str) -> list[Path]:
+    return [KERNEL_DIR / f"{part}.c" for part in LIBRARIES.get(name, (name,))]
+
+
 def build(name: str, compiler: str = "gcc") -> Path:
-    """kernels/<name>.c -> a cached shared library; raises on a failed build."""
-    source = KERNEL_DIR / f"{name}.c"
+    """kernels/<name>.c (or the files LIBRARIES lists) -> a cached shared library; raises on a failed build.
+    The cache key covers every source and every header of kernels/, so an edited header rebuilds."""
+    sources = _sources(name)
+    headers = sorted(KERNEL_DIR.glob("*.h"))
     version = subprocess.run([compiler, "-dumpfullversion"], capture_output=True, text=True, check=True).stdout.strip()
     key = hashlib.sha256(
-        "\0".join([source.read_text(), " ".join(CFLAGS + LDFLAGS + LIBS), compiler, version, _cpu_flags()]).encode()
+        "\0".join([*(p.read_text() for p in sources + headers), " ".join(CFLAGS + LDFLAGS + LIBS), compiler, version,
+                    _cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{key}.so"
     if target.exists():
@@ -64,14 +78,18 @@ def build(name: str, compiler: str = "gcc") -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built, obj = Path(scratch) / target.name, Path(scratch) / f"{name}.o"
-        for command in (
-            [compiler, *CFLAGS, "-c", "-o", str(obj), str(source)],
-            [compiler, *LDFLAGS, "-o", str(built), str(obj), *LIBS],
-        ):
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{compiler} failed on {source.name}: {result.stderr.strip()[-2000:]}")
+        built = Path(scratch) / target.name
+        objects = [Path(scratch) / f"{source.stem}.o" for source in sources]
+        compiles = [subprocess.Popen([compiler, *CFLAGS, "-c", "-o", str(obj), str(source)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True) for source, obj in zip(sources, objects)]
+        for source, process in zip(sources, compiles):  # in parallel: a fresh machine waits for the slowest file
+            _, stderr = process.communicate()
+            if process.returncode != 0:
+                raise RuntimeError(f"{compiler} failed on {source.name}: {stderr.strip()[-2000:]}")
+        result = subprocess.run([compiler, *LDFLAGS, "-o", str(built), *map(str, objects), *LIBS], capture_output=True,
+                                text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed to link {name}: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: concurrent engines never load a half-written file
     logger.info("built native CPU kernel %s in %.2f s (%s)", name, time.perf_counter() - start, target)
     return target

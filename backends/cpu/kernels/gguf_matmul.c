@@ -1,330 +1,170 @@
 /*
- * y = x @ W.T with W kept in its GGUF blocks (Q4_1, Q8_0), dequantized in registers.
+ * y = x @ W.T with W in the tiled GGUF layout (gguf.h): the code-path dispatch, the int8
+ * quantization of activation rows, and the entry point of the engine::gguf_linear op.
  *
- * Decode on a CPU streams the weights once per token, so bytes are time: a Q4_1 block holds 32
- * weights in 20 bytes (5 bits a weight) against 64 bytes in bf16. Each block is unpacked once and
- * used for every row of x (a decode batch), then dropped.
- *
- *   Q4_1 block (20 bytes): d (fp16), m (fp16), qs[16]; weight j = d * q_j + m, q_j the low nibble
- *                          of qs[j] for j < 16, the high nibble of qs[j - 16] otherwise (ggml's layout).
- *   Q8_0 block (34 bytes): d (fp16), qs[32] int8; weight j = d * qs[j].
- *
- * x: [m, k] float32, W: [n rows, k / 32 blocks], y: [m, n] float32; k % 32 == 0.
- * simd: 1 for the AVX2 path where this build has it, 0 for the portable C path (tests run both;
- * a CPU without AVX2 gets a build without that path and the portable one, which -O3 vectorises).
- * Rows of W are split over torch's OpenMP threads. Returns 0, or -2 for shapes it does not take.
+ * The Python side passes `isa`, the best code path this CPU has and the environment does not hide
+ * (ENGINE_CPU_HIDE_FEATURES); a path this build lacks (gcc targets the CPU with -march=native)
+ * falls through to the next one down, so every call lands on code the CPU can run. The fused
+ * decode step (gguf_decode.c) calls the same dispatch from inside its own parallel region.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#if defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-#define HAVE_AVX2 1
-#else
-#define HAVE_AVX2 0
-#endif
+#include "gguf.h"
 
-#define Q4_1_BYTES 20
-#define Q8_0_BYTES 34
-#define MAX_ROWS 16 /* rows of x per call in the fused path; more take the dequantize + GEMM path */
-#define MAX_BLOCKS 1024 /* k up to 32768 columns */
+void gg_matmul_f32(const gg_matrix *w, const float *x, int ldx, int m, float *y, int ldy, int g0, int g1, int accumulate,
+                   int isa) {
+    if (isa >= GG_AVX512 && gg_f32_avx512(w, x, ldx, m, y, ldy, g0, g1, accumulate) == 0) return;
+    if (isa >= GG_AVX2 && gg_f32_avx2(w, x, ldx, m, y, ldy, g0, g1, accumulate) == 0) return;
+    gg_f32_portable(w, x, ldx, m, y, ldy, g0, g1, accumulate);
+}
 
-#if defined(__F16C__)
-static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-#else
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
-    if (exponent == 0) {
-        if (mantissa == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            exponent = 127 - 15 + 1;
-            while ((mantissa & 0x400u) == 0) { mantissa <<= 1; --exponent; }
-            bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+void gg_matmul_i8(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0, int g1, int accumulate, int isa) {
+    if (isa >= GG_AVX512 && gg_i8_avx512(w, x, y, ldy, g0, g1, accumulate) == 0) return;
+    if (isa >= GG_VNNI256 && gg_i8_avx2(w, x, y, ldy, g0, g1, accumulate, 1) == 0) return;
+    if (isa >= GG_AVX2 && gg_i8_avx2(w, x, y, ldy, g0, g1, accumulate, 0) == 0) return;
+    gg_i8_portable(w, x, y, ldy, g0, g1, accumulate);
+}
+
+/* Each block of 32 activations of row i to int8 with one scale (max|x| / 127), rounded to nearest
+   even; with two levels, the rounding error again, to int8 at 1/254 of that scale. */
+void gg_quantize_row(const float *x, gg_act8 *out, int i) {
+    const int k = out->k, blocks = k / GG_SUB, levels = out->levels;
+    for (int b = 0; b < blocks; ++b) {
+        const float *src = x + b * GG_SUB;
+        float amax = 0.0f;
+        for (int j = 0; j < GG_SUB; ++j) amax = fmaxf(amax, fabsf(src[j]));
+        const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+        float rest[GG_SUB];
+        for (int level = 0; level < levels; ++level) {
+            const int64_t row = (int64_t)i * levels + level;
+            int8_t *dst = out->q + row * k + b * GG_SUB;
+            int sums[2] = {0, 0};
+            for (int j = 0; j < GG_SUB; ++j) {
+                const float value = level == 0 ? src[j] * inverse : rest[j] * 254.0f;
+                const int q = (int)rintf(value);
+                dst[j] = (int8_t)q;
+                rest[j] = value - (float)q;
+                sums[j / 16] += q;
+            }
+            const float scale = level == 0 ? d : d / 254.0f;
+            out->d[row * blocks + b] = scale;
+            out->s[row * blocks + b] = scale * (float)(sums[0] + sums[1]);
+            out->sum16[(row * blocks + b) * 2] = sums[0];
+            out->sum16[(row * blocks + b) * 2 + 1] = sums[1];
         }
-    } else if (exponent == 31) {
-        bits = sign | 0x7F800000u | (mantissa << 13);
-    } else {
-        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-    }
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-#endif
-
-static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-
-/* The 32 quants of a block as floats (Q4_1: before d and m). */
-static inline void unpack_q4_1(const uint8_t *qs, float *out) {
-    for (int j = 0; j < 16; ++j) {
-        out[j] = (float)(qs[j] & 0x0F);
-        out[j + 16] = (float)(qs[j] >> 4);
     }
 }
 
-static inline float dot32(const float *a, const float *b) {
-    float s = 0.0f;
-    for (int j = 0; j < 32; ++j) s += a[j] * b[j];
-    return s;
+void gg_quantize_rows(const float *x, int ldx, gg_act8 *out) {
+    for (int i = 0; i < out->m; ++i) gg_quantize_row(x + (int64_t)i * ldx, out, i);
 }
 
-#if HAVE_AVX2
-/* The four 8-wide float vectors of a block's 32 quants against 32 activations. */
-static inline __m256 dot32_avx2(__m256 q0, __m256 q1, __m256 q2, __m256 q3, const float *xb) {
-    __m256 dot = _mm256_mul_ps(q0, _mm256_loadu_ps(xb));
-    dot = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xb + 8), dot);
-    dot = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xb + 16), dot);
-    return _mm256_fmadd_ps(q3, _mm256_loadu_ps(xb + 24), dot);
-}
-
-/* A Q4_1 block's 32 quants as bytes: lo = elements 0..15 (low nibbles), hi = 16..31 (high nibbles). */
-static inline void q4_1_nibbles(const uint8_t *block, __m128i *lo, __m128i *hi) {
-    const __m128i low_mask = _mm_set1_epi8(0x0F);
-    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + 4));
-    *lo = _mm_and_si128(packed, low_mask);
-    *hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
-}
-
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
-
-int gguf_q4_1_matmul(const uint8_t *w, const float *x, float *y, int m, int n, int k, int threads, int simd) {
-    if (k % 32 != 0 || m < 1 || m > MAX_ROWS) return -2;
-    const int blocks = k / 32;
-    if (threads < 1) threads = 1;
-    if (blocks > MAX_BLOCKS) return -2;
-    /* Per row of x, the sum of each block's 32 activations: the m term of Q4_1 is m * sum(x). */
-    float sums[MAX_ROWS * MAX_BLOCKS];
+/* The activations the int8 kernels multiply: x [m][k] -> out [m][k] float64, each value the sum of
+   its levels' d * q (what the tests hold the kernels' products to). Returns -2 for a bad shape. */
+int gguf_quantized_activations(const float *x, int m, int k, int levels, double *out) {
+    if (m < 1 || k % GG_SUB || levels < 1 || levels > 2) return -2;
+    void *buffer = malloc((size_t)gg_act8_bytes(m, k, levels));
+    if (buffer == NULL) return -3;
+    gg_act8 a;
+    gg_act8_place(&a, buffer, m, k, levels);
+    gg_quantize_rows(x, k, &a);
     for (int i = 0; i < m; ++i)
-        for (int b = 0; b < blocks; ++b) {
-            float s = 0.0f;
-            for (int j = 0; j < 32; ++j) s += x[(int64_t)i * k + b * 32 + j];
-            sums[i * blocks + b] = s;
-        }
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int r = 0; r < n; ++r) {
-        const uint8_t *row = w + (int64_t)r * blocks * Q4_1_BYTES;
-        float acc[MAX_ROWS];
-        for (int i = 0; i < m; ++i) acc[i] = 0.0f;
-#if HAVE_AVX2
-        if (simd) {
-            __m256 vacc[MAX_ROWS];
-            for (int i = 0; i < m; ++i) vacc[i] = _mm256_setzero_ps();
-            for (int b = 0; b < blocks; ++b) {
-                const uint8_t *block = row + b * Q4_1_BYTES;
-                const float d = half_to_float(load_u16(block)), mn = half_to_float(load_u16(block + 2));
-                __m128i lo, hi;
-                q4_1_nibbles(block, &lo, &hi);
-                const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-                const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-                const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-                const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-                const __m256 vd = _mm256_set1_ps(d);
-                for (int i = 0; i < m; ++i) {
-                    vacc[i] = _mm256_fmadd_ps(vd, dot32_avx2(q0, q1, q2, q3, x + (int64_t)i * k + b * 32), vacc[i]);
-                    acc[i] += mn * sums[i * blocks + b];
-                }
+        for (int j = 0; j < k; ++j) {
+            double value = 0.0;
+            for (int level = 0; level < levels; ++level) {
+                const int64_t row = (int64_t)i * levels + level;
+                value += (double)a.d[row * (k / GG_SUB) + j / GG_SUB] * a.q[row * k + j];
             }
-            for (int i = 0; i < m; ++i) y[(int64_t)i * n + r] = acc[i] + hsum256(vacc[i]);
-            continue;
+            out[(int64_t)i * k + j] = value;
         }
-#endif
-        float q[32];
-        for (int b = 0; b < blocks; ++b) {
-            const uint8_t *block = row + b * Q4_1_BYTES;
-            const float d = half_to_float(load_u16(block)), mn = half_to_float(load_u16(block + 2));
-            unpack_q4_1(block + 4, q);
-            for (int i = 0; i < m; ++i)
-                acc[i] += d * dot32(q, x + (int64_t)i * k + b * 32) + mn * sums[i * blocks + b];
-        }
-        for (int i = 0; i < m; ++i) y[(int64_t)i * n + r] = acc[i];
-    }
+    free(buffer);
     return 0;
 }
 
-int gguf_q8_0_matmul(const uint8_t *w, const float *x, float *y, int m, int n, int k, int threads, int simd) {
-    if (k % 32 != 0 || m < 1 || m > MAX_ROWS) return -2;
-    const int blocks = k / 32;
-    if (threads < 1) threads = 1;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int r = 0; r < n; ++r) {
-        const uint8_t *row = w + (int64_t)r * blocks * Q8_0_BYTES;
-#if HAVE_AVX2
-        if (simd) {
-            __m256 vacc[MAX_ROWS];
-            for (int i = 0; i < m; ++i) vacc[i] = _mm256_setzero_ps();
-            for (int b = 0; b < blocks; ++b) {
-                const uint8_t *block = row + b * Q8_0_BYTES;
-                const __m256 vd = _mm256_set1_ps(half_to_float(load_u16(block)));
-                const __m128i b0 = _mm_loadu_si128((const __m128i *)(block + 2));
-                const __m128i b1 = _mm_loadu_si128((const __m128i *)(block + 18));
-                const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
-                const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
-                const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
-                const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
-                for (int i = 0; i < m; ++i)
-                    vacc[i] = _mm256_fmadd_ps(vd, dot32_avx2(q0, q1, q2, q3, x + (int64_t)i * k + b * 32), vacc[i]);
-            }
-            for (int i = 0; i < m; ++i) y[(int64_t)i * n + r] = hsum256(vacc[i]);
-            continue;
-        }
-#endif
-        float acc[MAX_ROWS], q[32];
-        for (int i = 0; i < m; ++i) acc[i] = 0.0f;
-        for (int b = 0; b < blocks; ++b) {
-            const uint8_t *block = row + b * Q8_0_BYTES;
-            const float d = half_to_float(load_u16(block));
-            for (int j = 0; j < 32; ++j) q[j] = (float)(int8_t)block[2 + j];
-            for (int i = 0; i < m; ++i) acc[i] += d * dot32(q, x + (int64_t)i * k + b * 32);
-        }
-        for (int i = 0; i < m; ++i) y[(int64_t)i * n + r] = acc[i];
-    }
-    return 0;
+/* Bytes of the int8 activation buffers for m rows of k columns, and their layout in one buffer. */
+int64_t gg_act8_bytes(int m, int k, int levels) {
+    return (int64_t)m * levels * k + (int64_t)m * levels * (k / GG_SUB) * 16;
+}
+void gg_act8_place(gg_act8 *a, void *buffer, int m, int k, int levels) {
+    uint8_t *p = (uint8_t *)buffer;
+    const int64_t blocks = (int64_t)m * levels * (k / GG_SUB);
+    a->d = (float *)p;
+    a->s = a->d + blocks;
+    a->sum16 = (int32_t *)(a->s + blocks);
+    a->q = (int8_t *)(a->sum16 + 2 * blocks);
+    a->m = m;
+    a->k = k;
+    a->levels = levels;
 }
 
-/* W as float32 [n, k]: the path for many rows of x (prefill), where a GEMM library wins. */
-int gguf_dequantize(const uint8_t *w, float *out, int n, int k, int q8, int threads) {
-    if (k % 32 != 0) return -2;
-    const int blocks = k / 32, bytes = q8 ? Q8_0_BYTES : Q4_1_BYTES;
-    if (threads < 1) threads = 1;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int r = 0; r < n; ++r) {
-        for (int b = 0; b < blocks; ++b) {
-            const uint8_t *block = w + ((int64_t)r * blocks + b) * bytes;
-            float *dest = out + (int64_t)r * k + b * 32;
-            const float d = half_to_float(load_u16(block));
-            if (q8) {
-                for (int j = 0; j < 32; ++j) dest[j] = d * (float)(int8_t)block[2 + j];
-            } else {
-                const float mn = half_to_float(load_u16(block + 2));
-                float q[32];
-                unpack_q4_1(block + 4, q);
-                for (int j = 0; j < 32; ++j) dest[j] = d * q[j] + mn;
-            }
+/* Which code paths this build has: bit 0 portable, 1 AVX2, 2 256-bit VNNI, 3 AVX512 float, 4 AVX512 VNNI. */
+int gguf_paths(void) {
+    const int avx2 = gg_avx2_built(), avx512 = gg_avx512_built();
+    return 1 | (avx2 >= 1) << 1 | (avx2 >= 2) << 2 | (avx512 >= 1) << 3 | (avx512 >= 2) << 4;
+}
+
+int gg_linear_items(const gg_linear *l, int chunk) {
+    int items = 0;
+    for (int p = 0; p < l->nparts; ++p) items += (gg_groups(l->parts[p].rows) + chunk - 1) / chunk;
+    return items;
+}
+
+void gg_linear_item(const gg_linear *l, int item, int chunk, const float *x, int ldx, const gg_act8 *a, int m, float *y,
+                    int ldy, int accumulate, int isa_f32, int isa_i8) {
+    int column = 0;
+    for (int p = 0; p < l->nparts; ++p) {
+        const gg_matrix *w = &l->parts[p];
+        const int groups = gg_groups(w->rows), items = (groups + chunk - 1) / chunk;
+        if (item < items) {
+            const int g0 = item * chunk, g1 = g0 + chunk < groups ? g0 + chunk : groups;
+            if (a != NULL)
+                gg_matmul_i8(w, a, y + column, ldy, g0, g1, accumulate, isa_i8);
+            else
+                gg_matmul_f32(w, x, ldx, m, y + column, ldy, g0, g1, accumulate, isa_f32);
+            return;
         }
+        item -= items;
+        column += w->rows;
     }
-    return 0;
 }
 
 /*
- * The same products with the activations quantized too, as llama.cpp computes them: each block of 32
- * activations becomes int8 with one float scale (xd = max|x| / 127), so a block's dot product is an
- * exact integer sum (AVX2: one maddubs + one madd per 32 weights, against four converts and four
- * FMAs in the float path) times d * xd. Q4_1's m term uses xd * sum(xq), the sum of the quantized
- * activations (llama.cpp's Q8_1 `s`). Less exact than the float path (each activation is rounded to
- * one part in 254 of its block's largest), so the engine uses it only when asked (--gguf-activations int8).
+ * The op's entry: x float32 [m][cols] -> y float32 [m][sum of the parts' rows], every part of the
+ * same width; row groups spread over `threads` OpenMP threads (torch's count: the library runs on
+ * torch's libgomp pool). levels: 0 float32 activations, 1 int8 (llama.cpp's numerics), 2 int8 in
+ * two levels (gguf.h). Returns 0, -2 for shapes it does not take, -3 when the activation buffer
+ * cannot be allocated.
  */
-static void quantize_rows_int8(const float *x, int8_t *xq, float *xd, float *xs, int m, int k) {
-    const int blocks = k / 32;
-    for (int i = 0; i < m; ++i)
-        for (int b = 0; b < blocks; ++b) {
-            const float *src = x + (int64_t)i * k + b * 32;
-            int8_t *dst = xq + (int64_t)i * k + b * 32;
-            float amax = 0.0f;
-            for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(src[j]));
-            const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
-            for (int j = 0; j < 32; ++j) {
-                const int q = (int)lrintf(src[j] * inverse);
-                dst[j] = (int8_t)q;
-                sum += q;
-            }
-            xd[i * blocks + b] = d;
-            xs[i * blocks + b] = d * (float)sum;
-        }
-}
-
-/* The 32 quants of a weight block as bytes in element order: Q4_1 unsigned nibbles, Q8_0 signed. */
-static inline void weight_quants(const uint8_t *block, int q8, int8_t *out) {
-    if (q8) {
-        memcpy(out, block + 2, 32);
-    } else {
-        for (int j = 0; j < 16; ++j) {
-            out[j] = (int8_t)(block[4 + j] & 0x0F);
-            out[j + 16] = (int8_t)(block[4 + j] >> 4);
-        }
+int gguf_matmul(const gg_matrix *parts, int nparts, const float *x, int m, float *y, int levels, int isa, int threads) {
+    if (m < 1 || nparts < 1) return -2;
+    const int cols = parts[0].cols;
+    int rows = 0, groups = 0;
+    for (int p = 0; p < nparts; ++p) {
+        const gg_matrix *w = &parts[p];
+        if (w->format < 0 || w->format >= GG_NFORMATS || w->cols != cols || cols % gg_tile_k[w->format]) return -2;
+        rows += w->rows;
+        groups += gg_groups(w->rows);
     }
-}
-
-int gguf_matmul_int8(const uint8_t *w, const float *x, float *y, int m, int n, int k, int q8, int threads, int simd) {
-    if (k % 32 != 0 || m < 1 || m > MAX_ROWS) return -2;
-    const int blocks = k / 32, bytes = q8 ? Q8_0_BYTES : Q4_1_BYTES;
-    if (blocks > MAX_BLOCKS) return -2;
+    const gg_linear linear = {parts, NULL, nparts, rows};
+    gg_act8 act;
+    void *buffer = NULL;
+    const int int8 = levels > 0;
+    if (levels < 0 || levels > 2) return -2;
+    if (int8) {
+        buffer = malloc((size_t)gg_act8_bytes(m, cols, levels));
+        if (buffer == NULL) return -3;
+        gg_act8_place(&act, buffer, m, cols, levels);
+        gg_quantize_rows(x, cols, &act);
+    }
     if (threads < 1) threads = 1;
-    int8_t *xq = (int8_t *)malloc((size_t)m * k);
-    float *scales = (float *)malloc(sizeof(float) * 2 * (size_t)m * blocks);
-    if (xq == NULL || scales == NULL) {
-        free(xq);
-        free(scales);
-        return -3;
-    }
-    float *xd = scales, *xs = scales + (size_t)m * blocks;
-    quantize_rows_int8(x, xq, xd, xs, m, k);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int r = 0; r < n; ++r) {
-        const uint8_t *row = w + (int64_t)r * blocks * bytes;
-        float acc[MAX_ROWS];
-        for (int i = 0; i < m; ++i) acc[i] = 0.0f;
-#if HAVE_AVX2
-        if (simd) {
-            __m256 vacc[MAX_ROWS];
-            for (int i = 0; i < m; ++i) vacc[i] = _mm256_setzero_ps();
-            const __m256i ones = _mm256_set1_epi16(1);
-            for (int b = 0; b < blocks; ++b) {
-                const uint8_t *block = row + b * bytes;
-                const float d = half_to_float(load_u16(block));
-                __m256i wq, wabs = _mm256_setzero_si256();
-                float mn = 0.0f;
-                if (q8) {
-                    wq = _mm256_loadu_si256((const __m256i *)(block + 2));
-                    wabs = _mm256_sign_epi8(wq, wq); /* maddubs takes unsigned x signed: |w| and sign(w) * x */
-                } else {
-                    mn = half_to_float(load_u16(block + 2));
-                    __m128i lo, hi;
-                    q4_1_nibbles(block, &lo, &hi);
-                    wq = _mm256_set_m128i(hi, lo);
-                }
-                for (int i = 0; i < m; ++i) {
-                    const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)i * k + b * 32));
-                    /* pairwise products fit int16: 15 * 127 * 2 (Q4_1), 128 * 127 * 2 (Q8_0) */
-                    const __m256i pairs = q8 ? _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(a, wq))
-                                             : _mm256_maddubs_epi16(wq, a);
-                    const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                    vacc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[i * blocks + b]), dots, vacc[i]);
-                    if (!q8) acc[i] += mn * xs[i * blocks + b];
-                }
-            }
-            for (int i = 0; i < m; ++i) y[(int64_t)i * n + r] = acc[i] + hsum256(vacc[i]);
-            continue;
-        }
-#endif
-        int8_t q[32];
-        for (int b = 0; b < blocks; ++b) {
-            const uint8_t *block = row + b * bytes;
-            const float d = half_to_float(load_u16(block)), mn = q8 ? 0.0f : half_to_float(load_u16(block + 2));
-            weight_quants(block, q8, q);
-            for (int i = 0; i < m; ++i) {
-                const int8_t *a = xq + (int64_t)i * k + b * 32;
-                int dot = 0;
-                for (int j = 0; j < 32; ++j) dot += (q8 ? (int)q[j] : (int)(uint8_t)q[j]) * (int)a[j];
-                acc[i] += d * xd[i * blocks + b] * (float)dot + mn * xs[i * blocks + b];
-            }
-        }
-        for (int i = 0; i < m; ++i) y[(int64_t)i * n + r] = acc[i];
-    }
-    free(xq);
-    free(scales);
+    if ((int64_t)groups * cols * m < 65536) threads = 1; /* a tiny matrix: the fork would cost more */
+    /* A few items per thread: a core another process takes for a while does not hold up the call. */
+    int chunk = groups / (4 * threads);
+    if (chunk < 1) chunk = 1;
+    const int items = gg_linear_items(&linear, chunk);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int item = 0; item < items; ++item)
+        gg_linear_item(&linear, item, chunk, x, cols, int8 ? &act : NULL, m, y, rows, 0, isa, isa);
+    free(buffer);
     return 0;
 }
-
-int gguf_has_avx2(void) { return HAVE_AVX2; }

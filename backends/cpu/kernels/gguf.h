@@ -1,0 +1,218 @@
+/*
+ * gguf.h: the layout the CPU's GGUF kernels read, and what the kernel files share.
+ *
+ * A GGUF file stores each row of a weight matrix as a run of blocks (32 weights for Q4_0, Q4_1 and
+ * Q8_0, 256 for the K-quants), each with its own scales. A decode step multiplies one to sixteen
+ * activation rows by every weight row, so the kernels want many weight rows side by side: at load,
+ * gguf_repack.c interleaves the blocks of 16 rows into one "tile" per block column (llama.cpp's
+ * repack idea, its block_q4_0x8), keeping every bit of every block and nothing else:
+ *
+ *   the 16 rows' scales (fp16) side by side, so one vector load gives the scale of every row;
+ *   the quants in "k-quads": for 4 consecutive columns, the 16 rows' 4 bytes one after another
+ *   (64 bytes), so one int8 dot-product instruction (vpdpbusd) multiplies 16 rows by 4 columns
+ *   against 4 activation bytes broadcast to every lane, and the lanes end up one per row.
+ *
+ * Tiles of 16 rows (zero rows pad the last group), in row-group order, then block-column order:
+ *
+ *   Q4_0 (288 B = 16 x 18): d[16] fp16 | qs[256]             w = d * (q - 8)
+ *   Q4_1 (320 B = 16 x 20): d[16] | m[16] | qs[256]          w = d * q + m
+ *   Q8_0 (544 B = 16 x 34): d[16] | qs[512] (q + 128)        w = d * (q - 128)
+ *   Q4_K (2368 B = 16 x 148, 256 columns): d[16] | dmin[16] | sc[8][16] | mn[8][16] | 8 x qs[256]
+ *                                                            w = d * sc[j] * q - dmin * mn[j], j = column / 32
+ *   Q6_K (3360 B = 16 x 210, 256 columns): d[16] | sc[16][16] (int8) | 8 x (ql[256] | qh[128])
+ *                                                            w = d * sc[i] * (q - 32), i = column / 16
+ *
+ * Every format stores an unsigned quant q per weight with w = a * q + b, a and b per row and per
+ * 32 columns (per 16 for Q6_K): a "sub-tile" is 16 rows x 32 columns. In a sub-tile, k-quad t
+ * (columns 4t..4t+3) of row r is byte 4r + kk of a 64-byte vector:
+ *   4-bit quants (qs[256]): chunk c = bytes 64c..64c+63; low nibbles = k-quad 2c, high = 2c + 1;
+ *   Q8_0 (qs[512]): k-quad t = bytes 64t..64t+63, q = w + 128 (so int8 dot products need no sign trick);
+ *   Q6_K: the low 4 bits as 4-bit quants in ql; qh[128] = two 64-byte vectors, vector h holding
+ *   bits 4-5 of k-quads 4h..4h+3 at bit pairs 0-1, 2-3, 4-5, 6-7.
+ * Q4_K's scales and minimums are unpacked from their 6-bit fields (4 more bytes a row: 148 against
+ * 144), so a kernel reads 16 of them with one load.
+ */
+#ifndef ENGINE_GGUF_H
+#define ENGINE_GGUF_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+enum { GG_Q4_0 = 0, GG_Q4_1 = 1, GG_Q8_0 = 2, GG_Q4_K = 3, GG_Q6_K = 4, GG_NFORMATS = 5 };
+
+/* Code paths, the Python side picks the best this CPU has (backends/cpu/features.py). */
+enum { GG_PORTABLE = 0, GG_AVX2 = 1, GG_VNNI256 = 2, GG_AVX512 = 3 };
+
+#define GG_ROWS 16 /* rows of a tile */
+#define GG_SUB 32  /* columns of a sub-tile */
+
+static const int gg_tile_k[GG_NFORMATS] = {32, 32, 32, 256, 256};
+static const int gg_tile_bytes[GG_NFORMATS] = {288, 320, 544, 2368, 3360};
+static const int gg_block_bytes[GG_NFORMATS] = {18, 20, 34, 144, 210}; /* one row of a tile, in the file */
+
+/* Byte offsets inside a tile. */
+#define GG_Q4K_SC 64
+#define GG_Q4K_MN 192
+#define GG_Q4K_QS 320
+#define GG_Q6K_SC 32
+#define GG_Q6K_SUB 288
+#define GG_Q6K_SUB_BYTES 384
+
+/* A weight matrix in the tiled layout (what the Python side passes through ctypes). */
+typedef struct {
+    const uint8_t *data;
+    int32_t format, rows, cols, reserved;
+} gg_matrix;
+
+/* Activation rows quantized to int8 per block of 32 (llama.cpp's numerics): q = round(x / d) with
+   d = max|x| / 127; s = d * (sum of the block's q), for the minimum term of Q4_1 and Q4_K;
+   sum16: sums of each 16 quants, for the offsets of Q4_0, Q8_0 (pairs) and Q6_K.
+   levels 2: each row is two int8 rows, i * 2 and i * 2 + 1: the second quantizes what the first
+   left (scale d / 254), so x = d * q1 + d / 254 * q2 to 1/64516 of the block's largest (~16 bits);
+   the kernels add both rows' products into output row i. */
+typedef struct {
+    int8_t *q;      /* [m * levels][k] */
+    float *d;       /* [m * levels][k / 32] */
+    float *s;       /* [m * levels][k / 32] */
+    int32_t *sum16; /* [m * levels][k / 16] */
+    int32_t m, k, levels;
+} gg_act8;
+
+/* A linear layer: parts side by side along the output (q, k and v of one projection may differ
+   in format: Q4_K_M files keep v in Q6_K), each writing its own columns of y. */
+typedef struct {
+    const gg_matrix *parts;
+    const float *bias; /* [rows] or NULL: the decode step adds it */
+    int32_t nparts, rows;
+} gg_linear;
+
+static inline int gg_groups(int rows) { return (rows + GG_ROWS - 1) / GG_ROWS; }
+static inline int64_t gg_group_bytes(int format, int cols) {
+    return (int64_t)(cols / gg_tile_k[format]) * gg_tile_bytes[format];
+}
+/* The int offset of formats stored as w = a * (q - offset); 0 for those with a float minimum. */
+static inline int gg_offset(int format) {
+    return format == GG_Q4_0 ? 8 : format == GG_Q8_0 ? 128 : format == GG_Q6_K ? 32 : 0;
+}
+
+static inline uint16_t gg_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+#if defined(__F16C__)
+static inline float gg_half(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float gg_half(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
+    if (exponent == 0) {
+        if (mantissa == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exponent = 127 - 15 + 1;
+            while ((mantissa & 0x400u) == 0) {
+                mantissa <<= 1;
+                --exponent;
+            }
+            bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+        }
+    } else if (exponent == 31) {
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    } else {
+        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+    }
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+#endif
+
+/*
+ * One row of one sub-tile, read from the tiled layout (the portable kernels and the dequantizer):
+ * its 32 quants and, per half of 16 columns, a and b with w = a * q + b. For the offset formats
+ * b = -offset * a exactly (the offsets are powers of two), so fmaf(q, a, b) rounds once, to the
+ * value the `gguf` package's dequantization computes.
+ */
+static inline void gg_sub_row(int format, const uint8_t *tile, int sub, int lane, uint8_t q[32], float a[2], float b[2]) {
+    const uint8_t *qs;
+    switch (format) {
+    case GG_Q4_0:
+    case GG_Q4_1:
+        a[0] = gg_half(gg_u16(tile + 2 * lane));
+        b[0] = format == GG_Q4_1 ? gg_half(gg_u16(tile + 32 + 2 * lane)) : -8.0f * a[0];
+        qs = tile + (format == GG_Q4_1 ? 64 : 32);
+        break;
+    case GG_Q8_0:
+        a[0] = gg_half(gg_u16(tile + 2 * lane));
+        b[0] = -128.0f * a[0];
+        for (int t = 0; t < 8; ++t)
+            for (int kk = 0; kk < 4; ++kk) q[4 * t + kk] = tile[32 + 64 * t + 4 * lane + kk];
+        a[1] = a[0];
+        b[1] = b[0];
+        return;
+    case GG_Q4_K: {
+        const float d = gg_half(gg_u16(tile + 2 * lane)), dmin = gg_half(gg_u16(tile + 32 + 2 * lane));
+        a[0] = d * (float)tile[GG_Q4K_SC + 16 * sub + lane];
+        b[0] = -(dmin * (float)tile[GG_Q4K_MN + 16 * sub + lane]);
+        qs = tile + GG_Q4K_QS + 256 * sub;
+        break;
+    }
+    default: { /* GG_Q6_K */
+        const float d = gg_half(gg_u16(tile + 2 * lane));
+        const uint8_t *ql = tile + GG_Q6K_SUB + GG_Q6K_SUB_BYTES * sub, *qh = ql + 256;
+        for (int h = 0; h < 2; ++h) {
+            a[h] = d * (float)(int8_t)tile[GG_Q6K_SC + 16 * (2 * sub + h) + lane];
+            b[h] = -32.0f * a[h];
+        }
+        for (int t = 0; t < 8; ++t)
+            for (int kk = 0; kk < 4; ++kk) {
+                const uint8_t nib = ql[64 * (t / 2) + 4 * lane + kk], high = qh[64 * (t / 4) + 4 * lane + kk];
+                q[4 * t + kk] = (uint8_t)(((t & 1) ? nib >> 4 : nib & 0x0F) | (((high >> (2 * (t & 3))) & 3) << 4));
+            }
+        return;
+    }
+    }
+    for (int t = 0; t < 8; ++t)
+        for (int kk = 0; kk < 4; ++kk) {
+            const uint8_t byte = qs[64 * (t / 2) + 4 * lane + kk];
+            q[4 * t + kk] = (t & 1) ? byte >> 4 : byte & 0x0F;
+        }
+    a[1] = a[0];
+    b[1] = b[0];
+}
+
+/* Per code path, y[i][r] (+)= sum_k w[r][k] x[i][k] for the rows of row groups [g0, g1).
+   x: float32 [m][ldx]; y: [m][ldy]; accumulate: add to y instead of storing. */
+void gg_f32_portable(const gg_matrix *w, const float *x, int ldx, int m, float *y, int ldy, int g0, int g1, int accumulate);
+void gg_i8_portable(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0, int g1, int accumulate);
+int gg_f32_avx2(const gg_matrix *w, const float *x, int ldx, int m, float *y, int ldy, int g0, int g1, int accumulate);
+int gg_i8_avx2(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0, int g1, int accumulate, int vnni);
+int gg_f32_avx512(const gg_matrix *w, const float *x, int ldx, int m, float *y, int ldy, int g0, int g1, int accumulate);
+int gg_i8_avx512(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0, int g1, int accumulate);
+int gg_avx2_built(void);   /* 1 where this build has the AVX2 path (and 2 with 256-bit VNNI too) */
+int gg_avx512_built(void); /* 1 where this build has the AVX512 paths (float; int8 needs VNNI: 2) */
+
+/* The dispatch (gguf_matmul.c): the best of the paths above at or below `isa`. */
+void gg_matmul_f32(const gg_matrix *w, const float *x, int ldx, int m, float *y, int ldy, int g0, int g1, int accumulate, int isa);
+void gg_matmul_i8(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0, int g1, int accumulate, int isa);
+int64_t gg_act8_bytes(int m, int k, int levels);                /* one buffer for m rows of k ... */
+void gg_act8_place(gg_act8 *a, void *buffer, int m, int k, int levels); /* ... its views ... */
+void gg_quantize_rows(const float *x, int ldx, gg_act8 *out);           /* ... filled from x [m][ldx] */
+void gg_quantize_row(const float *x, gg_act8 *out, int i);              /* ... or its row i from x [k] */
+
+/* A linear as work items for an OpenMP loop (chunks of `chunk` row groups of each part), and one
+   item: x (float32 activations) or a (int8 activations, when not NULL) -> columns of y. */
+int gg_linear_items(const gg_linear *l, int chunk);
+void gg_linear_item(const gg_linear *l, int item, int chunk, const float *x, int ldx, const gg_act8 *a, int m, float *y,
+                    int ldy, int accumulate, int isa_f32, int isa_i8);
+
+/* Rows of the tiled layout back to float32 (gguf_repack.c): the embedding and the prefill path. */
+void gg_dequantize_row(const gg_matrix *w, int row, float *out);
+
+#endif

@@ -1,0 +1,296 @@
+/*
+ * The GGUF matmuls with AVX2 (ymm): the baseline SIMD path, for CPUs without AVX512 (the AMD EPYC
+ * of an earlier session). The same scheme as gguf_matmul_avx512.c on half a tile at a time
+ * (8 weight rows: 32 bytes of each 64-byte k-quad vector of gguf.h's layout).
+ *
+ * int8 activations: with 256-bit VNNI (AVX-VNNI, or AVX512-VNNI's ymm form) one vpdpbusd per
+ * k-quad; without it maddubs + madd, as llama.cpp's AVX2 code does: pairs of maddubs products
+ * summed in int16 first where they cannot overflow (4-bit and 6-bit quants), and Q8_0's unsigned
+ * q + 128 turned back into signed bytes with the sign trick (maddubs saturates above 32767).
+ * float32 activations: shift, mask, convert, one FMA to dequantize, one FMA per activation row.
+ * Functions return -1 where this build lacks the instructions (the dispatch falls through).
+ */
+#include "gguf.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_AVX2 1
+#define INLINE static inline __attribute__((always_inline))
+
+#if defined(__AVXVNNI__)
+#define HAVE_VNNI256 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAVE_VNNI256 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#endif
+
+INLINE __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* As in gguf_matmul_avx512.c: the weights 8 KiB ahead, into L2. */
+#define PREFETCH_BYTES 8192
+INLINE void prefetch_ahead(const uint8_t *tile, int bytes) {
+    for (int at = 0; at < bytes; at += 64) _mm_prefetch((const char *)tile + PREFETCH_BYTES + at, _MM_HINT_T1);
+}
+
+INLINE __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* The 8 k-quad vectors of sub-tile `sub` for rows 8h..8h+7: v[t] = 8 rows x columns 4t..4t+3. */
+INLINE void quads(const int format, const uint8_t *tile, int sub, int half, __m256i v[8]) {
+    const int at = 32 * half;
+    if (format == GG_Q8_0) {
+        for (int t = 0; t < 8; ++t) v[t] = load32(tile + 32 + 64 * t + at);
+        return;
+    }
+    const uint8_t *qs = format == GG_Q4_0   ? tile + 32
+                        : format == GG_Q4_1 ? tile + 64
+                        : format == GG_Q4_K ? tile + GG_Q4K_QS + 256 * sub
+                                            : tile + GG_Q6K_SUB + GG_Q6K_SUB_BYTES * sub;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+        const __m256i packed = load32(qs + 64 * c + at);
+        v[2 * c] = _mm256_and_si256(packed, low);
+        v[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    }
+    if (format == GG_Q6_K) {
+        const __m256i mask = _mm256_set1_epi8(0x30);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i high = load32(qs + 256 + 64 * h + at);
+            v[4 * h] = _mm256_or_si256(v[4 * h], _mm256_and_si256(_mm256_slli_epi16(high, 4), mask));
+            v[4 * h + 1] = _mm256_or_si256(v[4 * h + 1], _mm256_and_si256(_mm256_slli_epi16(high, 2), mask));
+            v[4 * h + 2] = _mm256_or_si256(v[4 * h + 2], _mm256_and_si256(high, mask));
+            v[4 * h + 3] = _mm256_or_si256(v[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(high, 2), mask));
+        }
+    }
+}
+
+/* As in the AVX512 file, for rows 8h..8h+7. */
+INLINE void scales(const int format, const uint8_t *tile, int sub, int half, __m256 *a0, __m256 *a1, __m256 *b) {
+    const int lane = 8 * half;
+    const __m256 d = half8(tile + 2 * lane);
+    if (format == GG_Q4_K) {
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tile + GG_Q4K_SC + 16 * sub + lane))));
+        const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tile + GG_Q4K_MN + 16 * sub + lane))));
+        *a0 = *a1 = _mm256_mul_ps(d, sc);
+        *b = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(tile + 32 + 2 * lane), mn));
+        return;
+    }
+    if (format == GG_Q6_K) {
+        const uint8_t *sc = tile + GG_Q6K_SC + 32 * sub + lane;
+        *a0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc))));
+        *a1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 16)))));
+        *b = _mm256_setzero_ps();
+        return;
+    }
+    *a0 = *a1 = d;
+    *b = format == GG_Q4_1 ? half8(tile + 32 + 2 * lane) : _mm256_mul_ps(d, _mm256_set1_ps(-(float)gg_offset(format)));
+}
+
+INLINE void store_rows(const int MR, const __m256 *acc, float *y, int ldy, int i0, int first_row, int rows, int accumulate) {
+    const int valid = rows - first_row < 8 ? rows - first_row : 8;
+    for (int i = 0; i < MR; ++i) {
+        float *dst = y + (int64_t)(i0 + i) * ldy + first_row;
+        if (valid == 8) {
+            _mm256_storeu_ps(dst, accumulate ? _mm256_add_ps(acc[i], _mm256_loadu_ps(dst)) : acc[i]);
+        } else {
+            float out[8];
+            _mm256_storeu_ps(out, acc[i]);
+            for (int r = 0; r < valid; ++r) dst[r] = accumulate ? dst[r] + out[r] : out[r];
+        }
+    }
+}
+
+INLINE void f32_rows(const int format, const int MR, const gg_matrix *w, const float *x, int ldx, int i0, int g, int half,
+                     float *y, int ldy, int accumulate) {
+    const int tile_k = gg_tile_k[format], tiles = w->cols / tile_k, subs = tile_k / GG_SUB, offset = gg_offset(format);
+    const uint8_t *group = w->data + g * gg_group_bytes(format, w->cols);
+    const __m256i byte = _mm256_set1_epi32(0xFF);
+    __m256 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+    for (int t = 0; t < tiles; ++t) {
+        const uint8_t *tile = group + (int64_t)t * gg_tile_bytes[format];
+        for (int sub = 0; sub < subs; ++sub) {
+            __m256i v[8];
+            __m256 a0, a1, b;
+            quads(format, tile, sub, half, v);
+            scales(format, tile, sub, half, &a0, &a1, &b);
+            const __m256 b0 = offset ? _mm256_mul_ps(a0, _mm256_set1_ps(-(float)offset)) : b;
+            const __m256 b1 = offset ? _mm256_mul_ps(a1, _mm256_set1_ps(-(float)offset)) : b;
+            const float *xs = x + (int64_t)i0 * ldx + t * tile_k + sub * GG_SUB;
+            for (int quad = 0; quad < 8; ++quad) {
+                const __m256 a = quad < 4 ? a0 : a1, bb = quad < 4 ? b0 : b1;
+                for (int kk = 0; kk < 4; ++kk) {
+                    const __m256i q = kk == 3 ? _mm256_srli_epi32(v[quad], 24)
+                                              : _mm256_and_si256(_mm256_srli_epi32(v[quad], 8 * kk), byte);
+                    const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), a, bb);
+                    for (int i = 0; i < MR; ++i)
+                        acc[i] = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(xs + (int64_t)i * ldx + 4 * quad + kk), acc[i]);
+                }
+            }
+        }
+    }
+    store_rows(MR, acc, y, ldy, i0, g * GG_ROWS + 8 * half, w->rows, accumulate);
+}
+
+INLINE void f32_format(const int format, const gg_matrix *w, const float *x, int ldx, int m, float *y, int ldy, int g0,
+                       int g1, int accumulate) {
+    for (int g = g0; g < g1; ++g)
+        for (int half = 0; half < 2 && g * GG_ROWS + 8 * half < w->rows; ++half) {
+            int i0 = 0;
+            for (; i0 + 4 <= m; i0 += 4) f32_rows(format, 4, w, x, ldx, i0, g, half, y, ldy, accumulate);
+            for (; i0 < m; ++i0) f32_rows(format, 1, w, x, ldx, i0, g, half, y, ldy, accumulate);
+        }
+}
+
+int gg_f32_avx2(const gg_matrix *w, const float *x, int ldx, int m, float *y, int ldy, int g0, int g1, int accumulate) {
+    switch (w->format) {
+    case GG_Q4_0: f32_format(GG_Q4_0, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q4_1: f32_format(GG_Q4_1, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q8_0: f32_format(GG_Q8_0, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q4_K: f32_format(GG_Q4_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q6_K: f32_format(GG_Q6_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    default: return -1;
+    }
+}
+
+INLINE __m256i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* The two half sums (k-quads 0-3, 4-7) of a sub-tile row block against 32 activation bytes. */
+INLINE void dots(const int format, const int vnni, const __m256i v[8], const int8_t *xq, __m256i *s0, __m256i *s1) {
+#if defined(HAVE_VNNI256)
+    if (vnni) {
+        __m256i a = _mm256_setzero_si256(), c = _mm256_setzero_si256();
+        for (int t = 0; t < 4; ++t) {
+            a = DPBUSD(a, v[t], broadcast4(xq + 4 * t));
+            c = DPBUSD(c, v[t + 4], broadcast4(xq + 16 + 4 * t));
+        }
+        *s0 = a;
+        *s1 = c;
+        return;
+    }
+#else
+    (void)vnni;
+#endif
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i sums[2];
+    for (int h = 0; h < 2; ++h) {
+        __m256i acc = _mm256_setzero_si256();
+        for (int p = 0; p < 2; ++p) {
+            const int t = 4 * h + 2 * p;
+            const __m256i x0 = broadcast4(xq + 4 * t), x1 = broadcast4(xq + 4 * t + 4);
+            if (format == GG_Q8_0) { /* signed weights again; |w| x sign(x, w) keeps maddubs below saturation */
+                const __m256i flip = _mm256_set1_epi8((char)0x80);
+                const __m256i w0 = _mm256_xor_si256(v[t], flip), w1 = _mm256_xor_si256(v[t + 1], flip);
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)), ones));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)), ones));
+            } else { /* two pairs of products of 6-bit quants: at most 4 * 63 * 128 < 32768 */
+                const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(v[t], x0), _mm256_maddubs_epi16(v[t + 1], x1));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+            }
+        }
+        sums[h] = acc;
+    }
+    *s0 = sums[0];
+    *s1 = sums[1];
+}
+
+INLINE void i8_rows(const int format, const int MR, const int LEVELS, const int vnni, const gg_matrix *w, const gg_act8 *x, int i0, int g,
+                    int half, float *y, int ldy, int accumulate) {
+    const int tile_k = gg_tile_k[format], tiles = w->cols / tile_k, subs = tile_k / GG_SUB;
+    const int k = x->k, blocks = k / GG_SUB;
+    /* Q8_0 without VNNI: the sign trick already took the signed weights, nothing to subtract */
+    const int offset = format == GG_Q8_0 && !vnni ? 0 : gg_offset(format);
+    const uint8_t *group = w->data + g * gg_group_bytes(format, w->cols);
+    __m256 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+    for (int t = 0; t < tiles; ++t) {
+        const uint8_t *tile = group + (int64_t)t * gg_tile_bytes[format];
+        if (half == 0) prefetch_ahead(tile, gg_tile_bytes[format]);
+        for (int sub = 0; sub < subs; ++sub) {
+            __m256i v[8];
+            __m256 a0, a1, b;
+            quads(format, tile, sub, half, v);
+            scales(format, tile, sub, half, &a0, &a1, &b);
+            const int block = t * (tile_k / GG_SUB) + sub;
+            for (int i = 0; i < MR * LEVELS; ++i) { /* activation row i / LEVELS, level i % LEVELS */
+                const int64_t row = (int64_t)i0 * LEVELS + i;
+                __m256i s0, s1;
+                dots(format, vnni, v, x->q + row * k + block * GG_SUB, &s0, &s1);
+                const __m256 xd = _mm256_set1_ps(x->d[row * blocks + block]);
+                const int32_t *sums = x->sum16 + (row * blocks + block) * 2;
+                if (format == GG_Q6_K) {
+                    s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(offset * sums[0]));
+                    s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(offset * sums[1]));
+                    acc[i / LEVELS] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(a0, xd), acc[i / LEVELS]);
+                    acc[i / LEVELS] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(a1, xd), acc[i / LEVELS]);
+                } else if (offset || format == GG_Q8_0) {
+                    const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(offset * (sums[0] + sums[1])));
+                    acc[i / LEVELS] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(a0, xd), acc[i / LEVELS]);
+                } else {
+                    acc[i / LEVELS] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(a0, xd), acc[i / LEVELS]);
+                    acc[i / LEVELS] = _mm256_fmadd_ps(b, _mm256_set1_ps(x->s[row * blocks + block]), acc[i / LEVELS]);
+                }
+            }
+        }
+    }
+    store_rows(MR, acc, y, ldy, i0, g * GG_ROWS + 8 * half, w->rows, accumulate);
+}
+
+INLINE void i8_format(const int format, const int vnni, const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0,
+                      int g1, int accumulate) {
+    for (int g = g0; g < g1; ++g)
+        for (int half = 0; half < 2 && g * GG_ROWS + 8 * half < w->rows; ++half) {
+            int i0 = 0;
+            if (x->levels == 2) {
+                for (; i0 + 4 <= x->m; i0 += 4) i8_rows(format, 4, 2, vnni, w, x, i0, g, half, y, ldy, accumulate);
+                for (; i0 < x->m; ++i0) i8_rows(format, 1, 2, vnni, w, x, i0, g, half, y, ldy, accumulate);
+            } else {
+                for (; i0 + 4 <= x->m; i0 += 4) i8_rows(format, 4, 1, vnni, w, x, i0, g, half, y, ldy, accumulate);
+                for (; i0 < x->m; ++i0) i8_rows(format, 1, 1, vnni, w, x, i0, g, half, y, ldy, accumulate);
+            }
+        }
+}
+
+#define I8_CASES(VNNI)                                                                                \
+    switch (w->format) {                                                                              \
+    case GG_Q4_0: i8_format(GG_Q4_0, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
+    case GG_Q4_1: i8_format(GG_Q4_1, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
+    case GG_Q8_0: i8_format(GG_Q8_0, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
+    case GG_Q4_K: i8_format(GG_Q4_K, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
+    case GG_Q6_K: i8_format(GG_Q6_K, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
+    default: return -1;                                                                               \
+    }
+
+int gg_i8_avx2(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0, int g1, int accumulate, int vnni) {
+#if defined(HAVE_VNNI256)
+    if (vnni) I8_CASES(1)
+#else
+    if (vnni) return -1;
+#endif
+    I8_CASES(0)
+}
+#endif /* AVX2 */
+
+#ifndef HAVE_AVX2
+int gg_f32_avx2(const gg_matrix *w, const float *x, int ldx, int m, float *y, int ldy, int g0, int g1, int accumulate) {
+    (void)w, (void)x, (void)ldx, (void)m, (void)y, (void)ldy, (void)g0, (void)g1, (void)accumulate;
+    return -1;
+}
+int gg_i8_avx2(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0, int g1, int accumulate, int vnni) {
+    (void)w, (void)x, (void)y, (void)ldy, (void)g0, (void)g1, (void)accumulate, (void)vnni;
+    return -1;
+}
+#endif
+
+int gg_avx2_built(void) {
+#if defined(HAVE_VNNI256)
+    return 2;
+#elif defined(HAVE_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
