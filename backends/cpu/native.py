@@ -54,7 +54,8 @@ def _cpu_flags() -> str:
 # Libraries built from several kernel files (each file one job, sharing kernels/*.h); any other
 # name is kernels/<name>.c alone.
 LIBRARIES = {
-    "gguf": ("gguf_repack", "gguf_matmul", "gguf_matmul_portable", "gguf_matmul_avx2", "gguf_matmul_avx512"),
+    "gguf": ("gguf_repack", "gguf_matmul", "gguf_matmul_portable", "gguf_matmul_avx2", "gguf_matmul_avx512",
+             "gguf_decode"),
 }
 
 

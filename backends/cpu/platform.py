@@ -94,9 +94,10 @@ class CpuPlatform(Platform):
         return CaptureSettings(kind="compile", compile_backend="inductor")
 
     def graph_runner_class(self) -> type:
-        from graphs.compiled_runner import CompiledDecodeRunner
+        # The native GGUF step for the models it covers, the compiled graphs for the rest.
+        from backends.cpu.gguf_decode import CpuDecodeRunner
 
-        return CompiledDecodeRunner
+        return CpuDecodeRunner
 
     dtype_reason = "requested"
 
