@@ -55,8 +55,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--skip-hf", action="store_true", help="do not time HF transformers")
     group.add_argument("--with-int8-activations", action="store_true",
                        help="also time the engine with --gguf-activations int8 (GGUF blocks kept on the CPU)")
+    group.add_argument("--with-gguf-activations", default="",
+                       help="comma-separated --gguf-activations values to time beside the engine's own (e.g. float32,int8)")
     group.add_argument("--llama-cpp", action="store_true",
                        help="also time llama.cpp (llama-cpp-python) on the same GGUF file, at batch size 1")
+    group.add_argument("--llama-cpp-extra-buffers", default="auto", choices=["auto", "on", "off"],
+                       help="llama.cpp's extra CPU buffer types (AMX, repacked weights); auto: off on a CPU with "
+                       "AMX-INT8, where ggml's AMX matmul faulted (SIGSEGV in ldtilecfg) on the 2026-12-02 VM")
     group.add_argument("--output", default="bench_results/cpu_bench.json", help="JSON file for results and raw samples")
 
 
@@ -96,8 +101,27 @@ def time_engine(engine: Any, prompts: list[list[int]], output_len: int) -> tuple
     return t_last - t_first, decode_tokens, [outputs[r] for r in order]
 
 
-def load_llama_cpp(model_arg: str | None, threads: int, context: int) -> Any:
-    """llama-cpp-python over the same GGUF file, with the same thread count (CPU only, no GPU layers)."""
+def llama_cpp_extra_buffers(choice: str) -> bool:
+    """Whether llama.cpp gets its extra CPU buffer types. auto: not where the CPU has AMX-INT8: ggml then
+    puts Q4_0/Q4_1/Q8_0/K-quant matmuls in its AMX buffer, and on the 2026-12-02 VM that kernel died
+    in ldtilecfg (SIGSEGV, whole process) at the first decode; without extra buffers SmolLM2's Q4_1
+    runs ggml's vec_dot kernels (Q4_1 has no repacked layout, and the tied Q8_0 head sits in the
+    input buffer either way)."""
+    if choice != "auto":
+        return choice == "on"
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            flags = next((line.split() for line in handle if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "amx_int8" not in flags
+
+
+def load_llama_cpp(model_arg: str | None, threads: int, context: int, extra_buffers: bool = True) -> Any:
+    """llama-cpp-python over the same GGUF file, with the same thread count (CPU only, no GPU layers).
+    extra_buffers: llama_model_params.use_extra_bufts, which Llama() does not expose (set through the
+    default parameters it starts from, restored after)."""
+    import llama_cpp.llama_cpp as bindings
     from llama_cpp import Llama
 
     from engine.loader.resolve import default_model_path
@@ -105,8 +129,19 @@ def load_llama_cpp(model_arg: str | None, threads: int, context: int) -> Any:
     path = default_model_path() if model_arg is None else os.path.expanduser(model_arg)
     if not path.endswith(".gguf"):
         raise ValueError("--llama-cpp needs a GGUF model")
-    return Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=context, n_batch=512,
-                 n_gpu_layers=0, verbose=False, seed=0)
+    defaults = bindings.llama_model_default_params
+
+    def model_params() -> Any:
+        params = defaults()
+        params.use_extra_bufts = extra_buffers
+        return params
+
+    bindings.llama_model_default_params = model_params
+    try:
+        return Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=context, n_batch=512,
+                     n_gpu_layers=0, verbose=False, seed=0)
+    finally:
+        bindings.llama_model_default_params = defaults
 
 
 def time_llama_cpp(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[float, int, list[list[int]]]:
@@ -266,7 +301,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     best_hf = {bs: max(v for (_, b), v in hf.items() if b == bs) for (_, bs) in hf}
     llama = {(r["dtype"], r["batch_size"]): r["tok_s"] for r in rows if r["system"] == "llama.cpp"}
     header = (
-        f"{'system':<16}{'dtype':<10}{'batch':>6}{'tok/s':>9}{'best':>8}{'ms/step':>9}"
+        f"{'system':<18}{'dtype':<10}{'batch':>6}{'tok/s':>9}{'best':>8}{'ms/step':>9}"
         f"{'vs HF':>8}{'vs best HF':>12}{'vs llama.cpp':>14}{'cpu share':>11}{'clean':>7}"
     )
     print(header + "\n" + "-" * len(header))
@@ -277,7 +312,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         versus = r["tok_s"] / peer if peer and r["system"] != "llama.cpp" else None
         clean = f"{sum(x['cpu_share'] >= CLEAN_SHARE for x in r['samples'])}/{len(r['samples'])}"
         print(
-            f"{r['system']:<16}{r['dtype']:<10}{r['batch_size']:>6}{r['tok_s']:>9.1f}{r['best_tok_s']:>8.1f}"
+            f"{r['system']:<18}{r['dtype']:<10}{r['batch_size']:>6}{r['tok_s']:>9.1f}{r['best_tok_s']:>8.1f}"
             f"{r['ms_per_step']:>9.1f}{(f'{ratio:.2f}x' if ratio else '-'):>8}{(f'{best:.2f}x' if best else '-'):>12}"
             f"{(f'{versus:.2f}x' if versus else '-'):>14}{r['cpu_share']:>11.2f}{clean:>7}"
         )
@@ -305,11 +340,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ("engine-eager" if args.disable_graphs else "engine", {"disable_graphs": args.disable_graphs})]
     if args.include_eager and not args.disable_graphs:
         variants.append(("engine-eager", {"disable_graphs": True}))
-    if args.with_int8_activations:
-        variants.append(("engine-int8act", {"disable_graphs": args.disable_graphs, "gguf_activations": "int8"}))
+    extra = [a.strip() for a in args.with_gguf_activations.split(",") if a.strip()]
+    for activations in extra + (["int8"] if args.with_int8_activations and "int8" not in extra else []):
+        variants.append((f"engine-{activations}act", {"disable_graphs": args.disable_graphs,
+                                                        "gguf_activations": activations}))
     if len(variants) > 1 and args.tensor_parallel_size > 1:
-        raise ValueError("--include-eager / --with-int8-activations build several engines at once; a process runs one "
-                         "tensor-parallel engine at a time")
+        raise ValueError("--include-eager / --with-int8-activations / --with-gguf-activations build several engines at "
+                         "once; a process runs one tensor-parallel engine at a time")
     results: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join((["engine"] if os.path.basename(sys.argv[0]) == "engine" else sys.argv[:1]) + sys.argv[1:]),
@@ -344,8 +381,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "packed_gguf_modules": sum("gguf" in type(m).__name__.lower() for m in hf_model.modules()),
             }
         if args.llama_cpp:
-            systems["llama.cpp"] = load_llama_cpp(args.model, torch.get_num_threads(), args.input_len + args.output_len + 8)
+            extra = llama_cpp_extra_buffers(args.llama_cpp_extra_buffers)
+            systems["llama.cpp"] = load_llama_cpp(args.model, torch.get_num_threads(), args.input_len + args.output_len + 8,
+                                                  extra)
             results["llama_cpp_version"] = __import__("llama_cpp").__version__
+            results["llama_cpp_extra_buffers"] = extra
         candidates = (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
         pad_id = next((i for i in candidates if i is not None), 0)  # prompts are equal-length: never read
         def runs_at(name: str, bs: int) -> bool:
@@ -381,7 +421,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if isinstance(system, Engine):
                 system.shutdown()  # tensor parallelism: its ranks go before the next dtype's engine starts
         del systems, hf_model
-    order = {"engine": 0, "engine-int8act": 1, "engine-eager": 2, "llama.cpp": 3, "hf": 4}
+    order = {"engine": 0, "engine-float32act": 1, "engine-int8x2act": 1, "engine-int8act": 1, "engine-eager": 2,
+             "llama.cpp": 3, "hf": 4}
     rows.sort(key=lambda r: (dtypes.index(r["dtype"]), r["batch_size"], order.get(r["system"], 3)))
     results["machine"]["load_average_end"] = os.getloadavg()
     print_table(rows)
