@@ -171,6 +171,17 @@ def test_the_activation_quantizer_is_llama_cpps(levels: int) -> None:
     assert relative_error(got, x) < (1 / 254 if levels == 1 else 1 / 64516) * 1.01
 
 
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("path", ["avx2", "avx512"])
+def test_every_path_quantizes_activations_bit_for_bit_alike(monkeypatch: pytest.MonkeyPatch, path: str,
+                                                            levels: int) -> None:
+    """The SIMD quantizers repeat the portable one's float32 operations: the same int8 values and scales."""
+    force_path(monkeypatch, INT8_PATHS[path], int8=True)
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(9)) * torch.linspace(0.01, 10.0, 512)
+    x[3, 64:96] = 0.0
+    assert torch.equal(gl.quantized_activations(x, levels, INT8_PATHS[path]), gl.quantized_activations(x, levels, 0))
+
+
 @pytest.mark.parametrize("levels", [0, 1, 2])
 def test_one_projection_of_parts_in_different_formats(levels: int) -> None:
     """A fused q/k/v whose v is Q6_K and q, k Q4_K (as Q4_K_M files are): one call, each part writing its

@@ -81,7 +81,7 @@ def _library() -> Any:
         ("gguf_dequantize_rows", i, [p, p, i, p]),
         ("gguf_matmul", i, [p, i, p, i, p, i, i, i]),  # parts, nparts, x, m, y, levels, path, threads
         ("gguf_paths", i, []),
-        ("gguf_quantized_activations", i, [p, i, i, i, p]),
+        ("gguf_quantized_activations", i, [p, i, i, i, i, p]),
     ):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
@@ -172,12 +172,13 @@ def gguf_linear(x: torch.Tensor, tiles: Sequence[torch.Tensor], codes: Sequence[
     return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
-def quantized_activations(x: torch.Tensor, levels: int) -> torch.Tensor:
+def quantized_activations(x: torch.Tensor, levels: int, path: int = 0) -> torch.Tensor:
     """x [m, k] float32 as the int8 kernels see it (float64): per block of 32, one or two int8 levels
-    times their scales (kernels/gguf_matmul.c's quantizer)."""
+    times their scales (kernels/gguf_matmul.c's quantizer, through code path `path`)."""
     x32 = x.to(torch.float32).contiguous()
     out = torch.empty(x32.shape, dtype=torch.float64)
-    if _library().gguf_quantized_activations(x32.data_ptr(), x32.shape[0], x32.shape[1], levels, out.data_ptr()) != 0:
+    lib = _library()
+    if lib.gguf_quantized_activations(x32.data_ptr(), x32.shape[0], x32.shape[1], levels, path, out.data_ptr()) != 0:
         raise ValueError(f"cannot quantize activations of shape {tuple(x.shape)} to {levels} levels")
     return out
 

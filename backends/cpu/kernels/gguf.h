@@ -203,8 +203,13 @@ void gg_matmul_f32(const gg_matrix *w, const float *x, int ldx, int m, float *y,
 void gg_matmul_i8(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0, int g1, int accumulate, int isa);
 int64_t gg_act8_bytes(int m, int k, int levels);                /* one buffer for m rows of k ... */
 void gg_act8_place(gg_act8 *a, void *buffer, int m, int k, int levels); /* ... its views ... */
-void gg_quantize_rows(const float *x, int ldx, gg_act8 *out);           /* ... filled from x [m][ldx] */
-void gg_quantize_row(const float *x, gg_act8 *out, int i);              /* ... or its row i from x [k] */
+void gg_quantize_rows(const float *x, int ldx, gg_act8 *out, int isa); /* ... filled from x [m][ldx] */
+void gg_quantize_row(const float *x, gg_act8 *out, int i, int isa);    /* ... or its row i from x [k] */
+/* The same quantization per code path, bit for bit (the same float32 operations, rounded to nearest
+   even by the same MXCSR mode): tests hold them equal. */
+void gg_quantize_row_portable(const float *x, gg_act8 *out, int i);
+int gg_quantize_row_avx2(const float *x, gg_act8 *out, int i);
+int gg_quantize_row_avx512(const float *x, gg_act8 *out, int i);
 
 /* A linear as work items for an OpenMP loop (chunks of `chunk` row groups of each part), and one
    item: x (float32 activations) or a (int8 activations, when not NULL) -> columns of y. */

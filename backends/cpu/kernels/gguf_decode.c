@@ -120,7 +120,7 @@ static void linear(const gg_model *m, const gg_linear *l, const float *x, int ld
 /* RMSNorm of row r, and its int8 copy (int8 activations). */
 static void norm_row(const gg_model *m, const float *h, const float *weight, float *xn, gg_act8 *a, int r) {
     rms_norm(h + (int64_t)r * m->hidden, weight, m->hidden, m->eps, xn + (int64_t)r * m->hidden);
-    if (m->levels) gg_quantize_row(xn + (int64_t)r * m->hidden, a, r);
+    if (m->levels) gg_quantize_row(xn + (int64_t)r * m->hidden, a, r, m->isa_i8);
 }
 
 /* q/k/v of one row: bias, Qwen3's q/k norms, rotary; k and v stored at the row's slot. */
@@ -218,7 +218,7 @@ int gguf_decode_step(const gg_model *m, int n, const int64_t *tokens, const int6
             }
             if (m->levels) {
 #pragma omp for
-                for (int r = 0; r < n; ++r) gg_quantize_row(b.att + (int64_t)r * attn_width, &b.a_att, r);
+                for (int r = 0; r < n; ++r) gg_quantize_row(b.att + (int64_t)r * attn_width, &b.a_att, r, m->isa_i8);
             }
             linear(m, &ly->o, b.att, attn_width, &b.a_att, n, b.h, 1);
 #pragma omp for
@@ -229,7 +229,7 @@ int gguf_decode_step(const gg_model *m, int n, const int64_t *tokens, const int6
                 const float *gate = b.gu + (int64_t)r * 2 * I, *up = gate + I;
                 float *act = b.act + (int64_t)r * I;
                 for (int j = 0; j < I; ++j) act[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
-                if (m->levels) gg_quantize_row(act, &b.a_inter, r);
+                if (m->levels) gg_quantize_row(act, &b.a_inter, r, m->isa_i8);
             }
             linear(m, &ly->down, b.act, I, &b.a_inter, n, b.h, 1);
         }

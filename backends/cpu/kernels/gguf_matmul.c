@@ -26,8 +26,10 @@ void gg_matmul_i8(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g
 }
 
 /* Each block of 32 activations of row i to int8 with one scale (max|x| / 127), rounded to nearest
-   even; with two levels, the rounding error again, to int8 at 1/254 of that scale. */
-void gg_quantize_row(const float *x, gg_act8 *out, int i) {
+   even; with two levels, the rounding error again, to int8 at 1/254 of that scale. No FMA may fuse
+   x * inverse with the subtraction after it: the SIMD quantizers round that product, and all must
+   agree bit for bit. */
+__attribute__((optimize("fp-contract=off"))) void gg_quantize_row_portable(const float *x, gg_act8 *out, int i) {
     const int k = out->k, blocks = k / GG_SUB, levels = out->levels;
     for (int b = 0; b < blocks; ++b) {
         const float *src = x + b * GG_SUB;
@@ -55,19 +57,25 @@ void gg_quantize_row(const float *x, gg_act8 *out, int i) {
     }
 }
 
-void gg_quantize_rows(const float *x, int ldx, gg_act8 *out) {
-    for (int i = 0; i < out->m; ++i) gg_quantize_row(x + (int64_t)i * ldx, out, i);
+void gg_quantize_row(const float *x, gg_act8 *out, int i, int isa) {
+    if (isa >= GG_AVX512 && gg_quantize_row_avx512(x, out, i) == 0) return;
+    if (isa >= GG_AVX2 && gg_quantize_row_avx2(x, out, i) == 0) return;
+    gg_quantize_row_portable(x, out, i);
+}
+
+void gg_quantize_rows(const float *x, int ldx, gg_act8 *out, int isa) {
+    for (int i = 0; i < out->m; ++i) gg_quantize_row(x + (int64_t)i * ldx, out, i, isa);
 }
 
 /* The activations the int8 kernels multiply: x [m][k] -> out [m][k] float64, each value the sum of
    its levels' d * q (what the tests hold the kernels' products to). Returns -2 for a bad shape. */
-int gguf_quantized_activations(const float *x, int m, int k, int levels, double *out) {
+int gguf_quantized_activations(const float *x, int m, int k, int levels, int isa, double *out) {
     if (m < 1 || k % GG_SUB || levels < 1 || levels > 2) return -2;
     void *buffer = malloc((size_t)gg_act8_bytes(m, k, levels));
     if (buffer == NULL) return -3;
     gg_act8 a;
     gg_act8_place(&a, buffer, m, k, levels);
-    gg_quantize_rows(x, k, &a);
+    gg_quantize_rows(x, k, &a, isa);
     for (int i = 0; i < m; ++i)
         for (int j = 0; j < k; ++j) {
             double value = 0.0;
@@ -154,7 +162,7 @@ int gguf_matmul(const gg_matrix *parts, int nparts, const float *x, int m, float
         buffer = malloc((size_t)gg_act8_bytes(m, cols, levels));
         if (buffer == NULL) return -3;
         gg_act8_place(&act, buffer, m, cols, levels);
-        gg_quantize_rows(x, cols, &act);
+        gg_quantize_rows(x, cols, &act, isa);
     }
     if (threads < 1) threads = 1;
     if ((int64_t)groups * cols * m < 65536) threads = 1; /* a tiny matrix: the fork would cost more */

@@ -152,6 +152,54 @@ int gg_f32_avx2(const gg_matrix *w, const float *x, int ldx, int m, float *y, in
     }
 }
 
+INLINE int hsum8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* gg_quantize_row_portable's operations, 8 lanes at a time (cvtps2dq rounds to nearest even, as the
+   scalar conversion there does under the same MXCSR). */
+int gg_quantize_row_avx2(const float *x, gg_act8 *out, int i) {
+    const int k = out->k, blocks = k / GG_SUB, levels = out->levels;
+    const __m256 sign = _mm256_set1_ps(-0.0f), scale = _mm256_set1_ps(254.0f);
+    for (int b = 0; b < blocks; ++b) {
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; ++j) {
+            v[j] = _mm256_loadu_ps(x + b * GG_SUB + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float d = _mm_cvtss_f32(m4) / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(v[j], _mm256_set1_ps(inverse));
+        for (int level = 0; level < levels; ++level) {
+            const int64_t row = (int64_t)i * levels + level;
+            __m256i q[4];
+            for (int j = 0; j < 4; ++j) {
+                if (level > 0) v[j] = _mm256_mul_ps(v[j], scale);
+                q[j] = _mm256_cvtps_epi32(v[j]);
+            }
+            /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back */
+            const __m256i words = _mm256_packs_epi32(q[0], q[1]), words2 = _mm256_packs_epi32(q[2], q[3]);
+            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
+                                                              _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(out->q + row * k + b * GG_SUB), bytes);
+            const int s0 = hsum8(_mm256_add_epi32(q[0], q[1])), s1 = hsum8(_mm256_add_epi32(q[2], q[3]));
+            const float d_level = level == 0 ? d : d / 254.0f;
+            out->d[row * blocks + b] = d_level;
+            out->s[row * blocks + b] = d_level * (float)(s0 + s1);
+            out->sum16[(row * blocks + b) * 2] = s0;
+            out->sum16[(row * blocks + b) * 2 + 1] = s1;
+            for (int j = 0; j < 4; ++j) v[j] = _mm256_sub_ps(v[j], _mm256_cvtepi32_ps(q[j]));
+        }
+    }
+    return 0;
+}
+
 INLINE __m256i broadcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -275,6 +323,10 @@ int gg_i8_avx2(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0, 
 #endif /* AVX2 */
 
 #ifndef HAVE_AVX2
+int gg_quantize_row_avx2(const float *x, gg_act8 *out, int i) {
+    (void)x, (void)out, (void)i;
+    return -1;
+}
 int gg_f32_avx2(const gg_matrix *w, const float *x, int ldx, int m, float *y, int ldy, int g0, int g1, int accumulate) {
     (void)w, (void)x, (void)ldx, (void)m, (void)y, (void)ldy, (void)g0, (void)g1, (void)accumulate;
     return -1;

@@ -137,6 +137,39 @@ INLINE void f32_format(const int format, const gg_matrix *w, const float *x, int
     }
 }
 
+/* gg_quantize_row_portable's operations, 16 lanes at a time (cvtps2dq rounds to nearest even, as
+   the scalar conversion there does under the same MXCSR). */
+int gg_quantize_row_avx512(const float *x, gg_act8 *out, int i) {
+    const int k = out->k, blocks = k / GG_SUB, levels = out->levels;
+    const __m512 scale = _mm512_set1_ps(254.0f);
+    for (int b = 0; b < blocks; ++b) {
+        const __m512 x0 = _mm512_loadu_ps(x + b * GG_SUB), x1 = _mm512_loadu_ps(x + b * GG_SUB + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+        __m512 v0 = _mm512_mul_ps(x0, _mm512_set1_ps(inverse)), v1 = _mm512_mul_ps(x1, _mm512_set1_ps(inverse));
+        for (int level = 0; level < levels; ++level) {
+            const int64_t row = (int64_t)i * levels + level;
+            if (level > 0) {
+                v0 = _mm512_mul_ps(v0, scale);
+                v1 = _mm512_mul_ps(v1, scale);
+            }
+            const __m512i q0 = _mm512_cvtps_epi32(v0), q1 = _mm512_cvtps_epi32(v1);
+            int8_t *dst = out->q + row * k + b * GG_SUB;
+            _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtsepi32_epi8(q1));
+            const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+            const float d_level = level == 0 ? d : d / 254.0f;
+            out->d[row * blocks + b] = d_level;
+            out->s[row * blocks + b] = d_level * (float)(s0 + s1);
+            out->sum16[(row * blocks + b) * 2] = s0;
+            out->sum16[(row * blocks + b) * 2 + 1] = s1;
+            v0 = _mm512_sub_ps(v0, _mm512_cvtepi32_ps(q0)); /* what this level left, exact */
+            v1 = _mm512_sub_ps(v1, _mm512_cvtepi32_ps(q1));
+        }
+    }
+    return 0;
+}
+
 int gg_f32_avx512(const gg_matrix *w, const float *x, int ldx, int m, float *y, int ldy, int g0, int g1, int accumulate) {
     switch (w->format) {
     case GG_Q4_0: f32_format(GG_Q4_0, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
@@ -232,6 +265,10 @@ int gg_i8_avx512(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0
 #endif /* AVX512 */
 
 #ifndef HAVE_AVX512
+int gg_quantize_row_avx512(const float *x, gg_act8 *out, int i) {
+    (void)x, (void)out, (void)i;
+    return -1;
+}
 int gg_f32_avx512(const gg_matrix *w, const float *x, int ldx, int m, float *y, int ldy, int g0, int g1, int accumulate) {
     (void)w, (void)x, (void)ldx, (void)m, (void)y, (void)ldy, (void)g0, (void)g1, (void)accumulate;
     return -1;
