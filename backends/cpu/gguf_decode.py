@@ -64,15 +64,10 @@ def native_step_unsupported(model: torch.nn.Module, kv_caches: list[tuple[torch.
         return "the native GGUF kernels are not built here"
     if type(model) not in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):
         return f"{type(model).__name__} is not a Llama-family decoder"
-    if next(model.parameters()).dtype != torch.float32:
-        return "the model is not float32"
     if any(k.dtype != torch.float32 or not k.is_contiguous() or not v.is_contiguous() for k, v in kv_caches):
         return "the KV cache is not float32"
     if type(model.model.norm) is not RMSNorm:
         return "its final norm is not RMSNorm"
-    embed = model.model.embed_tokens
-    if not isinstance(embed, QuantizedEmbedding) and embed.weight.dtype != torch.float32:
-        return "its embedding is neither GGUF blocks nor float32"
     for layer in model.decoder_layers():
         attn = layer.self_attn
         if type(layer) is not DecoderLayer or not isinstance(layer.mlp, GatedMLP) or layer.mlp.act is not F.silu:
@@ -127,6 +122,7 @@ class NativeDecodeRunner(DecodeGraphRunner):
         return GGLinear(matrices, bias, len(parts), layer.out_features)
 
     def _f32(self, tensor: torch.Tensor) -> int:
+        """A float32 copy where the model holds another dtype (a bf16 model: its norms, bias, rotary table)."""
         tensor = tensor.detach().to(torch.float32).contiguous()
         self._keep.append(tensor)
         return tensor.data_ptr()
@@ -196,8 +192,8 @@ class NativeDecodeRunner(DecodeGraphRunner):
         if status != 0:
             raise ValueError(f"native GGUF decode step refused its inputs (batch {bs}): a token, position or slot "
                              "out of range")
-        if self.torch_head is not None:
-            return self.torch_head(out).float()
+        if self.torch_head is not None:  # a head outside GGUF blocks: in the model's dtype, as compute_logits runs it
+            return self.torch_head(out.to(self.torch_head.weight.dtype)).float()
         return out
 
 

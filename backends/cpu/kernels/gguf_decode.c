@@ -19,6 +19,7 @@
  * prefix caching and the torch paths share them. Returns 0, or -2 for inputs it does not take
  * (checked before any thread starts).
  */
+#pragma GCC target("prefer-vector-width=512")
 #include <omp.h>
 #include <stdlib.h>
 
