@@ -3,7 +3,8 @@
 Tiny GGUF files of four Llama-family layouts, written with the `gguf` package's writer in mixed
 block formats (tests/gguf_files.py: Q4_0, Q4_1, Q8_0 by its quantizer, Q4_K and Q6_K by ours): plain
 Llama in Q4_K with Q6_K v/down/head (a Q4_K_M file's mix), Qwen2's q/k/v bias in Q4_0 with a Q8_0 k,
-Qwen3's q/k norms in Q4_1 with a Q4_K o_proj, Mistral with a 24-token sliding window in Q6_K. Each
+Qwen3's q/k norms in Q4_1 with a Q4_K o_proj, Mistral with a 24-token sliding window in Q6_K, and
+heads of 128 and 32 (the attention's other two code shapes) in Q8_0 and Q4_0. Each
 decodes through the native step and is held to the same file dequantized at load (the dense path,
 itself held to HF in test_gguf_families.py and test_hf_parity.py): greedy ids over 32 tokens, prompts
 arriving at different steps, page sizes 1 and 16, prefix caching on, on every code path this CPU
@@ -35,12 +36,16 @@ def require_kernels() -> None:
     assert gguf_kernels_available(), "the GGUF kernels did not build (gcc is a test requirement)"
 
 
-# name -> (checkpoint overrides, GGUF block formats by llama.cpp tensor kind ("*": the rest)).
-CASES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
-    "llama_plain": ({}, {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q8_0", "output": "Q6_K"}),
-    "qwen2": ({}, {"*": "Q4_0", "attn_k": "Q8_0"}),
-    "qwen3": ({"head_dim": 64}, {"*": "Q4_1", "attn_output": "Q4_K"}),
-    "mistral": ({"sliding_window": 24}, {"*": "Q6_K", "token_embd": "Q4_0"}),
+# case -> (tiny checkpoint, its overrides, GGUF block formats by llama.cpp tensor kind ("*": the rest)).
+# Head sizes: 64 (the vector attention), 128 (the same, 8 vectors a head), 32 (the plain loops).
+CASES: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
+    "llama_plain": ("llama_plain", {},
+                    {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q8_0", "output": "Q6_K"}),
+    "qwen2": ("qwen2", {}, {"*": "Q4_0", "attn_k": "Q8_0"}),
+    "qwen3": ("qwen3", {"head_dim": 64}, {"*": "Q4_1", "attn_output": "Q4_K"}),
+    "mistral": ("mistral", {"sliding_window": 24}, {"*": "Q6_K", "token_embd": "Q4_0"}),
+    "llama_head_128": ("llama_plain", {"num_attention_heads": 2, "num_key_value_heads": 1}, {"*": "Q8_0"}),
+    "qwen3_head_32": ("qwen3", {"head_dim": 32}, {"*": "Q4_0"}),
 }
 # Features hidden per code path (nothing hidden: the best this CPU has).
 PATHS = {"best": "", "avx2": "avx512_f,avx512_vnni,avx_vnni", "portable": "all"}
@@ -53,8 +58,8 @@ def tiny_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """name -> a quantized tiny GGUF (K-quants need 256-column rows: hidden 256, intermediate 512)."""
     root = tmp_path_factory.mktemp("quantized_ggufs")
     paths = {}
-    for name, (overrides, formats) in CASES.items():
-        folder = build_tiny_checkpoint(name, str(root / name), hidden_size=256, intermediate_size=512, **overrides)
+    for name, (spec, overrides, formats) in CASES.items():
+        folder = build_tiny_checkpoint(spec, str(root / name), hidden_size=256, intermediate_size=512, **overrides)
         paths[name] = write_gguf(folder, str(root / f"{name}.gguf"), formats)
     return paths
 

@@ -141,38 +141,125 @@ static void qkv_finish(const gg_model *m, const gg_layer *ly, float *qkv, int64_
     memcpy(ly->v_cache + slot * kv, v, sizeof(float) * kv);
 }
 
+/* The K (or V) row of position l of a request, kv head kh. */
+static inline const float *cache_row(const gg_model *m, const float *cache, const int32_t *pages, int l, int kh) {
+    const int ps = m->page_size;
+    return cache + (((int64_t)pages[l / ps] * ps + l % ps) * m->kv_heads + kh) * m->head_dim;
+}
+
+static void softmax(float *s, int span) {
+    float max = s[0], sum = 0.0f;
+    for (int l = 1; l < span; ++l) max = s[l] > max ? s[l] : max;
+    for (int l = 0; l < span; ++l) {
+        s[l] = expf(s[l] - max);
+        sum += s[l];
+    }
+    const float inverse = 1.0f / sum;
+    for (int l = 0; l < span; ++l) s[l] *= inverse;
+}
+
+/* 16 floats as one vector (gcc's vector extensions: a zmm with AVX512, two ymm with AVX2, ...), and
+   unaligned loads of it. */
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+/* Unaligned, aliasing views: a plain dereference compiles to one unaligned vector move (a memcpy here
+   went through the stack as two halves, and each reload then stalled on store forwarding). */
+typedef float vf16u __attribute__((vector_size(64), aligned(4), may_alias));
+static inline vf16 vload(const float *p) { return *(const vf16u *)p; }
+static inline void vstore(float *p, vf16 v) { *(vf16u *)p = v; }
+static inline float vsum(vf16 v) { /* halves added down to one lane */
+    const vf8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const vf4 f = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (f[0] + f[2]) + (f[1] + f[3]);
+}
+
+#define AHEAD 8 /* positions between a cache row's prefetch and its use */
+
+/* A position of a request as (index into its page table, offset in the page), walked without dividing
+   (page_size is a run-time value: a division per row cost more than the row's FMAs). */
+typedef struct {
+    int page, offset;
+} cursor;
+static inline cursor cursor_at(int position, int ps) { return (cursor){position / ps, position % ps}; }
+static inline void advance(cursor *c, int ps) {
+    if (++c->offset == ps) c->offset = 0, ++c->page;
+}
+static inline const float *row_at(const float *cache, const int32_t *pages, cursor c, int ps, int64_t row, int64_t head) {
+    return cache + ((int64_t)pages[c.page] * ps + c.offset) * row + head;
+}
+static inline void prefetch_row(const float *p, int vectors) {
+    for (int v = 0; v < vectors; ++v) __builtin_prefetch((const char *)p + 64 * v);
+}
+
+/* The query heads of kv head `kh` of one request over its pages (its last `window` positions), for a
+   head dimension of 16 * C. Scores: each key row loaded once for every query head of the group;
+   values: one query head at a time, its C output vectors in registers across the positions (the
+   span's value rows come from L1/L2 after the first head). The rows of a long context come from
+   memory: each is prefetched AHEAD positions early (batch 16, context 512: 55 -> 37 ms a step). */
+static inline __attribute__((always_inline)) void attend_vectors(const int C, const gg_model *m, const gg_layer *ly,
+                                                                 const float *q, const int32_t *pages, int start,
+                                                                 int len, int kh, float *out, float *scores) {
+    const int group = m->heads / m->kv_heads, span = len - start, ps = m->page_size;
+    const int64_t row = (int64_t)m->kv_heads * 16 * C, head = (int64_t)kh * 16 * C;
+    const float *qh = q + (int64_t)kh * group * 16 * C;
+    cursor at = cursor_at(start, ps), ahead = cursor_at(start + AHEAD, ps);
+    for (int l = 0; l < span; ++l) {
+        const float *key = row_at(ly->k_cache, pages, at, ps, row, head);
+        if (l + AHEAD < span) prefetch_row(row_at(ly->k_cache, pages, ahead, ps, row, head), C);
+        vf16 k[C];
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) k[c] = vload(key + 16 * c);
+        for (int g = 0; g < group; ++g) {
+            vf16 acc = k[0] * vload(qh + g * 16 * C);
+#pragma GCC unroll 16
+            for (int c = 1; c < C; ++c) acc += k[c] * vload(qh + g * 16 * C + 16 * c);
+            scores[g * span + l] = vsum(acc) * m->scale;
+        }
+        advance(&at, ps);
+        advance(&ahead, ps);
+    }
+    for (int g = 0; g < group; ++g) {
+        float *s = scores + g * span;
+        softmax(s, span);
+        vf16 o[C];
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) o[c] = (vf16){0};
+        at = cursor_at(start, ps), ahead = cursor_at(start + AHEAD, ps);
+        for (int l = 0; l < span; ++l) {
+            const float *value = row_at(ly->v_cache, pages, at, ps, row, head);
+            if (g == 0 && l + AHEAD < span) prefetch_row(row_at(ly->v_cache, pages, ahead, ps, row, head), C);
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) o[c] += s[l] * vload(value + 16 * c);
+            advance(&at, ps);
+            advance(&ahead, ps);
+        }
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) vstore(out + (int64_t)(kh * group + g) * 16 * C + 16 * c, o[c]); /* o stays in registers */
+    }
+}
+
 /* The query heads of kv head `kh` of one request over its pages (its last `window` positions). */
 static void attend(const gg_model *m, const gg_layer *ly, const float *q, const int32_t *pages, int len, int kh,
                    float *out, float *scores) {
-    const int hd = m->head_dim, group = m->heads / m->kv_heads, ps = m->page_size;
+    const int hd = m->head_dim, group = m->heads / m->kv_heads;
     const int start = ly->window > 0 && len > ly->window ? len - ly->window : 0, span = len - start;
-    const int64_t row = (int64_t)m->kv_heads * hd;
-    for (int l = start; l < len; ++l) {
-        const float *key = ly->k_cache + ((int64_t)pages[l / ps] * ps + l % ps) * row + (int64_t)kh * hd;
-        for (int g = 0; g < group; ++g) {
-            const float *qh = q + (int64_t)(kh * group + g) * hd;
+    if (hd == 64) return attend_vectors(4, m, ly, q, pages, start, len, kh, out, scores);
+    if (hd == 128) return attend_vectors(8, m, ly, q, pages, start, len, kh, out, scores);
+    for (int g = 0; g < group; ++g) { /* any other head size: plain loops */
+        const float *qh = q + (int64_t)(kh * group + g) * hd;
+        float *s = scores + g * span, *o = out + (int64_t)(kh * group + g) * hd;
+        for (int l = start; l < len; ++l) {
+            const float *key = cache_row(m, ly->k_cache, pages, l, kh);
             float dot = 0.0f;
             for (int d = 0; d < hd; ++d) dot += qh[d] * key[d];
-            scores[g * span + l - start] = dot * m->scale;
+            s[l - start] = dot * m->scale;
         }
-    }
-    for (int g = 0; g < group; ++g) {
-        float *s = scores + g * span, max = s[0], sum = 0.0f;
-        for (int l = 1; l < span; ++l) max = s[l] > max ? s[l] : max;
-        for (int l = 0; l < span; ++l) {
-            s[l] = expf(s[l] - max);
-            sum += s[l];
-        }
-        const float inverse = 1.0f / sum;
-        for (int l = 0; l < span; ++l) s[l] *= inverse;
-        memset(out + (int64_t)(kh * group + g) * hd, 0, sizeof(float) * hd);
-    }
-    for (int l = start; l < len; ++l) {
-        const float *value = ly->v_cache + ((int64_t)pages[l / ps] * ps + l % ps) * row + (int64_t)kh * hd;
-        for (int g = 0; g < group; ++g) {
-            float *o = out + (int64_t)(kh * group + g) * hd;
-            const float p = scores[g * span + l - start];
-            for (int d = 0; d < hd; ++d) o[d] += p * value[d];
+        softmax(s, span);
+        memset(o, 0, sizeof(float) * hd);
+        for (int l = start; l < len; ++l) {
+            const float *value = cache_row(m, ly->v_cache, pages, l, kh);
+            for (int d = 0; d < hd; ++d) o[d] += s[l - start] * value[d];
         }
     }
 }
