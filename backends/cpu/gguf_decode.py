@@ -54,6 +54,7 @@ class GGModel(ctypes.Structure):
 @torch.no_grad()
 def native_step_unsupported(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
     """Why kernels/gguf_decode.c cannot run this model's decode step here (None: it can)."""
+    from engine.distributed.state import tp_world_size
     from engine.layers.mlp import GatedMLP
     from engine.layers.norm import RMSNorm
     from engine.models.llama import DecoderLayer, LlamaForCausalLM
@@ -62,6 +63,8 @@ def native_step_unsupported(model: torch.nn.Module, kv_caches: list[tuple[torch.
 
     if _library() is None:
         return "the native GGUF kernels are not built here"
+    if tp_world_size() > 1:
+        return "tensor parallelism (the step holds no collectives)"
     if type(model) not in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):
         return f"{type(model).__name__} is not a Llama-family decoder"
     if any(k.dtype != torch.float32 or not k.is_contiguous() or not v.is_contiguous() for k, v in kv_caches):
@@ -79,7 +82,7 @@ def native_step_unsupported(model: torch.nn.Module, kv_caches: list[tuple[torch.
         linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         if not all(isinstance(lin.method, GGUFLinearMethod) for lin in linears):
             return "a layer has linears outside GGUF blocks"
-        if attn.o_proj.bias is not None or layer.mlp.gate_up_proj.bias is not None or layer.mlp.down_proj.bias is not None:
+        if any(lin.bias is not None for lin in linears[1:]):
             return "a layer has a bias other than q/k/v's"
     methods = {lin.method.levels for layer in model.decoder_layers()
                for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)}
@@ -102,7 +105,7 @@ class NativeDecodeRunner(DecodeGraphRunner):
         self.threads = torch.get_num_threads()
         self._keep: list[Any] = []  # every tensor and ctypes array the C structs point into
         self.activations = model.decoder_layers()[0].self_attn.qkv_proj.method.activations
-        self.model_struct = self._describe(model, kv_caches, page_size, max_pages_per_seq * page_size)
+        self.model_struct = self._describe(model, kv_caches, page_size)
         self.torch_head = None if self.model_struct.head.nparts else model.lm_head
         self.out_width = model.config.vocab_size if self.torch_head is None else model.config.hidden_size
         self._step = _library().gguf_decode_step
@@ -127,16 +130,15 @@ class NativeDecodeRunner(DecodeGraphRunner):
         self._keep.append(tensor)
         return tensor.data_ptr()
 
-    def _describe(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], page_size: int,
-                  max_len: int) -> GGModel:
+    def _describe(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], page_size: int) -> GGModel:
+        """The model as kernels/gguf_decode.c's gg_model: pointers into its tiles, norms, tables and caches."""
         config = model.config
         layers = model.decoder_layers()
         structs = (GGLayer * len(layers))()
-        positions = None
+        positions = min(layer.self_attn.rotary.cos_cache.shape[0] for layer in layers)  # the tables' rows
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches)):
             attn, mlp = layer.self_attn, layer.mlp
             rotary = attn.rotary
-            positions = rotary.cos_cache.shape[0] if positions is None else min(positions, rotary.cos_cache.shape[0])
             structs[i] = GGLayer(
                 self._linear(attn.qkv_proj), self._linear(attn.o_proj), self._linear(mlp.gate_up_proj),
                 self._linear(mlp.down_proj), self._f32(layer.input_layernorm.weight),
