@@ -147,6 +147,7 @@ def test_a_bfloat16_model_decodes_natively_too(tiny_ggufs: dict[str, str]) -> No
     after its bf16 prefill, against the float32 model's: measured 2.7-6.6% of the logit scale (the
     bf16 eager step: 3.1-13%: these random tiny models amplify bf16 rounding, enough to move an argmax);
     bf16 bytes read as float32 anywhere would be off by orders of magnitude."""
+    require_kernels()
     path = tiny_ggufs["qwen2"]
     options = dict(model=path, device="cpu", kv_cache_tokens=1024, max_num_seqs=1, page_size=16,
                    gguf_activations="float32")
