@@ -7,9 +7,9 @@
  * kernels, views, attention setup). Here the whole step (embedding, 30 x [RMSNorm, q/k/v, rotary,
  * KV store into the engine's paged cache, paged GQA attention, o_proj + residual, RMSNorm,
  * gate/up, SiLU x up, down + residual], final norm, LM head) is one OpenMP parallel region: the
- * matmuls split their row groups over the threads, attention its (request, kv head) pairs, and the
- * small element-wise steps run on one thread between barriers (~10 a layer, under a microsecond
- * each with two threads spinning).
+ * matmuls hand out chunks of their row groups to the threads, attention its (request, kv head)
+ * pairs, and the row-wise steps (norms, rotary and the KV store, SiLU, the int8 copies of the matmul
+ * inputs) go one row per iteration: ~8 barriers a layer, 0.3-2 us each with two threads spinning.
  *
  * Numerics: int8 activations (llama.cpp's: each matmul input quantized per block of 32 once, then
  * integer dot products; or two int8 levels, ~16-bit activations at twice the dot products) or
@@ -161,17 +161,18 @@ static void softmax(float *s, int span) {
 /* 16 floats as one vector (gcc's vector extensions: a zmm with AVX512, two ymm with AVX2, ...), and
    unaligned loads of it. */
 typedef float vf16 __attribute__((vector_size(64)));
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
 /* Unaligned, aliasing views: a plain dereference compiles to one unaligned vector move (a memcpy here
    went through the stack as two halves, and each reload then stalled on store forwarding). */
 typedef float vf16u __attribute__((vector_size(64), aligned(4), may_alias));
 static inline vf16 vload(const float *p) { return *(const vf16u *)p; }
 static inline void vstore(float *p, vf16 v) { *(vf16u *)p = v; }
-static inline float vsum(vf16 v) { /* halves added down to one lane */
-    const vf8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const vf4 f = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    return (f[0] + f[2]) + (f[1] + f[3]);
+static inline float vsum(vf16 v) { /* halves folded onto each other down to one lane (__builtin_shuffle: any gcc) */
+    v += __builtin_shuffle(v, (vi16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vi16){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (vi16){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+    v += __builtin_shuffle(v, (vi16){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+    return v[0];
 }
 
 #define AHEAD 8 /* positions between a cache row's prefetch and its use */
