@@ -4,7 +4,7 @@ The dense path dequantizes every GGUF tensor at load: SmolLM2's 98 MB Q4_1 file 
 float32 that each decode step streams. Here the linear layers keep the file's blocks, interleaved
 16 rows at a time at load (kernels/gguf.h: the same bytes, laid out so one int8 dot-product
 instruction covers 16 rows) and multiply through kernels/gguf_matmul*.c, which unpack each block
-in registers: AVX512 (VNNI for int8 activations), AVX2 (AVX-VNNI where present), or portable C,
+in registers: AVX512 (VNNI for int8 activations), AVX2 (256-bit VNNI where present), or portable C,
 chosen at run time from what the CPU has (backends/cpu/features.py). A step with more rows than
 FUSED_MAX_ROWS (prefill) dequantizes the matrix in C and runs the float GEMM. The token embedding
 gathers and dequantizes its rows; a tied LM head multiplies by the same tiles. The decode step of a
@@ -54,8 +54,7 @@ FORMATS = {
     "Q4_K": BlockFormat("Q4_K", 3, 256, 144),
     "Q6_K": BlockFormat("Q6_K", 4, 256, 210),
 }
-BY_CODE = {f.code: f for f in FORMATS.values()}
-PATH_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX-VNNI", 3: "AVX512"}  # kernels/gguf.h's GG_PORTABLE ..
+PATH_NAMES = {0: "portable C", 1: "AVX2", 2: "256-bit VNNI", 3: "AVX512"}  # kernels/gguf.h's GG_PORTABLE ..
 # --gguf-activations: how matmuls of up to FUSED_MAX_ROWS rows (decode) take their inputs, as the
 # kernels' activation levels: float32 (exact), int8x2 (each block of 32 as two int8 levels: ~16-bit,
 # integer dot products) or int8 (llama.cpp's numerics: one int8 level).
