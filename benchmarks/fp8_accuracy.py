@@ -1,0 +1,148 @@
+"""How far FP8 weights move a real model: SmolLM2-135M-Instruct (its GGUF, dequantized to bf16 and saved as
+safetensors) against itself with `--quantization fp8` (every linear but the LM head per output channel to
+e4m3, as the H200 runs it), teacher-forced on the reference's own greedy tokens.
+
+    PYTHONPATH=. python benchmarks/fp8_accuracy.py --device cpu --output bench_results/fp8_accuracy.json
+
+At every position of the reference's greedy continuations (prompts x new tokens, 256 by default) both
+engines see the same prefix (a prefill of the prompt, then one eager decode step per reference token), and the
+table reports the top-1 agreement rate and the KL divergence KL(reference || variant) of the next-token
+distributions (mean, 99th percentile, max), plus how many tokens each variant generates greedily before it
+first leaves the reference. The reference computes in float32 over the bf16 weights; the variants:
+- `fp8`: the same float32 compute over the FP8-rounded weights: the weight quantization error alone (on a
+  CPU the FP8 weights are dequantized once; on CUDA the weight-only kernel computes exactly this in bf16);
+- `bf16`: the unquantized weights computed in bf16: the yardstick, the error every bf16 engine already has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+from typing import Any
+
+import torch
+
+from engine.engine import Engine
+from engine.loader.resolve import default_model_path
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledStep
+from engine.tokenizer import encode_prompt
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "List three prime numbers:",
+    "Explain what a hash table is in one paragraph.",
+    "def fibonacci(n):",
+    "The three primary colours are",
+    "Translate 'good morning' into Spanish:",
+    "Once upon a time, in a small village,",
+]
+
+
+def bf16_checkpoint(gguf_path: str, folder: str) -> str:
+    """The GGUF's weights dequantized to bf16, with its tokenizer, as an HF folder (transformers reads GGUF)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from safetensors.torch import save_file
+
+    directory, name = os.path.split(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.bfloat16)
+    # transformers marks a GGUF-loaded model quantized and will not save it: write its tensors directly
+    # (the tied LM head is the embedding: saved once).
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    tied = getattr(config, "tie_word_embeddings", False)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(folder)
+    return folder
+
+
+@torch.no_grad()
+def teacher_forced_logits(engine: Engine, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """[len(continuation), vocab] float32: the next-token logits after the prompt and after each reference
+    token but the last, through the engine's own prefill and decode steps."""
+    request = Request("fp8-accuracy-probe", list(prompt), SamplingParams(temperature=0.0))
+    if not engine.kv_manager.allocate(request, len(prompt) + len(continuation)):
+        raise RuntimeError("KV pool too small for the probe")
+    rows = []
+    try:
+        step = ScheduledStep(False, [request], [len(prompt)])
+        rows.append(engine.runner.logits(step, engine.step_builder.build(step))[-1].float().clone())
+        request.num_cached_tokens = request.num_tokens
+        for token in continuation[:-1]:
+            request.output_token_ids.append(int(token))
+            step = ScheduledStep(True, [request], [])
+            rows.append(engine.runner.logits(step, engine.step_builder.build(step))[0].float().clone())
+            request.num_cached_tokens = request.num_tokens
+    finally:
+        engine.kv_manager.release(request, cache=False)
+    return torch.stack(rows)
+
+
+def compare(reference: torch.Tensor, variant: torch.Tensor) -> tuple[list[bool], list[float]]:
+    """Per position: same argmax, and KL(reference || variant) in nats."""
+    log_p, log_q = reference.log_softmax(-1), variant.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return (reference.argmax(-1) == variant.argmax(-1)).tolist(), kl.tolist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--output", default="bench_results/fp8_accuracy.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    # Eager steps: the figures are about the weights, and compiling three engines on two cores costs minutes.
+    common = dict(device=args.device, kv_cache_tokens=4096, warmup=False, enable_prefix_caching=False, disable_graphs=True)
+    with tempfile.TemporaryDirectory() as folder:
+        bf16_checkpoint(default_model_path(), folder)
+        reference = Engine(model=folder, dtype="float32", quantization="none", **common)
+        tokenizer = reference.tokenizer
+        prompts = [encode_prompt(tokenizer, p, chat=True) for p in PROMPTS]
+        greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+        continuations = [out.token_ids for out in reference.generate(prompts, greedy)]
+        want = [teacher_forced_logits(reference, p, c) for p, c in zip(prompts, continuations)]
+        del reference
+        variants = {"fp8": dict(dtype="float32", quantization="fp8"), "bf16": dict(dtype="bfloat16", quantization="none")}
+        report: dict[str, Any] = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to bf16)", "device": args.device,
+                                  "torch": torch.__version__, "positions": sum(len(c) for c in continuations), "variants": {}}
+        for name, options in variants.items():
+            engine = Engine(model=folder, **options, **common)
+            agree: list[bool] = []
+            kls: list[float] = []
+            for prompt, continuation, ref in zip(prompts, continuations, want):
+                a, k = compare(ref, teacher_forced_logits(engine, prompt, continuation))
+                agree += a
+                kls += k
+            free = [out.token_ids for out in engine.generate(prompts, greedy)]
+            same_prefix = [next((i for i, (x, y) in enumerate(zip(f, c)) if x != y), len(c)) for f, c in zip(free, continuations)]
+            kls_sorted = sorted(kls)
+            report["variants"][name] = {
+                **options, "top1_agreement": sum(agree) / len(agree), "kl_mean": statistics.fmean(kls),
+                "kl_p99": kls_sorted[min(len(kls) - 1, math.ceil(0.99 * len(kls)) - 1)], "kl_max": kls_sorted[-1],
+                "greedy_tokens_before_first_difference": same_prefix,
+            }
+            del engine
+    print(f"{report['positions']} teacher-forced positions over {len(PROMPTS)} prompts; reference: float32 over bf16 weights")
+    print(f"{'variant':8} {'top-1 agree':>12} {'KL mean':>10} {'KL p99':>10} {'KL max':>10}  greedy tokens before the first difference")
+    for name, row in report["variants"].items():
+        print(f"{name:8} {row['top1_agreement']:>12.4f} {row['kl_mean']:>10.2e} {row['kl_p99']:>10.2e} {row['kl_max']:>10.2e}  "
+              f"{row['greedy_tokens_before_first_difference']}")
+    os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
+    with open(args.output, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=1)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
