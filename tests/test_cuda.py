@@ -256,15 +256,14 @@ def test_one_row_gemv_in_bf16_decode_graphs(tmp_path, monkeypatch: pytest.Monkey
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
 
-    if torch.version.hip is not None:
-        pytest.skip("the GEMV is switched on for CUDA only (not measured on AMD)")
+    on_rocm = torch.version.hip is not None  # ROCm keeps its BLAS (the GEMV was measured on the H200 only)
     _tiny_llama(tmp_path)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
     runs = {}
     for name, dtype, gemv in (("float32", "float32", "0"), ("gemv", "bfloat16", "1"), ("cublas", "bfloat16", "0")):
         monkeypatch.setenv("ENGINE_CUDA_GEMV", gemv)
         engine = Engine(model=str(tmp_path), device=ENGINE_DEVICE, dtype=dtype, capture_sizes="1,2", kv_cache_tokens=4096)
-        assert any(getattr(m, "method", None) is GEMV for m in engine.model.modules()) == (name == "gemv")
+        assert any(getattr(m, "method", None) is GEMV for m in engine.model.modules()) == (name == "gemv" and not on_rocm)
         runs[name] = engine.generate([[1, 5, 9, 33]], params)[0].logprobs
         assert engine.runner.graph_steps > 0
         del engine

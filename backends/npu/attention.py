@@ -368,8 +368,7 @@ class NpuGraphHooks:
         slot_indices: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
     ) -> int:
         """Fill n real rows given as tensors (host or device) and pad to bs (fill_static_inputs); returns n."""
-        return fill_static_inputs(state, bs, input_ids, positions, slot_indices.to(state.slot_indices.dtype), page_table,
-                                  seq_lens)
+        return fill_static_inputs(state, bs, input_ids, positions, slot_indices, page_table, seq_lens)
 
     def host_lengths(self, state: StaticDecodeBuffers, bs: int) -> torch.Tensor | list[int]:
         """This replay's lengths (padded rows 0) in the form the captured kernel's host argument takes.
