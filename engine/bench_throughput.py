@@ -20,10 +20,12 @@ import os
 import random
 import statistics
 import time
+from collections import defaultdict
 from typing import Any
 
 import torch
 
+from engine.bench_latency import matmul_params
 from engine.cli import add_engine_args, engine_config_from_args
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -37,7 +39,8 @@ def make_requests(count: int, input_len: tuple[int, int], output_len: tuple[int,
     ]
 
 
-def run_engine(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+def run_engine(engine: Engine, requests: list[tuple[list[int], int]], profile_steps: tuple[int, int] | None = None) -> dict[str, Any]:
+    """profile_steps (first, count): torch.profiler over those steps, their kernels grouped by name."""
     sync = engine.platform.synchronize
     graphs = engine.runner.graph_runner
     if graphs is not None and hasattr(graphs, "replay_events"):
@@ -53,10 +56,17 @@ def run_engine(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[st
     start = time.perf_counter()
     if timeline is not None:
         timeline.start()
+    profiler = None
+    step_index = 0
     while engine.has_unfinished():
+        if profile_steps is not None and step_index == profile_steps[0]:
+            profiler = _StepProfiler(engine)
         step_start = time.perf_counter()
         outputs = engine.step()
         elapsed = time.perf_counter() - step_start
+        step_index += 1
+        if profiler is not None and step_index == profile_steps[0] + profile_steps[1]:
+            profiler.stop()
         generated += sum(len(o.new_token_ids) for o in outputs)
         if engine.last_step_was_decode:
             seconds["decode"] += elapsed
@@ -66,6 +76,8 @@ def run_engine(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[st
             seconds["prefill"] += elapsed  # the host cannot tell a mixed step's outputs apart
     sync()
     wall = time.perf_counter() - start
+    if profiler is not None and profiler.kernels is None:
+        profiler.stop()  # the run ended inside the window
     prompt_tokens = sum(len(p) for p, _ in requests)
     if timeline is not None:
         # With overlap, a step() call waits for the step before the one it launches, and a launch that
@@ -90,7 +102,39 @@ def run_engine(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[st
         # Device time of the decode graphs themselves; decode_steps_s / this is the host's overhead.
         "decode_graph_replay_s": replay_s,
         "decode_steps_over_replay": seconds["decode"] / replay_s if replay_s else None,
+        "step_classes": timeline.summary(2.0 * matmul_params(engine)) if timeline is not None else None,
+        "profile": {"steps": list(profile_steps), "kernels": profiler.kernels} if profiler is not None else None,
     }
+
+
+class _StepProfiler:
+    """torch.profiler over a window of steps: on CUDA each kernel name's launches and device time, summed
+    (CUPTI sees the kernels inside graph replays too); on the CPU host ops' self time."""
+
+    def __init__(self, engine: Engine) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.sync = engine.platform.synchronize
+        self.on_gpu = engine.device.type == "cuda"
+        self.kernels: list[dict[str, Any]] | None = None
+        self.sync()
+        self.profile = profile(activities=[ProfilerActivity.CUDA if self.on_gpu else ProfilerActivity.CPU])
+        self.profile.__enter__()
+
+    def stop(self) -> None:
+        self.sync()
+        self.profile.__exit__(None, None, None)
+        per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        if self.on_gpu:
+            for event in self.profile.events():
+                if event.device_type == torch.autograd.DeviceType.CUDA:
+                    per_name[event.name][0] += 1
+                    per_name[event.name][1] += event.device_time_total
+        else:  # self time, so that nested ops are not counted twice
+            for average in self.profile.key_averages():
+                per_name[average.key] = [average.count, average.self_cpu_time_total]
+        self.kernels = [{"name": name, "launches": count, "ms": us / 1e3}
+                        for name, (count, us) in sorted(per_name.items(), key=lambda item: -item[1][1])]
 
 
 class _DeviceTimeline:
@@ -98,14 +142,18 @@ class _DeviceTimeline:
 
     def __init__(self, engine: Engine) -> None:
         self.marks: list[tuple[str, torch.cuda.Event]] = []
+        self.sizes: list[tuple[int, int]] = []  # per launched step: (decode rows, prefill tokens)
         self.origin = torch.cuda.Event(enable_timing=True)
         launch = engine.runner.launch
 
-        def timed_launch(step, *args):  # noqa: ANN001, ANN002, ANN202
-            sampled = launch(step, *args)
+        def timed_launch(step, message, *args):  # noqa: ANN001, ANN002, ANN202
+            sampled = launch(step, message, *args)
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.marks.append(("decode" if step.is_decode else "mixed" if step.is_mixed else "prefill", event))
+            decode_rows = message.decode.batch_size if message.decode is not None else 0
+            extend_tokens = len(message.extend.input_ids) if message.extend is not None else 0
+            self.sizes.append((decode_rows, extend_tokens))
             return sampled
 
         engine.runner.launch = timed_launch  # type: ignore[method-assign]
@@ -115,13 +163,39 @@ class _DeviceTimeline:
 
     def split(self) -> dict[str, float]:
         """Seconds in prefill, decode and mixed steps along the device's timeline."""
-        torch.cuda.synchronize()
         seconds = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}
-        previous = self.origin
-        for kind, event in self.marks:
-            seconds[kind] += previous.elapsed_time(event) / 1e3
-            previous = event
+        for kind, _, _, ms in self.steps():
+            seconds[kind] += ms / 1e3
         return seconds
+
+    def steps(self) -> list[tuple[str, int, int, float]]:
+        """(kind, decode rows, prefill tokens, device ms) of every launched step."""
+        torch.cuda.synchronize()
+        rows = []
+        previous = self.origin
+        for (kind, event), (decode_rows, extend_tokens) in zip(self.marks, self.sizes):
+            rows.append((kind, decode_rows, extend_tokens, previous.elapsed_time(event)))
+            previous = event
+        return rows
+
+    def summary(self, flops_per_token: float) -> list[dict[str, Any]]:
+        """Per step kind and size class: steps, mean decode rows and prefill tokens, mean device ms, and
+        the matmul rate those tokens imply (2 x parameters a token, attention not counted)."""
+        classes: dict[tuple[str, int], list[tuple[int, int, float]]] = defaultdict(list)
+        for kind, decode_rows, extend_tokens, ms in self.steps():
+            tokens = decode_rows + extend_tokens
+            size_class = 0 if tokens <= 0 else 1 << max(0, (tokens - 1).bit_length())  # next power of two
+            classes[(kind, size_class)].append((decode_rows, extend_tokens, ms))
+        table = []
+        for (kind, size_class), members in sorted(classes.items()):
+            total_ms = sum(ms for _, _, ms in members)
+            tokens = sum(d + e for d, e, _ in members)
+            table.append({"kind": kind, "tokens_up_to": size_class, "steps": len(members),
+                          "mean_decode_rows": statistics.mean(d for d, _, _ in members),
+                          "mean_prefill_tokens": statistics.mean(e for _, e, _ in members),
+                          "mean_ms": total_ms / len(members), "total_s": total_ms / 1e3,
+                          "matmul_tflops": tokens * flops_per_token / (total_ms / 1e3) / 1e12 if total_ms else 0.0})
+        return table
 
 
 class _SyncReport:
@@ -195,6 +269,8 @@ def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-len", default="128,384", help="output lengths: N, or MIN,MAX drawn uniformly")
     group.add_argument("--hf-requests", type=int, default=300, help="HF generate_batch on the first N requests (0: skip)")
     group.add_argument("--sync-report", action="store_true", help="CUDA: list where the engine waited for the device")
+    group.add_argument("--profile-steps", default=None, metavar="FIRST,COUNT",
+                       help="CUDA: torch.profiler over COUNT steps from step FIRST; prints the top kernels")
     group.add_argument("--output", default="bench_results/offline_throughput.json")
 
 
@@ -220,7 +296,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
                               "input_len": input_len, "output_len": output_len,
                               "tensor_parallel_size": engine.tp.world_size}
     syncs = _SyncReport() if args.sync_report and torch.cuda.is_available() else None
-    report["engine"] = run_engine(engine, requests)
+    profile_steps = tuple(int(x) for x in args.profile_steps.split(",")) if args.profile_steps else None
+    report["engine"] = run_engine(engine, requests, profile_steps)
     if syncs is not None:
         report["engine"]["host_syncs"] = syncs.stop()  # the timings of this run include the report's own cost
         for site, count in report["engine"]["host_syncs"].items():
@@ -238,6 +315,16 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
           f"({e['decode_steps']} steps, mean batch {e['mean_decode_batch']:.0f}; graph replays "
           f"{e['decode_graph_replay_s'] or float('nan'):.1f} s, steps/replays {e['decode_steps_over_replay'] or float('nan'):.2f})",
           flush=True)
+    if e["step_classes"]:
+        print(f"{'step':<8}{'tokens <=':>10}{'steps':>7}{'decode rows':>12}{'prefill tok':>12}{'mean ms':>9}{'total s':>9}"
+              f"{'matmul TFLOP/s':>15}")
+        for row in e["step_classes"]:
+            print(f"{row['kind']:<8}{row['tokens_up_to']:>10}{row['steps']:>7}{row['mean_decode_rows']:>12.0f}"
+                  f"{row['mean_prefill_tokens']:>12.0f}{row['mean_ms']:>9.2f}{row['total_s']:>9.2f}{row['matmul_tflops']:>15.0f}")
+    if e["profile"]:
+        print(f"kernels of steps {e['profile']['steps'][0]}..+{e['profile']['steps'][1]} (device ms, launches):")
+        for row in e["profile"]["kernels"][:30]:
+            print(f"{row['ms']:10.2f} {row['launches']:7d}  {row['name'][:120]}")
     if args.hf_requests:
         report["hf_generate_batch"] = run_hf(args.model, args.load_format, dtype, str(engine_device), requests[: args.hf_requests])
     e = report["engine"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, Callable, Iterator
 
@@ -29,6 +29,7 @@ import torch
 from engine.layers.attention import AttentionMetadata, attention_extras, step_context
 from engine.layers.ops import define_op
 from engine.models.interface import CausalLM
+from graphs.compile_report import compile_report
 from graphs.compiled_step import CompileGuard, KVCaches, _layer_step, compile_count, compile_limits, private_copy
 
 logger = logging.getLogger(__name__)
@@ -110,11 +111,12 @@ class CompiledExtendStep:
         before = compile_count()
         # One entry per layer kind (full / sliding attention, dense / MoE MLP), plus room for dynamo.
         with compile_limits(8), self.guard.watch(f"extend step of {input_ids.shape[0]} tokens"), \
-                step_context(backend, meta), extend_context(backend, meta):
+                step_context(backend, meta), extend_context(backend, meta), \
+                (compile_report() if not self.guard.warm else nullcontext()) as compiled:
             for layer, (k_cache, v_cache) in zip(self.model.decoder_layers(), self.kv_caches):
                 hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, meta)
         if not self.guard.warm:
-            logger.info("compiled the extend step's layer graph (token count dynamic, %d graphs) on a %d-token step",
-                        compile_count() - before, input_ids.shape[0])
+            logger.info("compiled the extend step's layer graph (token count dynamic, %d graphs) on a %d-token step; %s",
+                        compile_count() - before, input_ids.shape[0], compiled.summary())
             self.guard.warm = True
         return hidden

@@ -17,15 +17,19 @@ dynamic shapes made three. Graphs are then captured as usual.
 from __future__ import annotations
 
 import gc
+import logging
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
 from tqdm import tqdm
 
-from graphs.compiled_step import CompiledDecodeStep
+from graphs.compile_report import compile_report
+from graphs.compiled_step import CompiledDecodeStep, compile_count
 from graphs.runner import DecodeGraphRunner
 
+logger = logging.getLogger(__name__)
 
 # Eager runs before each capture. One is enough: everything lazy (kernel JIT, a dynamo recompile,
 # cuBLAS handles) happens on the first call of a shape; a second run only cost capture time.
@@ -77,13 +81,19 @@ class CudaGraphRunner(DecodeGraphRunner):
         free_before = free_device_memory()
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        with frozen_gc():
+        warmup_s: dict[int, float] = {}  # per size: the eager run before capture (compiles and kernel JIT land here)
+        capture_s = 0.0
+        compiles_before = compile_count()
+        with frozen_gc(), compile_report() as compiled:
             for bs in tqdm(sizes_largest_first, desc="Capturing CUDA graphs", unit="graph", disable=None):
+                started = time.perf_counter()
                 with torch.cuda.stream(stream):
                     self.hooks.prepare_for_capture(self.buffers, bs)
                     for _ in range(WARMUP_RUNS):
                         warm_logits = self._captured_step(bs)
                 stream.synchronize()
+                warmup_s[bs] = time.perf_counter() - started
+                started = time.perf_counter()
                 if self.logits is None:  # sized by the largest batch, outside the pool
                     self.logits = torch.empty_like(warm_logits)
                 del warm_logits
@@ -93,7 +103,13 @@ class CudaGraphRunner(DecodeGraphRunner):
                 self.outputs[bs] = self.logits[:bs]
                 self.graphs[bs] = graph
                 self.hooks.after_capture(self.buffers, bs, graph)
+                stream.synchronize()
+                capture_s += time.perf_counter() - started
         self.graph_memory_bytes = max(0, free_before - free_device_memory())
+        slowest = sorted(warmup_s.items(), key=lambda item: -item[1])[:3]
+        logger.info("decode capture: warm-up runs %.1f s (slowest: %s), graph captures %.1f s; %d dynamo graphs compiled; %s",
+                    sum(warmup_s.values()), ", ".join(f"size {bs} {s:.1f} s" for bs, s in slowest), capture_s,
+                    compile_count() - compiles_before, compiled.summary())
 
     def _captured_step(self, bs: int) -> torch.Tensor:
         if self.compiled_step is None:

@@ -166,7 +166,7 @@ def run_decode(case: RaggedCase, splits: int | None, window: int = 0, softcap: f
     )
 
 
-@pytest.mark.parametrize("splits", [1, 4, 16])
+@pytest.mark.parametrize("splits", [1, 2, 4, 16])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_kernel_split_k(splits: int, page_size: int) -> None:
     """Split-K must equal one pass, including splits past the end of short contexts (seq_len 1)."""
@@ -191,16 +191,27 @@ def test_decode_kernel_long_context(dtype: torch.dtype, batch: int) -> None:
 
 
 def test_mixed_step_through_backend() -> None:
-    """The backend's mixed path: decode rows (decode kernel) first, then ragged extends, one output."""
+    """The backend's mixed path: decode rows (decode kernel, which stores their k/v) first, then ragged
+    extends (stored by the backend), one output. Every new token's slot holds NaN before the call, so a
+    kernel that reads one before it is stored, or a row that is never stored, poisons the result."""
     from backends.cuda.triton_attention import TritonAttentionBackend
 
     dtype = torch.float32
     with kernel_mode():
         case = ragged_case(8, 2, 64, 16, [1, 1, 20, 7], [30, 5, 0, 40], dtype)
+        reference = case.reference().cpu()
         starts = case.query_start_loc
+        slots = torch.cat([
+            case.page_table[row, positions // case.page_size].long() * case.page_size + positions % case.page_size
+            for row, positions in enumerate(
+                torch.arange(length - n, length, device=DEVICE) for length, n in zip(case.seq_lens, case.query_lens))
+        ])
+        k_new, v_new = case.k_cache[slots].clone(), case.v_cache[slots].clone()
+        case.k_cache[slots] = float("nan")
+        case.v_cache[slots] = float("nan")
         meta = AttentionMetadata(
             is_decode=False,
-            slot_indices=torch.empty(0, dtype=torch.int64, device=DEVICE),
+            slot_indices=slots,
             page_table=case.page_table,
             seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE),
             page_size=case.page_size,
@@ -209,9 +220,10 @@ def test_mixed_step_through_backend() -> None:
             query_starts=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
             num_decodes=2,
         )
-        no_kv = torch.empty(0, 2, 64, dtype=dtype, device=DEVICE)  # k/v are in the cache already
-        got = TritonAttentionBackend().forward(case.q, no_kv, no_kv, case.k_cache, case.v_cache, meta, 64**-0.5)
-    torch.testing.assert_close(got.float().cpu(), case.reference().cpu(), atol=tolerance(dtype), rtol=tolerance(dtype))
+        got = TritonAttentionBackend().forward(case.q, k_new, v_new, case.k_cache, case.v_cache, meta, 64**-0.5)
+    torch.testing.assert_close(got.float().cpu(), reference, atol=tolerance(dtype), rtol=tolerance(dtype))
+    torch.testing.assert_close(case.k_cache[slots], k_new)  # every new row stored, decode and extend alike
+    torch.testing.assert_close(case.v_cache[slots], v_new)
 
 
 @pytest.mark.parametrize("window", [1, 7, 40])

@@ -67,8 +67,9 @@ define_decode_attention_op("triton_paged_decode", triton_paged_decode)
 
 
 class TritonAttentionBackend(StaticBufferCaptureHooks):
-    """Decode and ragged extend through the Triton kernels; a decode step's k/v stored by the decode
-    kernel, an extend's with one index_copy_ per cache (both capturable)."""
+    """Decode and ragged extend through the Triton kernels; decode rows' k/v (a decode step's, and a mixed
+    step's leading rows) stored by the decode kernel, prefill chunks' with one index_copy_ per cache
+    (both capturable)."""
 
     name = "triton"
     supports_sliding_window = True
@@ -94,21 +95,26 @@ class TritonAttentionBackend(StaticBufferCaptureHooks):
                 q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale,
                 window, softcap,
             )
-        store_kv_rows(k_cache, meta.slot_indices, k)  # the whole ragged batch's k/v in one launch
-        store_kv_rows(v_cache, meta.slot_indices, v)
         assert meta.query_starts is not None, "extend metadata without device query offsets"
         decodes = meta.num_decodes
         if decodes == 0:
+            store_kv_rows(k_cache, meta.slot_indices, k)  # the whole ragged batch's k/v in one launch
+            store_kv_rows(v_cache, meta.slot_indices, v)
             return ragged_paged_attention(
                 q, k_cache, v_cache, meta.query_starts, meta.seq_lens, meta.page_table, meta.page_size, scale, window,
                 softcap,
             )
+        # A mixed step: the prefill chunks' k/v stored here, the decode rows' by the decode kernel, as in the
+        # decode graphs. The same compiled kernel variants serve both, so the first mixed steps compile
+        # nothing (they used to JIT a store-less variant per split count in the middle of serving).
         out = torch.empty_like(q)
-        out[:decodes] = paged_decode_attention_triton(
-            q[:decodes], k_cache, v_cache, meta.page_table[:decodes], meta.seq_lens[:decodes], meta.page_size, scale,
-            window=window, softcap=softcap,
+        out[:decodes] = triton_paged_decode(
+            q[:decodes], k[:decodes], v[:decodes], k_cache, v_cache, meta.slot_indices[:decodes],
+            meta.page_table[:decodes], meta.seq_lens[:decodes], meta.page_size, scale, window, softcap,
         )
         if q.shape[0] > decodes:
+            store_kv_rows(k_cache, meta.slot_indices[decodes:], k[decodes:])
+            store_kv_rows(v_cache, meta.slot_indices[decodes:], v[decodes:])
             out[decodes:] = ragged_paged_attention(
                 q[decodes:], k_cache, v_cache, meta.query_starts[decodes:] - decodes, meta.seq_lens[decodes:],
                 meta.page_table[decodes:], meta.page_size, scale, window, softcap,

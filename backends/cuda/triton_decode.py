@@ -18,6 +18,7 @@ Two kernels, chosen by how many programs the batch gives the GPU:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,20 @@ PROGRAMS_PER_SM = 2
 
 
 KERNELS = "backends.cuda.kernels.paged_decode"
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """Keys a program loads per iteration, and the launch's warps and pipeline stages (None: Triton's)."""
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int | None = None
+
+
+def decode_tile(head_dim: int, splits: int) -> DecodeTile:
+    """The decode kernel's launch tile (benchmarks/attention_sweep.py times the alternatives)."""
+    return DecodeTile(block_n=64 if head_dim <= 128 else 32)
 
 
 @functools.lru_cache(maxsize=8)
@@ -62,6 +77,7 @@ def paged_decode_attention_triton(
     softcap: float = 0.0,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     fp8_max: float = 0.0,
+    tile: DecodeTile | None = None,
 ) -> torch.Tensor:
     """q [B, H, D], caches [slots, KVH, D], page_table [B, pages], seq_lens [B] -> [B, H, D].
 
@@ -70,7 +86,7 @@ def paged_decode_attention_triton(
     softcap: scores soft-capped to softcap * tanh(score / softcap) (Gemma 2); 0 for none.
     new_kv: (k [B, KVH, D], v [B, KVH, D], slot_indices [B]): this step's k/v, stored by the kernel
     itself at each row's last position (None: they are in the cache already). fp8_max: an FP8 cache's
-    saturation bound for those stores."""
+    saturation bound for those stores. tile: the launch's tile (default decode_tile(); the sweep's knob)."""
     import triton
 
     decode_kernel, combine_kernel = load_kernel(KERNELS, "paged_decode_kernel"), load_kernel(KERNELS, "combine_splits_kernel")
@@ -79,13 +95,19 @@ def paged_decode_attention_triton(
     group = heads // kv_heads
     if splits is None:
         splits = decode_splits(batch, kv_heads, q.device)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"decode splits must be 1..{MAX_SPLITS}, got {splits}")
     out = torch.empty_like(q)
     dim_pad = max(16, triton.next_power_of_2(head_dim))
+    tile = tile or decode_tile(head_dim, splits)
+    group_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
     if splits == 1:
         partial, lse = out.unsqueeze(2), out  # written directly; lse unused
     else:
-        partial = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+        # Sized for MAX_SPLITS whatever the count, so that the strides (which Triton specialises on) are
+        # the same for every split count: one compiled variant of each kernel serves them all.
+        partial = torch.empty(batch, heads, MAX_SPLITS, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, heads, MAX_SPLITS, dtype=torch.float32, device=q.device)
     k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)  # unread without STORE_NEW
     decode_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, page_table, seq_lens, partial, lse,
@@ -93,6 +115,7 @@ def paged_decode_attention_triton(
         scale,
         window,
         softcap,
+        splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
@@ -103,27 +126,28 @@ def paged_decode_attention_triton(
         v_new.stride(0), v_new.stride(1),
         PAGE_SIZE=page_size,
         GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
+        GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,
-        BLOCK_N=64 if head_dim <= 128 else 32,
-        SPLITS=splits,
+        BLOCK_N=tile.block_n,
+        SPLIT=splits > 1,
         IEEE_FP32=q.dtype == torch.float32 and not interpreted(),
         SOFTCAPPED=softcap > 0,
         STORE_NEW=new_kv is not None,
         FP8_MAX=fp8_max,
-        **triton_launch_options("decode", 4, tile_mn=(max(16, triton.next_power_of_2(group)), 64 if head_dim <= 128 else 32),
-                                block_k=min(dim_pad, 64 if head_dim <= 128 else 32)),
+        **triton_launch_options("decode", tile.num_warps, tile.num_stages, tile_mn=(group_pad, tile.block_n),
+                                block_k=min(dim_pad, tile.block_n)),
     )
     if splits > 1:
         combine_kernel[(batch, heads)](
             partial, lse, out,
+            splits,
             partial.stride(0), partial.stride(1), partial.stride(2),
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim,
             DIM_PAD=dim_pad,
-            SPLITS=splits,
+            MAX_SPLITS=MAX_SPLITS,
             **triton_launch_options("decode_combine", 1 if head_dim <= 64 else 2),
         )
     return out

@@ -9,13 +9,16 @@ from backends.cuda.kernels.softcap import softcap_scores
 # Integers that change from step to step are not specialised on (Triton would compile a variant per
 # value class: 1, a multiple of 16, other). Cold, each variant is seconds of JIT in the middle of
 # serving: offline 1,000 requests ran at 7,365-7,725 tok/s on a cold cache and 9,606 on a warm one.
-@triton.jit(do_not_specialize=["window", "stride_pb"])
+# The split count is one of them: as a constexpr it made five variants (1, 2, 4, 8, 16), each compiled
+# while capturing the decode sizes and again, without the fused store, by the first mixed steps.
+@triton.jit(do_not_specialize=["window", "stride_pb", "splits"])
 def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     k_new_ptr, v_new_ptr, slots_ptr,
     scale,
     window,
     softcap,
+    splits,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -30,7 +33,7 @@ def paged_decode_kernel(
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     SOFTCAPPED: tl.constexpr = False,
     STORE_NEW: tl.constexpr = False,
@@ -51,8 +54,8 @@ def paged_decode_kernel(
     lo = 0
     if window > 0:
         lo = tl.maximum(seq_len - window, 0)
-    # This program's range of the context, in whole blocks (SPLITS == 1: all of it).
-    per_split = tl.cdiv(tl.cdiv(seq_len - lo, SPLITS), BLOCK_N) * BLOCK_N
+    # This program's range of the context, in whole blocks (not SPLIT: all of it, splits == 1).
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, splits), BLOCK_N) * BLOCK_N
     begin = lo + split * per_split
     end = tl.minimum(begin + per_split, seq_len)
     offs_g = tl.arange(0, GROUP_PAD)
@@ -131,7 +134,7 @@ def paged_decode_kernel(
         m_i = m_new
     out_mask = g_mask[:, None] & d_mask[None, :]
     out_offsets = batch * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-    if SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + out_offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # An empty range (past the end of a short context) leaves l_i == 0: log-sum-exp -inf, weight 0.
@@ -140,26 +143,28 @@ def paged_decode_kernel(
         lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
         tl.store(lse_ptr + batch * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def combine_splits_kernel(
     partial_ptr, lse_ptr, out_ptr,
+    splits,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
-    SPLITS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
     batch = tl.program_id(0)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS)
+    offs_s = tl.arange(0, MAX_SPLITS)
+    s_mask = offs_s < splits
     offs_d = tl.arange(0, DIM_PAD)
     d_mask = offs_d < HEAD_DIM
-    lse = tl.load(lse_ptr + batch * stride_lb + head * stride_lh + offs_s)
+    lse = tl.load(lse_ptr + batch * stride_lb + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
     weights = tl.exp(lse - tl.max(lse, 0))  # the first split is never empty: max is finite
     partial = tl.load(
         partial_ptr + batch * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-        mask=d_mask[None, :], other=0.0,
+        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
     )
     out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
     tl.store(out_ptr + batch * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
