@@ -105,6 +105,12 @@ class Platform(abc.ABC):
     def capture_settings(self) -> CaptureSettings:
         """Which capture mechanism this platform uses and its options."""
 
+    def kernel_precompiler(self, model: torch.nn.Module, kv_caches: list) -> "Callable[[list], Callable[[], None]] | None":
+        """A function the decode graph runner calls before its first compile: given the capture metadata
+        of some sizes, it starts compiling the platform's own kernels in the background and returns the
+        function that waits for them (called before the first graph is captured). None: nothing to do."""
+        return None
+
     def graph_runner_class(self) -> type:
         """The graphs.* runner class that captures decode steps on this platform."""
         raise DeviceUnavailableError(f"platform '{self.name}' has no graph runner")

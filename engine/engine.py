@@ -316,7 +316,8 @@ class Engine:
         if kind == "compile":
             return {"strict": self.config.strict_graphs}
         if kind == "cuda_graph":
-            return {"compile_step": bool(self.config.compile_decode)}
+            return {"compile_step": bool(self.config.compile_decode),
+                    "precompile": self.platform.kernel_precompiler(self.model, self.kv_pool.caches)}
         return {}
 
     def _graph_runner(self):  # noqa: ANN202

@@ -20,7 +20,7 @@ import gc
 import logging
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -58,8 +58,12 @@ def frozen_gc() -> Iterator[None]:
 
 
 class CudaGraphRunner(DecodeGraphRunner):
-    def __init__(self, *args: Any, compile_step: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, compile_step: bool = False, precompile: Callable[[list], Callable[[], None]] | None = None,
+                 **kwargs: Any) -> None:
+        """precompile: the platform's kernel_precompiler (its kernels compile in the background while the
+        first size compiles; the function it returns waits for them before the first capture)."""
         super().__init__(*args, **kwargs)
+        self.precompile = precompile
         self.compiled_step: CompiledDecodeStep | None = None
         if compile_step:
             self.compiled_step = CompiledDecodeStep(self.model, self.kv_caches, dynamic=None, max_entries=16,
@@ -85,6 +89,10 @@ class CudaGraphRunner(DecodeGraphRunner):
         capture_s = 0.0
         compiles_before = compile_count()
         with frozen_gc(), compile_report() as compiled:
+            # Kernels compiled ahead for the largest size (one pass) and the smallest (split-K decode).
+            wait_for_precompile = self.precompile(
+                [self.capture_metadata(bs) for bs in (sizes_largest_first[0], sizes_largest_first[-1])]
+            ) if self.precompile is not None else None
             for bs in tqdm(sizes_largest_first, desc="Capturing CUDA graphs", unit="graph", disable=None):
                 started = time.perf_counter()
                 with torch.cuda.stream(stream):
@@ -92,6 +100,9 @@ class CudaGraphRunner(DecodeGraphRunner):
                     for _ in range(WARMUP_RUNS):
                         warm_logits = self._captured_step(bs)
                 stream.synchronize()
+                if wait_for_precompile is not None:  # no compile thread may touch the device during a capture
+                    wait_for_precompile()
+                    wait_for_precompile = None
                 warmup_s[bs] = time.perf_counter() - started
                 started = time.perf_counter()
                 if self.logits is None:  # sized by the largest batch, outside the pool

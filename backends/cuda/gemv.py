@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.cuda.triton_build import load_kernel
+from backends.cuda.triton_build import compile_only, load_kernel
 from engine.layers.linear import DENSE, Linear
 from engine.layers.ops import define_op
 
@@ -126,3 +126,20 @@ def use_gemv(model: nn.Module) -> int:
         module.method = GEMV
         switched += 1
     return switched
+
+
+def precompile_gemv(model: nn.Module) -> int:
+    """Compile ahead (compile_only launches) the GEMV variant of every linear switched to it: one per
+    distinct (shape, dtype, bias), whose tiles choose_config picks. Returns the launches made."""
+    seen: set[tuple] = set()
+    with compile_only():
+        for module in model.modules():
+            if not isinstance(module, Linear) or module.method is not GEMV:
+                continue
+            weight, bias = module.weight, module.bias
+            key = (tuple(weight.shape), weight.dtype, bias is not None)
+            if key in seen:
+                continue
+            seen.add(key)
+            gemv(torch.empty(1, weight.shape[1], dtype=weight.dtype, device=weight.device), weight, bias)
+    return len(seen)

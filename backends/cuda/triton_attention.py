@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.cuda.triton_build import interpreted
+from backends.cuda.triton_build import compile_only, interpreted
 from backends.cuda.triton_decode import paged_decode_attention_triton
 from backends.cuda.triton_extend import ragged_paged_attention
 from engine.layers.attention import AttentionMetadata
@@ -120,3 +120,50 @@ class TritonAttentionBackend(StaticBufferCaptureHooks):
                 meta.page_table[decodes:], meta.page_size, scale, window, softcap,
             )
         return out
+
+    def precompile_kernels(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                           decode_metas: list[AttentionMetadata]) -> int:
+        """Compile ahead (compile_only launches) every attention kernel variant the decode graphs and
+        extend/mixed steps will launch: decode with and without split-K at each capture metadata given,
+        and the ragged kernel, for each kind of attention layer (window, soft-cap) the model has.
+        Returns the launches made; the decode graphs' own launches then find the kernels compiled."""
+        from engine.layers.attention import Attention
+
+        kinds: dict[tuple, tuple[Attention, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for layer, cache in zip(model.decoder_layers(), kv_caches):
+            for attention in (m for m in layer.modules() if isinstance(m, Attention)):
+                key = (attention.num_heads, attention.num_kv_heads, attention.head_dim, bool(attention.sliding_window),
+                       attention.softcap > 0)
+                kinds.setdefault(key, (attention, cache))
+        dtype = model_activation_dtype(model)
+        device = kv_caches[0][0].device
+        launches = 0
+        with compile_only():
+            for attention, (k_cache, v_cache) in kinds.values():
+                window, softcap = attention.sliding_window or 0, attention.softcap
+                heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+                for meta in decode_metas:
+                    bs = meta.slot_indices.shape[0]
+                    q = torch.empty(bs, heads, dim, dtype=dtype, device=device)
+                    kv = torch.empty(bs, kv_heads, dim, dtype=dtype, device=device)
+                    triton_paged_decode(q, kv, kv, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens,
+                                        meta.page_size, attention.scale, window, softcap)
+                    launches += 1
+                meta = decode_metas[0]
+                tokens = 16
+                q = torch.empty(tokens, heads, dim, dtype=dtype, device=device)
+                ragged_paged_attention(
+                    q, k_cache, v_cache, torch.tensor([0, tokens], dtype=torch.int32, device=device),
+                    torch.full((1,), tokens, dtype=torch.int32, device=device), meta.page_table[:1], meta.page_size,
+                    attention.scale, window, softcap,
+                )
+                launches += 1
+        return launches
+
+
+def model_activation_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype activations (q, k, v) have: the embedding's (quantized linears keep float activations)."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point() and parameter.element_size() >= 2:
+            return parameter.dtype
+    return torch.get_default_dtype()

@@ -1,0 +1,116 @@
+"""Compiling the engine's Triton kernels ahead (backends/cuda/triton_build.py compile_only, BackgroundCompiles;
+TritonAttentionBackend.precompile_kernels; gemv.precompile_gemv): the launchers' own argument logic, run in
+compile-only mode, reaches every variant the decode graphs and extend steps launch, and runs no kernel.
+Under Triton's interpreter (these CPU tests) a compile-only launch is recorded instead of compiled."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("triton")
+
+from backends.cuda.triton_build import BackgroundCompiles, KernelHandle, compile_only, load_kernel  # noqa: E402
+from engine.layers.attention import Attention, AttentionMetadata  # noqa: E402
+
+
+class _Recorder:
+    """Stands in for a JIT function: records launches and compile-only launches (warmups)."""
+
+    def __init__(self) -> None:
+        self.launched: list[tuple] = []
+        self.warmed: list[tuple] = []
+
+    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+        return lambda *args, **kwargs: self.launched.append((grid, args, kwargs))
+
+    def warmup(self, *args, grid, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        self.warmed.append((grid, args, kwargs))
+
+
+def test_kernel_handle_launches_or_only_compiles() -> None:
+    recorder = _Recorder()
+    kernel = KernelHandle(recorder)
+    kernel[(4,)](1, 2, BLOCK=16)
+    with compile_only():
+        kernel[(8,)](3, BLOCK=32)
+    kernel[(2,)](5)
+    assert recorder.launched == [((4,), (1, 2), {"BLOCK": 16}), ((2,), (5,), {})]
+    assert recorder.warmed == [((8,), (3,), {"BLOCK": 32})]
+
+
+def test_background_compiles_stay_off_under_the_interpreter() -> None:
+    background = BackgroundCompiles()
+    assert not background.active  # TRITON_INTERPRET=1: nothing to compile
+    background.finish()
+    background.finish()  # idempotent
+
+
+class _TwoKinds(nn.Module):
+    """Two decoder layers: global attention, then a sliding window (Gemma-like), in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([nn.ModuleDict({"attn": Attention(8, 2, 64)}),
+                                     nn.ModuleDict({"attn": Attention(8, 2, 64, sliding_window=16)})])
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+
+def _decode_meta(bs: int, pages: int) -> AttentionMetadata:
+    return AttentionMetadata(is_decode=True, slot_indices=torch.zeros(bs, dtype=torch.int64),
+                             page_table=torch.zeros(bs, pages, dtype=torch.int32),
+                             seq_lens=torch.ones(bs, dtype=torch.int32), page_size=16)
+
+
+def test_attention_precompile_reaches_every_variant_and_runs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from backends.cuda.triton_attention import TritonAttentionBackend
+
+    warmed: Counter = Counter()
+    for module, name in (("backends.cuda.kernels.paged_decode", "paged_decode_kernel"),
+                         ("backends.cuda.kernels.paged_decode", "combine_splits_kernel"),
+                         ("backends.cuda.kernels.ragged_attention", "ragged_paged_attention_kernel")):
+        handle = load_kernel(module, name)
+
+        def record(*args, grid, _name=name, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            warmed[(_name, kwargs.get("SPLIT"), kwargs.get("STORE_NEW"), kwargs.get("WINDOWED"))] += 1
+
+        monkeypatch.setattr(handle.fn, "warmup", record)
+    model = _TwoKinds()
+    caches = [(torch.full((64, 2, 64), float("nan")), torch.full((64, 2, 64), float("nan"))) for _ in range(2)]
+    # Batch 64 fills the (interpreter's) grid in one pass; batch 1 splits the context.
+    launches = TritonAttentionBackend().precompile_kernels(model, caches, [_decode_meta(64, 4), _decode_meta(1, 4)])
+    assert launches == 6  # two layer kinds x (two decode sizes + the ragged kernel)
+    assert warmed == Counter({
+        ("paged_decode_kernel", False, True, None): 2,  # one pass, the new k/v stored by the kernel
+        ("paged_decode_kernel", True, True, None): 2,  # split-K
+        ("combine_splits_kernel", None, None, None): 2,
+        ("ragged_paged_attention_kernel", None, None, False): 1,
+        ("ragged_paged_attention_kernel", None, None, True): 1,  # the sliding-window layer's variant
+    })
+    for k_cache, v_cache in caches:  # compile-only: no kernel wrote a cache
+        assert torch.isnan(k_cache).all() and torch.isnan(v_cache).all()
+
+
+def test_gemv_precompile_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    from backends.cuda.gemv import GEMV, precompile_gemv
+    from engine.layers.linear import Linear
+
+    shapes: list[tuple] = []
+    handle = load_kernel("backends.cuda.kernels.gemv", "gemv_kernel")
+
+    def record(x, weight, *args, grid, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        shapes.append((tuple(weight.shape), kwargs["HAS_BIAS"], kwargs["BLOCK_N"], kwargs["BLOCK_K"]))
+
+    monkeypatch.setattr(handle.fn, "warmup", record)
+    layers = nn.ModuleList([Linear(64, 96, bias=False), Linear(64, 96, bias=False), Linear(96, 64, bias=True),
+                            Linear(64, 32, bias=False)])
+    for layer in layers[:3]:
+        layer.method = GEMV  # the fourth stays dense: not precompiled
+    assert precompile_gemv(layers) == 2
+    assert sorted(shapes) == [((64, 96), True, 16, 512), ((96, 64), False, 16, 512)]
