@@ -6,7 +6,8 @@
 
 (`benchmarks/offline_throughput.py` runs the same.) Prints a table and writes JSON: output and
 total tokens/s, wall time, the time spent in prefill, decode and mixed steps (on CUDA along the
-device's timeline) with the decode steps' count and mean batch, to hold against
+device's timeline; every step by kind and size class there, and with --profile-steps the kernels of a
+window of steps) with the decode steps' count and mean batch, to hold against
 `benchmarks/gpu_decode.py`'s replay times, and HF transformers' continuous-batching
 `generate_batch` (paged sdpa) on the first --hf-requests of the same requests, in one process.
 """
@@ -179,23 +180,28 @@ class _DeviceTimeline:
         return rows
 
     def summary(self, flops_per_token: float) -> list[dict[str, Any]]:
-        """Per step kind and size class: steps, mean decode rows and prefill tokens, mean device ms, and
-        the matmul rate those tokens imply (2 x parameters a token, attention not counted)."""
-        classes: dict[tuple[str, int], list[tuple[int, int, float]]] = defaultdict(list)
-        for kind, decode_rows, extend_tokens, ms in self.steps():
-            tokens = decode_rows + extend_tokens
-            size_class = 0 if tokens <= 0 else 1 << max(0, (tokens - 1).bit_length())  # next power of two
-            classes[(kind, size_class)].append((decode_rows, extend_tokens, ms))
-        table = []
-        for (kind, size_class), members in sorted(classes.items()):
-            total_ms = sum(ms for _, _, ms in members)
-            tokens = sum(d + e for d, e, _ in members)
-            table.append({"kind": kind, "tokens_up_to": size_class, "steps": len(members),
-                          "mean_decode_rows": statistics.mean(d for d, _, _ in members),
-                          "mean_prefill_tokens": statistics.mean(e for _, e, _ in members),
-                          "mean_ms": total_ms / len(members), "total_s": total_ms / 1e3,
-                          "matmul_tflops": tokens * flops_per_token / (total_ms / 1e3) / 1e12 if total_ms else 0.0})
-        return table
+        return step_classes(self.steps(), flops_per_token)
+
+
+def step_classes(steps: list[tuple[str, int, int, float]], flops_per_token: float) -> list[dict[str, Any]]:
+    """Steps (kind, decode rows, prefill tokens, device ms) grouped by kind and size class (tokens up to the
+    next power of two): count, mean decode rows and prefill tokens, mean and total device time, and the
+    matmul rate those tokens imply (flops_per_token: 2 x the parameters a token multiplies; attention not counted)."""
+    classes: dict[tuple[str, int], list[tuple[int, int, float]]] = defaultdict(list)
+    for kind, decode_rows, extend_tokens, ms in steps:
+        tokens = decode_rows + extend_tokens
+        size_class = 0 if tokens <= 0 else 1 << (tokens - 1).bit_length()
+        classes[(kind, size_class)].append((decode_rows, extend_tokens, ms))
+    table = []
+    for (kind, size_class), members in sorted(classes.items()):
+        total_ms = sum(ms for _, _, ms in members)
+        tokens = sum(d + e for d, e, _ in members)
+        table.append({"kind": kind, "tokens_up_to": size_class, "steps": len(members),
+                      "mean_decode_rows": statistics.mean(d for d, _, _ in members),
+                      "mean_prefill_tokens": statistics.mean(e for _, e, _ in members),
+                      "mean_ms": total_ms / len(members), "total_s": total_ms / 1e3,
+                      "matmul_tflops": tokens * flops_per_token / (total_ms / 1e3) / 1e12 if total_ms else 0.0})
+    return table
 
 
 class _SyncReport:
