@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="print each tile before it runs")
     parser.add_argument("--output", default="bench_results/attention_sweep.json")
     args = parser.parse_args()
-    default = decode_tile(HEAD_DIM, 1)
+    default = decode_tile(HEAD_DIM)
     tiles = [default] + [t for t in parse_tiles(args.tiles) if t != default]
     ceiling = copy_bandwidth()
     print(f"device copy: {ceiling:.2f} TB/s; default tile {vars(default)}")

@@ -93,29 +93,33 @@ class CudaGraphRunner(DecodeGraphRunner):
             wait_for_precompile = self.precompile(
                 [self.capture_metadata(bs) for bs in (sizes_largest_first[0], sizes_largest_first[-1])]
             ) if self.precompile is not None else None
-            for bs in tqdm(sizes_largest_first, desc="Capturing CUDA graphs", unit="graph", disable=None):
-                started = time.perf_counter()
-                with torch.cuda.stream(stream):
-                    self.hooks.prepare_for_capture(self.buffers, bs)
-                    for _ in range(WARMUP_RUNS):
-                        warm_logits = self._captured_step(bs)
-                stream.synchronize()
-                if wait_for_precompile is not None:  # no compile thread may touch the device during a capture
+            try:
+                for bs in tqdm(sizes_largest_first, desc="Capturing CUDA graphs", unit="graph", disable=None):
+                    started = time.perf_counter()
+                    with torch.cuda.stream(stream):
+                        self.hooks.prepare_for_capture(self.buffers, bs)
+                        for _ in range(WARMUP_RUNS):
+                            warm_logits = self._captured_step(bs)
+                    stream.synchronize()
+                    if wait_for_precompile is not None:  # no compile thread may touch the device during a capture
+                        wait_for_precompile()
+                        wait_for_precompile = None
+                    warmup_s[bs] = time.perf_counter() - started
+                    started = time.perf_counter()
+                    if self.logits is None:  # sized by the largest batch, outside the pool
+                        self.logits = torch.empty_like(warm_logits)
+                    del warm_logits
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        self.logits[:bs].copy_(self._captured_step(bs))
+                    self.outputs[bs] = self.logits[:bs]
+                    self.graphs[bs] = graph
+                    self.hooks.after_capture(self.buffers, bs, graph)
+                    stream.synchronize()
+                    capture_s += time.perf_counter() - started
+            finally:
+                if wait_for_precompile is not None:  # a warm-up that raised: the compile threads still stop
                     wait_for_precompile()
-                    wait_for_precompile = None
-                warmup_s[bs] = time.perf_counter() - started
-                started = time.perf_counter()
-                if self.logits is None:  # sized by the largest batch, outside the pool
-                    self.logits = torch.empty_like(warm_logits)
-                del warm_logits
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.logits[:bs].copy_(self._captured_step(bs))
-                self.outputs[bs] = self.logits[:bs]
-                self.graphs[bs] = graph
-                self.hooks.after_capture(self.buffers, bs, graph)
-                stream.synchronize()
-                capture_s += time.perf_counter() - started
         self.graph_memory_bytes = max(0, free_before - free_device_memory())
         slowest = sorted(warmup_s.items(), key=lambda item: -item[1])[:3]
         logger.info("decode capture: warm-up runs %.1f s (slowest: %s), graph captures %.1f s; %d dynamo graphs compiled; %s",

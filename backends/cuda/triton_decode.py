@@ -42,7 +42,7 @@ class DecodeTile:
     num_stages: int | None = None
 
 
-def decode_tile(head_dim: int, splits: int) -> DecodeTile:
+def decode_tile(head_dim: int) -> DecodeTile:
     """The decode kernel's launch tile (benchmarks/attention_sweep.py times the alternatives)."""
     return DecodeTile(block_n=64 if head_dim <= 128 else 32)
 
@@ -99,7 +99,7 @@ def paged_decode_attention_triton(
         raise ValueError(f"decode splits must be 1..{MAX_SPLITS}, got {splits}")
     out = torch.empty_like(q)
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    tile = tile or decode_tile(head_dim, splits)
+    tile = tile or decode_tile(head_dim)
     group_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
     if splits == 1:
         partial, lse = out.unsqueeze(2), out  # written directly; lse unused
