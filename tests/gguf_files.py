@@ -42,29 +42,34 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
-    """ggml's Q4_K blocks [rows, cols / 256 * 144] of a float32 [rows, cols] matrix (the `gguf` package
-    dequantizes Q4_K but has no quantizer): per 32 columns a 6-bit scale and minimum under the block's
-    fp16 d and dmin, 4-bit quants. Simple, not llama.cpp's search, but every byte in ggml's layout."""
+def quantize_k(weight: np.ndarray, bits: int) -> np.ndarray:
+    """ggml's Q4_K (bits 4: [rows, cols / 256 * 144]) or Q5_K (bits 5: [rows, cols / 256 * 176]) blocks of
+    a float32 [rows, cols] matrix (the `gguf` package dequantizes them but has no quantizer): per 32
+    columns a 6-bit scale and minimum under the block's fp16 d and dmin, 4- or 5-bit quants (Q5_K's
+    fifth bits in qh[32]: bit j of qh[l] for weight l of sub-block j). Simple, not llama.cpp's search,
+    but every byte in ggml's layout."""
     rows, cols = weight.shape
+    top = (1 << bits) - 1
     x = weight.astype(np.float32).reshape(rows, cols // 256, 8, 32)
     low = np.minimum(x.min(-1), 0.0)
-    scale, minimum = (x.max(-1) - low) / 15.0, -low
+    scale, minimum = (x.max(-1) - low) / top, -low
     d = (scale.max(-1, keepdims=True) / 63.0).astype(np.float16)
     dmin = (minimum.max(-1, keepdims=True) / 63.0).astype(np.float16)
     d32, dmin32 = np.maximum(d.astype(np.float32), 1e-12), np.maximum(dmin.astype(np.float32), 1e-12)
     sc = np.clip(np.rint(scale / d32), 1, 63).astype(np.uint8)
     mn = np.clip(np.rint(minimum / dmin32), 0, 63).astype(np.uint8)
     step = d.astype(np.float32) * sc
-    q = np.clip(np.rint((x + (dmin.astype(np.float32) * mn)[..., None]) / np.maximum(step, 1e-12)[..., None]), 0, 15)
+    q = np.clip(np.rint((x + (dmin.astype(np.float32) * mn)[..., None]) / np.maximum(step, 1e-12)[..., None]), 0, top)
     q = q.astype(np.uint8)
     scales = np.zeros((rows, cols // 256, 12), dtype=np.uint8)
     scales[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
     scales[..., 4:8] = mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6)
     scales[..., 8:12] = (sc[..., 4:8] & 0x0F) | ((mn[..., 4:8] & 0x0F) << 4)
-    qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(rows, cols // 256, 128)
-    blocks = np.concatenate([d.view(np.uint8).reshape(rows, -1, 2), dmin.view(np.uint8).reshape(rows, -1, 2), scales, qs],
-                            axis=-1)
+    qs = ((q[..., 0::2, :] & 0x0F) | ((q[..., 1::2, :] & 0x0F) << 4)).reshape(rows, cols // 256, 128)
+    pieces = [d.view(np.uint8).reshape(rows, -1, 2), dmin.view(np.uint8).reshape(rows, -1, 2), scales]
+    if bits == 5:
+        pieces.append(np.bitwise_or.reduce((q >> 4) << np.arange(8, dtype=np.uint8)[:, None], axis=-2))
+    blocks = np.concatenate([*pieces, qs], axis=-1)
     return blocks.reshape(rows, -1)
 
 
@@ -87,13 +92,13 @@ def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
 
 
 def quantize(weight: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
-    """(blocks, GGMLQuantizationType) of a float32 matrix in kind (Q4_0, Q4_1, Q8_0 through the `gguf`
-    package's quantizer; Q4_K, Q6_K through the ones above)."""
+    """(blocks, GGMLQuantizationType) of a float32 matrix in kind (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 through the
+    `gguf` package's quantizer; Q4_K, Q5_K, Q6_K through the ones above)."""
     import gguf
 
     qtype = getattr(gguf.GGMLQuantizationType, kind)
-    if kind == "Q4_K":
-        return quantize_q4_k(weight), qtype
+    if kind in ("Q4_K", "Q5_K"):
+        return quantize_k(weight, int(kind[1])), qtype
     if kind == "Q6_K":
         return quantize_q6_k(weight), qtype
     return gguf.quants.quantize(weight.astype(np.float32), qtype), qtype

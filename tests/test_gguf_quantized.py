@@ -1,8 +1,8 @@
 """GGUF weights kept in their blocks on the CPU (backends/cpu/gguf_linear.py, kernels/gguf_*.c).
 
-Every block format (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) is tiled at load and multiplied through every code
-path this CPU has (portable C, AVX2, 256-bit VNNI, AVX512: each forced in turn), with each kind of
-activations:
+Every block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) is tiled at load and multiplied
+through every code path this CPU has (portable C, AVX2, 256-bit VNNI, AVX512: each forced in turn), with
+each kind of activations:
   float32: held to the `gguf` package's dequantization times a float64 matmul (relative error at
            float32 rounding), on SmolLM2's real Q4_1 and Q8_0 tensors and on random blocks;
   int8 / int8x2: the integer dot products are exact, so they are held to the dequantized weights
@@ -70,12 +70,12 @@ def random_blocks(fmt: gl.BlockFormat, rows: int, cols: int, seed: int) -> tuple
         values = rng.uniform(low, high, (rows, cols // fmt.block_columns, 1)).astype(np.float16)
         blocks[..., offset:offset + 2] = values.view(np.uint8)
 
-    if fmt.name in ("Q4_0", "Q8_0"):
+    if fmt.name in ("Q4_0", "Q5_0", "Q8_0"):
         half(0, -0.02, 0.02)
-    elif fmt.name == "Q4_1":
+    elif fmt.name in ("Q4_1", "Q5_1"):
         half(0, 0.001, 0.02)
         half(2, -0.2, 0.0)
-    elif fmt.name == "Q4_K":
+    elif fmt.name in ("Q4_K", "Q5_K"):
         half(0, 1e-4, 2e-3)
         half(2, 1e-4, 2e-3)
     else:  # Q6_K: d last
@@ -129,7 +129,7 @@ def test_float_kernels_on_random_blocks(monkeypatch: pytest.MonkeyPatch, path: s
     blocks, dense = random_blocks(fmt, 37, 512, seed=fmt.code)
     tiles = gl.tile_blocks(fmt, blocks)
     torch.testing.assert_close(gl.dequantize_tiles(tiles, fmt.code, 37, 512), dense, atol=0, rtol=0)
-    for rows in (1, 4, 5, 16, 20):
+    for rows in (1, 3, 4, 5, 7, 16, 20):  # passes of 4 activation rows, then 1
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         assert relative_error(matmul(x, tiles, fmt, 37), x.double() @ dense.double().T) < 2e-6, rows
         got = matmul(x.to(torch.bfloat16), tiles, fmt, 37)
@@ -149,7 +149,7 @@ def test_int8_kernels_compute_the_quantized_product(monkeypatch: pytest.MonkeyPa
     fmt = gl.FORMATS[fmt_name]
     blocks, dense = random_blocks(fmt, 37, 512, seed=10 + fmt.code)
     tiles = gl.tile_blocks(fmt, blocks)
-    for rows in (1, 4, 5, 16):
+    for rows in (1, 3, 4, 5, 7, 16):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         x[0, 32:64] = 0.0  # an all-zero block: scale 0, no division by it
         got = matmul(x, tiles, fmt, 37, levels)
@@ -183,14 +183,14 @@ def test_every_path_quantizes_activations_bit_for_bit_alike(monkeypatch: pytest.
     assert torch.equal(gl.quantized_activations(x, levels, INT8_PATHS[path]), gl.quantized_activations(x, levels, 0))
 
 
+@pytest.mark.parametrize("names", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_1", "Q6_K")])
 @pytest.mark.parametrize("levels", [0, 1, 2])
-def test_one_projection_of_parts_in_different_formats(levels: int) -> None:
-    """A fused q/k/v whose v is Q6_K and q, k Q4_K (as Q4_K_M files are): one call, each part writing its
-    own columns, one quantization of the activations for all of them."""
+def test_one_projection_of_parts_in_different_formats(levels: int, names: tuple[str, str, str]) -> None:
+    """A fused q/k/v whose v is Q6_K and q, k Q4_K (as Q4_K_M files are; or Q5_K and Q5_1): one call, each
+    part writing its own columns, one quantization of the activations for all of them."""
     require_kernels()
-    parts = [random_blocks(gl.FORMATS[name], rows, 256, seed=i) for i, (name, rows) in
-             enumerate([("Q4_K", 48), ("Q4_K", 16), ("Q6_K", 21)])]
-    fmts = [gl.FORMATS["Q4_K"], gl.FORMATS["Q4_K"], gl.FORMATS["Q6_K"]]
+    fmts = [gl.FORMATS[name] for name in names]
+    parts = [random_blocks(fmt, rows, 256, seed=i) for i, (fmt, rows) in enumerate(zip(fmts, [48, 16, 21]))]
     tiles = [gl.tile_blocks(fmt, blocks) for fmt, (blocks, _) in zip(fmts, parts)]
     dense = torch.cat([d for _, d in parts])
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))

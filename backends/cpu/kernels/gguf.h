@@ -1,9 +1,9 @@
 /*
  * gguf.h: the layout the CPU's GGUF kernels read, and what the kernel files share.
  *
- * A GGUF file stores each row of a weight matrix as a run of blocks (32 weights for Q4_0, Q4_1 and
- * Q8_0, 256 for the K-quants), each with its own scales. A decode step multiplies one to sixteen
- * activation rows by every weight row, so the kernels want many weight rows side by side: at load,
+ * A GGUF file stores each row of a weight matrix as a run of blocks (32 weights for Q4_0, Q4_1, Q5_0,
+ * Q5_1 and Q8_0, 256 for the K-quants), each with its own scales. A decode step multiplies one to
+ * sixteen activation rows by every weight row, so the kernels want many weight rows side by side: at load,
  * gguf_repack.c interleaves the blocks of 16 rows into one "tile" per block column (llama.cpp's
  * repack idea, its block_q4_0x8), keeping every bit of every block and nothing else:
  *
@@ -16,9 +16,13 @@
  *
  *   Q4_0 (288 B = 16 x 18): d[16] fp16 | qs[256]             w = d * (q - 8)
  *   Q4_1 (320 B = 16 x 20): d[16] | m[16] | qs[256]          w = d * q + m
+ *   Q5_0 (352 B = 16 x 22): d[16] | qs[256] | qh[64]         w = d * (q - 16)
+ *   Q5_1 (384 B = 16 x 24): d[16] | m[16] | qs[256] | qh[64] w = d * q + m
  *   Q8_0 (544 B = 16 x 34): d[16] | qs[512] (q + 128)        w = d * (q - 128)
  *   Q4_K (2368 B = 16 x 148, 256 columns): d[16] | dmin[16] | sc[8][16] | mn[8][16] | 8 x qs[256]
  *                                                            w = d * sc[j] * q - dmin * mn[j], j = column / 32
+ *   Q5_K (2880 B = 16 x 180, 256 columns): d[16] | dmin[16] | sc[8][16] | mn[8][16] | 8 x (qs[256] | qh[64])
+ *                                                            w as Q4_K's
  *   Q6_K (3360 B = 16 x 210, 256 columns): d[16] | sc[16][16] (int8) | 8 x (ql[256] | qh[128])
  *                                                            w = d * sc[i] * (q - 32), i = column / 16
  *
@@ -27,10 +31,12 @@
  * (columns 4t..4t+3) of row r is byte 4r + kk of a 64-byte vector:
  *   4-bit quants (qs[256]): chunk c = bytes 64c..64c+63; low nibbles = k-quad 2c, high = 2c + 1;
  *   Q8_0 (qs[512]): k-quad t = bytes 64t..64t+63, q = w + 128 (so int8 dot products need no sign trick);
+ *   Q5_0, Q5_1, Q5_K: the low 4 bits as 4-bit quants; the qh[64] after them holds bit 4 of k-quad t
+ *   at bit t of byte 4r + kk (a row's 32 fifth bits in its 4 bytes, as in the file's qh, reordered);
  *   Q6_K: the low 4 bits as 4-bit quants in ql; qh[128] = two 64-byte vectors, vector h holding
  *   bits 4-5 of k-quads 4h..4h+3 at bit pairs 0-1, 2-3, 4-5, 6-7.
- * Q4_K's scales and minimums are unpacked from their 6-bit fields (4 more bytes a row: 148 against
- * 144), so a kernel reads 16 of them with one load.
+ * Q4_K's and Q5_K's scales and minimums are unpacked from their 6-bit fields (4 more bytes a row:
+ * 148 against 144, 180 against 176), so a kernel reads 16 of them with one load.
  */
 #ifndef ENGINE_GGUF_H
 #define ENGINE_GGUF_H
@@ -43,7 +49,7 @@
 #include <immintrin.h>
 #endif
 
-enum { GG_Q4_0 = 0, GG_Q4_1 = 1, GG_Q8_0 = 2, GG_Q4_K = 3, GG_Q6_K = 4, GG_NFORMATS = 5 };
+enum { GG_Q4_0 = 0, GG_Q4_1 = 1, GG_Q8_0 = 2, GG_Q4_K = 3, GG_Q6_K = 4, GG_Q5_0 = 5, GG_Q5_1 = 6, GG_Q5_K = 7, GG_NFORMATS = 8 };
 
 /* Code paths, the Python side picks the best this CPU has (backends/cpu/features.py). */
 enum { GG_PORTABLE = 0, GG_AVX2 = 1, GG_VNNI256 = 2, GG_AVX512 = 3 };
@@ -51,14 +57,15 @@ enum { GG_PORTABLE = 0, GG_AVX2 = 1, GG_VNNI256 = 2, GG_AVX512 = 3 };
 #define GG_ROWS 16 /* rows of a tile */
 #define GG_SUB 32  /* columns of a sub-tile */
 
-static const int gg_tile_k[GG_NFORMATS] = {32, 32, 32, 256, 256};
-static const int gg_tile_bytes[GG_NFORMATS] = {288, 320, 544, 2368, 3360};
-static const int gg_block_bytes[GG_NFORMATS] = {18, 20, 34, 144, 210}; /* one row of a tile, in the file */
+static const int gg_tile_k[GG_NFORMATS] = {32, 32, 32, 256, 256, 32, 32, 256};
+static const int gg_tile_bytes[GG_NFORMATS] = {288, 320, 544, 2368, 3360, 352, 384, 2880};
+static const int gg_block_bytes[GG_NFORMATS] = {18, 20, 34, 144, 210, 22, 24, 176}; /* one row of a tile, in the file */
 
 /* Byte offsets inside a tile. */
 #define GG_Q4K_SC 64
 #define GG_Q4K_MN 192
-#define GG_Q4K_QS 320
+#define GG_Q4K_QS 320 /* Q5_K's sub-tiles start there too */
+#define GG_Q5K_SUB_BYTES 320
 #define GG_Q6K_SC 32
 #define GG_Q6K_SUB 288
 #define GG_Q6K_SUB_BYTES 384
@@ -97,7 +104,28 @@ static inline int64_t gg_group_bytes(int format, int cols) {
 }
 /* The int offset of formats stored as w = a * (q - offset); 0 for those with a float minimum. */
 static inline int gg_offset(int format) {
-    return format == GG_Q4_0 ? 8 : format == GG_Q8_0 ? 128 : format == GG_Q6_K ? 32 : 0;
+    return format == GG_Q4_0 ? 8 : format == GG_Q5_0 ? 16 : format == GG_Q8_0 ? 128 : format == GG_Q6_K ? 32 : 0;
+}
+/* Formats whose rows have a float minimum: w = a * q + b. */
+static inline int gg_has_min(int format) {
+    return format == GG_Q4_1 || format == GG_Q5_1 || format == GG_Q4_K || format == GG_Q5_K;
+}
+/* The K-quants with Q4_K's scales: d, dmin, then sc[8][16] and mn[8][16] unpacked to bytes. */
+static inline int gg_q4k_scales(int format) { return format == GG_Q4_K || format == GG_Q5_K; }
+/* The Q5 formats: a qh[64] of fifth bits after each sub-tile's 4-bit quants. */
+static inline int gg_fifth_bit(int format) { return format == GG_Q5_0 || format == GG_Q5_1 || format == GG_Q5_K; }
+/* Where sub-tile `sub`'s 4-bit quants start in a tile (every format but Q8_0, whose quants are bytes):
+   every kernel unpacks them from here, the Q5 formats and Q6_K then add their high bits from right after. */
+static inline int gg_nibbles_at(int format, int sub) {
+    switch (format) {
+    case GG_Q4_0:
+    case GG_Q5_0: return 32;
+    case GG_Q4_1:
+    case GG_Q5_1: return 64;
+    case GG_Q4_K: return GG_Q4K_QS + 256 * sub;
+    case GG_Q5_K: return GG_Q4K_QS + GG_Q5K_SUB_BYTES * sub;
+    default: return GG_Q6K_SUB + GG_Q6K_SUB_BYTES * sub; /* GG_Q6_K */
+    }
 }
 
 static inline uint16_t gg_u16(const uint8_t *p) {
@@ -140,13 +168,14 @@ static inline float gg_half(uint16_t h) {
  * value the `gguf` package's dequantization computes.
  */
 static inline void gg_sub_row(int format, const uint8_t *tile, int sub, int lane, uint8_t q[32], float a[2], float b[2]) {
-    const uint8_t *qs;
+    const uint8_t *qs = tile + gg_nibbles_at(format, sub);
     switch (format) {
     case GG_Q4_0:
     case GG_Q4_1:
+    case GG_Q5_0:
+    case GG_Q5_1:
         a[0] = gg_half(gg_u16(tile + 2 * lane));
-        b[0] = format == GG_Q4_1 ? gg_half(gg_u16(tile + 32 + 2 * lane)) : -8.0f * a[0];
-        qs = tile + (format == GG_Q4_1 ? 64 : 32);
+        b[0] = gg_has_min(format) ? gg_half(gg_u16(tile + 32 + 2 * lane)) : -(float)gg_offset(format) * a[0];
         break;
     case GG_Q8_0:
         a[0] = gg_half(gg_u16(tile + 2 * lane));
@@ -156,16 +185,16 @@ static inline void gg_sub_row(int format, const uint8_t *tile, int sub, int lane
         a[1] = a[0];
         b[1] = b[0];
         return;
-    case GG_Q4_K: {
+    case GG_Q4_K:
+    case GG_Q5_K: {
         const float d = gg_half(gg_u16(tile + 2 * lane)), dmin = gg_half(gg_u16(tile + 32 + 2 * lane));
         a[0] = d * (float)tile[GG_Q4K_SC + 16 * sub + lane];
         b[0] = -(dmin * (float)tile[GG_Q4K_MN + 16 * sub + lane]);
-        qs = tile + GG_Q4K_QS + 256 * sub;
         break;
     }
     default: { /* GG_Q6_K */
         const float d = gg_half(gg_u16(tile + 2 * lane));
-        const uint8_t *ql = tile + GG_Q6K_SUB + GG_Q6K_SUB_BYTES * sub, *qh = ql + 256;
+        const uint8_t *ql = qs, *qh = ql + 256;
         for (int h = 0; h < 2; ++h) {
             a[h] = d * (float)(int8_t)tile[GG_Q6K_SC + 16 * (2 * sub + h) + lane];
             b[h] = -32.0f * a[h];
@@ -182,6 +211,7 @@ static inline void gg_sub_row(int format, const uint8_t *tile, int sub, int lane
         for (int kk = 0; kk < 4; ++kk) {
             const uint8_t byte = qs[64 * (t / 2) + 4 * lane + kk];
             q[4 * t + kk] = (t & 1) ? byte >> 4 : byte & 0x0F;
+            if (gg_fifth_bit(format)) q[4 * t + kk] |= (uint8_t)(((qs[256 + 4 * lane + kk] >> t) & 1) << 4);
         }
     a[1] = a[0];
     b[1] = b[0];

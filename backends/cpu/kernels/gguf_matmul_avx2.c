@@ -5,7 +5,7 @@
  *
  * int8 activations: with 256-bit VNNI (AVX-VNNI, or AVX512-VNNI's ymm form) one vpdpbusd per
  * k-quad; without it maddubs + madd, as llama.cpp's AVX2 code does: pairs of maddubs products
- * summed in int16 first where they cannot overflow (4-bit and 6-bit quants), and Q8_0's unsigned
+ * summed in int16 first where they cannot overflow (4-, 5- and 6-bit quants), and Q8_0's unsigned
  * q + 128 turned back into signed bytes with the sign trick (maddubs saturates above 32767).
  * float32 activations: shift, mask, convert, one FMA to dequantize, one FMA per activation row.
  * Functions return -1 where this build lacks the instructions (the dispatch falls through).
@@ -41,10 +41,7 @@ INLINE void quads(const int format, const uint8_t *tile, int sub, int half, __m2
         for (int t = 0; t < 8; ++t) v[t] = load32(tile + 32 + 64 * t + at);
         return;
     }
-    const uint8_t *qs = format == GG_Q4_0   ? tile + 32
-                        : format == GG_Q4_1 ? tile + 64
-                        : format == GG_Q4_K ? tile + GG_Q4K_QS + 256 * sub
-                                            : tile + GG_Q6K_SUB + GG_Q6K_SUB_BYTES * sub;
+    const uint8_t *qs = tile + gg_nibbles_at(format, sub);
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
         const __m256i packed = load32(qs + 64 * c + at);
@@ -61,13 +58,20 @@ INLINE void quads(const int format, const uint8_t *tile, int sub, int half, __m2
             v[4 * h + 3] = _mm256_or_si256(v[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(high, 2), mask));
         }
     }
+    if (gg_fifth_bit(format)) { /* as in the AVX512 file: bit t of the qh vector to bit 4 of k-quad t */
+        const __m256i high = load32(qs + 256 + at), mask = _mm256_set1_epi8(0x10);
+        for (int t = 0; t < 8; ++t) {
+            const __m256i bit = t < 4 ? _mm256_slli_epi16(high, 4 - t) : _mm256_srli_epi16(high, t - 4);
+            v[t] = _mm256_or_si256(v[t], _mm256_and_si256(bit, mask));
+        }
+    }
 }
 
 /* As in the AVX512 file, for rows 8h..8h+7. */
 INLINE void scales(const int format, const uint8_t *tile, int sub, int half, __m256 *a0, __m256 *a1, __m256 *b) {
     const int lane = 8 * half;
     const __m256 d = half8(tile + 2 * lane);
-    if (format == GG_Q4_K) {
+    if (gg_q4k_scales(format)) {
         const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tile + GG_Q4K_SC + 16 * sub + lane))));
         const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tile + GG_Q4K_MN + 16 * sub + lane))));
         *a0 = *a1 = _mm256_mul_ps(d, sc);
@@ -82,7 +86,7 @@ INLINE void scales(const int format, const uint8_t *tile, int sub, int half, __m
         return;
     }
     *a0 = *a1 = d;
-    *b = format == GG_Q4_1 ? half8(tile + 32 + 2 * lane) : _mm256_mul_ps(d, _mm256_set1_ps(-(float)gg_offset(format)));
+    *b = gg_has_min(format) ? half8(tile + 32 + 2 * lane) : _mm256_mul_ps(d, _mm256_set1_ps(-(float)gg_offset(format)));
 }
 
 INLINE void store_rows(const int MR, const __m256 *acc, float *y, int ldy, int i0, int first_row, int rows, int accumulate) {
@@ -148,6 +152,9 @@ int gg_f32_avx2(const gg_matrix *w, const float *x, int ldx, int m, float *y, in
     case GG_Q8_0: f32_format(GG_Q8_0, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q4_K: f32_format(GG_Q4_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q6_K: f32_format(GG_Q6_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q5_0: f32_format(GG_Q5_0, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q5_1: f32_format(GG_Q5_1, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q5_K: f32_format(GG_Q5_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     default: return -1;
     }
 }
@@ -234,7 +241,7 @@ INLINE void dots(const int format, const int vnni, const __m256i v[8], const int
                 const __m256i w0 = _mm256_xor_si256(v[t], flip), w1 = _mm256_xor_si256(v[t + 1], flip);
                 acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)), ones));
                 acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)), ones));
-            } else { /* two pairs of products of 6-bit quants: at most 4 * 63 * 128 < 32768 */
+            } else { /* two pairs of products of 4- to 6-bit quants: at most 4 * 63 * 128 < 32768 */
                 const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(v[t], x0), _mm256_maddubs_epi16(v[t + 1], x1));
                 acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
             }
@@ -309,6 +316,9 @@ INLINE void i8_format(const int format, const int vnni, const gg_matrix *w, cons
     case GG_Q8_0: i8_format(GG_Q8_0, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
     case GG_Q4_K: i8_format(GG_Q4_K, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
     case GG_Q6_K: i8_format(GG_Q6_K, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
+    case GG_Q5_0: i8_format(GG_Q5_0, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
+    case GG_Q5_1: i8_format(GG_Q5_1, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
+    case GG_Q5_K: i8_format(GG_Q5_K, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
     default: return -1;                                                                               \
     }
 

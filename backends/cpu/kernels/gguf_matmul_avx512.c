@@ -2,11 +2,11 @@
  * The GGUF matmuls with AVX512 (zmm, 16 weight rows a vector: one tile of gguf.h's layout).
  *
  * int8 activations (AVX512-VNNI): a sub-tile's 8 k-quad vectors are unpacked once (nibbles split,
- * Q6_K's high bits or'ed in) and, for every activation row, multiplied by 4 activation bytes
- * broadcast to the 16 lanes (vpdpbusd: 64 multiply-adds per instruction, the sums landing one lane
- * per weight row): 8 instructions for 16 rows x 32 columns, then one float scale per row. This is
- * why int8 activations are the fast path: the float path below spends ~5 instructions per 16
- * weights converting and scaling before its FMA.
+ * the Q5 formats' fifth bits and Q6_K's high bits or'ed in) and, for every activation row,
+ * multiplied by 4 activation bytes broadcast to the 16 lanes (vpdpbusd: 64 multiply-adds per
+ * instruction, the sums landing one lane per weight row): 8 instructions for 16 rows x 32 columns,
+ * then one float scale per row. This is why int8 activations are the fast path: the float path
+ * below spends ~5 instructions per 16 weights converting and scaling before its FMA.
  *
  * float32 activations (AVX512F): each k-quad vector gives 4 columns of 16 rows as int32 lanes
  * (shift and mask), converted and dequantized with one FMA (w = a * q + b, rounded once, so the
@@ -39,10 +39,7 @@ INLINE void quads(const int format, const uint8_t *tile, int sub, __m512i v[8]) 
         for (int t = 0; t < 8; ++t) v[t] = load64(tile + 32 + 64 * t);
         return;
     }
-    const uint8_t *qs = format == GG_Q4_0   ? tile + 32
-                        : format == GG_Q4_1 ? tile + 64
-                        : format == GG_Q4_K ? tile + GG_Q4K_QS + 256 * sub
-                                            : tile + GG_Q6K_SUB + GG_Q6K_SUB_BYTES * sub;
+    const uint8_t *qs = tile + gg_nibbles_at(format, sub);
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
         const __m512i packed = load64(qs + 64 * c);
@@ -59,13 +56,21 @@ INLINE void quads(const int format, const uint8_t *tile, int sub, __m512i v[8]) 
             v[4 * h + 3] = _mm512_or_si512(v[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(high, 2), mask));
         }
     }
+    if (gg_fifth_bit(format)) { /* bit 4 of k-quad t sits at bit t: shifted to bit 4 (16-bit shifts of at
+                                   most 4 bring no bit of the neighbouring byte there) */
+        const __m512i high = load64(qs + 256), mask = _mm512_set1_epi8(0x10);
+        for (int t = 0; t < 8; ++t) {
+            const __m512i bit = t < 4 ? _mm512_slli_epi16(high, 4 - t) : _mm512_srli_epi16(high, t - 4);
+            v[t] = _mm512_or_si512(v[t], _mm512_and_si512(bit, mask));
+        }
+    }
 }
 
 /* Per row of sub-tile `sub`: w = a * q + b, a per half of 16 columns (differs only for Q6_K).
-   b is the float minimum of Q4_1 and Q4_K, -offset * a (exact) for the others. */
+   b is the float minimum of Q4_1, Q5_1, Q4_K and Q5_K, -offset * a (exact) for the others. */
 INLINE void scales(const int format, const uint8_t *tile, int sub, __m512 *a0, __m512 *a1, __m512 *b) {
     const __m512 d = half16(tile);
-    if (format == GG_Q4_K) {
+    if (gg_q4k_scales(format)) {
         const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + GG_Q4K_SC + 16 * sub))));
         const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + GG_Q4K_MN + 16 * sub))));
         *a0 = *a1 = _mm512_mul_ps(d, sc);
@@ -80,7 +85,7 @@ INLINE void scales(const int format, const uint8_t *tile, int sub, __m512 *a0, _
         return;
     }
     *a0 = *a1 = d;
-    *b = format == GG_Q4_1 ? half16(tile + 32) : _mm512_mul_ps(d, _mm512_set1_ps(-(float)gg_offset(format)));
+    *b = gg_has_min(format) ? half16(tile + 32) : _mm512_mul_ps(d, _mm512_set1_ps(-(float)gg_offset(format)));
 }
 
 /* acc[i] (16 rows) stored to y's row i0 + i, columns 16g.., only the rows the matrix has. */
@@ -177,6 +182,9 @@ int gg_f32_avx512(const gg_matrix *w, const float *x, int ldx, int m, float *y, 
     case GG_Q8_0: f32_format(GG_Q8_0, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q4_K: f32_format(GG_Q4_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q6_K: f32_format(GG_Q6_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q5_0: f32_format(GG_Q5_0, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q5_1: f32_format(GG_Q5_1, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q5_K: f32_format(GG_Q5_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     default: return -1;
     }
 }
@@ -258,6 +266,9 @@ int gg_i8_avx512(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0
     case GG_Q8_0: i8_format(GG_Q8_0, w, x, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q4_K: i8_format(GG_Q4_K, w, x, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q6_K: i8_format(GG_Q6_K, w, x, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q5_0: i8_format(GG_Q5_0, w, x, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q5_1: i8_format(GG_Q5_1, w, x, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q5_K: i8_format(GG_Q5_K, w, x, y, ldy, g0, g1, accumulate); return 0;
     default: return -1;
     }
 }

@@ -2,15 +2,15 @@
  * GGUF blocks -> the tiled layout of gguf.h (at load), and tiled rows -> float32 (the embedding's
  * gathered rows, and the prefill path, where one dequantized matrix serves every row of a GEMM).
  *
- * Repacking moves bits, it computes nothing: every scale stays the fp16 the file holds (Q4_K's
- * 6-bit scales and minimums are widened to bytes), every quant the file's (Q8_0's stored + 128).
+ * Repacking moves bits, it computes nothing: every scale stays the fp16 the file holds (Q4_K's and
+ * Q5_K's 6-bit scales and minimums are widened to bytes), every quant the file's (Q8_0's stored + 128).
  * Dequantizing rounds once per weight, as the `gguf` package does (tests hold them equal).
  */
 #include <stdlib.h>
 
 #include "gguf.h"
 
-/* The scale and minimum of sub-block j of a Q4_K block (ggml's get_scale_min_k4). */
+/* The scale and minimum of sub-block j of a Q4_K or Q5_K block (ggml's get_scale_min_k4). */
 static void q4k_scale_min(const uint8_t *scales, int j, uint8_t *sc, uint8_t *mn) {
     if (j < 4) {
         *sc = scales[j] & 63;
@@ -29,11 +29,21 @@ static uint8_t block_quant(int format, const uint8_t *block, int idx) {
         const uint8_t *qs = block + (format == GG_Q4_1 ? 4 : 2);
         return idx < 16 ? qs[idx] & 0x0F : qs[idx - 16] >> 4;
     }
+    case GG_Q5_0:
+    case GG_Q5_1: { /* d [m] qh[4] qs[16]: bit 4 of weight idx is bit idx of qh, little-endian */
+        const uint8_t *qh = block + (format == GG_Q5_1 ? 4 : 2), *qs = qh + 4;
+        const uint8_t low = idx < 16 ? qs[idx] & 0x0F : qs[idx - 16] >> 4;
+        return (uint8_t)(low | ((qh[idx / 8] >> (idx % 8)) & 1) << 4);
+    }
     case GG_Q8_0:
         return block[2 + idx] ^ 0x80; /* int8 w -> unsigned w + 128 */
     case GG_Q4_K: {
         const uint8_t byte = block[16 + 32 * (idx / 64) + idx % 32];
         return (idx / 32) % 2 ? byte >> 4 : byte & 0x0F;
+    }
+    case GG_Q5_K: { /* d dmin scales[12] qh[32] qs[128]: bit 4 of sub-block j's weight l is bit j of qh[l] */
+        const uint8_t byte = block[48 + 32 * (idx / 64) + idx % 32], high = block[16 + idx % 32];
+        return (uint8_t)(((idx / 32) % 2 ? byte >> 4 : byte & 0x0F) | ((high >> (idx / 32)) & 1) << 4);
     }
     default: { /* GG_Q6_K: ql[128] qh[64] scales[16] d */
         const int n = idx / 128, t4 = (idx % 128) / 32, l = idx % 32;
@@ -51,14 +61,17 @@ static void fill_tile_row(int format, uint8_t *tile, int lane, const uint8_t *bl
     /* scales */
     switch (format) {
     case GG_Q4_0:
+    case GG_Q5_0:
     case GG_Q8_0:
         memcpy(tile + 2 * lane, block, 2);
         break;
     case GG_Q4_1:
+    case GG_Q5_1:
         memcpy(tile + 2 * lane, block, 2);
         memcpy(tile + 32 + 2 * lane, block + 2, 2);
         break;
     case GG_Q4_K:
+    case GG_Q5_K:
         memcpy(tile + 2 * lane, block, 2);
         memcpy(tile + 32 + 2 * lane, block + 2, 2);
         for (int j = 0; j < 8; ++j)
@@ -78,18 +91,14 @@ static void fill_tile_row(int format, uint8_t *tile, int lane, const uint8_t *bl
             tile[32 + 64 * t + at] = q;
             continue;
         }
-        uint8_t *nibbles, *high = NULL;
-        if (format == GG_Q6_K) {
-            nibbles = tile + GG_Q6K_SUB + GG_Q6K_SUB_BYTES * sub;
-            high = nibbles + 256;
-        } else {
-            nibbles = tile + (format == GG_Q4_0 ? 32 : format == GG_Q4_1 ? 64 : GG_Q4K_QS + 256 * sub);
-        }
+        uint8_t *nibbles = tile + gg_nibbles_at(format, sub), *high = nibbles + 256;
         uint8_t *byte = nibbles + 64 * (t / 2) + at;
         *byte = (t & 1) ? (uint8_t)((*byte & 0x0F) | ((q & 0x0F) << 4)) : (uint8_t)((*byte & 0xF0) | (q & 0x0F));
-        if (high != NULL) {
+        if (format == GG_Q6_K) {
             uint8_t *bits = high + 64 * (t / 4) + at;
             *bits = (uint8_t)((*bits & ~(3u << (2 * (t & 3)))) | (((q >> 4) & 3u) << (2 * (t & 3))));
+        } else if (gg_fifth_bit(format)) {
+            high[at] = (uint8_t)((high[at] & ~(1u << t)) | (((q >> 4) & 1u) << t));
         }
     }
 }
