@@ -162,7 +162,9 @@ def test_engine_passes_strict_to_hpu_only_when_forced() -> None:
     def options(platform_name: str, kind: str, strict_graphs: bool) -> dict[str, Any]:
         this = types.SimpleNamespace(
             config=types.SimpleNamespace(strict_graphs=strict_graphs, compile_decode=False),
-            platform=types.SimpleNamespace(name=platform_name, capture_settings=lambda: types.SimpleNamespace(kind=kind)),
+            platform=types.SimpleNamespace(name=platform_name, capture_settings=lambda: types.SimpleNamespace(kind=kind),
+                                           kernel_precompiler=lambda model, caches: ("precompiler", model, caches)),
+            model="model", kv_pool=types.SimpleNamespace(caches="caches"),
         )  # fmt: skip
         return Engine.graph_runner_options(this)  # type: ignore[arg-type]
 
@@ -170,7 +172,9 @@ def test_engine_passes_strict_to_hpu_only_when_forced() -> None:
         assert "strict" not in options("hpu", kind, strict_graphs=False), kind
         assert options("hpu", kind, strict_graphs=True)["strict"] is True, kind
     assert options("cpu", "compile", strict_graphs=False)["strict"] is False
-    assert options("cuda", "cuda_graph", strict_graphs=False) == {"compile_step": False}
+    # CUDA graphs: the platform's kernel precompiler over this engine's model and KV caches.
+    assert options("cuda", "cuda_graph", strict_graphs=False) == {"compile_step": False,
+                                                                  "precompile": ("precompiler", "model", "caches")}
 
 
 def test_lazy_prefill_ends_with_a_mark_step(monkeypatch: pytest.MonkeyPatch) -> None:
