@@ -16,14 +16,14 @@ import argparse
 import json
 import os
 import platform
-import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from backends.cpu import gguf_linear as gl
+from graphs.tune_measure import steady_ms
 
 # Byte offsets of each block's fp16 scales (d, and the minimum where there is one): ggml's block layouts.
 SCALE_OFFSETS = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
@@ -38,14 +38,8 @@ def random_tiles(fmt: gl.BlockFormat, rows: int, cols: int, seed: int) -> torch.
     return gl.tile_blocks(fmt, blocks.reshape(rows, -1))
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
+def _no_sync() -> None:
+    """The CPU runs each call to completion: nothing to wait for."""
 
 
 def main() -> None:
@@ -69,7 +63,7 @@ def main() -> None:
             x = torch.randn(rows, in_f)
             for mode in ("int8x2", "float32"):
                 level = gl.ACTIVATIONS[mode]
-                ms = median_ms(lambda: [gl.gguf_linear(x, [t], [fmt.code], [out_f], level) for t in tiles], args.repeats) / count
+                ms = steady_ms(_no_sync, lambda: [gl.gguf_linear(x, [t], [fmt.code], [out_f], level) for t in tiles], args.repeats) / count
                 results.append({"format": name, "rows": rows, "activations": mode, "ms": ms,
                                 "bits_per_weight": 8 * fmt.block_bytes / fmt.block_columns, "weight_gb_s": nbytes / ms / 1e6})
             for dtype in (torch.float32, torch.bfloat16):  # the same matrices dense: what the float path streams
@@ -77,9 +71,9 @@ def main() -> None:
                 if key not in dense_ms:
                     dense = [w.to(dtype) for w in weights]
                     xd = x.to(dtype)
-                    dense_ms[key] = median_ms(lambda: [F.linear(xd, w) for w in dense], args.repeats) / count
+                    dense_ms[key] = steady_ms(_no_sync, lambda: [F.linear(xd, w) for w in dense], args.repeats) / count
         del weights
-    print(f"\n[{out_f} x {in_f}] weight, ms per matmul (median of {args.repeats}, {count} matrices cycled)")
+    print(f"\n[{out_f} x {in_f}] weight, ms per matmul (median of 5 timed groups, {count} matrices cycled)")
     print(f"{'format':<7}{'bits/w':>7}{'rows':>6}{'int8x2 ms':>11}{'GB/s':>7}{'fp32-act ms':>13}{'GB/s':>7}"
           f"{'torch f32':>11}{'torch bf16':>12}")
     for name in gl.FORMATS:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine.cli import add_engine_args, engine_config_from_args
 from engine.engine import Engine
+from engine.profiling import time_by_name
 from engine.sampling_params import SamplingParams
 from graphs.tune_measure import steady_ms
 
@@ -45,17 +45,7 @@ def kernel_table(engine: Engine, batch: int, context: int, replays: int) -> dict
         for _ in range(replays):
             runner._replay(padded)
         sync()
-    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    if on_gpu:
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                per_name[event.name][0] += 1
-                per_name[event.name][1] += event.device_time_total
-    else:  # a CPU "replay" runs ops on the host: their self time, so nested ops are not counted twice
-        for average in prof.key_averages():
-            per_name[average.key] = [average.count, average.self_cpu_time_total]
-    rows = sorted(((name, count / replays, total / replays) for name, (count, total) in per_name.items()),
-                  key=lambda row: -row[2])
+    rows = [(name, count / replays, us / replays) for name, count, us in time_by_name(prof, on_gpu)]
     for request_id in ids:
         engine.abort(request_id)
     kernels_us = sum(us for _, _, us in rows)

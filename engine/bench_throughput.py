@@ -29,6 +29,7 @@ import torch
 from engine.bench_latency import matmul_params
 from engine.cli import add_engine_args, engine_config_from_args
 from engine.engine import Engine
+from engine.profiling import time_by_name
 from engine.sampling_params import SamplingParams
 
 
@@ -125,17 +126,8 @@ class _StepProfiler:
     def stop(self) -> None:
         self.sync()
         self.profile.__exit__(None, None, None)
-        per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-        if self.on_gpu:
-            for event in self.profile.events():
-                if event.device_type == torch.autograd.DeviceType.CUDA:
-                    per_name[event.name][0] += 1
-                    per_name[event.name][1] += event.device_time_total
-        else:  # self time, so that nested ops are not counted twice
-            for average in self.profile.key_averages():
-                per_name[average.key] = [average.count, average.self_cpu_time_total]
         self.kernels = [{"name": name, "launches": count, "ms": us / 1e3}
-                        for name, (count, us) in sorted(per_name.items(), key=lambda item: -item[1][1])]
+                        for name, count, us in time_by_name(self.profile, self.on_gpu)]
 
 
 class _DeviceTimeline:

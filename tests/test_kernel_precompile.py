@@ -11,10 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("triton")
-
-from backends.cuda.triton_build import BackgroundCompiles, KernelHandle, compile_only, load_kernel  # noqa: E402
-from engine.layers.attention import Attention, AttentionMetadata  # noqa: E402
+from backends.cuda.triton_build import BackgroundCompiles, KernelHandle, compile_only, load_kernel
+from engine.layers.attention import Attention, AttentionMetadata
 
 
 class _Recorder:

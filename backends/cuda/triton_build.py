@@ -37,11 +37,9 @@ class KernelHandle:
         self.fn = fn
 
     def __getitem__(self, grid: Any) -> Any:
-        def launch(*args: Any, **kwargs: Any) -> Any:
-            if _COMPILE_ONLY.get():
-                return self.fn.warmup(*args, grid=grid, **kwargs)
-            return self.fn[grid](*args, **kwargs)
-        return launch
+        if _COMPILE_ONLY.get():
+            return functools.partial(self.fn.warmup, grid=grid)
+        return self.fn[grid]  # the launch itself: nothing added to an eager step's launches
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.fn, name)
