@@ -99,6 +99,18 @@ def test_fused_moe_skewed_routing(routing: str, tokens: int, top_k: int, block_m
     torch.testing.assert_close(got.float().cpu(), reference(case).cpu(), atol=tolerance(dtype), rtol=tolerance(dtype))
 
 
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 8, 2, 48, 40), (3, 4, 1, 32, 48), (17, 8, 2, 64, 32), (5, 16, 4, 80, 48)])
+def test_fused_moe_per_slot_matches_reference(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> None:
+    """The few-token kernels (one program per token slot, no sorting), with partial tiles in N and K."""
+    dtype = torch.float32
+    case = moe_case(tokens, experts, top_k, hidden, inter, dtype, seed=tokens + experts)
+    tile = MoeTile(1, 32, 32, num_stages=1, per_slot=True) if not ON_GPU else MoeTile(1, 32, 128, num_stages=2, per_slot=True)
+    with kernel_mode():
+        got = fused_moe(*case, tile=tile)
+    assert got.shape == (tokens, hidden)
+    torch.testing.assert_close(got.float().cpu(), reference(case).cpu(), atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
 def test_fused_moe_default_tile_int32_ids_and_no_tokens() -> None:
     """The wrapper's own tile choice, int32 expert ids, and an empty batch (no launch)."""
     dtype = torch.float32
@@ -222,3 +234,30 @@ def test_fused_moe_replays_from_a_cuda_graph(tokens: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), reference((x, gate_up, down, expert_ids, weights)), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,renormalize", [(1, 8, 2, True), (5, 60, 6, True), (9, 128, 8, False), (3, 4, 1, False)])
+def test_route_kernel_matches_softmax_top_k(tokens: int, experts: int, top_k: int, renormalize: bool) -> None:
+    """The one-launch routing against torch's softmax + top-k (+ renormalising): the same experts per
+    token (as sets: the order of equal weights is free) and the same weights in the same order."""
+    from backends.cuda.triton_moe import moe_route
+    from engine.layers.moe import softmax_top_k
+
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(experts)).to(DEVICE, torch.bfloat16)
+    with kernel_mode():
+        ids, weights = moe_route(logits, top_k, renormalize)
+    want_ids, want_weights = softmax_top_k(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32 and ids.shape == (tokens, top_k)
+    # bf16 logits tie often: the same set of experts per token, the weights in the same descending order.
+    assert torch.equal(ids.long().cpu().sort(dim=-1).values, want_ids.cpu().sort(dim=-1).values)
+    torch.testing.assert_close(weights.cpu(), want_weights.cpu(), atol=1e-6, rtol=1e-5)
+
+
+def test_route_kernel_ties_take_the_lower_expert() -> None:
+    from backends.cuda.triton_moe import moe_route
+
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 3.0]], device=DEVICE)
+    with kernel_mode():
+        ids, weights = moe_route(logits, 2, True)
+    assert ids.cpu().tolist() == [[1, 3]]
+    torch.testing.assert_close(weights.cpu(), torch.tensor([[0.5, 0.5]]))

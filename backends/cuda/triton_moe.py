@@ -16,6 +16,11 @@ the design of vLLM's and SGLang's fused_moe:
    weight, written per slot -> [T, k, H].
 4. the sum over each token's k slots (torch.sum: deterministic, no atomics).
 
+With few slots per expert (decode) the tile is `per_slot`: no sorting at all,
+one program per token slot and weight tile reading the slot's expert from the
+routing (`moe_slot_gate_up_kernel`, `moe_slot_down_kernel`): three launches per
+layer instead of a dozen, and no rows padded to 16.
+
 No step reads a device value on the host, and every shape and grid depends
 only on (T, k, E, BLOCK_M) and the weights' shapes: a launch is capturable in
 a CUDA graph keyed by the token count, whatever the routing.
@@ -33,6 +38,12 @@ from backends.hip.triton_hints import triton_launch_options
 
 KERNELS = "backends.cuda.kernels.fused_moe"
 
+# Up to this many token slots per expert on average, moe_tile picks the per-slot kernels. On the H200
+# (benchmarks/moe_kernel.py, 2026-12-02): Qwen3-30B-A3B's experts at 1 slot per expert (16 tokens)
+# 0.220 ms per layer per slot against 0.235 grouped, at 2 (32 tokens) 0.479 against 0.329;
+# Mixtral-8x7B's at 1 (4 tokens) 0.546 against 0.540.
+PER_SLOT_MAX_SLOTS_PER_EXPERT = 1.0
+
 
 @dataclass(frozen=True)
 class MoeTile:
@@ -45,21 +56,27 @@ class MoeTile:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    per_slot: bool = False  # one program per token slot (block_m unused): the few-token kernels
 
 
 def moe_tile(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> MoeTile:
     """The tile for a step of `num_tokens` tokens: it depends on shapes only, so a graph captured for
     a token count keeps it.
 
-    Decode (a few slots per expert on average): BLOCK_M 16, the smallest tl.dot takes, so an expert hit
-    by one token wastes 15 padded rows rather than 63, and the weights (the whole cost at small T) are
-    streamed once per expert hit. Prefill: BLOCK_M 64, each weight tile reused across 64 rows."""
+    Decode at a few slots per expert (at most PER_SLOT_MAX_SLOTS_PER_EXPERT on average): per slot, no
+    sorting and no padded rows. Beyond that the grouped GEMM: BLOCK_M 16 (the smallest tl.dot takes)
+    while an expert averages at most 16 slots, so the weights are streamed once per expert hit;
+    prefill: BLOCK_M 64, each weight tile reused across 64 rows."""
     slots_per_expert = num_tokens * top_k / max(num_experts, 1)
     if interpreted():
         # The CPU interpreter: 32-wide tiles, so the tests' non-power-of-2 sizes (48) cut a partial
         # tile in N and in K, and both BLOCK_M paths run.
         return MoeTile(16 if slots_per_expert <= 16 else 64, 32, 32, num_warps=4, num_stages=1)
     wide = dtype == torch.float32  # float32 tiles take twice the registers and shared memory
+    if slots_per_expert <= PER_SLOT_MAX_SLOTS_PER_EXPERT:
+        # Up to 8 slots, 8 columns per program so that a batch-1 step still starts ~800 programs
+        # (Qwen3-MoE 0.029 ms against 0.042 with 32 columns; Mixtral 0.182 against 0.264).
+        return MoeTile(1, 8 if num_tokens * top_k <= 8 else 32, 128, num_warps=8, num_stages=2, per_slot=True)
     if slots_per_expert <= 16:
         return MoeTile(16, 64 if not wide else 32, 128 if not wide else 64, num_warps=4, num_stages=3)
     return MoeTile(64, 64, 64 if not wide else 32, num_warps=4, num_stages=3)
@@ -114,16 +131,16 @@ def fused_moe(
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
     tile: MoeTile | None = None,
+    sum_slots: bool = True,
 ) -> torch.Tensor:
-    """The experts' outputs, weighted and summed over each token's top k: [T, H] in hidden's dtype.
+    """The experts' outputs, weighted and summed over each token's top k: [T, H] in hidden's dtype
+    ([T, k, H], each slot's weighted output, with sum_slots=False: the caller sums, e.g. in a compiled
+    step where the sum joins the next kernel).
 
     hidden [T, H]; gate_up [E, 2I, H] (gate rows [0, I), up rows [I, 2I), as nn.Linear weights);
     down [E, H, I]; expert_ids [T, k] (any integer dtype); weights [T, k] routing weights (any float
     dtype; applied in float32). hidden and the expert weights share a dtype: bfloat16, float16 or
     float32. tile: block sizes, default moe_tile() for this T. No host sync: capturable in a CUDA graph."""
-    import triton
-
-    gate_up_kernel, down_kernel = load_kernel(KERNELS, "moe_gate_up_kernel"), load_kernel(KERNELS, "moe_down_kernel")
     num_tokens, hidden_size = hidden.shape
     num_experts, inter_size = down.shape[0], down.shape[2]
     top_k = expert_ids.shape[1]
@@ -131,9 +148,32 @@ def fused_moe(
     assert down.shape[1] == hidden_size and weights.shape == expert_ids.shape
     num_slots = num_tokens * top_k
     if num_slots == 0:
-        return torch.zeros_like(hidden)
+        return torch.zeros_like(hidden) if sum_slots else hidden.new_zeros(num_tokens, top_k, hidden_size)
     if tile is None:
         tile = moe_tile(num_tokens, top_k, num_experts, hidden.dtype)
+    if tile.per_slot:
+        per_slot = _moe_per_slot(hidden, gate_up, down, expert_ids, weights, tile)
+    else:
+        per_slot = _moe_grouped(hidden, gate_up, down, expert_ids, weights, tile)
+    per_slot = per_slot.view(num_tokens, top_k, hidden_size)
+    if not sum_slots:
+        return per_slot
+    # The k slots of a token are rows token * k ... token * k + k - 1: summed in float32 by torch.
+    return per_slot.squeeze(1) if top_k == 1 else per_slot.sum(dim=1)
+
+
+def _moe_grouped(
+    hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
+    weights: torch.Tensor, tile: MoeTile,
+) -> torch.Tensor:
+    """Each slot's weighted output [T * k, H] by the grouped GEMMs over the slots sorted by expert."""
+    import triton
+
+    gate_up_kernel, down_kernel = load_kernel(KERNELS, "moe_gate_up_kernel"), load_kernel(KERNELS, "moe_down_kernel")
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter_size = down.shape[0], down.shape[2]
+    top_k = expert_ids.shape[1]
+    num_slots = num_tokens * top_k
     sorted_slot_ids, block_experts, num_valid_blocks = moe_align_block_size(expert_ids, num_experts, tile.block_m)
     max_blocks = block_experts.shape[0]
     ieee = hidden.dtype == torch.float32 and not interpreted()
@@ -169,7 +209,58 @@ def fused_moe(
         IEEE_FP32=ieee,
         **triton_launch_options("moe", tile.num_warps, tile.num_stages, tile_mn=(tile.block_m, tile.block_n), block_k=tile.block_k),
     )
-    if top_k == 1:
-        return per_slot
-    # The k slots of a token are rows token * k ... token * k + k - 1: summed in float32 by torch.
-    return per_slot.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    return per_slot
+
+
+def _moe_per_slot(
+    hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
+    weights: torch.Tensor, tile: MoeTile,
+) -> torch.Tensor:
+    """Each slot's weighted output [T * k, H] by a gate/up launch and a down launch over (slot, weight tile)."""
+    import triton
+
+    gate_up_kernel = load_kernel(KERNELS, "moe_slot_gate_up_kernel")
+    down_kernel = load_kernel(KERNELS, "moe_slot_down_kernel")
+    num_tokens, hidden_size = hidden.shape
+    inter_size, top_k = down.shape[2], expert_ids.shape[1]
+    num_slots = num_tokens * top_k
+    flat_ids = expert_ids.reshape(-1)
+    options = triton_launch_options("moe", tile.num_warps, tile.num_stages)  # no tl.dot: no MFMA options
+    act = torch.empty(num_slots, inter_size, dtype=hidden.dtype, device=hidden.device)
+    gate_up_kernel[(num_slots, triton.cdiv(inter_size, tile.block_n))](
+        hidden, gate_up, act, flat_ids,
+        hidden_size, inter_size,
+        hidden.stride(0), hidden.stride(1),
+        gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        act.stride(0), act.stride(1),
+        TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **options,
+    )
+    per_slot = torch.empty(num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    down_kernel[(num_slots, triton.cdiv(hidden_size, tile.block_n))](
+        act, down, per_slot, weights.reshape(-1), flat_ids,
+        hidden_size, inter_size,
+        act.stride(0), act.stride(1),
+        down.stride(0), down.stride(1), down.stride(2),
+        per_slot.stride(0), per_slot.stride(1),
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **options,
+    )
+    return per_slot
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """engine.layers.moe.softmax_top_k in one launch: (expert ids [T, k] int32, weights [T, k] float32).
+    Among equal probabilities the lower expert id is chosen first. No host sync: capturable."""
+    import triton
+
+    num_tokens, num_experts = logits.shape
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    if num_tokens == 0:
+        return ids, weights
+    load_kernel(KERNELS, "moe_route_kernel")[(num_tokens,)](
+        logits, ids, weights, num_experts, logits.stride(0), logits.stride(1),
+        TOP_K=top_k, RENORMALIZE=renormalize,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOP_K=triton.next_power_of_2(top_k),
+        **triton_launch_options("moe", 4 if num_experts <= 256 else 8),
+    )
+    return ids, weights

@@ -140,11 +140,24 @@ class ExpertWeights(nn.Module):
         return [shard]
 
 
+def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing from router logits [T, E]: (expert ids [T, k], weights [T, k] float32), the softmax in
+    float32 over all experts, its top k, renormalised to sum to one where the config asks."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return expert_ids, weights
+
+
 class MoEMethod(Protocol):
-    """How the routed experts run: expert_ids, weights [T, k] -> [T, H]."""
+    """How a token's experts are chosen (router logits [T, E] -> expert ids and float32 weights [T, k])
+    and how the routed experts run (expert_ids, weights [T, k] -> [T, H])."""
 
     name: str
     capturable: bool  # no host sync and no data-dependent shape: may run inside a device graph
+
+    def select_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def apply(self, layer: "SparseMoE", hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
 
@@ -152,6 +165,9 @@ class MoEMethod(Protocol):
 class TorchExpertsMethod:
     name = "torch"
     capturable = False
+
+    def select_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return softmax_top_k(logits, top_k, renormalize)
 
     def apply(self, layer: "SparseMoE", hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return torch.ops.engine.moe_experts(hidden, layer.experts.gate_up_proj, layer.experts.down_proj, expert_ids, weights)
@@ -179,10 +195,8 @@ class SparseMoE(nn.Module):
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k], their weights [T, k] in the hidden dtype)."""
-        probs = torch.softmax(F.linear(hidden, self.gate.weight).float(), dim=-1)
-        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        logits = F.linear(hidden, self.gate.weight)
+        expert_ids, weights = self.method.select_experts(logits, self.top_k, self.renormalize)
         return expert_ids, weights.to(hidden.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

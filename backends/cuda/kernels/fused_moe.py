@@ -135,3 +135,127 @@ def moe_down_kernel(
     acc = acc * routing[:, None]
     out_ptrs = out_ptr + safe_slots[:, None] * stride_os + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Few tokens (decode): one program per token slot, no sorting.
+#
+# At a handful of slots per expert the grouped GEMM pads each expert's rows to 16 (15 of 16 rows
+# wasted at batch 1) and needs the sorted order first (a dozen small torch launches per layer, each
+# a few microseconds inside a graph, as long as the layer's weight reads). These kernels take the
+# expert of a slot straight from the routing and multiply its weights by one row with CUDA-core
+# dot products (tl.sum over a [BLOCK_N, BLOCK_K] tile), which is what a step bound by weight bytes
+# needs. Grid axis 0 is the slot and axis 1 the weight tile, slots first: the slots that picked the
+# same expert run side by side on the same tile, so only the first of them reads it from memory.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def moe_slot_gate_up_kernel(
+    hidden_ptr, w_ptr, out_ptr, expert_ids_ptr,
+    hidden_size, inter_size,
+    stride_ht, stride_hk,
+    stride_we, stride_wn, stride_wk,
+    stride_os, stride_on,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[slot, n] = silu(hidden[token] . gate[e, n]) * (hidden[token] . up[e, n]), e = expert_ids[slot].
+
+    expert_ids is the flattened [T, k] routing (slot = token * k + choice); w is gate_up [E, 2I, H];
+    out [slots, I]. Accumulates in float32."""
+    slot = tl.program_id(0)
+    n_tile = tl.program_id(1)
+    token = (slot // TOP_K).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + slot).to(tl.int64)
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter_size
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = hidden_ptr + token * stride_ht + offs_k * stride_hk
+    gate_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
+    up_ptrs = gate_ptrs + inter_size * stride_wn
+    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        k_mask = offs_k < hidden_size - k0
+        a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        acc_gate += tl.sum(gate * a[None, :], axis=1)
+        acc_up += tl.sum(up * a[None, :], axis=1)
+        a_ptrs += BLOCK_K * stride_hk
+        gate_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    tl.store(out_ptr + slot * stride_os + offs_n * stride_on, act.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def moe_slot_down_kernel(
+    act_ptr, w_ptr, out_ptr, routing_ptr, expert_ids_ptr,
+    hidden_size, inter_size,
+    stride_as, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_os, stride_on,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[slot, n] = routing[slot] * (act[slot] . down[e, n]), e = expert_ids[slot]; w is down
+    [E, H, I], act [slots, I] (moe_slot_gate_up_kernel's output), out [slots, H]."""
+    slot = tl.program_id(0)
+    n_tile = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + slot).to(tl.int64)
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden_size
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + slot.to(tl.int64) * stride_as + offs_k * stride_ak
+    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        k_mask = offs_k < inter_size - k0
+        a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], axis=1)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    acc = acc * tl.load(routing_ptr + slot).to(tl.float32)
+    tl.store(out_ptr + slot.to(tl.int64) * stride_os + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def moe_route_kernel(
+    logits_ptr, ids_ptr, weights_ptr,
+    num_experts, stride_lt, stride_le,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_TOP_K: tl.constexpr,
+):
+    """One token's routing: softmax over its router logits in float32, the top k (k arg-max passes,
+    the lowest expert id first among equal probabilities), renormalised to sum to one where the
+    config asks. ids [T, k] int32, weights [T, k] float32. Replaces torch's softmax, its two top-k
+    kernels and the renormalising division: four launches per layer, each longer than this one."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < num_experts
+    logits = tl.load(logits_ptr + token * stride_lt + offs * stride_le, mask=valid, other=-float("inf")).to(tl.float32)
+    numerators = tl.exp(logits - tl.max(logits, axis=0))
+    probs = numerators / tl.sum(numerators, axis=0)
+    remaining = tl.where(valid, probs, -1.0)
+    choices = tl.arange(0, BLOCK_TOP_K)
+    chosen_ids = tl.zeros([BLOCK_TOP_K], dtype=tl.int32)
+    chosen_weights = tl.zeros([BLOCK_TOP_K], dtype=tl.float32)
+    for choice in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        # The lowest index holding the maximum (tl.argmax's tie rule is not documented).
+        expert = tl.min(tl.where(remaining == best, offs, BLOCK_E), axis=0)
+        chosen_ids = tl.where(choices == choice, expert, chosen_ids)
+        chosen_weights = tl.where(choices == choice, best, chosen_weights)
+        remaining = tl.where(offs == expert, -1.0, remaining)
+    if RENORMALIZE:
+        chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=0)  # unused lanes hold 0
+    keep = choices < TOP_K
+    tl.store(ids_ptr + token * TOP_K + choices, chosen_ids, mask=keep)
+    tl.store(weights_ptr + token * TOP_K + choices, chosen_weights, mask=keep)
