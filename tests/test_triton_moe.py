@@ -123,8 +123,9 @@ def test_fused_moe_default_tile_int32_ids_and_no_tokens() -> None:
     assert empty.shape == (0, 32)
 
 
-def check_alignment(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
-    sorted_ids, block_experts, num_valid = moe_align_block_size(expert_ids, num_experts, block_m)
+def check_alignment(expert_ids: torch.Tensor, num_experts: int, block_m: int, use_triton: bool = False) -> None:
+    with kernel_mode() if use_triton else nullcontext():
+        sorted_ids, block_experts, num_valid = moe_align_block_size(expert_ids, num_experts, block_m, use_triton)
     sorted_ids, block_experts, num_valid = sorted_ids.cpu(), block_experts.cpu(), num_valid.cpu()
     flat = expert_ids.flatten().cpu().long()
     slots = flat.shape[0]
@@ -156,15 +157,18 @@ def check_alignment(expert_ids: torch.Tensor, num_experts: int, block_m: int) ->
     assert bool((block_experts[valid_blocks:] == num_experts).all())
 
 
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_align_block_size(block_m: int) -> None:
+def test_align_block_size(block_m: int, use_triton: bool) -> None:
+    """Both builders of the sorted order (torch ops; the two Triton launches, in the interpreter
+    without a GPU), over routings with up to 300 x 8 slots (several placing programs)."""
     generator = torch.Generator().manual_seed(block_m)
-    for tokens, experts, top_k in ((1, 4, 1), (1, 64, 8), (17, 8, 2), (40, 4, 2), (300, 64, 8)):
+    for tokens, experts, top_k in ((1, 4, 1), (1, 64, 8), (17, 8, 2), (40, 4, 2), (300, 64, 8), (33, 60, 6)):
         scores = torch.rand(tokens, experts, generator=generator)
-        check_alignment(torch.topk(scores, top_k, dim=-1).indices.to(DEVICE), experts, block_m)
-    check_alignment(torch.full((50, 1), 3, device=DEVICE), 8, block_m)  # one expert only
-    check_alignment(torch.tensor([[0, 7]] * 16, device=DEVICE), 8, block_m)  # the first and the last
-    check_alignment(torch.tensor([[5, 2]] * 16, device=DEVICE, dtype=torch.int32), 8, block_m)  # int32 ids
+        check_alignment(torch.topk(scores, top_k, dim=-1).indices.to(DEVICE), experts, block_m, use_triton)
+    check_alignment(torch.full((50, 1), 3, device=DEVICE), 8, block_m, use_triton)  # one expert only
+    check_alignment(torch.tensor([[0, 7]] * 16, device=DEVICE), 8, block_m, use_triton)  # the first and the last
+    check_alignment(torch.tensor([[5, 2]] * 16, device=DEVICE, dtype=torch.int32), 8, block_m, use_triton)  # int32 ids
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,8 +48,13 @@ def choose_config(out_features: int, in_features: int, weight_bytes: int) -> Gem
             return GemvConfig(8, 1024, 4, 1)
         return GemvConfig(8, 512, 4, 1) if out_features >= 16384 else GemvConfig(16, 512, 8, 1)
     if out_features >= 16384:
-        return GemvConfig(4, 1024, 4, 1)
-    return GemvConfig(16, 1024, 8, 1) if in_features >= 8192 else GemvConfig(16, 512, 8, 1)
+        config = GemvConfig(4, 1024, 4, 1)
+    else:
+        config = GemvConfig(16, 1024, 8, 1) if in_features >= 8192 else GemvConfig(16, 512, 8, 1)
+    if in_features % config.block_k and in_features % 512 == 0:
+        # A row that 1024 does not divide (Gemma-2-9B's 3584) in 512-column chunks: no masked tail.
+        config = GemvConfig(config.block_n, 512, config.num_warps, config.num_stages)
+    return config
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,

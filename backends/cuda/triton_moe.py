@@ -28,6 +28,7 @@ a CUDA graph keyed by the token count, whatever the routing.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -90,17 +91,63 @@ def max_sorted_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
     return -(-(num_slots + min(num_experts, num_slots) * (block_m - 1)) // block_m)
 
 
+# Up to this many slots the sorted order is built by two Triton launches (one program holds every
+# slot's expert id); beyond, by torch ops, whose dozen launches a prefill step's GEMMs dwarf.
+TRITON_ALIGN_MAX_SLOTS = 4096
+TRITON_ALIGN_ENV = "ENGINE_MOE_TRITON_ALIGN"  # "0": always the torch ops (a switch for comparing the two)
+
+
 def moe_align_block_size(
-    expert_ids: torch.Tensor, num_experts: int, block_m: int
+    expert_ids: torch.Tensor, num_experts: int, block_m: int, use_triton: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The slots of expert_ids [T, k] sorted by expert, each expert's group padded to whole blocks.
 
     Returns (sorted_slot_ids [max_blocks * block_m] int32: slot = token * k + choice, padding = T * k;
     block_experts [max_blocks] int32: the expert of each block, num_experts past the valid ones;
     num_valid_blocks [1] int32), max_blocks = max_sorted_blocks(T * k, E, block_m). Within an
-    expert the slots keep their order (a stable sort). Torch ops of fixed shapes only: no host sync,
-    capturable in a CUDA graph. (bincount is not used: its output size depends on the largest id, which
-    torch reads on the host.)"""
+    expert the slots keep their order (a stable sort). No host sync, capturable in a CUDA graph.
+    use_triton: the two-launch kernels (default: on a GPU, up to TRITON_ALIGN_MAX_SLOTS slots), else
+    torch ops of fixed shapes; both give the same result."""
+    num_slots = expert_ids.numel()
+    if use_triton is None:
+        use_triton = (expert_ids.is_cuda and num_slots <= TRITON_ALIGN_MAX_SLOTS
+                      and os.environ.get(TRITON_ALIGN_ENV, "1") != "0")
+    if use_triton and num_slots > 0:
+        return _align_triton(expert_ids, num_experts, block_m)
+    return _align_torch(expert_ids, num_experts, block_m)
+
+
+def _align_triton(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    import triton
+
+    device = expert_ids.device
+    flat = expert_ids.reshape(-1)
+    num_slots = flat.shape[0]
+    max_blocks = max_sorted_blocks(num_slots, num_experts, block_m)
+    sorted_slot_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_valid_blocks = torch.empty(1, dtype=torch.int32, device=device)
+    group_start = torch.empty(num_experts, dtype=torch.int32, device=device)
+    load_kernel(KERNELS, "moe_align_groups_kernel")[(1,)](
+        flat, sorted_slot_ids, block_experts, num_valid_blocks, group_start,
+        num_slots, num_experts, max_blocks,
+        BLOCK_M=block_m,
+        BLOCK_S=triton.next_power_of_2(num_slots),
+        EXPERT_BINS=triton.next_power_of_2(num_experts + 1),
+        BLOCKS_PAD=triton.next_power_of_2(max_blocks),
+        FILL=1024,
+        num_warps=4,
+    )
+    place_block = 32
+    load_kernel(KERNELS, "moe_place_slots_kernel")[(triton.cdiv(num_slots, place_block),)](
+        flat, sorted_slot_ids, group_start, num_slots, BLOCK=place_block, OTHERS=128, num_warps=4,
+    )
+    return sorted_slot_ids, block_experts, num_valid_blocks
+
+
+def _align_torch(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Torch ops of fixed shapes only. (bincount is not used: its output size depends on the largest
+    # id, which torch reads on the host.)
     device = expert_ids.device
     flat = expert_ids.reshape(-1).to(torch.int64)
     num_slots = flat.shape[0]
@@ -133,9 +180,9 @@ def fused_moe(
     tile: MoeTile | None = None,
     sum_slots: bool = True,
 ) -> torch.Tensor:
-    """The experts' outputs, weighted and summed over each token's top k: [T, H] in hidden's dtype
-    ([T, k, H], each slot's weighted output, with sum_slots=False: the caller sums, e.g. in a compiled
-    step where the sum joins the next kernel).
+    """The experts' outputs, weighted and summed over each token's top k (moe_sum_slots_kernel, in
+    float32): [T, H] in hidden's dtype ([T, k, H], each slot's weighted output, with sum_slots=False:
+    the caller sums, e.g. in a compiled step where the sum joins the next kernel).
 
     hidden [T, H]; gate_up [E, 2I, H] (gate rows [0, I), up rows [I, 2I), as nn.Linear weights);
     down [E, H, I]; expert_ids [T, k] (any integer dtype); weights [T, k] routing weights (any float
@@ -155,11 +202,33 @@ def fused_moe(
         per_slot = _moe_per_slot(hidden, gate_up, down, expert_ids, weights, tile)
     else:
         per_slot = _moe_grouped(hidden, gate_up, down, expert_ids, weights, tile)
+    # The k slots of a token are rows token * k ... token * k + k - 1.
     per_slot = per_slot.view(num_tokens, top_k, hidden_size)
     if not sum_slots:
         return per_slot
-    # The k slots of a token are rows token * k ... token * k + k - 1: summed in float32 by torch.
-    return per_slot.squeeze(1) if top_k == 1 else per_slot.sum(dim=1)
+    return per_slot.squeeze(1) if top_k == 1 else _sum_slots(per_slot)
+
+
+def _sum_slots(per_slot: torch.Tensor) -> torch.Tensor:
+    """[T, k, H] -> [T, H], in float32, rows of columns contiguous per program."""
+    import triton
+
+    num_tokens, top_k, hidden_size = per_slot.shape
+    out = per_slot.new_empty(num_tokens, hidden_size)
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    load_kernel(KERNELS, "moe_sum_slots_kernel")[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        per_slot, out, hidden_size, per_slot.stride(0), per_slot.stride(1), out.stride(0),
+        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+    )
+    return out
+
+
+def step_sums_slots(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> bool:
+    """Whether the engine's op leaves the sum over a token's k slots to the compiled step: yes for the
+    per-slot tiles (a few tokens: inductor joins the sum to the residual add, 1.2 us per layer at one
+    token of Qwen3-MoE), no for the grouped ones (there inductor's sum ran 20 us per layer at 128
+    tokens, moe_sum_slots_kernel's layout a few)."""
+    return top_k > 1 and moe_tile(num_tokens, top_k, num_experts, dtype).per_slot
 
 
 def _moe_grouped(
