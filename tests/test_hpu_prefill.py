@@ -24,6 +24,7 @@ from engine.layers.torch_attention import extend_attention
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.step_message import ExtendMessage, extend_message
+from graphs.compiled_step import compile_count
 from helpers import load_tiny_llama, run_staggered
 from test_hpu_attention import ShapeTrace
 
@@ -227,8 +228,6 @@ def test_compiled_prefill_never_recompiles_after_warmup(tiny: tuple[Any, Any, st
     eager = HpuPrefillRunner(model, pool.caches, PAGE, "cpu", buckets=buckets, mode="eager", show_progress=False)
     compiled = HpuPrefillRunner(model, pool.caches, PAGE, "cpu", buckets=buckets, mode="compile",
                                 compile_backend="eager", show_progress=False)  # fmt: skip
-    from graphs.compiled_step import compile_count
-
     start = compile_count()
     compiled.capture()
     assert compile_count() - start >= len(buckets)  # one entry per bucket at least
