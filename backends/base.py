@@ -115,6 +115,12 @@ class Platform(abc.ABC):
         """The graphs.* runner class that captures decode steps on this platform."""
         raise DeviceUnavailableError(f"platform '{self.name}' has no graph runner")
 
+    def prefill_runner_class(self) -> "Callable[..., Any] | None":
+        """A factory of this platform's prefill runner (graphs/runner.py PrefillRunner), called as
+        ``factory(model, kv_caches, page_size, max_model_len, device, slot_dtype)``; None (the default):
+        extend steps run through the engine's own eager, compiled or graphed extend path."""
+        return None
+
     # ---- configuration ---------------------------------------------------------------
     def default_config(self) -> str:
         """Path of configs/<name>.yaml with this platform's default settings."""

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from engine.distributed.launcher import RankGroup
     from graphs.compiled_extend import CompiledExtendStep
     from graphs.extend_graph_runner import ExtendGraphRunner
+    from graphs.runner import PrefillRunner
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +140,8 @@ class Engine:
         graph_runner = self._graph_runner()
         extend_step = self._extend_step()
         runner_args = (self.model, self.kv_pool, self.device, self.platform.slot_index_dtype, graph_runner,
-                       self.decode_state, extend_step, self._extend_graphs(extend_step, graph_runner, max_pages))
+                       self.decode_state, extend_step, self._extend_graphs(extend_step, graph_runner, max_pages),
+                       self._prefill_runner())
         if self.tp_ranks is not None:
             from engine.distributed.runner import TensorParallelRunner
 
@@ -347,6 +349,17 @@ class Engine:
 
         logger.info("extend steps: torch.compile'd layers, token count dynamic (compiled on the first prefill)")
         return CompiledExtendStep(self.model, self.kv_pool.caches, strict=bool(self.config.strict_graphs))
+
+    def _prefill_runner(self) -> "PrefillRunner | None":
+        """The platform's own prefill runner (HPU: extend steps padded to prompt buckets), warmed up; None where
+        the platform has none, or with graphs off (then every extend step takes the paths above)."""
+        factory = self.platform.prefill_runner_class()
+        if factory is None or self.config.disable_graphs or self._graphs_unsupported():
+            return None
+        runner = factory(self.model, self.kv_pool.caches, self.kv_pool.page_size, self.max_model_len, self.device,
+                         self.platform.slot_index_dtype)  # fmt: skip
+        runner.capture()
+        return runner
 
     def _extend_graphs(
         self, extend_step: "CompiledExtendStep | None", decode_graphs: object, max_pages: int

@@ -16,7 +16,7 @@ from engine.sampler import SampledTokens, record_prompt_logprobs, sample
 from engine.scheduler import ScheduledStep
 from engine.step_message import ExtendMessage, StepMessage
 from engine.transfer import to_device
-from graphs.runner import DecodeRunner
+from graphs.runner import DecodeRunner, PrefillRunner
 
 if TYPE_CHECKING:
     from graphs.compiled_extend import CompiledExtendStep
@@ -29,8 +29,9 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions per full-vocabulary logits slice (
 
 class ModelRunner:
     """Runs a step's message on the device: the decode rows through the platform's graph runner (one
-    contract for every platform: `run_decode(message, state)`), everything else eagerly or through
-    the compiled/graphed extend step; then samples."""
+    contract for every platform: `run_decode(message, state)`), prefills through the platform's prefill
+    runner where it has one and takes the step (`run_prefill(message)`), everything else eagerly or
+    through the compiled/graphed extend step; then samples."""
 
     def __init__(
         self,
@@ -42,6 +43,7 @@ class ModelRunner:
         decode_state: DecodeBatchState,
         extend_step: "CompiledExtendStep | None" = None,
         extend_graphs: "ExtendGraphRunner | None" = None,
+        prefill_runner: PrefillRunner | None = None,
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
@@ -51,6 +53,7 @@ class ModelRunner:
         self.decode_state = decode_state
         self.extend_step = extend_step  # compiled prefill/mixed steps; None: eager
         self.extend_graphs = extend_graphs  # their CUDA graphs per token bucket; None: none
+        self.prefill_runner = prefill_runner  # the platform's own prefill (HPU prompt buckets); None: none
         self.graph_steps = 0
         self.eager_steps = 0
 
@@ -73,6 +76,10 @@ class ModelRunner:
                 self.graph_steps += 1
                 return runner.run_decode(message.decode, state)
             batch = state.decode_batch(message.decode, step.requests)
+        elif (prefill := self.prefill_runner) is not None and not step.is_mixed and message.extend is not None \
+                and prefill.can_run(message.extend):
+            # Decided from the message alone (no Request objects), as every tensor-parallel rank decides it.
+            return prefill.run_prefill(message.extend), None
         else:
             batch = self._extend_batch(step, message)
         if not step.is_decode and self.extend_graphs is not None and self.extend_graphs.can_run(batch):

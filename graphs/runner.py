@@ -16,7 +16,7 @@ from graphs.capture_hooks import CaptureHooks, capture_hooks_for
 
 if TYPE_CHECKING:
     from engine.batch_state import DecodeBatchState
-    from engine.step_message import DecodeMessage
+    from engine.step_message import DecodeMessage, ExtendMessage
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,21 @@ class DecodeRunner(Protocol):
 
     def run_decode(self, message: "DecodeMessage", state: "DecodeBatchState") -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [n, vocab] float32, the decode rows [n] on the device) of the message's n rows."""
+        ...
+
+
+class PrefillRunner(Protocol):
+    """A platform's own prefill (HPU: extend steps padded to warmed prompt buckets). The engine offers it each
+    extend step that is not mixed; a step it cannot run goes through the usual extend path."""
+
+    def capture(self) -> None:
+        """Compile (warm up) every shape once, before serving."""
+
+    def can_run(self, message: "ExtendMessage") -> bool: ...
+
+    def run_prefill(self, message: "ExtendMessage") -> torch.Tensor | None:
+        """Logits [sampled, vocab] of the message's sampled requests in its order (its logits_indices), after
+        every token's k/v is stored; None when no request samples."""
         ...
 
 

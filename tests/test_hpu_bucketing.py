@@ -287,7 +287,9 @@ def test_import_does_not_load_habana() -> None:
     try:
         for name in saved:
             del sys.modules[name]
-        for name in ("backends.hpu", "backends.hpu.platform", "backends.hpu.bucketing", "backends.hpu.graph_runner"):
+        for name in ("backends.hpu", "backends.hpu.platform", "backends.hpu.bucketing", "backends.hpu.graph_runner",
+                     "backends.hpu.attention", "backends.hpu.prompt_attention", "backends.hpu.prefill",
+                     "backends.hpu.prefill_runner"):  # fmt: skip
             importlib.import_module(name)
     finally:
         sys.meta_path.remove(spy)

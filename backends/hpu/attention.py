@@ -41,6 +41,7 @@ from backends.hpu.bucketing import (
     pad_decode_batch,
     page_table_width,
 )
+from backends.hpu.prompt_attention import HpuPromptMetadata, padded_prompt_attention
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import extend_attention
 from engine.transfer import to_device
@@ -303,7 +304,8 @@ def _hpu_store_kv() -> StoreFn:
 
 
 class HpuAttentionBackend:
-    """Decode: index_copy_ store + flat paged attention; extend: the same store + torch extend attention."""
+    """Decode: index_copy_ store + flat paged attention; extend: the same store, then attention over a padded
+    prompt batch (a bucketed prefill) or the ragged torch extend attention (an unpadded one)."""
 
     name = "hpu_flat"
     # Its capture/replay hooks (warm-up batches, host padding, flat block metadata): HpuDecodeRunner's.
@@ -312,7 +314,7 @@ class HpuAttentionBackend:
     def __init__(
         self, store_kv: StoreFn | None = None, fp32_softmax: bool = False, mark_steps: bool = False
     ) -> None:
-        """fp32_softmax: decode softmax statistics in fp32 (HpuPlatform.prepare_model sets it per model type).
+        """fp32_softmax: decode and padded-prompt softmax in fp32 (HpuPlatform.prepare_model sets it per model type).
         mark_steps: lazy mode; a prefill's lazily accumulated graph is flushed (htorch.core.mark_step) at the
         end of its forward pass, so it compiles and runs there, not at the next decode step's mark_step."""
         # HpuPlatform.store_kv: index_copy_ along slots, int64 indices, static per bucket.
@@ -354,6 +356,9 @@ class HpuAttentionBackend:
     ) -> torch.Tensor:
         self.store_kv(k_cache, v_cache, meta.slot_indices, k, v)
         if not meta.is_decode:
+            if isinstance(meta.platform_metadata, HpuPromptMetadata):
+                # A prefill padded to a prompt bucket (backends/hpu/prefill_runner.py): one static-shape op.
+                return padded_prompt_attention(q, k, v, meta.platform_metadata, scale, self.fp32_softmax)
             return extend_attention(q, k_cache, v_cache, meta, scale)
         flat = meta.platform_metadata
         if not isinstance(flat, HpuFlatMetadata):

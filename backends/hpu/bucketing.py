@@ -168,6 +168,25 @@ def choose_decode_bucket(
     )
 
 
+def choose_prompt_bucket(num_rows: int, max_len: int, buckets: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The warmed (rows, tokens per row) prompt bucket that holds `num_rows` prompts of up to `max_len` tokens
+    with the fewest padded tokens (fewer rows on a tie).
+
+    vllm-gaudi's find_prompt_bucket takes the first bucket >= (rows, len) in tuple order, which over a full
+    product of the two lists is the same choice; checking each dimension on its own also holds for a list
+    that is not a product, where tuple order can hand back a bucket too short for the prompt.
+    """
+    fitting = [(bs * seq, bs, seq) for bs, seq in buckets if bs >= num_rows and seq >= max_len]
+    if num_rows < 1 or not fitting:
+        largest = max(buckets) if buckets else None
+        raise BucketOverflowError(
+            f"{num_rows} prompt(s) of up to {max_len} tokens fit no prompt bucket (largest {largest}); raise "
+            "ENGINE_PROMPT_BS_BUCKET_MAX / ENGINE_PROMPT_SEQ_BUCKET_MAX or hpu.prompt_*_bucket.max"
+        )
+    _, bs, seq = min(fitting)
+    return bs, seq
+
+
 def page_table_width(blocks_bucket: int, max_blocks_per_seq: int) -> int:
     """Columns of the padded page table: no row can need more than either bound."""
     return min(blocks_bucket, max_blocks_per_seq)
@@ -296,8 +315,14 @@ class HpuBucketConfig:
     def decode_pairs(self, max_blocks_total: int | None = None) -> list[tuple[int, int]]:
         return decode_buckets(self.decode_bs, self.decode_block, self.max_blocks_per_seq, max_blocks_total)
 
-    def prompt_pairs(self) -> list[tuple[int, int]]:
-        return prompt_buckets(self.prompt_bs, self.prompt_seq, self.max_num_batched_tokens)
+    def prompt_pairs(self, max_prompt_len: int | None = None) -> list[tuple[int, int]]:
+        """Prompt buckets; with max_prompt_len, none longer than the first sequence bucket that holds such a
+        prompt (the longer ones could never be chosen, and warm-up would compile them for nothing)."""
+        seq = self.prompt_seq
+        if max_prompt_len is not None:
+            cap = smallest_bucket_at_least(seq, max_prompt_len)
+            seq = [s for s in seq if cap is None or s <= cap]
+        return prompt_buckets(self.prompt_bs, seq, self.max_num_batched_tokens)
 
 
 def read_bucket_range(name: str, defaults: Mapping[str, int], env: Mapping[str, str]) -> tuple[BucketRange, bool]:

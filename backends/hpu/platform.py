@@ -185,6 +185,13 @@ class HpuPlatform(Platform):
         # The engine-facing adapter below; HpuDecodeRunner itself takes a step callable.
         return HpuEngineRunner
 
+    def prefill_runner_class(self) -> Callable[..., Any]:
+        # Extend steps padded to prompt buckets (backends/hpu/prefill_runner.py), so lazy mode compiles one
+        # graph per bucket at warm-up rather than one per new prompt length while serving.
+        from backends.hpu.prefill_runner import HpuPrefillRunner
+
+        return HpuPrefillRunner.from_engine
+
     def set_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
         hpu: Any = getattr(torch, "hpu", None)

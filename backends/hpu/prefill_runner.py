@@ -1,0 +1,206 @@
+"""HPU prefill runner: extend steps padded to warmed prompt buckets, run, real rows' logits. UNTESTED ON GAUDI HARDWARE.
+
+Without it an extend step runs the model on its exact token count, with one attention call per request
+of that request's length: in lazy mode every new prompt shape is a new graph to compile, seconds each,
+while serving. Here (as vllm-gaudi does) the step's prompts are grouped and each group padded on the
+host to a prompt bucket (rows, tokens per row) from the HPU bucket config (backends/hpu/prefill.py);
+the step sees only bucket shapes, attention over the padded batch is one masked op
+(backends/hpu/prompt_attention.py), padded tokens write only the dummy slot, and the LM head runs on
+each row's last token alone. Every bucket runs once at start-up (warm-up), so serving compiles nothing
+new. Steps that cannot be bucketed (`prefill.unbucketable_reason`) run the unpadded path, each reason
+logged once.
+
+Modes follow the decode runner's (backends/hpu/graph_runner.py): `lazy` runs the step and then
+`htorch.core.mark_step()` (the bridge keeps one recipe per bucket shape; prompts are not wrapped in HPU
+graphs, whose per-bucket memory vllm-gaudi has to budget separately), `compile` wraps the whole step in
+`torch.compile(backend="hpu_backend", dynamic=False)`, one entry per bucket, and `eager` runs it as is.
+On CPU (tests) `mode="eager"` or `compile_backend="eager"` run the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from backends.hpu.prefill import (
+    STEP_INPUTS,
+    PaddedPromptBatch,
+    group_prompts,
+    pad_prompt_batch,
+    prompt_rows,
+    unbucketable_reason,
+    warmup_prompt_batch,
+)
+from backends.hpu.prompt_attention import HpuPromptMetadata
+from engine.layers.attention import AttentionMetadata
+from engine.step_message import ExtendMessage
+from graphs.compiled_step import compile_count, compile_limits, private_copy
+
+logger = logging.getLogger(__name__)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+PromptStepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def prompt_model_step(model: Any, kv_caches: KVCaches, page_size: int, bias_dtype: torch.dtype) -> PromptStepFn:
+    """The padded prefill over the engine's model:
+    ``step(input_ids [rows*seq], positions [rows*seq], slot_indices [rows*seq], seq_lens [rows], last_index [rows])
+    -> logits [rows, vocab]``, every shape fixed by the bucket. The attention mask is built on the device
+    once per step from seq_lens (HpuPromptMetadata), and the LM head sees one token per row."""
+
+    def step(input_ids, positions, slot_indices, seq_lens, last_index):  # noqa: ANN001, ANN202
+        rows = seq_lens.shape[0]
+        prompt = HpuPromptMetadata.from_lengths(seq_lens, input_ids.shape[0] // rows, bias_dtype)
+        # No page table: every key a row attends to is one of its own new tokens (no cached prefix).
+        meta = AttentionMetadata(is_decode=False, slot_indices=slot_indices, page_table=seq_lens.new_zeros((rows, 0)),
+                                 seq_lens=seq_lens, page_size=page_size, platform_metadata=prompt)  # fmt: skip
+        hidden = model(input_ids, positions, kv_caches, meta)
+        return model.compute_logits(hidden.index_select(0, last_index))
+
+    return step
+
+
+class HpuPrefillRunner:
+    """Bucketed prefill on Gaudi: ``capture()`` (warm-up) once, then ``run_prefill(message)`` for each extend
+    step that ``can_run``; ModelRunner runs the others unpadded."""
+
+    def __init__(
+        self,
+        model: Any,
+        kv_caches: KVCaches,
+        page_size: int,
+        device: torch.device | str,
+        slot_dtype: torch.dtype = torch.int64,
+        *,
+        buckets: Sequence[tuple[int, int]],
+        mode: str = "compile",
+        compile_backend: str | Callable[..., Any] = "hpu_backend",
+        show_progress: bool = True,
+        skip_warmup: bool = False,
+    ) -> None:
+        if mode not in ("compile", "lazy", "eager"):
+            raise ValueError(f"mode must be compile, lazy or eager, got {mode!r}")
+        if not buckets:
+            raise ValueError("no prompt buckets")
+        self.buckets = sorted(set(buckets))
+        self.device = torch.device(device)
+        self.slot_dtype = slot_dtype
+        self.mode = mode
+        self.show_progress = show_progress
+        self.skip_warmup = skip_warmup
+        self.padded_steps = 0  # forward passes padded to a bucket (a step can take several)
+        self.compiles_after_warmup = 0  # dynamo frames compiled by padded steps after warm-up (compile mode)
+        self._warm = False
+        self._logged: set[str] = set()
+        if self.device.type == "hpu":
+            import habana_frameworks.torch  # noqa: F401  (registers the hpu device and "hpu_backend")
+        step = prompt_model_step(model, kv_caches, page_size, kv_caches[0][0].dtype)
+        self._fn = self._build(step, compile_backend)
+
+    @classmethod
+    def from_engine(
+        cls, model: Any, kv_caches: KVCaches, page_size: int, max_model_len: int, device: torch.device,
+        slot_dtype: torch.dtype = torch.int64, **options: Any,
+    ) -> "HpuPrefillRunner":
+        """Buckets, mode and warm-up from configs/hpu.yaml plus ENGINE_* env overrides, for the engine's page
+        size and context length (no bucket longer than the first that holds a max_model_len - 1 token prompt)."""
+        from backends.base import load_yaml_config
+        from backends.hpu.bucketing import resolve_bucket_config
+        from backends.hpu.graph_runner import _env_flag
+        from backends.hpu.platform import HpuPlatform, bridge_is_lazy, graph_mode_from_env
+
+        config = load_yaml_config(HpuPlatform().default_config())
+        hpu = dict(config.get("hpu") or {})
+        config.update(page_size=page_size, max_model_len=max_model_len)
+        if "mode" not in options:
+            options["mode"] = graph_mode_from_env(default=hpu.get("graph_mode"), bridge_lazy=bridge_is_lazy())
+        options.setdefault("skip_warmup", _env_flag("ENGINE_HPU_SKIP_WARMUP", bool(hpu.get("skip_warmup", False))))
+        buckets = resolve_bucket_config(config).prompt_pairs(max_model_len - 1)
+        return cls(model, kv_caches, page_size, device, slot_dtype, buckets=buckets, **options)
+
+    def _build(self, step: PromptStepFn, compile_backend: str | Callable[..., Any]) -> PromptStepFn:
+        if self.mode != "compile":
+            return step  # lazy: the bridge compiles one recipe per bucket shape at mark_step
+        # A private code object: another engine's runner in this process keeps its own compiled entries.
+        compiled = torch.compile(private_copy(step), backend=compile_backend, dynamic=False)
+        entries = len(self.buckets) + 8  # every bucket is its own compiled entry
+
+        def within_limits(*args: torch.Tensor) -> torch.Tensor:
+            with compile_limits(entries):
+                return compiled(*args)
+
+        return within_limits
+
+    def _mark_step(self) -> None:
+        if self.mode == "lazy":
+            import habana_frameworks.torch as htorch
+
+            htorch.core.mark_step()
+
+    def _run(self, batch: PaddedPromptBatch) -> torch.Tensor:
+        """One padded forward pass: inputs to the device (one copy each), logits [rows, vocab]."""
+        inputs = [getattr(batch, name).to(self.device, non_blocking=True) for name in STEP_INPUTS]
+        self._mark_step()  # lazy: the step's graph takes in no work queued before it
+        before = compile_count()
+        logits = self._fn(*inputs)
+        self._mark_step()
+        compiled = compile_count() - before
+        if compiled and self._warm:
+            self.compiles_after_warmup += compiled
+            logger.warning("HPU prefill bucket %s compiled %d graph(s) after warm-up", batch.bucket, compiled)
+        return logits
+
+    # ---- warm-up ------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Run every prompt bucket before serving (twice when compiled: the second run catches guards that
+        fail only on reuse), on batches that write only the dummy slot. ENGINE_HPU_SKIP_WARMUP / skip_warmup:
+        buckets compile on first use instead."""
+        from tqdm import tqdm
+
+        if self.skip_warmup:
+            logger.warning("HPU prefill warm-up skipped: prompt buckets compile on first use")
+            self._warm = True
+            return
+        start = time.perf_counter()
+        compiles = compile_count()
+        with torch.no_grad():
+            for bucket in tqdm(self.buckets, desc="HPU prefill warm-up", disable=not self.show_progress):
+                batch = warmup_prompt_batch(bucket, self.slot_dtype)
+                for _ in range(2 if self.mode == "compile" else 1):
+                    self._run(batch)
+        if self.device.type == "hpu":
+            torch.hpu.synchronize()
+        self._warm = True
+        logger.info("HPU prefill warm-up: %d prompt buckets %s in %.1f s (mode=%s, %d dynamo compiles)",
+                    len(self.buckets), self.buckets, time.perf_counter() - start, self.mode,
+                    compile_count() - compiles)  # fmt: skip
+
+    # ---- serving ------------------------------------------------------------------------
+    def can_run(self, message: ExtendMessage) -> bool:
+        """Whether this extend step can run padded; the first step turned away for each reason is logged."""
+        reason = unbucketable_reason(message, self.buckets)
+        if reason is None:
+            return True
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.warning("HPU prefill runs unpadded (eager, a new graph per shape) when %s; logged once", reason)
+        return False
+
+    def run_prefill(self, message: ExtendMessage) -> torch.Tensor | None:
+        """Logits [sampled, vocab] of the message's sampled requests, in its order (its logits_indices);
+        None when none samples (chunks of a long prompt). One padded forward pass per group of prompts."""
+        rows = prompt_rows(message)
+        logits: list[torch.Tensor] = []
+        for indices, bucket in group_prompts([len(r.input_ids) for r in rows], self.buckets):
+            batch = pad_prompt_batch([rows[i] for i in indices], bucket, self.slot_dtype)
+            out = self._run(batch)
+            self.padded_steps += 1
+            sampled = batch.sampled_rows
+            if sampled == list(range(len(sampled))):
+                logits.append(out[: len(sampled)])  # the usual case: every prompt samples, a slice
+            elif sampled:
+                logits.append(out[torch.tensor(sampled, device=out.device)])
+        return torch.cat(logits) if len(logits) > 1 else (logits[0] if logits else None)

@@ -1,0 +1,284 @@
+"""HPU prefill bucketing on CPU: grouping and padding, the padded attention, a tiny Llama's padded prefill against
+the unpadded one (logits, KV pages, op shapes), no compile after warm-up, and the whole engine's greedy tokens."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from backends.cpu.platform import CpuPlatform
+from backends.hpu.bucketing import PAD_SLOT, BucketOverflowError, HpuBucketConfig, choose_prompt_bucket
+from backends.hpu.platform import HpuEngineRunner, HpuPlatform
+from backends.hpu.prefill import group_prompts, pad_prompt_batch, prompt_rows, unbucketable_reason
+from backends.hpu.prefill_runner import HpuPrefillRunner
+from backends.hpu.prompt_attention import HpuPromptMetadata, padded_prompt_attention
+from engine.engine import Engine
+from engine.forward_batch import extend_forward_batch
+from engine.kv_cache import KVPool
+from engine.layers.attention import AttentionMetadata, step_context
+from engine.layers.torch_attention import extend_attention
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.step_message import ExtendMessage, extend_message
+from graphs.compiled_step import compile_count
+from helpers import load_tiny_llama, run_staggered
+from test_hpu_attention import ShapeTrace
+
+PAGE = 8
+BUCKETS = [(1, 16), (1, 32), (2, 16), (2, 32)]
+
+
+# ---- host side: bucket choice, grouping, padding ----------------------------------------------
+
+
+def test_choose_prompt_bucket_fits_every_dimension() -> None:
+    product = [(1, 128), (1, 256), (2, 128), (2, 256)]
+    assert choose_prompt_bucket(1, 100, product) == (1, 128)
+    assert choose_prompt_bucket(1, 128, product) == (1, 128)
+    assert choose_prompt_bucket(2, 129, product) == (2, 256)
+    with pytest.raises(BucketOverflowError, match="fit no prompt bucket"):
+        choose_prompt_bucket(3, 10, product)
+    with pytest.raises(BucketOverflowError):
+        choose_prompt_bucket(1, 257, product)
+    # Not a product: tuple order would give (2, 128) for (1, 300), which does not hold it.
+    assert choose_prompt_bucket(1, 300, [(1, 128), (2, 128), (2, 512)]) == (2, 512)
+    # Fewest padded tokens: (4, 64) holds 2 x 60 in 256 tokens, (2, 256) would take 512.
+    assert choose_prompt_bucket(2, 60, [(2, 256), (4, 64)]) == (4, 64)
+
+
+def test_group_prompts_merges_in_order_while_a_bucket_fits() -> None:
+    assert group_prompts([5, 13, 30, 3], BUCKETS) == [(range(0, 2), (2, 16)), (range(2, 4), (2, 32))]
+    assert group_prompts([20, 3, 3], BUCKETS) == [(range(0, 2), (2, 32)), (range(2, 3), (1, 16))]
+    assert group_prompts([16], BUCKETS) == [(range(0, 1), (1, 16))]
+    with pytest.raises(BucketOverflowError):
+        group_prompts([3, 33], BUCKETS)
+
+
+def _message(lengths: list[int], seed: int = 0, cached: list[int] | None = None) -> tuple[ExtendMessage, list[Request]]:
+    """An extend message of prompts with the given lengths on scattered pages (ids 1..), as the engine builds it."""
+    rng = random.Random(seed)
+    cached = cached or [0] * len(lengths)
+    requests, pages = [], {}
+    free = rng.sample(range(1, 64), 63)
+    for i, n in enumerate(lengths):
+        request = Request(f"r{i}", [rng.randrange(3, 256) for _ in range(n)], SamplingParams())
+        request.num_cached_tokens = cached[i]
+        pages[request.request_id] = [free.pop() for _ in range(-(-n // PAGE))]
+        requests.append(request)
+    return extend_message(requests, pages, PAGE), requests
+
+
+def test_pad_prompt_batch_sends_padding_to_the_dummy_slot() -> None:
+    message, _ = _message([5, 13])
+    rows = prompt_rows(message)
+    batch = pad_prompt_batch(rows, (4, 16))
+    assert batch.bucket == (4, 16) and batch.num_real == 2 and batch.sampled_rows == [0, 1]
+    assert batch.input_ids.shape == batch.positions.shape == batch.slot_indices.shape == (64,)
+    assert batch.seq_lens.tolist() == [5, 13, 0, 0] and batch.seq_lens.dtype == torch.int32
+    assert batch.last_index.tolist() == [4, 16 + 12, 32, 48]
+    ids, slots, positions = batch.input_ids.view(4, 16), batch.slot_indices.view(4, 16), batch.positions.view(4, 16)
+    for r, row in enumerate(rows):
+        n = len(row.input_ids)
+        assert ids[r, :n].tolist() == row.input_ids and slots[r, :n].tolist() == row.slots
+        assert positions[r, :n].tolist() == list(range(n))
+        assert not ids[r, n:].any() and bool((slots[r, n:] == PAD_SLOT).all()) and not positions[r, n:].any()
+    assert bool((slots[2:] == PAD_SLOT).all()) and PAD_SLOT < PAGE  # inside page 0, which is never handed out
+    with pytest.raises(BucketOverflowError):
+        pad_prompt_batch(rows, (1, 16))
+
+
+def test_unbucketable_steps_say_why() -> None:
+    assert unbucketable_reason(_message([5, 13])[0], BUCKETS) is None
+    assert "longer than the largest" in str(unbucketable_reason(_message([5, 33])[0], BUCKETS))
+    assert "cached prefix" in str(unbucketable_reason(_message([12], cached=[8])[0], BUCKETS))
+    message, _ = _message([5])
+    message.prompt_logprob_requests = [0]
+    assert "prompt logprobs" in str(unbucketable_reason(message, BUCKETS))
+
+
+def test_prompt_buckets_stop_at_the_first_that_holds_the_longest_prompt() -> None:
+    config = HpuBucketConfig("linear", [1], [4], [1, 2], [128, 256, 384, 512], 128, 4, 1024)
+    assert config.prompt_pairs() == [(1, 128), (1, 256), (1, 384), (1, 512), (2, 128), (2, 256), (2, 384), (2, 512)]
+    assert config.prompt_pairs(max_prompt_len=200) == [(1, 128), (1, 256), (2, 128), (2, 256)]
+    assert config.prompt_pairs(max_prompt_len=5000) == config.prompt_pairs()
+
+
+# ---- the padded attention against the ragged one ------------------------------------------------
+
+
+def test_padded_prompt_attention_equals_ragged_extend_attention() -> None:
+    torch.manual_seed(3)
+    heads, kv_heads, dim, rows, seq = 4, 2, 16, 3, 12
+    lengths = [7, 12, 1]  # a full row, a short one, a one-token one
+    q = torch.randn(rows * seq, heads, dim)
+    k, v = torch.randn(rows * seq, kv_heads, dim), torch.randn(rows * seq, kv_heads, dim)
+    meta = HpuPromptMetadata.from_lengths(torch.tensor(lengths + [0]), seq, torch.float32)  # and a padded row
+    assert meta.attn_bias.shape == (4, 1, seq, seq)
+    pad = torch.zeros(seq, heads, dim), torch.zeros(seq, kv_heads, dim)
+    q, k, v = torch.cat([q, pad[0]]), torch.cat([k, pad[1]]), torch.cat([v, pad[1]])
+    out = padded_prompt_attention(q, k, v, meta, dim**-0.5)
+    assert torch.isfinite(out).all()  # padded queries (past a prompt's end, and the padded row) included
+    # The reference: each prompt alone through the ragged extend attention, its k/v in a cache of page size 1.
+    k_cache, v_cache = torch.zeros(1 + rows * seq, kv_heads, dim), torch.zeros(1 + rows * seq, kv_heads, dim)
+    ref = []
+    for r, n in enumerate(lengths):
+        tokens = torch.arange(r * seq, r * seq + n)
+        slots = tokens + 1  # slot 0 stays unused
+        k_cache[slots], v_cache[slots] = k[tokens], v[tokens]
+        one = AttentionMetadata(is_decode=False, slot_indices=slots, page_table=slots.view(1, -1).to(torch.int32),
+                                seq_lens=torch.tensor([n], dtype=torch.int32), page_size=1, query_start_loc=[0, n],
+                                seq_lens_cpu=[n])  # fmt: skip
+        ref.append(extend_attention(q[tokens], k_cache, v_cache, one, dim**-0.5))
+    real = torch.cat([torch.arange(r * seq, r * seq + n) for r, n in enumerate(lengths)])
+    torch.testing.assert_close(out[real], torch.cat(ref), atol=1e-5, rtol=1e-5)
+    # bf16 (Gaudi's dtype) with the softmax in fp32 stays close to the fp32 result.
+    bf16 = padded_prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), meta, dim**-0.5, fp32_softmax=True)
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.float(), out, atol=3e-2, rtol=3e-2)
+
+
+# ---- a tiny Llama: the padded prefill against the unpadded one ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, str]:
+    folder = str(tmp_path_factory.mktemp("tiny_hpu_prefill"))
+    model, config = load_tiny_llama(folder, num_hidden_layers=2)
+    model.set_attention_backend(HpuPlatform().attention_backend())
+    return model, config, folder
+
+
+def _random_pool(config: Any, pages: int = 64) -> KVPool:
+    """A KV pool full of random values, so that a write anywhere shows."""
+    pool = KVPool(config.num_hidden_layers, pages, PAGE, config.num_key_value_heads, config.head_dim, torch.float32,
+                  torch.device("cpu"))  # fmt: skip
+    torch.manual_seed(11)
+    for k, v in pool.caches:
+        k.normal_()
+        v.normal_()
+    return pool
+
+
+@torch.no_grad()
+def _unpadded_logits(model: Any, message: ExtendMessage, requests: list[Request], caches: Any) -> torch.Tensor:
+    """The unpadded path (ModelRunner's eager extend step): the exact token count, the ragged attention."""
+    batch = extend_forward_batch(message, requests, PAGE, torch.device("cpu"))
+    with step_context(model.attention_backend, batch.meta):
+        hidden = model(batch.input_ids, batch.positions, caches, batch.meta)
+    return model.compute_logits(hidden[batch.logits_indices])
+
+
+def test_padded_prefill_equals_unpadded(tiny: tuple[Any, Any, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    model, config, _ = tiny
+    pool = _random_pool(config)
+    runner = HpuPrefillRunner(model, pool.caches, PAGE, "cpu", buckets=BUCKETS, mode="eager", show_progress=False)
+    before = [(k.clone(), v.clone()) for k, v in pool.caches]
+    runner.capture()  # every bucket once, writing the dummy slot only
+    for (k, v), (k0, v0) in zip(pool.caches, before):
+        k[PAD_SLOT], v[PAD_SLOT] = k0[PAD_SLOT], v0[PAD_SLOT]
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    traces: dict[tuple[int, int], list[tuple]] = {}
+    step = runner._fn
+
+    def traced(*inputs: torch.Tensor) -> torch.Tensor:
+        rows = inputs[3].shape[0]
+        with ShapeTrace() as trace:
+            out = step(*inputs)
+        traces.setdefault((rows, inputs[0].shape[0] // rows), []).append(tuple(trace.ops))
+        return out
+
+    monkeypatch.setattr(runner, "_fn", traced)
+    # Several lengths per bucket: (1, 16) x 3, (2, 16) x 2, (1, 32) x 2, (2, 32) x 2.
+    cases = [[9], [12], [16], [3, 16], [11, 7], [20], [32], [17, 25], [2, 30]]
+    for seed, lengths in enumerate(cases):
+        message, requests = _message(lengths, seed)
+        ref_caches = [(k.clone(), v.clone()) for k, v in pool.caches]
+        with torch.no_grad():
+            logits = runner.run_prefill(message)
+        ref = _unpadded_logits(model, message, requests, ref_caches)
+        assert logits is not None and logits.shape == (len(lengths), config.vocab_size)
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+        real = torch.tensor(message.slots)
+        for layer, ((k, v), (rk, rv)) in enumerate(zip(pool.caches, ref_caches)):
+            for got, want in ((k, rk), (v, rv)):
+                if layer == 0:  # the first layer's k/v depend on the embeddings alone: bit for bit
+                    assert torch.equal(got[real], want[real])
+                torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+                # Every other slot as the unpadded path left it, but the dummy one that padding writes.
+                others = torch.ones(got.shape[0], dtype=torch.bool)
+                others[real] = False
+                others[PAD_SLOT] = False
+                assert torch.equal(got[others], want[others])
+    assert runner.padded_steps == len(cases)  # one forward per group (each case is one); warm-up not counted
+    # Every prompt length of a bucket ran exactly the same ops on exactly the same shapes.
+    assert sorted(traces) == sorted(BUCKETS)
+    for bucket, runs in traces.items():
+        assert len(runs) >= 2 and all(run == runs[0] for run in runs), bucket
+
+
+def test_compiled_prefill_never_recompiles_after_warmup(tiny: tuple[Any, Any, str]) -> None:
+    # torch.compile(dynamic=False) with dynamo's eager backend stands in for hpu_backend.
+    model, config, _ = tiny
+    buckets = [(1, 16), (2, 16)]
+    pool = _random_pool(config)
+    eager = HpuPrefillRunner(model, pool.caches, PAGE, "cpu", buckets=buckets, mode="eager", show_progress=False)
+    compiled = HpuPrefillRunner(model, pool.caches, PAGE, "cpu", buckets=buckets, mode="compile",
+                                compile_backend="eager", show_progress=False)  # fmt: skip
+    start = compile_count()
+    compiled.capture()
+    assert compile_count() - start >= len(buckets)  # one entry per bucket at least
+    for seed, lengths in enumerate([[5], [16], [3, 16], [11, 7], [1]]):
+        message, _ = _message(lengths, seed)
+        with torch.no_grad():
+            got, want = compiled.run_prefill(message), eager.run_prefill(message)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert compiled.compiles_after_warmup == 0
+
+
+# ---- the engine: greedy tokens with HPU bucketing (prefill and decode) equal the plain CPU engine's --------
+
+
+def test_engine_with_hpu_prompt_buckets_gives_the_same_tokens(
+    tiny: tuple[Any, Any, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, _, folder = tiny
+    prompts = [[5, 9, 14], list(range(40, 52)), list(range(3, 40)), [7] * 19, [11, 12, 13, 14, 15, 16]]
+    arrivals = [0, 0, 2, 2, 5]  # 3 + 12 tokens share a (2, 16) batch; 37 is past every bucket; 6 arrives alone
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    options = dict(model=folder, device="cpu", dtype="float32", page_size=PAGE, max_num_seqs=4, kv_cache_tokens=1024,
+                   max_model_len=128, enable_prefix_caching=False, debug_kv_invariant=True, max_extend_step_ms=0)
+    want = run_staggered(Engine(disable_graphs=True, **options), prompts, params, arrivals).token_ids
+
+    for name, (low, step, high) in {"PROMPT_BS": (1, 1, 2), "PROMPT_SEQ": (8, 16, 32),
+                                    "DECODE_BLOCK": (4, 4, 32)}.items():  # fmt: skip
+        for part, value in zip(("MIN", "STEP", "MAX"), (low, step, high)):
+            monkeypatch.setenv(f"ENGINE_{name}_BUCKET_{part}", str(value))
+    monkeypatch.setattr(CpuPlatform, "graph_runner_class",
+                        lambda self: lambda *a, strict=None, **k: HpuEngineRunner(*a, mode="eager", show_progress=False, **k))
+    monkeypatch.setattr(CpuPlatform, "prefill_runner_class",
+                        lambda self: lambda *a: HpuPrefillRunner.from_engine(*a, mode="eager", show_progress=False))
+    monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self: HpuPlatform().attention_backend())
+    assert HpuPlatform().prefill_runner_class() == HpuPrefillRunner.from_engine  # what a Gaudi engine gets
+    caplog.set_level(logging.WARNING, logger="backends.hpu.prefill_runner")
+    engine = Engine(capture_sizes="1,2,4", **options)
+    runner = engine.runner.prefill_runner
+    assert isinstance(runner, HpuPrefillRunner) and runner.buckets == [(1, 8), (1, 16), (1, 32), (2, 8), (2, 16), (2, 32)]
+    used: list[tuple[int, int]] = []
+    run = HpuPrefillRunner._run
+
+    def recorded(self: HpuPrefillRunner, batch: Any) -> torch.Tensor:
+        used.append(batch.bucket)
+        return run(self, batch)
+
+    monkeypatch.setattr(HpuPrefillRunner, "_run", recorded)
+    eager_before = engine.runner.eager_steps
+    got = run_staggered(engine, prompts, params, arrivals)
+    assert got.token_ids == want
+    assert used == [(2, 16), (1, 8)]  # the first two prompts in one batch; the last alone
+    assert engine.runner.eager_steps - eager_before == 1  # the step with the 37-token prompt, unpadded
+    # Logged once, though two steps were too long: the engine's own 126-token warm-up request, then the 37 tokens.
+    assert sum("longer than the largest prompt bucket" in r.getMessage() for r in caplog.records) == 1
