@@ -14,12 +14,15 @@ the design of vLLM's and SGLang's fused_moe:
    up in the epilogue -> [padded rows, I].
 3. `moe_down_kernel`: those rows by the expert's down, times the routing
    weight, written per slot -> [T, k, H].
-4. the sum over each token's k slots (torch.sum: deterministic, no atomics).
+4. the sum over each token's k slots (`moe_sum_slots_kernel`, in float32:
+   deterministic, no atomics).
 
 With few slots per expert (decode) the tile is `per_slot`: no sorting at all,
 one program per token slot and weight tile reading the slot's expert from the
-routing (`moe_slot_gate_up_kernel`, `moe_slot_down_kernel`): three launches per
-layer instead of a dozen, and no rows padded to 16.
+routing (`moe_slot_gate_up_kernel`, `moe_slot_down_kernel`): two launches
+instead of a dozen, and no rows padded to 16. Up to TRITON_ALIGN_MAX_SLOTS
+slots, step 1 is two Triton launches rather than torch ops. The routing itself
+(softmax, top k, renormalisation) is one launch too (`moe_route`).
 
 No step reads a device value on the host, and every shape and grid depends
 only on (T, k, E, BLOCK_M) and the weights' shapes: a launch is capturable in
@@ -40,8 +43,8 @@ from backends.hip.triton_hints import triton_launch_options
 KERNELS = "backends.cuda.kernels.fused_moe"
 
 # Up to this many token slots per expert on average, moe_tile picks the per-slot kernels. On the H200
-# (benchmarks/moe_kernel.py, 2026-12-02): Qwen3-30B-A3B's experts at 1 slot per expert (16 tokens)
-# 0.220 ms per layer per slot against 0.235 grouped, at 2 (32 tokens) 0.479 against 0.329;
+# (benchmarks/moe_kernel.py --sweep, 2026-12-02, ms per layer): Qwen3-30B-A3B's experts at 1 slot per
+# expert (16 tokens) 0.220 per slot against 0.235 grouped, at 2 (32 tokens) 0.479 against 0.329;
 # Mixtral-8x7B's at 1 (4 tokens) 0.546 against 0.540.
 PER_SLOT_MAX_SLOTS_PER_EXPERT = 1.0
 
