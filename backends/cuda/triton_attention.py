@@ -156,12 +156,14 @@ class TritonAttentionBackend(StaticBufferCaptureHooks):
             for attention, (k_cache, v_cache) in kinds.values():
                 window, softcap = attention.sliding_window or 0, attention.softcap
                 heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+                # An FP8 cache's scales select the kernels' scaled variants, as the layers' own calls do.
+                k_scale, v_scale = attention.kv_scales_for(k_cache)
                 for meta in decode_metas:
                     bs = meta.slot_indices.shape[0]
                     q = torch.empty(bs, heads, dim, dtype=dtype, device=device)
                     kv = torch.empty(bs, kv_heads, dim, dtype=dtype, device=device)
                     triton_paged_decode(q, kv, kv, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens,
-                                        meta.page_size, attention.scale, window, softcap)
+                                        meta.page_size, attention.scale, window, softcap, k_scale, v_scale)
                     launches += 1
                 meta = decode_metas[0]
                 tokens = 16
@@ -169,7 +171,7 @@ class TritonAttentionBackend(StaticBufferCaptureHooks):
                 ragged_paged_attention(
                     q, k_cache, v_cache, torch.tensor([0, tokens], dtype=torch.int32, device=device),
                     torch.full((1,), tokens, dtype=torch.int32, device=device), meta.page_table[:1], meta.page_size,
-                    attention.scale, window, softcap,
+                    attention.scale, window, softcap, k_scale, v_scale,
                 )
                 launches += 1
         return launches
