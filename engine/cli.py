@@ -39,7 +39,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-tokens", type=int, default=None)
     group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3"],
                        help="the KV cache's dtype (auto: the model's; fp8 / fp8_e4m3: half the bytes of bf16, cuda's Triton "
-                       "attention only; docs/quantization.md)")
+                       "attention only, scaled by the checkpoint's k/v scales where it has them; docs/quantization.md)")
     group.add_argument("--capture-sizes", default=None, help="comma-separated decode batch sizes to capture, e.g. 1,2,4,8")
     group.add_argument("--capture-config", default=None,
                        help="YAML of tuned capture sizes (written by `engine tune-capture`); --capture-sizes wins over it")

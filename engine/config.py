@@ -16,7 +16,8 @@ from graphs.buckets import cap_sizes, parse_sizes
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# KV caches may also be FP8 (e4m3, unit scale as vLLM's default without calibrated scales; "fp8" is vLLM's alias).
+# KV caches may also be FP8 (e4m3 with the checkpoint's per-layer k/v scales, else 1.0 as vLLM's default; "fp8" is
+# vLLM's alias).
 KV_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
 
 

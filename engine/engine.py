@@ -88,7 +88,8 @@ class Engine:
             self.config.dtype = preferred
         with building_for(self.tp):
             self.model, self.model_config = load_model(source, self.config.torch_dtype, self.device,
-                                                         self.config.load_format, self.config.quantization)
+                                                         self.config.load_format, self.config.quantization,
+                                                         self.config.kv_torch_dtype)
         # Rank 0 owns the tokenizer (and the scheduler's requests); the other ranks only run steps.
         self.tokenizer = load_tokenizer(source.tokenizer_dir) if self.tp.is_driver else None
         self.max_model_len = min(int(self.config.max_model_len), self.model_config.max_position_embeddings)

@@ -50,23 +50,24 @@ def extend_context(backend: Any, meta: AttentionMetadata) -> Iterator[None]:
 
 def _extend_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-    window: int = 0, softcap: float = 0.0,
+    window: int = 0, softcap: float = 0.0, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     current = getattr(_context, "current", None)
     if current is None:
         raise RuntimeError("engine::extend_attention called outside extend_context (no step metadata)")
     backend, meta = current
     meta = replace(meta, opaque_extend=False)
-    return backend.forward(q, k, v, k_cache, v_cache, meta, scale, **attention_extras(window, softcap))
+    return backend.forward(q, k, v, k_cache, v_cache, meta, scale, **attention_extras(window, softcap, k_scale, v_scale))
 
 
-def _extend_attention_fake(q, k, v, k_cache, v_cache, scale, window=0, softcap=0.0):  # noqa: ANN001, ANN202
+def _extend_attention_fake(q, k, v, k_cache, v_cache, scale, window=0, softcap=0.0, k_scale=None, v_scale=None):  # noqa: ANN001, ANN202
     return torch.empty_like(q)
 
 
 define_op(
     "extend_attention",
-    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, float scale, int window=0, float softcap=0.0) -> Tensor",
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, float scale, int window=0, float softcap=0.0, "
+    "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor",
     _extend_attention,
     _extend_attention_fake,
 )

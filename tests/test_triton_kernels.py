@@ -290,15 +290,17 @@ def last_slots(case: RaggedCase) -> torch.Tensor:
 
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("window", [0, 7])
-@pytest.mark.parametrize("fp8", [False, True])
-def test_decode_kernel_stores_the_new_rows_itself(splits: int, window: int, fp8: bool) -> None:
+@pytest.mark.parametrize("fp8,k_scale,v_scale", [(False, None, None), (True, None, None), (True, 4.0, 0.5)])
+def test_decode_kernel_stores_the_new_rows_itself(splits: int, window: int, fp8: bool, k_scale: float | None,
+                                                  v_scale: float | None) -> None:
     """new_kv: the kernel writes this step's k/v to their slots and attends to them, which must equal
     storing first (torch) and attending over the cache: the same output and the same cache. The new
     rows' slots hold NaN before the launch, so a program that reads them from the cache poisons its
     output; an FP8 cache gets them saturated (one value past e4m3's range). The FP8 case goes through
     the op (triton_paged_decode): compiled on a GPU that is the kernel's own e4m3 store; in Triton's
     interpreter, which narrows float32 to e4m3 wrongly, the op stores with torch first, and that
-    fallback is what runs here."""
+    fallback is what runs here. With scales the stored rows are k / k_scale, v / v_scale: on a GPU
+    the kernel's division must equal torch's bit for bit."""
     from backends.cuda.triton_attention import store_kv_rows, triton_paged_decode
     from backends.cuda.triton_decode import paged_decode_attention_triton
 
@@ -312,23 +314,176 @@ def test_decode_kernel_stores_the_new_rows_itself(splits: int, window: int, fp8:
         k_new = torch.randn(4, 2, 64, generator=generator).to(DEVICE, dtype)
         v_new = torch.randn(4, 2, 64, generator=generator).to(DEVICE, dtype)
         k_new[3, 1, 5] = 1000.0  # past e4m3's 448: saturated, not NaN
+        scales = {}
+        if k_scale is not None:
+            scales = dict(k_scale=torch.tensor(k_scale, device=DEVICE), v_scale=torch.tensor(v_scale, device=DEVICE))
         stored_k, stored_v = case.k_cache.clone(), case.v_cache.clone()
-        store_kv_rows(stored_k, slots, k_new)
-        store_kv_rows(stored_v, slots, v_new)
+        store_kv_rows(stored_k, slots, k_new, scales.get("k_scale"))
+        store_kv_rows(stored_v, slots, v_new, scales.get("v_scale"))
         case.k_cache[slots] = float("nan")
         case.v_cache[slots] = float("nan")
         lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
         if fp8:
             got = triton_paged_decode(case.q, k_new, v_new, case.k_cache, case.v_cache, slots, case.page_table, lens,
-                                      case.page_size, 64**-0.5, window)
+                                      case.page_size, 64**-0.5, window, **scales)
         else:
             got = paged_decode_attention_triton(
                 case.q, case.k_cache, case.v_cache, case.page_table, lens, case.page_size, 64**-0.5, splits=splits,
                 window=window, new_kv=(k_new, v_new, slots),
             )
         want = paged_decode_attention_triton(case.q, stored_k, stored_v, case.page_table, lens, case.page_size, 64**-0.5,
-                                             splits=None if fp8 else splits, window=window)
+                                             splits=None if fp8 else splits, window=window, **scales)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=tolerance(dtype), rtol=tolerance(dtype))
     assert torch.equal(case.k_cache[slots].float().cpu(), stored_k[slots].float().cpu())
     assert torch.equal(case.v_cache[slots].float().cpu(), stored_v[slots].float().cpu())
+
+
+def e4m3_scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an FP8 cache with per-tensor `scale` hands back for x: e4m3(x / scale) * scale, saturated."""
+    return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+
+
+def scaled_fp8_case(kind: str, page_size: int, k_scale: float, v_scale: float) -> tuple[RaggedCase, RaggedCase]:
+    """(an FP8 case whose caches hold k / k_scale and v / v_scale, its float32 twin holding what they
+    stand for: e4m3(k / k_scale) * k_scale). K/V span +-k_scale * 448 (past e4m3's range at unit scale)."""
+    if kind == "decode":
+        case = decode_case(8, 2, 64, page_size, [1, 17, 64, 150], torch.float32)
+    else:
+        case = ragged_case(8, 2, 64, page_size, [5, 40, 1], [0, 20, 33], torch.float32)
+    k_full, v_full = case.k_cache * (k_scale * 100), case.v_cache * (v_scale * 100)  # randn x 100: tails past 448
+    twin = RaggedCase(case.q / (k_scale * 10), e4m3_scaled(k_full, k_scale), e4m3_scaled(v_full, v_scale),
+                      case.page_table, case.seq_lens, case.query_lens, page_size)
+    case.q = twin.q
+    case.k_cache = (k_full / k_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    case.v_cache = (v_full / v_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return case, twin
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kind", ["decode", "ragged"])
+def test_fp8_kv_scales_fold_into_attention(kind: str, page_size: int) -> None:
+    """A cache holding k / k_scale and v / v_scale (checkpoint-calibrated scales): both kernels, given the
+    scales as device scalars, equal float attention over e4m3(k / k_scale) * k_scale (and v alike).
+    Without the scales the same launch is far off (the test can fail)."""
+    k_scale, v_scale = torch.tensor(2.5), torch.tensor(0.75)
+    with kernel_mode():
+        case, twin = scaled_fp8_case(kind, page_size, float(k_scale), float(v_scale))
+        scales = dict(k_scale=k_scale.to(DEVICE), v_scale=v_scale.to(DEVICE))
+        if kind == "decode":
+            got = [run_decode_scaled(case, splits, **scales) for splits in (1, 4)]
+            unscaled = run_decode(case, None)
+        else:
+            got = [run_ragged_scaled(case, **scales)]
+            unscaled = run_ragged(case)
+    want = twin.reference().cpu()
+    for out in got:
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.float().cpu(), want, atol=2e-3, rtol=2e-3)
+    assert not torch.allclose(unscaled.float().cpu(), want, atol=0.1)
+
+
+def run_decode_scaled(case: RaggedCase, splits: int | None, k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    from backends.cuda.triton_decode import paged_decode_attention_triton
+
+    lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
+    return paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.page_table, lens, case.page_size,
+                                         case.q.shape[-1] ** -0.5, splits=splits, k_scale=k_scale, v_scale=v_scale)
+
+
+def run_ragged_scaled(case: RaggedCase, k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    from backends.cuda.triton_extend import ragged_paged_attention
+
+    starts = torch.tensor(case.query_start_loc, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
+    return ragged_paged_attention(case.q, case.k_cache, case.v_cache, starts, lens, case.page_table, case.page_size,
+                                  case.q.shape[-1] ** -0.5, k_scale=k_scale, v_scale=v_scale)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("scaled", [True, False])
+def test_fp8_kv_scale_keeps_values_past_448(page_size: int, scaled: bool) -> None:
+    """A mixed step through the backend (decode rows stored by the decode op, extend rows by
+    store_kv_rows) with k/v reaching +-2000: with k_scale 8 and v_scale 6 the FP8 cache keeps them
+    (stored / scale, read back * scale) and attention equals the float reference over
+    e4m3(x / s) * s. At unit scale (the case scaled=False, today's behaviour before scales) they
+    saturate at 448 and the same comparison must fail."""
+    from backends.cuda.triton_attention import TritonAttentionBackend
+
+    k_scale, v_scale = 8.0, 6.0
+    with kernel_mode():
+        case = ragged_case(8, 2, 64, page_size, [1, 1, 20, 7], [30, 5, 0, 40], torch.float32)
+        starts = case.query_start_loc
+        slots = torch.cat([
+            case.page_table[row, positions // case.page_size].long() * case.page_size + positions % case.page_size
+            for row, positions in enumerate(
+                torch.arange(length - n, length, device=DEVICE) for length, n in zip(case.seq_lens, case.query_lens))
+        ])
+        k_full, v_full = case.k_cache * 500.0, case.v_cache * 500.0  # randn x 500: many values past 448 * 2
+        k_full[slots[0], 0, 0], v_full[slots[-1], 1, 3] = 2000.0, -2000.0  # a decode row's and an extend row's
+        k_new, v_new = k_full[slots].clone(), v_full[slots].clone()
+        k_cache = (k_full / k_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        v_cache = (v_full / v_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        twin = RaggedCase(case.q / 100.0, e4m3_scaled(k_full, k_scale), e4m3_scaled(v_full, v_scale), case.page_table,
+                          case.seq_lens, case.query_lens, page_size)
+        meta = AttentionMetadata(
+            is_decode=False, slot_indices=slots, page_table=case.page_table,
+            seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE), page_size=page_size,
+            query_start_loc=starts, seq_lens_cpu=case.seq_lens,
+            query_starts=torch.tensor(starts, dtype=torch.int32, device=DEVICE), num_decodes=2,
+        )
+        scales = dict(k_scale=torch.tensor(k_scale, device=DEVICE), v_scale=torch.tensor(v_scale, device=DEVICE))
+        got = TritonAttentionBackend().forward(twin.q, k_new, v_new, k_cache, v_cache, meta, 64**-0.5,
+                                               **(scales if scaled else {}))
+    stored_k, stored_v = k_cache[slots].float().cpu(), v_cache[slots].float().cpu()
+    close = torch.allclose(got.float().cpu(), twin.reference().cpu(), atol=2e-3, rtol=2e-3)
+    if scaled:
+        assert close
+        assert torch.equal(stored_k * k_scale, e4m3_scaled(k_new, k_scale).cpu())
+        assert torch.equal(stored_v * v_scale, e4m3_scaled(v_new, v_scale).cpu())
+        assert (stored_k * k_scale).abs().max() == 2048.0  # e4m3's nearest to 2000 / 8 = 250 is 256
+    else:
+        assert not close
+        assert stored_k.abs().max() == 448.0  # saturated
+
+
+@pytest.mark.parametrize("path", ["decode", "extend", "compiled_extend_op"])
+def test_attention_layer_hands_its_kv_scales_to_the_backend(path: str) -> None:
+    """The Attention layer's loaded scales reach the Triton kernels on every path a step takes: the
+    decode op, the eager extend, and engine::extend_attention (the compiled extend step's opaque op).
+    k/v reach +-2000, so a path that dropped the scales saturates them and fails the comparison."""
+    from backends.cuda.triton_attention import TritonAttentionBackend
+    from engine.layers.attention import Attention
+    from graphs.compiled_extend import extend_context
+
+    k_scale, v_scale = 8.0, 6.0
+    with kernel_mode():
+        if path == "decode":
+            case = decode_case(8, 2, 64, 16, [3, 17, 40], torch.float32)
+        else:
+            case = ragged_case(8, 2, 64, 16, [9, 1, 20], [0, 12, 5], torch.float32)
+        slots = torch.cat([
+            case.page_table[row, positions // case.page_size].long() * case.page_size + positions % case.page_size
+            for row, positions in enumerate(
+                torch.arange(length - n, length, device=DEVICE) for length, n in zip(case.seq_lens, case.query_lens))
+        ])
+        k_full, v_full = case.k_cache * 500.0, case.v_cache * 500.0
+        k_new, v_new = k_full[slots].clone(), v_full[slots].clone()
+        k_cache = (k_full / k_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        v_cache = (v_full / v_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        twin = RaggedCase(case.q / 100.0, e4m3_scaled(k_full, k_scale), e4m3_scaled(v_full, v_scale), case.page_table,
+                          case.seq_lens, case.query_lens, case.page_size)
+        starts = case.query_start_loc
+        meta = AttentionMetadata(
+            is_decode=path == "decode", slot_indices=slots, page_table=case.page_table,
+            seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE), page_size=case.page_size,
+            query_start_loc=starts, seq_lens_cpu=case.seq_lens,
+            query_starts=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+            opaque_extend=path == "compiled_extend_op",
+        )
+        layer = Attention(8, 2, 64)
+        layer.backend = TritonAttentionBackend()
+        layer.set_kv_scales(k_scale, v_scale, torch.device(DEVICE))
+        with extend_context(layer.backend, meta):
+            got = layer(twin.q, k_new, v_new, (k_cache, v_cache), meta)
+    torch.testing.assert_close(got.float().cpu(), twin.reference().cpu(), atol=2e-3, rtol=2e-3)

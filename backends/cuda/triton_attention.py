@@ -16,17 +16,21 @@ from backends.cuda.triton_build import compile_only, interpreted
 from backends.cuda.triton_decode import paged_decode_attention_triton
 from backends.cuda.triton_extend import ragged_paged_attention
 from engine.layers.attention import AttentionMetadata
-from engine.layers.ops import define_decode_attention_op
+from engine.layers.ops import DECODE_ATTENTION_SCHEMA, decode_attention_fake, define_op
 from graphs.capture_hooks import StaticBufferCaptureHooks
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_KV_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
 
 
-def store_kv_rows(cache: torch.Tensor, slot_indices: torch.Tensor, rows: torch.Tensor) -> None:
-    """cache[slot_indices] = rows; an FP8 cache takes them saturated to e4m3's range (a plain cast would
-    make NaN of anything past 448) at unit scale, as vLLM stores without calibrated scales."""
+def store_kv_rows(cache: torch.Tensor, slot_indices: torch.Tensor, rows: torch.Tensor,
+                  scale: torch.Tensor | None = None) -> None:
+    """cache[slot_indices] = rows; an FP8 cache takes rows / scale (a float32 scalar on the device: the
+    checkpoint's k_scale or v_scale; None: unit scale, vLLM's default without calibrated ones)
+    saturated to e4m3's range (a plain cast would make NaN of anything past 448)."""
     if cache.dtype == FP8_KV_DTYPE:
+        if scale is not None:
+            rows = rows.float() / scale  # divided as the decode kernel's own store divides
         # index_copy_ has no float8 kernel (CPU or CUDA): the e4m3 bytes are copied as bytes.
         rows = rows.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
         cache.view(torch.uint8).index_copy_(0, slot_indices, rows.view(torch.uint8))
@@ -47,23 +51,30 @@ def triton_paged_decode(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This step's k/v stored and attended to in one Triton launch (the kernel writes them), one opaque
     op so torch.compile leaves it alone. The kernel reads the new rows in the cache's own dtype or
     rounds them through e4m3; any other pairing (and an FP8 cache under Triton's interpreter, which
-    narrows float32 to e4m3 wrongly) is stored by torch first."""
+    narrows float32 to e4m3 wrongly) is stored by torch first. k_scale, v_scale: an FP8 cache's
+    per-tensor scales (float32 scalars on the device), or None for unit scale."""
     fp8 = k_cache.dtype == FP8_KV_DTYPE
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if (fp8 and interpreted()) or (not fp8 and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype)):
-        store_kv_rows(k_cache, slot_indices, k)
-        store_kv_rows(v_cache, slot_indices, v)
+        store_kv_rows(k_cache, slot_indices, k, k_scale)
+        store_kv_rows(v_cache, slot_indices, v, v_scale)
         return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, scale,
-                                             window=window, softcap=softcap)
+                                             window=window, softcap=softcap, **scales)
     return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window=window,
                                          softcap=softcap, new_kv=(k, v, slot_indices),
-                                         fp8_max=FP8_KV_MAX if fp8 else 0.0)
+                                         fp8_max=FP8_KV_MAX if fp8 else 0.0, **scales)
 
 
-define_decode_attention_op("triton_paged_decode", triton_paged_decode)
+# The shared decode schema plus an FP8 cache's scales: only this backend reads FP8 caches.
+define_op("triton_paged_decode", DECODE_ATTENTION_SCHEMA.replace(
+    "float softcap=0.0)", "float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None)"),
+    triton_paged_decode, decode_attention_fake)
 
 
 class TritonAttentionBackend(StaticBufferCaptureHooks):
@@ -87,22 +98,25 @@ class TritonAttentionBackend(StaticBufferCaptureHooks):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """window: a sliding window (each query sees its last `window` positions); 0 for none.
-        softcap: Gemma 2's soft-capped scores; 0 for none."""
+        softcap: Gemma 2's soft-capped scores; 0 for none. k_scale, v_scale: an FP8 cache's per-tensor
+        scales (float32 scalars on the device; None: unit scale)."""
         if meta.is_decode:
             return torch.ops.engine.triton_paged_decode(
                 q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale,
-                window, softcap,
+                window, softcap, k_scale, v_scale,
             )
         assert meta.query_starts is not None, "extend metadata without device query offsets"
         decodes = meta.num_decodes
         if decodes == 0:
-            store_kv_rows(k_cache, meta.slot_indices, k)  # the whole ragged batch's k/v in one launch
-            store_kv_rows(v_cache, meta.slot_indices, v)
+            store_kv_rows(k_cache, meta.slot_indices, k, k_scale)  # the whole ragged batch's k/v in one launch
+            store_kv_rows(v_cache, meta.slot_indices, v, v_scale)
             return ragged_paged_attention(
                 q, k_cache, v_cache, meta.query_starts, meta.seq_lens, meta.page_table, meta.page_size, scale, window,
-                softcap,
+                softcap, k_scale, v_scale,
             )
         # A mixed step: the prefill chunks' k/v stored here, the decode rows' by the decode kernel, as in the
         # decode graphs. The same compiled kernel variants serve both, so the first mixed steps compile
@@ -110,14 +124,14 @@ class TritonAttentionBackend(StaticBufferCaptureHooks):
         out = torch.empty_like(q)
         out[:decodes] = triton_paged_decode(
             q[:decodes], k[:decodes], v[:decodes], k_cache, v_cache, meta.slot_indices[:decodes],
-            meta.page_table[:decodes], meta.seq_lens[:decodes], meta.page_size, scale, window, softcap,
+            meta.page_table[:decodes], meta.seq_lens[:decodes], meta.page_size, scale, window, softcap, k_scale, v_scale,
         )
         if q.shape[0] > decodes:
-            store_kv_rows(k_cache, meta.slot_indices[decodes:], k[decodes:])
-            store_kv_rows(v_cache, meta.slot_indices[decodes:], v[decodes:])
+            store_kv_rows(k_cache, meta.slot_indices[decodes:], k[decodes:], k_scale)
+            store_kv_rows(v_cache, meta.slot_indices[decodes:], v[decodes:], v_scale)
             out[decodes:] = ragged_paged_attention(
                 q[decodes:], k_cache, v_cache, meta.query_starts[decodes:] - decodes, meta.seq_lens[decodes:],
-                meta.page_table[decodes:], meta.page_size, scale, window, softcap,
+                meta.page_table[decodes:], meta.page_size, scale, window, softcap, k_scale, v_scale,
             )
         return out
 
@@ -142,12 +156,14 @@ class TritonAttentionBackend(StaticBufferCaptureHooks):
             for attention, (k_cache, v_cache) in kinds.values():
                 window, softcap = attention.sliding_window or 0, attention.softcap
                 heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+                # An FP8 cache's scales select the kernels' scaled variants, as the layers' own calls do.
+                k_scale, v_scale = attention.kv_scales_for(k_cache)
                 for meta in decode_metas:
                     bs = meta.slot_indices.shape[0]
                     q = torch.empty(bs, heads, dim, dtype=dtype, device=device)
                     kv = torch.empty(bs, kv_heads, dim, dtype=dtype, device=device)
                     triton_paged_decode(q, kv, kv, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens,
-                                        meta.page_size, attention.scale, window, softcap)
+                                        meta.page_size, attention.scale, window, softcap, k_scale, v_scale)
                     launches += 1
                 meta = decode_metas[0]
                 tokens = 16
@@ -155,7 +171,7 @@ class TritonAttentionBackend(StaticBufferCaptureHooks):
                 ragged_paged_attention(
                     q, k_cache, v_cache, torch.tensor([0, tokens], dtype=torch.int32, device=device),
                     torch.full((1,), tokens, dtype=torch.int32, device=device), meta.page_table[:1], meta.page_size,
-                    attention.scale, window, softcap,
+                    attention.scale, window, softcap, k_scale, v_scale,
                 )
                 launches += 1
         return launches

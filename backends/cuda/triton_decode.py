@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.cuda.triton_build import interpreted, load_kernel
+from backends.cuda.triton_extend import check_kv_scales
 from backends.hip.triton_hints import triton_launch_options
 
 MAX_SPLITS = 16
@@ -78,6 +79,8 @@ def paged_decode_attention_triton(
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     fp8_max: float = 0.0,
     tile: DecodeTile | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D], caches [slots, KVH, D], page_table [B, pages], seq_lens [B] -> [B, H, D].
 
@@ -86,7 +89,9 @@ def paged_decode_attention_triton(
     softcap: scores soft-capped to softcap * tanh(score / softcap) (Gemma 2); 0 for none.
     new_kv: (k [B, KVH, D], v [B, KVH, D], slot_indices [B]): this step's k/v, stored by the kernel
     itself at each row's last position (None: they are in the cache already). fp8_max: an FP8 cache's
-    saturation bound for those stores. tile: the launch's tile (default decode_tile(); the sweep's knob)."""
+    saturation bound for those stores. tile: the launch's tile (default decode_tile(); the sweep's knob).
+    k_scale, v_scale: float32 scalars on the device for a cache holding k / k_scale and v / v_scale (new
+    rows stored divided by them); both or neither, None: unit scale."""
     import triton
 
     decode_kernel, combine_kernel = load_kernel(KERNELS, "paged_decode_kernel"), load_kernel(KERNELS, "combine_splits_kernel")
@@ -109,9 +114,11 @@ def paged_decode_attention_triton(
         partial = torch.empty(batch, heads, MAX_SPLITS, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, heads, MAX_SPLITS, dtype=torch.float32, device=q.device)
     k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)  # unread without STORE_NEW
+    scaled = check_kv_scales(k_scale, v_scale, k_cache.dtype)
     decode_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, page_table, seq_lens, partial, lse,
         k_new, v_new, slots,
+        k_scale if scaled else q, v_scale if scaled else q,  # unread unless KV_SCALED
         scale,
         window,
         softcap,
@@ -135,6 +142,7 @@ def paged_decode_attention_triton(
         SOFTCAPPED=softcap > 0,
         STORE_NEW=new_kv is not None,
         FP8_MAX=fp8_max,
+        KV_SCALED=scaled,
         **triton_launch_options("decode", tile.num_warps, tile.num_stages, tile_mn=(group_pad, tile.block_n),
                                 block_k=min(dim_pad, tile.block_n)),
     )

@@ -29,6 +29,22 @@ from backends.hip.triton_hints import EXTEND_ROWS_ON_HIP, is_rocm_build, triton_
 KERNELS = "backends.cuda.kernels.ragged_attention"
 
 
+def check_kv_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, cache_dtype: torch.dtype) -> bool:
+    """Whether a launch reads k/v scales: both given (one float32 element each, read by the kernel on
+    the device, so a captured graph keeps reading the loaded values), or neither. Only an FP8 cache
+    is stored divided by them: scales over a float cache would scale values stored unscaled."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale come together (a cache scaled on one side only is not a format)")
+    if k_scale is None:
+        return False
+    if cache_dtype != torch.float8_e4m3fn:
+        raise ValueError(f"KV cache scales apply to an FP8 (e4m3) cache only, not to a {cache_dtype} one")
+    for scale in (k_scale, v_scale):
+        if scale.numel() != 1 or scale.dtype != torch.float32:
+            raise ValueError(f"KV cache scales are float32 scalars, got {scale.dtype} of shape {tuple(scale.shape)}")
+    return True
+
+
 def ragged_tile(head_dim: int, group: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_Q tokens, GROUP_PAD heads, BLOCK_N keys) per program: ~128 query rows for bf16/fp16
     at head_dim <= 128 (64 at 256, or in float32, where registers run out first)."""
@@ -60,13 +76,17 @@ def ragged_paged_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """window: a sliding window (each query sees its last `window` positions); 0 for none.
     softcap: scores soft-capped to softcap * tanh(score / softcap) (Gemma 2); 0 for none.
 
     q [tokens, H, D] (request i's tokens at query_start_loc[i]:[i+1]), caches [slots, KVH, D] with
     this step's k/v already stored, seq_lens [B] context lengths including the new tokens, page_table
-    [B, pages] -> [tokens, H, D]. query_start_loc [B + 1] and seq_lens int32 on the device."""
+    [B, pages] -> [tokens, H, D]. query_start_loc [B + 1] and seq_lens int32 on the device.
+    k_scale, v_scale: float32 scalars on the device for a cache holding k / k_scale and v / v_scale
+    (both or neither; None: unit scale)."""
     import triton
 
     kernel = load_kernel(KERNELS, "ragged_paged_attention_kernel")
@@ -80,9 +100,11 @@ def ragged_paged_attention(
         return out
     # Enough programs for any split of `tokens` over `num_requests` (each rounds up to one block).
     grid = (tokens // block_q + num_requests, kv_heads)
+    scaled = check_kv_scales(k_scale, v_scale, k_cache.dtype)
     kernel[grid](
         q, k_cache, v_cache, out,
         query_start_loc, seq_lens, page_table,
+        k_scale if scaled else q, v_scale if scaled else q,  # unread unless KV_SCALED
         num_requests,
         scale * 1.4426950408889634,  # log2(e): the kernel's softmax runs in exp2
         window,
@@ -102,6 +124,7 @@ def ragged_paged_attention(
         WINDOWED=window > 0,
         IEEE_FP32=q.dtype == torch.float32 and not interpreted(),
         SOFTCAPPED=softcap > 0,
+        KV_SCALED=scaled,
         **triton_launch_options("extend", 8 if block_q * group_pad >= 128 else 4, 2, tile_mn=(block_q * group_pad, block_n),
                                 block_k=min(max(16, triton.next_power_of_2(head_dim)), block_n)),
     )

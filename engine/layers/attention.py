@@ -81,6 +81,24 @@ class Attention(nn.Module):
         # within the window instead.
         self.sliding_window = sliding_window
         self.backend: AttentionBackend | None = None  # set by the model runner
+        # An FP8 KV cache holds k / k_scale and v / v_scale: per-tensor float32 scalars on the device
+        # (vLLM's and SGLang's k_scale / v_scale), calibrated in the checkpoint or 1.0. Set once at load
+        # (engine/quantization/kv_scales.py) and read by the kernels on the device, so a captured graph
+        # needs no host value. Not persistent: they are not weights the loaders fill.
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
+
+    def set_kv_scales(self, k_scale: float, v_scale: float, device: torch.device) -> None:
+        """This layer's FP8 KV cache scales, as float32 scalars on `device` (after loading: a model
+        built on the meta device and cast to the model dtype has neither values nor float32 here)."""
+        self.k_scale = torch.tensor(k_scale, dtype=torch.float32, device=device)
+        self.v_scale = torch.tensor(v_scale, dtype=torch.float32, device=device)
+
+    def kv_scales_for(self, k_cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k_scale, v_scale) for an FP8 cache, (None, None) for a float one (stored unscaled)."""
+        if k_cache.dtype == torch.float8_e4m3fn:
+            return self.k_scale, self.v_scale
+        return None, None
 
     def forward(
         self,
@@ -93,18 +111,23 @@ class Attention(nn.Module):
         """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
         assert self.backend is not None, "attention backend not set; load the model through engine.loader"
         window = self.sliding_window or 0
+        k_scale, v_scale = self.kv_scales_for(kv_cache[0])
         if meta.opaque_extend:
-            return torch.ops.engine.extend_attention(q, k, v, kv_cache[0], kv_cache[1], self.scale, window, self.softcap)
+            return torch.ops.engine.extend_attention(q, k, v, kv_cache[0], kv_cache[1], self.scale, window, self.softcap,
+                                                     k_scale, v_scale)
         return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                    **attention_extras(window, self.softcap))
+                                    **attention_extras(window, self.softcap, k_scale, v_scale))
 
 
-def attention_extras(window: int, softcap: float) -> dict[str, Any]:
-    """The optional backend arguments a layer uses: a backend without sliding windows or soft-capping
-    is never called with them (the engine keeps such models off it)."""
+def attention_extras(window: int, softcap: float, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> dict[str, Any]:
+    """The optional backend arguments a layer uses: a backend without sliding windows, soft-capping or
+    FP8 caches is never called with them (the engine keeps such models and caches off it)."""
     extras: dict[str, Any] = {}
     if window:
         extras["window"] = window
     if softcap:
         extras["softcap"] = softcap
+    if k_scale is not None:
+        extras["k_scale"], extras["v_scale"] = k_scale, v_scale
     return extras

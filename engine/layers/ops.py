@@ -25,13 +25,14 @@ DECODE_ATTENTION_SCHEMA = (
 )
 
 
-def _decode_attention_fake(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale, window=0, softcap=0.0):  # noqa: ANN001, ANN202
+def decode_attention_fake(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    """Shapes only: the output is q's, whatever trailing arguments a backend adds (Triton's KV scales)."""
     return torch.empty_like(q)
 
 
 def define_decode_attention_op(name: str, impl: Callable[..., torch.Tensor]) -> None:
     """engine::<name> with the shared decode-attention schema."""
-    define_op(name, DECODE_ATTENTION_SCHEMA, impl, _decode_attention_fake)
+    define_op(name, DECODE_ATTENTION_SCHEMA, impl, decode_attention_fake)
 
 
 def define_op(name: str, schema: str, impl: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]) -> None:

@@ -21,14 +21,16 @@ logger = logging.getLogger(__name__)
 
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
-    quantization: str = "auto",
+    quantization: str = "auto", kv_cache_dtype: torch.dtype | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """quantization: "auto" (the checkpoint's own: FP8 layers stay FP8), "fp8" (also quantize a dense
     checkpoint's linears at load), "none" (FP8 checkpoints dequantized to `dtype`), "gguf" (the CPU
-    platform keeps GGUF blocks later; nothing here)."""
+    platform keeps GGUF blocks later; nothing here). kv_cache_dtype: the KV cache's; an FP8 one takes
+    the checkpoint's per-layer k/v scales (engine/quantization/kv_scales.py), any other ignores them."""
     # Imported here: engine.quantization needs engine.layers, which imports this package's loaders.
     from engine.quantization.checkpoint import checkpoint_quantization, make_fp8_layers, rename_scales
     from engine.quantization.fp8 import dequantize_fp8_linears, quantize_linears_online
+    from engine.quantization.kv_scales import apply_kv_scales, split_kv_scales
 
     config = ModelConfig.from_hf(source.hf_config)
     start = time.perf_counter()
@@ -51,6 +53,7 @@ def load_model(
     model = model.to_empty(device=device)
     attach_weight_loaders(model)  # materialising made new parameter objects
     model.after_materialize()
+    kv_scales: dict[tuple[int, str], float] = {}  # filled by split_kv_scales as the weights stream past
     if load_format == "dummy" or source.kind == "preset":
         if source.kind == "preset" and load_format != "dummy":
             raise ModelLoadError(f"{source.path}: a preset has no weights; pass --load-format dummy")
@@ -60,10 +63,11 @@ def load_model(
             model.load_weights(gguf_weights(source.path, source.hf_config))
     else:
         # Tensor parallelism: each rank's loaders read only their shard of each tensor from the file.
-        weights = safetensors_weights(source.path, lazy=world > 1)
+        weights = split_kv_scales(safetensors_weights(source.path, lazy=world > 1), kv_scales)
         with torch.no_grad():
             model.load_weights(rename_scales(weights, quant) if quant is not None else weights)
     model.eval().requires_grad_(False)
+    apply_kv_scales(model, kv_scales, kv_cache_dtype, device)
     if quant is not None and quantization == "none":
         logger.info("--quantization none: %d FP8 layers dequantized to %s at load", dequantize_fp8_linears(model, dtype), dtype)
     elif quantization == "fp8" and quant is None:

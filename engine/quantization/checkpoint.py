@@ -8,8 +8,8 @@
 
 Which linears are FP8 is read from the checkpoint's tensor names (a layer is FP8 where its weight
 has a scale beside it), so `ignore` lists need no interpretation. Static activation scales
-(`input_scale`) and KV-cache scales are not used (docstring of engine/quantization/fp8.py), and
-the log says so. Every other method (AWQ, GPTQ, bitsandbytes, int4/int8 compressed-tensors, ...) is
+(`input_scale`) are not used (docstring of engine/quantization/fp8.py), and the log says so; KV
+cache scales are taken out of the weights before this module sees them (engine/quantization/kv_scales.py). Every other method (AWQ, GPTQ, bitsandbytes, int4/int8 compressed-tensors, ...) is
 refused by name before any weight is read.
 """
 
@@ -26,8 +26,10 @@ from engine.errors import ModelLoadError
 logger = logging.getLogger(__name__)
 
 SUPPORTED = "fp8 (per-tensor, per-channel or 128x128 blocks) and compressed-tensors FP8; GGUF files on the CPU"
-# Checkpoint tensors the engine reads around, by design: static activation scales and KV-cache scales.
-UNUSED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale")
+# Checkpoint tensors the engine reads around, by design: static activation scales, and the attention
+# scales of FP8 attention (q, softmax probabilities), which it does not run. KV cache scales never
+# reach here: load_model takes them out first (engine/quantization/kv_scales.py).
+UNUSED_SUFFIXES = (".input_scale", ".q_scale", ".prob_scale")
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def checkpoint_quantization(hf_config: Any, tensor_names: Iterable[str]) -> Chec
 
 def rename_scales(weights: Iterable[tuple[str, torch.Tensor]], quant: CheckpointQuantization) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors with scales under the engine's name (`weight_scale`), static activation and
-    KV-cache scales left out (counted in one log line)."""
+    attention scales left out (counted in one log line)."""
     unused = 0
     tail = f".{quant.scale_suffix}"
     for name, tensor in weights:
@@ -118,8 +120,8 @@ def rename_scales(weights: Iterable[tuple[str, torch.Tensor]], quant: Checkpoint
             name = name[: -len(tail)] + ".weight_scale"
         yield name, tensor
     if unused:
-        logger.info("%d static activation / KV-cache scales in the checkpoint not used: activations are quantized per "
-                    "token at run time and the KV cache stays in the model dtype", unused)
+        logger.info("%d static activation / attention scales in the checkpoint not used: activations are quantized "
+                    "per token at run time", unused)
 
 
 def make_fp8_layers(model: torch.nn.Module, quant: CheckpointQuantization) -> int:

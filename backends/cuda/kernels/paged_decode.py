@@ -15,6 +15,7 @@ from backends.cuda.kernels.softcap import softcap_scores
 def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     k_new_ptr, v_new_ptr, slots_ptr,
+    k_scale_ptr, v_scale_ptr,
     scale,
     window,
     softcap,
@@ -38,6 +39,7 @@ def paged_decode_kernel(
     SOFTCAPPED: tl.constexpr = False,
     STORE_NEW: tl.constexpr = False,
     FP8_MAX: tl.constexpr = 0.0,
+    KV_SCALED: tl.constexpr = False,
 ):
     # STORE_NEW: this step's k/v rows (k_new, v_new: [B, KVH, D], one token per request, at position
     # seq_len - 1) are stored here instead of by separate copies before the launch: the program whose
@@ -46,6 +48,9 @@ def paged_decode_kernel(
     # so no program reads a slot this launch writes. Two index_copy_ kernels a layer (six for an FP8 cache)
     # disappear from every decode graph. Values pass through the cache's dtype first, so the attention
     # sees exactly what later steps will read back.
+    # KV_SCALED: the cache holds k / k_scale and v / v_scale (per-tensor float32 scalars on the device,
+    # checkpoint-calibrated; vLLM's k_scale / v_scale). k_scale is folded into the score scale and
+    # v_scale into the output (softmax weights are linear in v), so the tile loop does no extra work.
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -69,13 +74,19 @@ def paged_decode_kernel(
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
     )
     new_pos = seq_len - 1
+    k_scale = 1.0  # unscaled: dividing by 1.0 is exact, so these variants compute as before
+    v_scale = 1.0
+    if KV_SCALED:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    qk_scale = scale * k_scale
     if STORE_NEW:
         if (begin <= new_pos) & (new_pos < end):  # this program's range holds the new position: store it
             k_new = tl.load(k_new_ptr + batch * stride_nkb + kv_head * stride_nkh + offs_d, mask=d_mask, other=0.0)
             v_new = tl.load(v_new_ptr + batch * stride_nvb + kv_head * stride_nvh + offs_d, mask=d_mask, other=0.0)
             if FP8_MAX > 0:
-                k_new = tl.minimum(tl.maximum(k_new.to(tl.float32), -FP8_MAX), FP8_MAX)
-                v_new = tl.minimum(tl.maximum(v_new.to(tl.float32), -FP8_MAX), FP8_MAX)
+                k_new = tl.minimum(tl.maximum(k_new.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
+                v_new = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
             new_slot = tl.load(slots_ptr + batch).to(tl.int64)
             tl.store(k_ptr + new_slot * stride_ks + kv_head * stride_kh + offs_d, k_new.to(k_ptr.dtype.element_ty), mask=d_mask)
             tl.store(v_ptr + new_slot * stride_vs + kv_head * stride_vh + offs_d, v_new.to(v_ptr.dtype.element_ty), mask=d_mask)
@@ -99,8 +110,8 @@ def paged_decode_kernel(
             v_new_ptrs = v_new_ptr + batch * stride_nvb + kv_head * stride_nvh + offs_d[None, :] + 0 * slot[:, None]
             if FP8_MAX > 0:
                 kv_mask_new = is_new & d_mask[None, :]
-                k_row = tl.load(k_new_ptrs, mask=kv_mask_new, other=0.0).to(tl.float32)
-                v_row = tl.load(v_new_ptrs, mask=kv_mask_new, other=0.0).to(tl.float32)
+                k_row = tl.load(k_new_ptrs, mask=kv_mask_new, other=0.0).to(tl.float32) / k_scale
+                v_row = tl.load(v_new_ptrs, mask=kv_mask_new, other=0.0).to(tl.float32) / v_scale
                 k_row = tl.minimum(tl.maximum(k_row, -FP8_MAX), FP8_MAX).to(k_ptr.dtype.element_ty).to(q.dtype)
                 v_row = tl.minimum(tl.maximum(v_row, -FP8_MAX), FP8_MAX).to(v_ptr.dtype.element_ty).to(q.dtype)
                 kv_mask = kv_mask & (is_new == 0)
@@ -115,7 +126,7 @@ def paged_decode_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        qk = qk * scale
+        qk = qk * qk_scale
         if SOFTCAPPED:
             qk = softcap_scores(qk, softcap)
         qk = tl.where(valid[None, :], qk, float("-inf"))
@@ -134,6 +145,8 @@ def paged_decode_kernel(
         m_i = m_new
     out_mask = g_mask[:, None] & d_mask[None, :]
     out_offsets = batch * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    if KV_SCALED:  # the splits' partial outputs are combined linearly: each may take v_scale itself
+        acc = acc * v_scale
     if not SPLIT:
         tl.store(out_ptr + out_offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:

@@ -71,6 +71,7 @@ def _attend_tile(
 def ragged_paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     query_start_ptr, seq_lens_ptr, page_table_ptr,
+    k_scale_ptr, v_scale_ptr,
     num_requests,
     qk_scale,
     window,
@@ -90,7 +91,11 @@ def ragged_paged_attention_kernel(
     WINDOWED: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     SOFTCAPPED: tl.constexpr = False,
+    KV_SCALED: tl.constexpr = False,
 ):
+    # KV_SCALED: the cache holds k / k_scale and v / v_scale (per-tensor float32 scalars on the device,
+    # checkpoint-calibrated; vLLM's k_scale / v_scale): k_scale folds into the score scale, v_scale
+    # into the output, so the tiles are read as stored.
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     request = _find_request(query_start_ptr, num_requests, block, BLOCK_Q)
@@ -116,6 +121,8 @@ def ragged_paged_attention_kernel(
         q_ptr + (q_begin + token)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
         mask=row_mask[:, None] & d_mask[None, :], other=0.0,
     )
+    if KV_SCALED:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
@@ -145,6 +152,8 @@ def ragged_paged_attention_kernel(
                 offs_n, offs_d, d_mask, PAGE_SIZE, True, False, IEEE_FP32, SOFTCAPPED,
             )
     out = acc / l_i[:, None]
+    if KV_SCALED:
+        out = out * tl.load(v_scale_ptr)
     tl.store(
         out_ptr + (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
