@@ -1,12 +1,10 @@
 """The CUDA/ROCm experts method: the fused Triton MoE (backends/cuda/triton_moe.py) as opaque ops.
 
-Registered as `engine::fused_moe_partials` and `engine::moe_route` so that torch.compile sees opaque
+Registered as `engine::fused_moe_slots` and `engine::moe_route` so that torch.compile sees opaque
 calls with fakes for shapes (as the attention ops), and CUDA graph capture records their kernels.
-The experts op returns partial outputs [T, s, H] that the method sums over dim 1: at a few tokens
-each slot's weighted output (s = k), left to the compiled step, where inductor folds the sum into
-the residual add that follows rather than spending a launch on it; otherwise already summed by the
-op's own kernel (s = 1; triton_moe.step_sums_slots says which). The platform's prepare_model
-switches every SparseMoE to it.
+The experts op returns each token slot's weighted output [T, k, H]; the sum over a token's k slots
+is left to the compiled step, where inductor folds it into the residual add that follows rather
+than spending a launch on it. The platform's prepare_model switches every SparseMoE to it.
 """
 
 from __future__ import annotations
@@ -18,24 +16,15 @@ from engine.layers.moe import SparseMoE
 from engine.layers.ops import define_op
 
 
-def _partial_count(hidden: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor) -> int:
-    from backends.cuda.triton_moe import step_sums_slots
-
-    top_k = expert_ids.shape[1]
-    return top_k if step_sums_slots(hidden.shape[0], top_k, down.shape[0], hidden.dtype) else 1
-
-
-def _fused_moe_partials(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
-                        weights: torch.Tensor) -> torch.Tensor:
+def _fused_moe_slots(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
     from backends.cuda.triton_moe import fused_moe
 
-    if _partial_count(hidden, down, expert_ids) > 1:
-        return fused_moe(hidden, gate_up, down, expert_ids, weights, sum_slots=False)
-    return fused_moe(hidden, gate_up, down, expert_ids, weights).unsqueeze(1)
+    return fused_moe(hidden, gate_up, down, expert_ids, weights, sum_slots=False)
 
 
-def _fused_moe_partials_fake(hidden, gate_up, down, expert_ids, weights):  # noqa: ANN001, ANN202
-    return hidden.new_empty(hidden.shape[0], _partial_count(hidden, down, expert_ids), hidden.shape[1])
+def _fused_moe_slots_fake(hidden, gate_up, down, expert_ids, weights):  # noqa: ANN001, ANN202
+    return hidden.new_empty(hidden.shape[0], expert_ids.shape[1], hidden.shape[1])
 
 
 def _moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,10 +39,10 @@ def _moe_route_fake(logits, top_k, renormalize):  # noqa: ANN001, ANN202
 
 
 define_op(
-    "fused_moe_partials",
+    "fused_moe_slots",
     "(Tensor hidden, Tensor gate_up, Tensor down, Tensor expert_ids, Tensor weights) -> Tensor",
-    _fused_moe_partials,
-    _fused_moe_partials_fake,
+    _fused_moe_slots,
+    _fused_moe_slots_fake,
 )
 define_op("moe_route", "(Tensor logits, int top_k, bool renormalize) -> (Tensor, Tensor)", _moe_route, _moe_route_fake)
 
@@ -66,9 +55,8 @@ class TritonFusedMoEMethod:
         return torch.ops.engine.moe_route(logits, top_k, renormalize)
 
     def apply(self, layer: SparseMoE, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        partials = torch.ops.engine.fused_moe_partials(hidden, layer.experts.gate_up_proj, layer.experts.down_proj,
-                                                       expert_ids, weights)
-        return partials.sum(dim=1) if partials.shape[1] > 1 else partials.squeeze(1)
+        slots = torch.ops.engine.fused_moe_slots(hidden, layer.experts.gate_up_proj, layer.experts.down_proj, expert_ids, weights)
+        return slots.sum(dim=1) if slots.shape[1] > 1 else slots.squeeze(1)
 
 
 TRITON_FUSED_MOE = TritonFusedMoEMethod()

@@ -14,7 +14,7 @@ the design of vLLM's and SGLang's fused_moe:
    up in the epilogue -> [padded rows, I].
 3. `moe_down_kernel`: those rows by the expert's down, times the routing
    weight, written per slot -> [T, k, H].
-4. the sum over each token's k slots (`moe_sum_slots_kernel`, in float32:
+4. the sum over each token's k slots (torch's sum, or the compiled step's:
    deterministic, no atomics).
 
 With few slots per expert (decode) the tile is `per_slot`: no sorting at all,
@@ -141,7 +141,9 @@ def _align_triton(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> t
         FILL=1024,
         num_warps=4,
     )
-    place_block = 32
+    # 128 slots per program, as measured on the H200 (2026-12-02: 25 us a layer at 1,024 slots, the last
+    # program ranking its slots against all before it); smaller blocks would shorten it, not yet measured.
+    place_block = 128
     load_kernel(KERNELS, "moe_place_slots_kernel")[(triton.cdiv(num_slots, place_block),)](
         flat, sorted_slot_ids, group_start, num_slots, BLOCK=place_block, OTHERS=128, num_warps=4,
     )
@@ -183,9 +185,9 @@ def fused_moe(
     tile: MoeTile | None = None,
     sum_slots: bool = True,
 ) -> torch.Tensor:
-    """The experts' outputs, weighted and summed over each token's top k (moe_sum_slots_kernel, in
-    float32): [T, H] in hidden's dtype ([T, k, H], each slot's weighted output, with sum_slots=False:
-    the caller sums, e.g. in a compiled step where the sum joins the next kernel).
+    """The experts' outputs, weighted and summed over each token's top k: [T, H] in hidden's dtype
+    ([T, k, H], each slot's weighted output, with sum_slots=False: the caller sums, e.g. in a compiled
+    step where the sum joins the next kernel).
 
     hidden [T, H]; gate_up [E, 2I, H] (gate rows [0, I), up rows [I, 2I), as nn.Linear weights);
     down [E, H, I]; expert_ids [T, k] (any integer dtype); weights [T, k] routing weights (any float
@@ -209,29 +211,7 @@ def fused_moe(
     per_slot = per_slot.view(num_tokens, top_k, hidden_size)
     if not sum_slots:
         return per_slot
-    return per_slot.squeeze(1) if top_k == 1 else _sum_slots(per_slot)
-
-
-def _sum_slots(per_slot: torch.Tensor) -> torch.Tensor:
-    """[T, k, H] -> [T, H], in float32, rows of columns contiguous per program."""
-    import triton
-
-    num_tokens, top_k, hidden_size = per_slot.shape
-    out = per_slot.new_empty(num_tokens, hidden_size)
-    block_h = min(1024, triton.next_power_of_2(hidden_size))
-    load_kernel(KERNELS, "moe_sum_slots_kernel")[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        per_slot, out, hidden_size, per_slot.stride(0), per_slot.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
-    )
-    return out
-
-
-def step_sums_slots(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> bool:
-    """Whether the engine's op leaves the sum over a token's k slots to the compiled step: yes for the
-    per-slot tiles (a few tokens: inductor joins the sum to the residual add, 1.2 us per layer at one
-    token of Qwen3-MoE), no for the grouped ones (there inductor's sum ran 20 us per layer at 128
-    tokens, moe_sum_slots_kernel's layout a few)."""
-    return top_k > 1 and moe_tile(num_tokens, top_k, num_experts, dtype).per_slot
+    return per_slot.squeeze(1) if top_k == 1 else per_slot.sum(dim=1)  # float32 accumulation inside torch
 
 
 def _moe_grouped(

@@ -309,8 +309,7 @@ def moe_place_slots_kernel(
 ):
     """Each slot to its group's start plus the number of earlier slots of the same expert (its rank in
     token order): deterministic, no atomics. Program p ranks its BLOCK slots against the slots before
-    them, OTHERS at a time; BLOCK is small so that the last program's work (every slot before it)
-    stays short: on the H200, 128 slots per program took 25 us per layer at 1,024 slots."""
+    them, OTHERS at a time (the last program's work grows with every slot before it)."""
     pid = tl.program_id(0)
     slots = pid * BLOCK + tl.arange(0, BLOCK)
     valid = slots < num_slots
@@ -323,23 +322,3 @@ def moe_place_slots_kernel(
         rank += tl.sum(earlier.to(tl.int32), axis=1)
     start = tl.load(group_start_ptr + ids, mask=valid, other=0)
     tl.store(sorted_slots_ptr + start + rank, slots.to(tl.int32), mask=valid)
-
-
-@triton.jit
-def moe_sum_slots_kernel(
-    slots_ptr, out_ptr, hidden_size,
-    stride_st, stride_sk, stride_ot,
-    TOP_K: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """out[t] = sum over the k slots of token t of slots[t, c] ([T, k, H] -> [T, H]), in float32,
-    one program per (token, BLOCK_H columns): each load is a contiguous run of columns. (Left to
-    inductor, this sum was a reduction with the k axis across a warp's lanes: 20 us per layer at
-    128 tokens of Qwen3-MoE on the H200, for 4 MB.)"""
-    token = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = offs < hidden_size
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for choice in tl.static_range(TOP_K):
-        acc += tl.load(slots_ptr + token * stride_st + choice * stride_sk + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
