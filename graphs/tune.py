@@ -78,6 +78,19 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--workload-max-sizes", type=int, default=48, help="distinct batch sizes the replay times at most")
     group.add_argument("--hpu-block-steps", default="32,64,128,256",
                        help="hpu: block-bucket steps to search (with --device hpu and --cost-table)")
+    group.add_argument("--prompt-lengths", default=None,
+                       help="hpu: prompt-length distribution for the prompt buckets: a JSON/CSV file (observed lengths, "
+                       "or length -> weight) or a spec like '100-200:0.8,2000:0.2' (default: uniform 256-768, the "
+                       "throughput benchmark's prompts); needs prompt_points in --cost-table")
+    group.add_argument("--prompts-per-step", type=int, default=1,
+                       help="hpu: prompts per prefill step to price (above 1, a seeded draw of steps, grouped as the "
+                       "prefill runner groups them)")
+    group.add_argument("--max-prompt-buckets", type=int, default=None,
+                       help="hpu: at most this many prompt buckets (default: as many as configs/hpu.yaml warms now)")
+    group.add_argument("--prompt-warmup-budget-s", type=_budget_value, default=None,
+                       help="hpu: prompt-bucket warm-up seconds (warmup_s_per_prompt_bucket each; default: none)")
+    group.add_argument("--hpu-prompt-seq-steps", default="32,64,128,256",
+                       help="hpu: prompt_seq_bucket steps to search")
     group.add_argument("--output", default=None,
                        help="YAML to write (default configs/tuned/<device>-<model>.yaml; an existing device file such "
                        "as configs/cpu.yaml is updated in place)")

@@ -1,4 +1,5 @@
-"""`engine tune-capture --device hpu --cost-table FILE`: propose Gaudi (batch, blocks) buckets. NEVER RUN ON GAUDI.
+"""`engine tune-capture --device hpu --cost-table FILE`: propose Gaudi (batch, blocks) decode buckets and
+(rows, tokens per row) prompt buckets. NEVER RUN ON GAUDI.
 
 Nothing here measures: the HPU runner warms its buckets as a whole (backends/hpu/graph_runner.py has no
 per-bucket capture or replay hook), so the step times come from a cost table measured on a Gaudi,
@@ -7,6 +8,9 @@ per-bucket capture or replay hook), so the step times come from a cost table mea
                      "warmup_s_per_bucket": 1.5}}
 
 (at least three points each), priced for every other bucket by a fitted plane (graphs/tune_buckets.py).
+With "prompt_points": [[rows, tokens_per_row, ms], ...] (at least three) and "warmup_s_per_prompt_bucket"
+in the same table, the prompt_bs / prompt_seq ranges are proposed too (graphs/tune_prompt.py) for the
+prompt lengths of --prompt-lengths; a table without prompt_points leaves the prompt buckets as they are.
 The written file carries capture_sizes (the batch buckets; HpuEngineRunner takes them) and an `hpu:`
 section with the block range; the HPU runner reads configs/hpu.yaml itself, so the range reaches it
 through --output configs/hpu.yaml or the ENGINE_DECODE_BLOCK_BUCKET_* variables the header lists.
@@ -21,11 +25,21 @@ import os
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
-from backends.hpu.bucketing import resolve_bucket_config
+from backends.hpu.bucketing import BucketRange, HpuBucketConfig, read_bucket_range, resolve_bucket_config
 from graphs.buckets import parse_sizes
 from graphs.tune_buckets import PlaneCost, evaluate_hpu, propose_hpu_buckets, step_distribution
 from graphs.tune_distribution import SizeDistribution
 from graphs.tune_output import write_json, write_tuned_yaml
+from graphs.tune_prompt import (
+    PromptCost,
+    PromptProposal,
+    describe_lengths,
+    evaluate_pairs,
+    load_prompt_lengths,
+    prompt_steps,
+    prompt_table,
+    propose_prompt_buckets,
+)
 from graphs.tune_select import candidate_sizes
 
 if TYPE_CHECKING:
@@ -37,6 +51,8 @@ def tune_hpu(args: argparse.Namespace, config: "EngineConfig", distribution: Siz
         raise ValueError("--device hpu selects from measured figures: pass --cost-table (docs/tuning.md gives the form)")
     with open(args.cost_table, encoding="utf-8") as handle:
         table = json.load(handle)["hpu_buckets"]
+    # Checked before any work: a table with prompt points too few to fit is one error, not a half-written file.
+    prompt_ms = PromptCost.fit(table["prompt_points"]) if "prompt_points" in table else None
     step_ms = PlaneCost.fit([tuple(p) for p in table["points"]])
     eager_ms = PlaneCost.fit([tuple(p) for p in table["eager_points"]])
     warmup = float(table.get("warmup_s_per_bucket", 0.0))
@@ -71,14 +87,99 @@ def tune_hpu(args: argparse.Namespace, config: "EngineConfig", distribution: Siz
         f"ENGINE_DECODE_BLOCK_BUCKET_STEP={r.step} ENGINE_DECODE_BLOCK_BUCKET_MAX={r.max} ENGINE_HPU_BUCKETING="
         f"{proposal.strategy}.",
     ]
+    hpu_keys = dict(proposal.config()["hpu"])  # type: ignore[arg-type]
+    prompt = None
+    if prompt_ms is not None:
+        prompt, prompt_header = _tune_prompt(args, config, settings, current, proposal.strategy, prompt_ms, table)
+        header += prompt_header
+        hpu_keys.update(prompt.chosen.config())
+    else:
+        header.append("Prompt buckets not tuned: the cost table has no prompt_points.")
     output = args.output or os.path.join("configs", "tuned", "hpu-buckets.yaml")
-    hpu_keys = proposal.config()["hpu"]
     write_tuned_yaml(output, proposal.batch_buckets, header,
                      {"model": args.model, "device": "hpu", "page_size": page_size, "date": date}, {"hpu": hpu_keys})
     json_path = args.json or os.path.splitext(output)[0] + ".json"
     write_json(json_path, {"date": date, "proposal": proposal.__dict__ | {"block_range": r.__dict__},
                            "current": {"expected_ms": default[0], "padded_rows": default[1], "padded_blocks": default[2],
-                                       "buckets": default[3]}, "cost_table": table})
+                                       "buckets": default[3]}, "cost_table": table,
+                           "prompt": _prompt_json(prompt)})
     print("\n".join(header))
     print(f"\nwrote {output} and {json_path}")
     return 0
+
+
+def _tune_prompt(args: argparse.Namespace, config: "EngineConfig", settings: dict, current: HpuBucketConfig,
+                 strategy: str, cost: PromptCost, table: dict) -> tuple[PromptProposal, list[str]]:
+    """The prompt ranges for --prompt-lengths under the prompt budget, printed as a table; and header lines."""
+    max_len = _longest_bucketed_prompt(config, current)
+    lengths = load_prompt_lengths(args.prompt_lengths, max_len)
+    steps = prompt_steps(lengths, args.prompts_per_step)
+    warmup = float(table.get("warmup_s_per_prompt_bucket", 0.0))
+    bs_now, seq_now = _current_prompt_ranges(settings)
+    now = evaluate_pairs(bs_now, seq_now, current.prompt_pairs(int(config.max_model_len) - 1), steps, cost, warmup)
+    # Default budget: the buckets warmed today, so the proposal never lengthens warm-up.
+    max_buckets = args.max_prompt_buckets or now.buckets
+    budget_s = args.prompt_warmup_budget_s
+    budget_s = None if budget_s is None or math.isinf(budget_s) else budget_s
+    max_rows = 1 << max(0, math.ceil(math.log2(args.prompts_per_step)))  # no more rows than a step brings
+    proposal = propose_prompt_buckets(lengths, steps, cost, now, strategy, parse_sizes(args.hpu_prompt_seq_steps),
+                                      max_rows, current.max_num_batched_tokens, warmup, max_buckets, budget_s)
+    print(prompt_table(proposal, max_buckets, budget_s) + "\n")
+    c, bs, seq = proposal.chosen, proposal.chosen.bs_range, proposal.chosen.seq_range
+    header = [
+        f"Prompt buckets from {len(table['prompt_points'])} measured prefill passes (ms = a + b*rows*seq + "
+        f"c*rows*seq^2: a={cost.a:.3f}, b={cost.b:.3g}, c={cost.c:.3g}), {warmup:g} s warm-up per bucket. "
+        f"Prompt lengths: {describe_lengths(lengths)}; {args.prompts_per_step} prompt(s) per prefill step.",
+        f"Proposed: prompt_bs {{min: {bs.min}, step: {bs.step}, max: {bs.max}}} x prompt_seq {{min: {seq.min}, step: "
+        f"{seq.step}, max: {seq.max}}} ({strategy}) = {c.buckets} prompt buckets ({c.warmup_s:.1f} s warm-up); "
+        f"expected {c.expected_ms:.3f} ms and {c.padded_tokens:.1f} padded tokens per prompt; budget {max_buckets} "
+        f"buckets{f', {budget_s:g} s' if budget_s is not None else ''}.",
+        f"Current: prompt_bs {bs_now.min}/{bs_now.step}/{bs_now.max} x prompt_seq {seq_now.min}/{seq_now.step}/"
+        f"{seq_now.max} = {now.buckets} prompt buckets; expected {now.expected_ms:.3f} ms and "
+        f"{now.padded_tokens:.1f} padded tokens per prompt. max_num_batched_tokens stays "
+        f"{current.max_num_batched_tokens}.",
+        f"The prompt ranges reach the HPU prefill runner through configs/hpu.yaml or ENGINE_PROMPT_BS_BUCKET_MIN="
+        f"{bs.min} ENGINE_PROMPT_BS_BUCKET_STEP={bs.step} ENGINE_PROMPT_BS_BUCKET_MAX={bs.max} "
+        f"ENGINE_PROMPT_SEQ_BUCKET_MIN={seq.min} ENGINE_PROMPT_SEQ_BUCKET_STEP={seq.step} "
+        f"ENGINE_PROMPT_SEQ_BUCKET_MAX={seq.max}.",
+    ]
+    return proposal, header
+
+
+def _longest_bucketed_prompt(config: "EngineConfig", current: HpuBucketConfig) -> int:
+    """Prompt lengths above this are counted at it: no prompt exceeds max_model_len - 1, a longer one is cut
+    into chunks of chunked_prefill_size (only the first, which has no prefix, is bucketed), and no bucket
+    holds more than max_num_batched_tokens."""
+    limits = [int(config.max_model_len) - 1]
+    chunk = config.chunked_prefill_size if config.chunked_prefill_size is not None else \
+        config.device_config.get("chunked_prefill_size")
+    if chunk is not None and int(chunk) > 0:
+        limits.append(int(chunk))
+    if current.max_num_batched_tokens is not None:
+        limits.append(current.max_num_batched_tokens)
+    return min(limits)
+
+
+def _current_prompt_ranges(settings: dict) -> tuple[BucketRange, BucketRange]:
+    """The prompt ranges in force (hpu.prompt_*_bucket under ENGINE_PROMPT_*_BUCKET_*), with
+    resolve_bucket_config's fallbacks for a file that has none."""
+    hpu = dict(settings.get("hpu") or {})
+    page, max_len = int(settings["page_size"]), int(settings["max_model_len"])
+    bs, _ = read_bucket_range("prompt_bs", {"min": 1, "step": 1, "max": 1, **(hpu.get("prompt_bs_bucket") or {})},
+                              os.environ)
+    seq, _ = read_bucket_range("prompt_seq", {"min": page, "step": page, "max": max_len,
+                                              **(hpu.get("prompt_seq_bucket") or {})}, os.environ)
+    return bs, seq
+
+
+def _prompt_json(proposal: PromptProposal | None) -> dict | None:
+    if proposal is None:
+        return None
+
+    def one(e):  # noqa: ANN001, ANN202
+        return {"prompt_bs_bucket": e.bs_range.__dict__, "prompt_seq_bucket": e.seq_range.__dict__,
+                "buckets": e.buckets, "expected_ms": e.expected_ms, "padded_tokens": e.padded_tokens,
+                "warmup_s": e.warmup_s, "covers": e.covers}
+
+    return {"chosen": one(proposal.chosen), "current": one(proposal.current),
+            "candidates": [one(e) for e in proposal.candidates]}
