@@ -179,7 +179,7 @@ def _prompt_json(proposal: PromptProposal | None) -> dict | None:
     def one(e):  # noqa: ANN001, ANN202
         return {"prompt_bs_bucket": e.bs_range.__dict__, "prompt_seq_bucket": e.seq_range.__dict__,
                 "buckets": e.buckets, "expected_ms": e.expected_ms, "padded_tokens": e.padded_tokens,
-                "warmup_s": e.warmup_s, "covers": e.covers}
+                "warmup_s": e.warmup_s, "covers": e.covers, "pairs": [list(p) for p in e.pairs]}
 
     return {"chosen": one(proposal.chosen), "current": one(proposal.current),
             "candidates": [one(e) for e in proposal.candidates]}

@@ -172,6 +172,127 @@ def test_tune_capture_hpu_from_a_bucket_cost_table(tmp_path: pytest.TempPathFact
     assert loaded.decode_block[0] == r["min"] and loaded.decode_block[-1] == r["max"]
 
 
+PROMPT_POINTS = [[1, 128, 12.0], [1, 1024, 30.0], [1, 4096, 110.0], [4, 512, 45.0]]
+
+
+def prompt_case(prompts_per_step: int = 1):  # noqa: ANN201 - the test's inputs, unpacked at the call
+    """A synthetic prefill cost, a skewed prompt-length distribution (90% at 500-530 tokens) and the current
+    configs/hpu.yaml prompt buckets (one row, 128/128/4096, at most 4096 tokens) priced on it."""
+    from backends.hpu.bucketing import BucketRange, linear_buckets, prompt_buckets
+    from graphs.tune_prompt import PromptCost, evaluate_pairs, load_prompt_lengths, prompt_steps
+
+    cost = PromptCost.fit(PROMPT_POINTS)
+    lengths = load_prompt_lengths("500-530:0.9,100-1000:0.1", 4095)
+    steps = prompt_steps(lengths, prompts_per_step)
+    bs, seq = BucketRange(1, 1, 1), BucketRange(128, 128, 4096)
+    current = evaluate_pairs(bs, seq, prompt_buckets(linear_buckets(bs), linear_buckets(seq), 4096), steps, cost, 3.0)
+    return cost, lengths, steps, current
+
+
+def test_hpu_prompt_buckets_pad_less_than_the_defaults_within_the_budget() -> None:
+    from graphs.tune_prompt import propose_prompt_buckets
+
+    cost, lengths, steps, current = prompt_case()
+    assert current.buckets == 32 and current.padded_tokens > 60  # 500-530 pads to 512 or 640
+    proposal = propose_prompt_buckets(lengths, steps, cost, current, "linear", [32, 64, 128, 256], 1, 4096,
+                                      warmup_s_per_bucket=3.0, max_buckets=current.buckets)
+    chosen = proposal.chosen
+    assert chosen.buckets <= current.buckets
+    assert chosen.padded_tokens < current.padded_tokens / 2, chosen
+    assert chosen.expected_ms <= current.expected_ms
+    assert chosen.seq_range.max >= 1000  # every prompt of the distribution has a bucket
+    # The least expected time among all priced candidates within the budget: none cheaper was passed over.
+    within = [e for e in proposal.candidates if e.covers and e.buckets <= current.buckets]
+    assert chosen.expected_ms == min(e.expected_ms for e in within)
+    # Tighter budgets, in buckets and in warm-up seconds, are honoured and cost time.
+    tight = propose_prompt_buckets(lengths, steps, cost, current, "linear", [32, 64, 128, 256], 1, 4096,
+                                   warmup_s_per_bucket=3.0, max_buckets=6)
+    assert tight.chosen.buckets <= 6 and tight.chosen.expected_ms > chosen.expected_ms
+    by_time = propose_prompt_buckets(lengths, steps, cost, current, "linear", [32, 64, 128, 256], 1, 4096,
+                                     warmup_s_per_bucket=3.0, warmup_budget_s=12.0)
+    assert by_time.chosen.warmup_s <= 12.0
+    with pytest.raises(ValueError, match="no prompt bucket range"):
+        propose_prompt_buckets(lengths, steps, cost, current, "linear", [32], 1, 4096, max_buckets=2)
+
+
+def test_hpu_prompt_buckets_batch_rows_when_a_step_brings_several_prompts() -> None:
+    """With four prompts a step and a pass costing 10 ms before its first token, rows > 1 pay off; the
+    priced passes are the prefill runner's own grouping (backends/hpu/prefill.group_prompts)."""
+    from backends.hpu.bucketing import make_buckets, prompt_buckets
+    from backends.hpu.prefill import group_prompts
+    from graphs.tune_prompt import propose_prompt_buckets
+
+    cost, lengths, steps, current = prompt_case(prompts_per_step=4)
+    proposal = propose_prompt_buckets(lengths, steps, cost, current, "linear", [32, 64, 128], 4, 4096,
+                                      warmup_s_per_bucket=3.0, max_buckets=64)
+    chosen = proposal.chosen
+    assert chosen.bs_range.max > 1 and chosen.expected_ms < current.expected_ms
+    pairs = prompt_buckets(make_buckets(chosen.bs_range, "linear"), make_buckets(chosen.seq_range, "linear"), 4096)
+    assert list(chosen.pairs) == pairs and all(bs * seq <= 4096 for bs, seq in pairs)
+    ms = sum(p * sum(cost(*bucket) for _, bucket in group_prompts(list(step), pairs)) for p, step in steps)
+    assert chosen.expected_ms == pytest.approx(ms / 4)
+
+
+def test_tune_capture_hpu_writes_prompt_buckets_that_load_back(tmp_path: pytest.TempPathFactory) -> None:
+    """The written hpu: section, laid over configs/hpu.yaml, gives BucketConfig.prompt_pairs() == the proposal."""
+    from backends.hpu.bucketing import resolve_bucket_config
+    from engine.cli import main
+
+    table = {"hpu_buckets": {"points": [[1, 8, 10.1], [64, 512, 16.4], [32, 256, 13.2], [8, 1024, 20.3]],
+                             "eager_points": [[1, 8, 60], [64, 512, 100], [8, 1024, 120]], "warmup_s_per_bucket": 2.0,
+                             "prompt_points": PROMPT_POINTS, "warmup_s_per_prompt_bucket": 3.0}}
+    path, output, lengths = str(tmp_path / "hpu.json"), str(tmp_path / "hpu.yaml"), str(tmp_path / "lengths.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(table, handle)
+    with open(lengths, "w", encoding="utf-8") as handle:
+        json.dump([300] * 6 + [310] * 3 + [700], handle)  # observed prompt lengths
+    assert main(["tune-capture", "--device", "hpu", "--cost-table", path, "--distribution", "1-4:0.1,33-36:0.6",
+                 "--prompt-lengths", lengths, "--output", output]) == 0
+    with open(output, encoding="utf-8") as handle:
+        text = handle.read()
+    with open(output[: -len(".yaml")] + ".json", encoding="utf-8") as handle:
+        report = json.load(handle)["prompt"]
+    written = yaml.safe_load(text)["hpu"]
+    assert "Never run on Gaudi hardware" in text and "ENGINE_PROMPT_SEQ_BUCKET_STEP=" in text
+    assert written["prompt_seq_bucket"] == report["chosen"]["prompt_seq_bucket"]
+    assert report["chosen"]["padded_tokens"] < report["current"]["padded_tokens"]
+    with open(os.path.join(REPO_ROOT, "configs", "hpu.yaml"), encoding="utf-8") as handle:
+        device = yaml.safe_load(handle)
+    loaded = resolve_bucket_config({**device, "hpu": {**device["hpu"], **written}}, env={})
+    pairs = [tuple(p) for p in report["chosen"]["pairs"]]
+    assert loaded.prompt_pairs() == pairs and loaded.prompt_pairs(device["max_model_len"] - 1) == pairs
+    assert max(seq for _, seq in pairs) >= 700 and min(seq for _, seq in pairs) <= 310
+
+
+def test_tune_capture_hpu_rejects_too_few_prompt_points(tmp_path: pytest.TempPathFactory,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.cli import main
+    from graphs.tune_prompt import PromptCost
+
+    with pytest.raises(ValueError, match="at least three prompt_points"):
+        PromptCost.fit([[1, 128, 12.0], [1, 1024, 30.0]])
+    table = {"hpu_buckets": {"points": [[1, 8, 10.1], [64, 512, 16.4], [32, 256, 13.2]],
+                             "eager_points": [[1, 8, 60], [64, 512, 100], [8, 1024, 120]],
+                             "prompt_points": [[1, 128, 12.0], [1, 1024, 30.0]]}}
+    path, output = str(tmp_path / "hpu.json"), str(tmp_path / "hpu.yaml")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(table, handle)
+    assert main(["tune-capture", "--device", "hpu", "--cost-table", path, "--output", output]) == 2
+    assert "at least three prompt_points" in capsys.readouterr().err and not os.path.exists(output)
+
+
+def test_prompt_length_distributions(tmp_path: pytest.TempPathFactory) -> None:
+    from graphs.tune_prompt import load_prompt_lengths
+
+    default = load_prompt_lengths(None, 4095)
+    assert min(default.weights) == 256 and max(default.weights) == 768 and default.mean == pytest.approx(512)
+    weighted = str(tmp_path / "w.json")
+    with open(weighted, "w", encoding="utf-8") as handle:
+        json.dump({"100": 3, "5000": 1}, handle)  # length -> weight; 5000 is past the longest bucketed prompt
+    found = load_prompt_lengths(weighted, 4095)
+    assert found.weights == {100: 0.75, 4095: 0.25}
+
+
 # ---- distributions -------------------------------------------------------------------------------------
 
 
