@@ -32,6 +32,7 @@ from graphs.tune_distribution import SizeDistribution
 from graphs.tune_output import write_json, write_tuned_yaml
 from graphs.tune_prompt import (
     PromptCost,
+    PromptEvaluation,
     PromptProposal,
     describe_lengths,
     evaluate_pairs,
@@ -176,7 +177,7 @@ def _prompt_json(proposal: PromptProposal | None) -> dict | None:
     if proposal is None:
         return None
 
-    def one(e):  # noqa: ANN001, ANN202
+    def one(e: PromptEvaluation) -> dict:
         return {"prompt_bs_bucket": e.bs_range.__dict__, "prompt_seq_bucket": e.seq_range.__dict__,
                 "buckets": e.buckets, "expected_ms": e.expected_ms, "padded_tokens": e.padded_tokens,
                 "warmup_s": e.warmup_s, "covers": e.covers, "pairs": [list(p) for p in e.pairs]}

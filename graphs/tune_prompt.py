@@ -15,6 +15,7 @@ proposal is a search over ranges, priced by a fit to a few prefill times measure
 from __future__ import annotations
 
 import math
+import os
 import random
 from dataclasses import dataclass
 from typing import Sequence
@@ -60,8 +61,6 @@ def load_prompt_lengths(source: str | None, max_len: int) -> SizeDistribution:
     """--prompt-lengths: a JSON/CSV file (a list of observed lengths or length -> weight, as --distribution
     takes), a spec like '256-768' or '100-200:0.8,2000:0.2', or the default (uniform 256..768); lengths above
     max_len are counted at max_len (no prompt is longer than the engine takes)."""
-    import os
-
     if source and os.path.exists(source):
         found = load_distribution_file(source)
     elif source:
