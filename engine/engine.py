@@ -422,6 +422,7 @@ class Engine:
         else:
             self.scheduler.add(request)
         self._requests[request_id] = request
+        self.stats_logger.step_sizes.record_prompt(len(token_ids))  # /metrics' prompt-length histogram
         return request_id
 
     def abort(self, request_id: str) -> None:

@@ -32,6 +32,10 @@ DECODE_BATCH_BOUNDS = _decode_batch_bounds()
 # extend_capture_tokens buckets would serve.
 STEP_TOKEN_BOUNDS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
                      6144, 8192, 12288, 16384, 24576, 32768)
+# Tokens of each prompt: 32-token steps to 1,024 and coarser beyond, fine enough for `engine tune-capture
+# --device hpu` to place prompt buckets (its sequence steps are 32 to 256 tokens).
+PROMPT_TOKEN_BOUNDS = tuple(list(range(32, 1025, 32)) + list(range(1088, 2049, 64)) + list(range(2176, 4097, 128))
+                            + list(range(4352, 8193, 256)) + [12288, 16384, 24576, 32768, 65536, 131072])
 
 
 @dataclass(frozen=True)
@@ -69,11 +73,13 @@ class SizeHistogram:
 
 class StepSizeCounts:
     """Per launched step: a pure decode step's batch size (what the decode graphs serve) or an extend /
-    mixed step's token count. Read back by /metrics and by `engine tune-capture --metrics-url`."""
+    mixed step's token count; per added request, its prompt's tokens (what prompt buckets serve). Read
+    back by /metrics and by `engine tune-capture --metrics-url`."""
 
     def __init__(self) -> None:
         self.decode_batch = SizeHistogram(DECODE_BATCH_BOUNDS)
         self.step_tokens = SizeHistogram(STEP_TOKEN_BOUNDS)
+        self.prompt_tokens = SizeHistogram(PROMPT_TOKEN_BOUNDS)
 
     def record(self, step: "ScheduledStep") -> None:
         if step.is_decode:
@@ -81,13 +87,18 @@ class StepSizeCounts:
         else:
             self.step_tokens.observe(step.num_decodes + sum(step.extend_lens))
 
+    def record_prompt(self, num_tokens: int) -> None:
+        self.prompt_tokens.observe(num_tokens)
+
     def reset(self) -> None:
         self.decode_batch.reset()
         self.step_tokens.reset()
+        self.prompt_tokens.reset()
 
 
 _EMPTY_DECODE = SizeHistogram(DECODE_BATCH_BOUNDS).snapshot()
 _EMPTY_TOKENS = SizeHistogram(STEP_TOKEN_BOUNDS).snapshot()
+_EMPTY_PROMPTS = SizeHistogram(PROMPT_TOKEN_BOUNDS).snapshot()
 
 
 @dataclass
@@ -107,6 +118,7 @@ class EngineStats:
     num_retractions: int
     decode_batch_sizes: HistogramSnapshot = field(default=_EMPTY_DECODE)
     extend_step_tokens: HistogramSnapshot = field(default=_EMPTY_TOKENS)
+    prompt_tokens: HistogramSnapshot = field(default=_EMPTY_PROMPTS)
 
     @classmethod
     def collect(cls, engine: "Engine") -> "EngineStats":
@@ -127,6 +139,7 @@ class EngineStats:
             num_retractions=scheduler.num_retractions,
             decode_batch_sizes=engine.stats_logger.step_sizes.decode_batch.snapshot(),
             extend_step_tokens=engine.stats_logger.step_sizes.step_tokens.snapshot(),
+            prompt_tokens=engine.stats_logger.step_sizes.prompt_tokens.snapshot(),
         )
 
     def as_dict(self) -> dict[str, Any]:

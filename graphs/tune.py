@@ -80,8 +80,9 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
                        help="hpu: block-bucket steps to search (with --device hpu and --cost-table)")
     group.add_argument("--prompt-lengths", default=None,
                        help="hpu: prompt-length distribution for the prompt buckets: a JSON/CSV file (observed lengths, "
-                       "or length -> weight) or a spec like '100-200:0.8,2000:0.2' (default: uniform 256-768, the "
-                       "throughput benchmark's prompts); needs prompt_points in --cost-table")
+                       "or length -> weight) or a spec like '100-200:0.8,2000:0.2' (default: --metrics-url's "
+                       "engine:request_prompt_tokens histogram, else uniform 256-768, the throughput benchmark's prompts); "
+                       "needs prompt_points in --cost-table")
     group.add_argument("--prompts-per-step", type=int, default=1,
                        help="hpu: prompts per prefill step to price (above 1, a seeded draw of steps, grouped as the "
                        "prefill runner groups them)")

@@ -113,7 +113,7 @@ def _tune_prompt(args: argparse.Namespace, config: "EngineConfig", settings: dic
                  strategy: str, cost: PromptCost, table: dict) -> tuple[PromptProposal, list[str]]:
     """The prompt ranges for --prompt-lengths under the prompt budget, printed as a table; and header lines."""
     max_len = _longest_bucketed_prompt(config, current)
-    lengths = load_prompt_lengths(args.prompt_lengths, max_len)
+    lengths = load_prompt_lengths(args.prompt_lengths, max_len, args.metrics_url, args.api_key)
     steps = prompt_steps(lengths, args.prompts_per_step)
     warmup = float(table.get("warmup_s_per_prompt_bucket", 0.0))
     bs_now, seq_now = _current_prompt_ranges(settings)

@@ -23,7 +23,13 @@ from typing import Sequence
 import numpy as np
 
 from backends.hpu.bucketing import BucketRange, BucketOverflowError, choose_prompt_bucket, make_buckets, prompt_buckets
-from graphs.tune_distribution import SizeDistribution, load_distribution_file, parse_spec
+from graphs.tune_distribution import (
+    SizeDistribution,
+    fetch_metrics,
+    from_prometheus_text,
+    load_distribution_file,
+    parse_spec,
+)
 
 # The throughput benchmark's prompt lengths (engine/bench_throughput.py --input-len 256,768, drawn uniformly):
 # the workload the engine's throughput figures come from, so the default tunes for what is measured.
@@ -57,14 +63,22 @@ class PromptCost:
         return max(0.0, self.a + self.b * rows * seq + self.c * rows * seq * seq)
 
 
-def load_prompt_lengths(source: str | None, max_len: int) -> SizeDistribution:
+PROMPT_HISTOGRAM = "engine:request_prompt_tokens"  # a server's prompt lengths (engine/stats.py PROMPT_TOKEN_BOUNDS)
+
+
+def load_prompt_lengths(source: str | None, max_len: int, metrics_url: str | None = None,
+                        api_key: str | None = None) -> SizeDistribution:
     """--prompt-lengths: a JSON/CSV file (a list of observed lengths or length -> weight, as --distribution
-    takes), a spec like '256-768' or '100-200:0.8,2000:0.2', or the default (uniform 256..768); lengths above
-    max_len are counted at max_len (no prompt is longer than the engine takes)."""
+    takes) or a spec like '256-768' or '100-200:0.8,2000:0.2'; without it, a server's /metrics prompt-length
+    histogram (--metrics-url, the same scrape as the batch sizes'), else the default (uniform 256..768).
+    Lengths above max_len are counted at max_len (no prompt is longer than the engine takes)."""
     if source and os.path.exists(source):
         found = load_distribution_file(source)
     elif source:
         found = parse_spec(source)
+    elif metrics_url:
+        found = from_prometheus_text(fetch_metrics(metrics_url, api_key), source=f"{metrics_url} prompt lengths",
+                                     name=PROMPT_HISTOGRAM)
     else:
         low, high = DEFAULT_PROMPT_LENGTHS
         found = SizeDistribution({n: 1.0 / (high - low + 1) for n in range(low, high + 1)},

@@ -13,7 +13,7 @@ import os
 import random
 import shutil
 import threading
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import pytest
 import yaml
@@ -321,7 +321,7 @@ def test_distribution_files_and_specs(tmp_path: pytest.TempPathFactory) -> None:
         SizeDistribution.from_counts({3: 0}, "empty")
 
 
-def _metrics_text(sizes: list[int], tokens: list[int]) -> str:
+def _metrics_text(sizes: list[int], tokens: list[int], prompts: Sequence[int] = ()) -> str:
     from engine.server.metrics import ServerMetrics
 
     counts = StepSizeCounts()
@@ -329,8 +329,10 @@ def _metrics_text(sizes: list[int], tokens: list[int]) -> str:
         counts.decode_batch.observe(n)
     for n in tokens:
         counts.step_tokens.observe(n)
+    for n in prompts:
+        counts.record_prompt(n)
     stats = EngineStats(*([0] * 13), decode_batch_sizes=counts.decode_batch.snapshot(),
-                        extend_step_tokens=counts.step_tokens.snapshot())
+                        extend_step_tokens=counts.step_tokens.snapshot(), prompt_tokens=counts.prompt_tokens.snapshot())
     return ServerMetrics(lambda: stats, "m").render().decode()
 
 
@@ -354,10 +356,25 @@ def test_prometheus_histogram_round_trip() -> None:
     assert DECODE_BATCH_BOUNDS[:32] == tuple(range(1, 33))
 
 
+def test_prompt_lengths_come_from_the_metrics_histogram(metrics_server: tuple[str, list[str]]) -> None:
+    """The HPU prompt tuner reads engine:request_prompt_tokens from the same scrape as the batch sizes: 32-token
+    buckets to 1,024 spread evenly over their lengths; a file or spec given explicitly wins."""
+    from graphs.tune_prompt import load_prompt_lengths
+
+    url, seen = metrics_server
+    lengths = load_prompt_lengths(None, 4096, url, api_key="k3y")
+    # 300, 310 (bucket (288, 320]) and 700 (bucket (672, 704]): each bucket's count over its 32 lengths.
+    assert set(lengths.weights) == set(range(289, 321)) | set(range(673, 705))
+    assert sum(lengths.weights[n] for n in range(289, 321)) == pytest.approx(2 / 3)
+    assert seen == ["Bearer k3y"]
+    assert load_prompt_lengths("100:1", 4096, url).weights == {100: 1.0}
+    assert len(seen) == 1  # the spec was used, no scrape
+
+
 @pytest.fixture
 def metrics_server() -> Iterator[tuple[str, list[str]]]:
     """A stand-in /metrics endpoint that records the Authorization header of each request."""
-    text = _metrics_text([2, 2, 5], [])
+    text = _metrics_text([2, 2, 5], [], prompts=[300, 310, 700])
     seen: list[str] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -404,10 +421,14 @@ def test_engine_counts_step_sizes_and_serves_them_on_metrics(smol_engine: Engine
     assert after.extend_step_tokens.count - before.extend_step_tokens.count == 1
     prompt_tokens = sum(len(smol_engine.tokenizer.encode(p)) for p in prompts)
     assert after.extend_step_tokens.total - before.extend_step_tokens.total == prompt_tokens
+    # One prompt-length observation per request, of its whole prompt.
+    assert after.prompt_tokens.count - before.prompt_tokens.count == 3
+    assert after.prompt_tokens.total - before.prompt_tokens.total == prompt_tokens
     with TestClient(build_app(smol_engine)) as client:
         text = client.get("/metrics").text
     d = from_prometheus_text(text)
     assert d.weights.get(3, 0) > 0 and "engine:extend_step_tokens_bucket" in text
+    assert 'engine:request_prompt_tokens_bucket{le="32.0",model_name=' in text
 
 
 def test_workload_replay_through_engine_steps_counts_padding_and_eager_steps(smol_engine: Engine) -> None:

@@ -7,8 +7,9 @@ histograms are fed by the engine thread through a StepObserver.
 
 The step-size histograms (engine:decode_batch_size: rows of each pure decode step, the
 shapes the decode graphs serve; engine:extend_step_tokens: tokens of each extend or mixed
-step) are counted in the engine (engine/stats.py), so that they cross the engine process's
-pipe inside its snapshot; `engine tune-capture --metrics-url` reads them back.
+step; engine:request_prompt_tokens: each added request's prompt, what HPU prompt buckets serve) are
+counted in the engine (engine/stats.py), so that they cross the engine process's pipe inside
+its snapshot; `engine tune-capture --metrics-url` reads them back.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def _step_histograms(s: EngineStats) -> list[tuple[str, str, HistogramSnapshot]]
          s.decode_batch_sizes),
         ("engine:extend_step_tokens", "Tokens of each extend or mixed step (prefill chunks and decode rows riding along).",
          s.extend_step_tokens),
+        ("engine:request_prompt_tokens", "Prompt tokens of each request added (what HPU prompt buckets serve).", s.prompt_tokens),
     ]
 
 
