@@ -42,6 +42,23 @@ INLINE void quads(const int format, const uint8_t *tile, int sub, int half, __m2
         return;
     }
     const uint8_t *qs = tile + gg_nibbles_at(format, sub);
+    if (format == GG_Q3_K) { /* bits 0-1 of k-quad 4h + j at bit pair j of vector h, bit 2 of k-quad t at
+                               bit t of the third (16-bit shifts: no bit of the neighbouring byte lands there) */
+        const __m256i two = _mm256_set1_epi8(0x03), bit2 = _mm256_set1_epi8(0x04);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i low2 = load32(qs + 64 * h + at);
+            v[4 * h] = _mm256_and_si256(low2, two);
+            v[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(low2, 2), two);
+            v[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(low2, 4), two);
+            v[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(low2, 6), two);
+        }
+        const __m256i third = load32(qs + 128 + at);
+        for (int t = 0; t < 8; ++t) {
+            const __m256i bit = t < 2 ? _mm256_slli_epi16(third, 2 - t) : _mm256_srli_epi16(third, t - 2);
+            v[t] = _mm256_or_si256(v[t], _mm256_and_si256(bit, bit2));
+        }
+        return;
+    }
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
         const __m256i packed = load32(qs + 64 * c + at);
@@ -78,7 +95,7 @@ INLINE void scales(const int format, const uint8_t *tile, int sub, int half, __m
         *b = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(tile + 32 + 2 * lane), mn));
         return;
     }
-    if (format == GG_Q6_K) {
+    if (gg_per16(format)) { /* Q6_K, Q3_K */
         const uint8_t *sc = tile + GG_Q6K_SC + 32 * sub + lane;
         *a0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc))));
         *a1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 16)))));
@@ -155,6 +172,7 @@ int gg_f32_avx2(const gg_matrix *w, const float *x, int ldx, int m, float *y, in
     case GG_Q5_0: f32_format(GG_Q5_0, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q5_1: f32_format(GG_Q5_1, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q5_K: f32_format(GG_Q5_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q3_K: f32_format(GG_Q3_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     default: return -1;
     }
 }
@@ -276,7 +294,7 @@ INLINE void i8_rows(const int format, const int MR, const int LEVELS, const int 
                 dots(format, vnni, v, x->q + row * k + block * GG_SUB, &s0, &s1);
                 const __m256 xd = _mm256_set1_ps(x->d[row * blocks + block]);
                 const int32_t *sums = x->sum16 + (row * blocks + block) * 2;
-                if (format == GG_Q6_K) {
+                if (gg_per16(format)) {
                     s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(offset * sums[0]));
                     s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(offset * sums[1]));
                     acc[i / LEVELS] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(a0, xd), acc[i / LEVELS]);
@@ -319,6 +337,7 @@ INLINE void i8_format(const int format, const int vnni, const gg_matrix *w, cons
     case GG_Q5_0: i8_format(GG_Q5_0, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
     case GG_Q5_1: i8_format(GG_Q5_1, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
     case GG_Q5_K: i8_format(GG_Q5_K, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
+    case GG_Q3_K: i8_format(GG_Q3_K, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
     default: return -1;                                                                               \
     }
 

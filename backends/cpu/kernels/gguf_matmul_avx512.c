@@ -2,7 +2,7 @@
  * The GGUF matmuls with AVX512 (zmm, 16 weight rows a vector: one tile of gguf.h's layout).
  *
  * int8 activations (AVX512-VNNI): a sub-tile's 8 k-quad vectors are unpacked once (nibbles split,
- * the Q5 formats' fifth bits and Q6_K's high bits or'ed in) and, for every activation row,
+ * the Q5 formats' fifth bits, Q6_K's high bits or Q3_K's third bits or'ed in) and, for every activation row,
  * multiplied by 4 activation bytes broadcast to the 16 lanes (vpdpbusd: 64 multiply-adds per
  * instruction, the sums landing one lane per weight row): 8 instructions for 16 rows x 32 columns,
  * then one float scale per row. This is why int8 activations are the fast path: the float path
@@ -40,6 +40,23 @@ INLINE void quads(const int format, const uint8_t *tile, int sub, __m512i v[8]) 
         return;
     }
     const uint8_t *qs = tile + gg_nibbles_at(format, sub);
+    if (format == GG_Q3_K) { /* bits 0-1 of k-quad 4h + j at bit pair j of vector h, bit 2 of k-quad t at
+                               bit t of the third (16-bit shifts: no bit of the neighbouring byte lands there) */
+        const __m512i two = _mm512_set1_epi8(0x03), bit2 = _mm512_set1_epi8(0x04);
+        for (int h = 0; h < 2; ++h) {
+            const __m512i low2 = load64(qs + 64 * h);
+            v[4 * h] = _mm512_and_si512(low2, two);
+            v[4 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(low2, 2), two);
+            v[4 * h + 2] = _mm512_and_si512(_mm512_srli_epi16(low2, 4), two);
+            v[4 * h + 3] = _mm512_and_si512(_mm512_srli_epi16(low2, 6), two);
+        }
+        const __m512i third = load64(qs + 128);
+        for (int t = 0; t < 8; ++t) {
+            const __m512i bit = t < 2 ? _mm512_slli_epi16(third, 2 - t) : _mm512_srli_epi16(third, t - 2);
+            v[t] = _mm512_or_si512(v[t], _mm512_and_si512(bit, bit2));
+        }
+        return;
+    }
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
         const __m512i packed = load64(qs + 64 * c);
@@ -66,7 +83,7 @@ INLINE void quads(const int format, const uint8_t *tile, int sub, __m512i v[8]) 
     }
 }
 
-/* Per row of sub-tile `sub`: w = a * q + b, a per half of 16 columns (differs only for Q6_K).
+/* Per row of sub-tile `sub`: w = a * q + b, a per half of 16 columns (differs only for Q6_K and Q3_K).
    b is the float minimum of Q4_1, Q5_1, Q4_K and Q5_K, -offset * a (exact) for the others. */
 INLINE void scales(const int format, const uint8_t *tile, int sub, __m512 *a0, __m512 *a1, __m512 *b) {
     const __m512 d = half16(tile);
@@ -77,7 +94,7 @@ INLINE void scales(const int format, const uint8_t *tile, int sub, __m512 *a0, _
         *b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(tile + 32), mn));
         return;
     }
-    if (format == GG_Q6_K) {
+    if (gg_per16(format)) { /* Q6_K, Q3_K */
         const uint8_t *sc = tile + GG_Q6K_SC + 32 * sub;
         *a0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
         *a1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16)))));
@@ -185,6 +202,7 @@ int gg_f32_avx512(const gg_matrix *w, const float *x, int ldx, int m, float *y, 
     case GG_Q5_0: f32_format(GG_Q5_0, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q5_1: f32_format(GG_Q5_1, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q5_K: f32_format(GG_Q5_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q3_K: f32_format(GG_Q3_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     default: return -1;
     }
 }
@@ -227,7 +245,7 @@ INLINE void i8_rows(const int format, const int MR, const int LEVELS, const gg_m
                 s1 = _mm512_dpbusd_epi32(s1, v[7], broadcast4(xq + 28));
                 const __m512 xd = _mm512_set1_ps(x->d[row * blocks + block]);
                 const int32_t *sums = x->sum16 + (row * blocks + block) * 2;
-                if (format == GG_Q6_K) { /* a differs per half: the offset too */
+                if (gg_per16(format)) { /* a differs per half: the offset too */
                     s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(offset * sums[0]));
                     s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(offset * sums[1]));
                     acc[i / LEVELS] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(a0, xd), acc[i / LEVELS]);
@@ -269,6 +287,7 @@ int gg_i8_avx512(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0
     case GG_Q5_0: i8_format(GG_Q5_0, w, x, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q5_1: i8_format(GG_Q5_1, w, x, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q5_K: i8_format(GG_Q5_K, w, x, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q3_K: i8_format(GG_Q3_K, w, x, y, ldy, g0, g1, accumulate); return 0;
     default: return -1;
     }
 }
