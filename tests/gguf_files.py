@@ -118,9 +118,30 @@ def quantize_q3_k(weight: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def quantize_q2_k(weight: np.ndarray) -> np.ndarray:
+    """ggml's Q2_K blocks [rows, cols / 256 * 84]: per 16 columns a 4-bit scale and minimum under the
+    block's fp16 d and dmin, 2-bit quants with w = d * scale * q - dmin * minimum, stored as scales[16]
+    (scale | minimum << 4) qs[64] (bits 2j..2j+1 of qs[32n + l]: weight 128n + 32j + l) d dmin."""
+    rows, cols = weight.shape
+    x = weight.astype(np.float32).reshape(rows, cols // 256, 16, 16)
+    low = np.minimum(x.min(-1), 0.0)
+    scale, minimum = (x.max(-1) - low) / 3.0, -low
+    d = (scale.max(-1, keepdims=True) / 15.0).astype(np.float16)
+    dmin = (minimum.max(-1, keepdims=True) / 15.0).astype(np.float16)
+    sc = np.clip(np.rint(scale / np.maximum(d.astype(np.float32), 1e-12)), 1, 15).astype(np.uint8)
+    mn = np.clip(np.rint(minimum / np.maximum(dmin.astype(np.float32), 1e-12)), 0, 15).astype(np.uint8)
+    step = np.maximum(d.astype(np.float32) * sc, 1e-12)
+    q = np.clip(np.rint((x + (dmin.astype(np.float32) * mn)[..., None]) / step[..., None]), 0, 3).astype(np.uint8)
+    q = q.reshape(rows, -1, 2, 4, 32)
+    qs = np.bitwise_or.reduce(q << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=-2).reshape(rows, -1, 64)
+    blocks = np.concatenate([sc | (mn << 4), qs, d.view(np.uint8).reshape(rows, -1, 2),
+                             dmin.view(np.uint8).reshape(rows, -1, 2)], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
 def quantize(weight: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
     """(blocks, GGMLQuantizationType) of a float32 matrix in kind (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 through the
-    `gguf` package's quantizer; Q3_K, Q4_K, Q5_K, Q6_K through the ones above)."""
+    `gguf` package's quantizer; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K through the ones above)."""
     import gguf
 
     qtype = getattr(gguf.GGMLQuantizationType, kind)
@@ -130,6 +151,8 @@ def quantize(weight: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
         return quantize_q6_k(weight), qtype
     if kind == "Q3_K":
         return quantize_q3_k(weight), qtype
+    if kind == "Q2_K":
+        return quantize_q2_k(weight), qtype
     return gguf.quants.quantize(weight.astype(np.float32), qtype), qtype
 
 
