@@ -27,7 +27,8 @@ from graphs.tune_measure import steady_ms
 
 # Byte offsets of each block's fp16 scales (d, and the minimum where there is one): ggml's block layouts.
 SCALE_OFFSETS = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
-                 "Q5_K": (0, 2), "Q6_K": (208,)}
+                 "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,),
+                 "Q2_K": (80, 82)}
 
 
 def random_tiles(fmt: gl.BlockFormat, rows: int, cols: int, seed: int) -> torch.Tensor:

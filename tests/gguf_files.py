@@ -91,9 +91,57 @@ def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def quantize_q3_k(weight: np.ndarray) -> np.ndarray:
+    """ggml's Q3_K blocks [rows, cols / 256 * 110]: per 16 columns a signed 6-bit scale under the block's
+    fp16 d, 3-bit quants with w = d * scale * q, q in -4..3 (the column of largest magnitude at -4),
+    stored as hmask[32] (bit j of hmask[l]: q + 4 >= 4 for weight 32j + l) qs[64] (bits 2j..2j+1 of
+    qs[32n + l]: the low 2 bits of q + 4 for weight 128n + 32j + l) scales[12] (scale + 32: low nibbles
+    in bytes 0-7, j < 8 low half, high 2 bits in bytes 8-11 at bit pair j / 4) d."""
+    rows, cols = weight.shape
+    x = weight.astype(np.float32).reshape(rows, cols // 256, 16, 16)
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], axis=-1)[..., 0]
+    scale = -peak / 4.0
+    d = (np.abs(scale).max(-1, keepdims=True) / 31.0).astype(np.float16)
+    sc = np.clip(np.rint(scale / np.maximum(d.astype(np.float32), 1e-12)), -32, 31).astype(np.int8)
+    step = d.astype(np.float32) * sc
+    safe = np.where(step == 0, 1.0, step)
+    q = np.where(step[..., None] == 0, 0, np.clip(np.rint(x / safe[..., None]), -4, 3))
+    q = (q + 4).astype(np.uint8).reshape(rows, cols // 256, 256)
+    hmask = np.bitwise_or.reduce((q.reshape(rows, -1, 8, 32) >> 2) << np.arange(8, dtype=np.uint8)[:, None], axis=-2)
+    low = (q & 3).reshape(rows, -1, 2, 4, 32)
+    qs = np.bitwise_or.reduce(low << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=-2).reshape(rows, -1, 64)
+    u = (sc.astype(np.int16) + 32).astype(np.uint8)
+    high = (u >> 4).reshape(rows, -1, 4, 4)
+    scales = np.concatenate([(u[..., 0:8] & 0x0F) | ((u[..., 8:16] & 0x0F) << 4),
+                             np.bitwise_or.reduce(high << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=-2)], axis=-1)
+    blocks = np.concatenate([hmask, qs, scales, d.view(np.uint8).reshape(rows, -1, 2)], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize_q2_k(weight: np.ndarray) -> np.ndarray:
+    """ggml's Q2_K blocks [rows, cols / 256 * 84]: per 16 columns a 4-bit scale and minimum under the
+    block's fp16 d and dmin, 2-bit quants with w = d * scale * q - dmin * minimum, stored as scales[16]
+    (scale | minimum << 4) qs[64] (bits 2j..2j+1 of qs[32n + l]: weight 128n + 32j + l) d dmin."""
+    rows, cols = weight.shape
+    x = weight.astype(np.float32).reshape(rows, cols // 256, 16, 16)
+    low = np.minimum(x.min(-1), 0.0)
+    scale, minimum = (x.max(-1) - low) / 3.0, -low
+    d = (scale.max(-1, keepdims=True) / 15.0).astype(np.float16)
+    dmin = (minimum.max(-1, keepdims=True) / 15.0).astype(np.float16)
+    sc = np.clip(np.rint(scale / np.maximum(d.astype(np.float32), 1e-12)), 1, 15).astype(np.uint8)
+    mn = np.clip(np.rint(minimum / np.maximum(dmin.astype(np.float32), 1e-12)), 0, 15).astype(np.uint8)
+    step = np.maximum(d.astype(np.float32) * sc, 1e-12)
+    q = np.clip(np.rint((x + (dmin.astype(np.float32) * mn)[..., None]) / step[..., None]), 0, 3).astype(np.uint8)
+    q = q.reshape(rows, -1, 2, 4, 32)
+    qs = np.bitwise_or.reduce(q << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=-2).reshape(rows, -1, 64)
+    blocks = np.concatenate([sc | (mn << 4), qs, d.view(np.uint8).reshape(rows, -1, 2),
+                             dmin.view(np.uint8).reshape(rows, -1, 2)], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
 def quantize(weight: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
     """(blocks, GGMLQuantizationType) of a float32 matrix in kind (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 through the
-    `gguf` package's quantizer; Q4_K, Q5_K, Q6_K through the ones above)."""
+    `gguf` package's quantizer; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K through the ones above)."""
     import gguf
 
     qtype = getattr(gguf.GGMLQuantizationType, kind)
@@ -101,6 +149,10 @@ def quantize(weight: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
         return quantize_k(weight, int(kind[1])), qtype
     if kind == "Q6_K":
         return quantize_q6_k(weight), qtype
+    if kind == "Q3_K":
+        return quantize_q3_k(weight), qtype
+    if kind == "Q2_K":
+        return quantize_q2_k(weight), qtype
     return gguf.quants.quantize(weight.astype(np.float32), qtype), qtype
 
 

@@ -1,6 +1,6 @@
 """GGUF weights kept in their blocks on the CPU (backends/cpu/gguf_linear.py, kernels/gguf_*.c).
 
-Every block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) is tiled at load and multiplied
+Every block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) is tiled at load and multiplied
 through every code path this CPU has (portable C, AVX2, 256-bit VNNI, AVX512: each forced in turn), with
 each kind of activations:
   float32: held to the `gguf` package's dequantization times a float64 matmul (relative error at
@@ -78,6 +78,11 @@ def random_blocks(fmt: gl.BlockFormat, rows: int, cols: int, seed: int) -> tuple
     elif fmt.name in ("Q4_K", "Q5_K"):
         half(0, 1e-4, 2e-3)
         half(2, 1e-4, 2e-3)
+    elif fmt.name == "Q2_K":  # d, dmin last
+        half(80, 1e-4, 2e-3)
+        half(82, 1e-4, 2e-3)
+    elif fmt.name == "Q3_K":  # d last
+        half(108, 1e-4, 2e-3)
     else:  # Q6_K: d last
         half(208, 1e-4, 2e-3)
     blocks = blocks.reshape(rows, -1)
@@ -183,11 +188,13 @@ def test_every_path_quantizes_activations_bit_for_bit_alike(monkeypatch: pytest.
     assert torch.equal(gl.quantized_activations(x, levels, INT8_PATHS[path]), gl.quantized_activations(x, levels, 0))
 
 
-@pytest.mark.parametrize("names", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_1", "Q6_K")])
+@pytest.mark.parametrize("names", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_1", "Q6_K"), ("Q3_K", "Q3_K", "Q4_K"),
+                                   ("Q2_K", "Q2_K", "Q3_K")])
 @pytest.mark.parametrize("levels", [0, 1, 2])
 def test_one_projection_of_parts_in_different_formats(levels: int, names: tuple[str, str, str]) -> None:
-    """A fused q/k/v whose v is Q6_K and q, k Q4_K (as Q4_K_M files are; or Q5_K and Q5_1): one call, each
-    part writing its own columns, one quantization of the activations for all of them."""
+    """A fused q/k/v whose v is Q6_K and q, k Q4_K (as Q4_K_M files are; or Q5_K and Q5_1; or Q3_K with a
+    Q4_K v, as Q3_K_M files are; Q2_K with a Q3_K v, as Q2_K files): one call, each part writing its own columns, one quantization of the
+    activations for all of them."""
     require_kernels()
     fmts = [gl.FORMATS[name] for name in names]
     parts = [random_blocks(fmt, rows, 256, seed=i) for i, (fmt, rows) in enumerate(zip(fmts, [48, 16, 21]))]

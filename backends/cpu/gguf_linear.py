@@ -1,5 +1,5 @@
-"""GGUF weights kept quantized on the CPU (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): a linear method
-and an embedding.
+"""GGUF weights kept quantized on the CPU (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): a
+linear method and an embedding.
 
 The dense path dequantizes every GGUF tensor at load: SmolLM2's 98 MB Q4_1 file became 513 MiB of
 float32 that each decode step streams. Here the linear layers keep the file's blocks, interleaved
@@ -12,8 +12,8 @@ gathers and dequantizes its rows; a tied LM head multiplies by the same tiles. T
 Llama-family model runs all of this in one native call (backends/cpu/gguf_decode.py).
 
 Which tensors stay quantized: every part (q, k, v of a fused projection) in one of FORMATS, each
-part in its own format (Q4_K_M and Q5_K_M files keep v and down in Q6_K). Others (F32 norms, Q3_K,
-IQ*, ...) load dense; with the native kernels off or unbuildable, everything loads dense (dequantized once).
+part in its own format (Q4_K_M and Q5_K_M files keep v and down in Q6_K). Others (F32 norms, IQ*,
+...) load dense; with the native kernels off or unbuildable, everything loads dense (dequantized once).
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ FORMATS = {
     "Q5_0": BlockFormat("Q5_0", 5, 32, 22),
     "Q5_1": BlockFormat("Q5_1", 6, 32, 24),
     "Q5_K": BlockFormat("Q5_K", 7, 256, 176),
+    "Q3_K": BlockFormat("Q3_K", 8, 256, 110),
+    "Q2_K": BlockFormat("Q2_K", 9, 256, 84),
 }
 PATH_NAMES = {0: "portable C", 1: "AVX2", 2: "256-bit VNNI", 3: "AVX512"}  # kernels/gguf.h's GG_PORTABLE ..
 # --gguf-activations: how matmuls of up to FUSED_MAX_ROWS rows (decode) take their inputs, as the
@@ -128,8 +130,8 @@ def _matrix(tiles: torch.Tensor, code: int, rows: int, cols: int) -> GGMatrix:
 
 def tiled_shape(fmt: BlockFormat, blocks: np.ndarray) -> tuple[int, int]:
     """(row groups of 16, bytes a group) of a GGUF tensor's blocks [rows, cols / block_columns * block_bytes]
-    in the tiled layout of kernels/gguf.h: the same bytes interleaved (Q4_K 2.8% more, Q5_K 2.3%: their 6-bit
-    scales widened; a last group padded with zero rows)."""
+    in the tiled layout of kernels/gguf.h: the same bytes interleaved (Q4_K 2.8% more, Q5_K 2.3%, Q3_K 3.6%:
+    their 6-bit scales widened; Q2_K's the same bytes; a last group padded with zero rows)."""
     rows = blocks.shape[0]
     cols = blocks.shape[1] // fmt.block_bytes * fmt.block_columns
     size = _library().gguf_tiled_bytes(fmt.code, rows, cols)

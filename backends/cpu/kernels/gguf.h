@@ -25,18 +25,27 @@
  *                                                            w as Q4_K's
  *   Q6_K (3360 B = 16 x 210, 256 columns): d[16] | sc[16][16] (int8) | 8 x (ql[256] | qh[128])
  *                                                            w = d * sc[i] * (q - 32), i = column / 16
+ *   Q3_K (1824 B = 16 x 114, 256 columns): d[16] | sc[16][16] (int8: the 6-bit scale - 32) | 8 x (ql[128] | qh[64])
+ *                                                            w = d * sc[i] * (q - 4), i = column / 16
+ *   Q2_K (1344 B = 16 x 84, 256 columns): d[16] | dmin[16] | scm[16][16] (the file's byte: scale | min << 4) | 8 x ql[128]
+ *                                                            w = d * sc[i] * q - dmin * mn[i], i = column / 16
  *
  * Every format stores an unsigned quant q per weight with w = a * q + b, a and b per row and per
- * 32 columns (per 16 for Q6_K): a "sub-tile" is 16 rows x 32 columns. In a sub-tile, k-quad t
+ * 32 columns (per 16 for Q6_K, Q3_K and Q2_K): a "sub-tile" is 16 rows x 32 columns. In a sub-tile, k-quad t
  * (columns 4t..4t+3) of row r is byte 4r + kk of a 64-byte vector:
  *   4-bit quants (qs[256]): chunk c = bytes 64c..64c+63; low nibbles = k-quad 2c, high = 2c + 1;
  *   Q8_0 (qs[512]): k-quad t = bytes 64t..64t+63, q = w + 128 (so int8 dot products need no sign trick);
  *   Q5_0, Q5_1, Q5_K: the low 4 bits as 4-bit quants; the qh[64] after them holds bit 4 of k-quad t
  *   at bit t of byte 4r + kk (a row's 32 fifth bits in its 4 bytes, as in the file's qh, reordered);
  *   Q6_K: the low 4 bits as 4-bit quants in ql; qh[128] = two 64-byte vectors, vector h holding
- *   bits 4-5 of k-quads 4h..4h+3 at bit pairs 0-1, 2-3, 4-5, 6-7.
+ *   bits 4-5 of k-quads 4h..4h+3 at bit pairs 0-1, 2-3, 4-5, 6-7;
+ *   Q3_K: q = the file's 2 low bits + 4 * its hmask bit (0..7); ql[128] = two 64-byte vectors laid out
+ *   as Q6_K's qh (bits 0-1 of k-quads 4h..4h+3 at bit pairs 0-1, 2-3, 4-5, 6-7 of vector h), the
+ *   qh[64] after them bit 2 of k-quad t at bit t, as the Q5 formats' fifth bits;
+ *   Q2_K: its 2-bit quants as Q3_K's ql[128].
  * Q4_K's and Q5_K's scales and minimums are unpacked from their 6-bit fields (4 more bytes a row:
- * 148 against 144, 180 against 176), so a kernel reads 16 of them with one load.
+ * 148 against 144, 180 against 176), so a kernel reads 16 of them with one load; Q3_K's 16 6-bit
+ * scales are widened to int8 (114 bytes a row against 110), as Q6_K's.
  */
 #ifndef ENGINE_GGUF_H
 #define ENGINE_GGUF_H
@@ -49,7 +58,8 @@
 #include <immintrin.h>
 #endif
 
-enum { GG_Q4_0 = 0, GG_Q4_1 = 1, GG_Q8_0 = 2, GG_Q4_K = 3, GG_Q6_K = 4, GG_Q5_0 = 5, GG_Q5_1 = 6, GG_Q5_K = 7, GG_NFORMATS = 8 };
+enum { GG_Q4_0 = 0, GG_Q4_1 = 1, GG_Q8_0 = 2, GG_Q4_K = 3, GG_Q6_K = 4, GG_Q5_0 = 5, GG_Q5_1 = 6, GG_Q5_K = 7, GG_Q3_K = 8,
+       GG_Q2_K = 9, GG_NFORMATS = 10 };
 
 /* Code paths, the Python side picks the best this CPU has (backends/cpu/features.py). */
 enum { GG_PORTABLE = 0, GG_AVX2 = 1, GG_VNNI256 = 2, GG_AVX512 = 3 };
@@ -57,18 +67,22 @@ enum { GG_PORTABLE = 0, GG_AVX2 = 1, GG_VNNI256 = 2, GG_AVX512 = 3 };
 #define GG_ROWS 16 /* rows of a tile */
 #define GG_SUB 32  /* columns of a sub-tile */
 
-static const int gg_tile_k[GG_NFORMATS] = {32, 32, 32, 256, 256, 32, 32, 256};
-static const int gg_tile_bytes[GG_NFORMATS] = {288, 320, 544, 2368, 3360, 352, 384, 2880};
-static const int gg_block_bytes[GG_NFORMATS] = {18, 20, 34, 144, 210, 22, 24, 176}; /* one row of a tile, in the file */
+static const int gg_tile_k[GG_NFORMATS] = {32, 32, 32, 256, 256, 32, 32, 256, 256, 256};
+static const int gg_tile_bytes[GG_NFORMATS] = {288, 320, 544, 2368, 3360, 352, 384, 2880, 1824, 1344};
+static const int gg_block_bytes[GG_NFORMATS] = {18, 20, 34, 144, 210, 22, 24, 176, 110, 84}; /* one row of a tile, in the file */
 
 /* Byte offsets inside a tile. */
 #define GG_Q4K_SC 64
 #define GG_Q4K_MN 192
 #define GG_Q4K_QS 320 /* Q5_K's sub-tiles start there too */
 #define GG_Q5K_SUB_BYTES 320
-#define GG_Q6K_SC 32
-#define GG_Q6K_SUB 288
+#define GG_Q6K_SC 32 /* Q3_K's scales too */
+#define GG_Q6K_SUB 288 /* Q3_K's sub-tiles start there too */
 #define GG_Q6K_SUB_BYTES 384
+#define GG_Q3K_SUB_BYTES 192
+#define GG_Q2K_SC 64 /* scm[16][16]: scale in the low nibble, minimum in the high */
+#define GG_Q2K_QS 320
+#define GG_Q2K_SUB_BYTES 128
 
 /* A weight matrix in the tiled layout (what the Python side passes through ctypes). */
 typedef struct {
@@ -77,8 +91,8 @@ typedef struct {
 } gg_matrix;
 
 /* Activation rows quantized to int8 per block of 32 (llama.cpp's numerics): q = round(x / d) with
-   d = max|x| / 127; s = d * (sum of the block's q), for the minimum term of Q4_1 and Q4_K;
-   sum16: sums of each 16 quants, for the offsets of Q4_0, Q8_0 (pairs) and Q6_K.
+   d = max|x| / 127; s = d * (sum of the block's q), for the minimum term of Q4_1 and Q4_K (Q2_K's: d * sum16);
+   sum16: sums of each 16 quants, for the offsets of Q4_0, Q5_0, Q8_0 (pairs), Q6_K and Q3_K.
    levels 2: each row is two int8 rows, i * 2 and i * 2 + 1: the second quantizes what the first
    left (scale d / 254), so x = d * q1 + d / 254 * q2 to 1/64516 of the block's largest (~16 bits);
    the kernels add both rows' products into output row i. */
@@ -104,8 +118,13 @@ static inline int64_t gg_group_bytes(int format, int cols) {
 }
 /* The int offset of formats stored as w = a * (q - offset); 0 for those with a float minimum. */
 static inline int gg_offset(int format) {
-    return format == GG_Q4_0 ? 8 : format == GG_Q5_0 ? 16 : format == GG_Q8_0 ? 128 : format == GG_Q6_K ? 32 : 0;
+    return format == GG_Q4_0 ? 8 : format == GG_Q5_0 ? 16 : format == GG_Q8_0 ? 128 : format == GG_Q6_K ? 32 :
+           format == GG_Q3_K ? 4 : 0;
 }
+/* Formats with a scale per 16 columns (a, and Q2_K's b, differ between a sub-tile's halves). */
+static inline int gg_per16(int format) { return format == GG_Q6_K || format == GG_Q3_K || format == GG_Q2_K; }
+/* Formats whose quants' low bits are 2-bit pairs in ql[128] (Q3_K adds a third bit from qh[64]). */
+static inline int gg_low2(int format) { return format == GG_Q3_K || format == GG_Q2_K; }
 /* Formats whose rows have a float minimum: w = a * q + b. */
 static inline int gg_has_min(int format) {
     return format == GG_Q4_1 || format == GG_Q5_1 || format == GG_Q4_K || format == GG_Q5_K;
@@ -115,7 +134,8 @@ static inline int gg_q4k_scales(int format) { return format == GG_Q4_K || format
 /* The Q5 formats: a qh[64] of fifth bits after each sub-tile's 4-bit quants. */
 static inline int gg_fifth_bit(int format) { return format == GG_Q5_0 || format == GG_Q5_1 || format == GG_Q5_K; }
 /* Where sub-tile `sub`'s 4-bit quants start in a tile (every format but Q8_0, whose quants are bytes):
-   every kernel unpacks them from here, the Q5 formats and Q6_K then add their high bits from right after. */
+   every kernel unpacks them from here, the Q5 formats and Q6_K then add their high bits from right after.
+   Q3_K, Q2_K: where their 2-bit quants start (ql[128], then Q3_K's qh[64]). */
 static inline int gg_nibbles_at(int format, int sub) {
     switch (format) {
     case GG_Q4_0:
@@ -124,6 +144,8 @@ static inline int gg_nibbles_at(int format, int sub) {
     case GG_Q5_1: return 64;
     case GG_Q4_K: return GG_Q4K_QS + 256 * sub;
     case GG_Q5_K: return GG_Q4K_QS + GG_Q5K_SUB_BYTES * sub;
+    case GG_Q3_K: return GG_Q6K_SUB + GG_Q3K_SUB_BYTES * sub;
+    case GG_Q2_K: return GG_Q2K_QS + GG_Q2K_SUB_BYTES * sub;
     default: return GG_Q6K_SUB + GG_Q6K_SUB_BYTES * sub; /* GG_Q6_K */
     }
 }
@@ -191,6 +213,27 @@ static inline void gg_sub_row(int format, const uint8_t *tile, int sub, int lane
         a[0] = d * (float)tile[GG_Q4K_SC + 16 * sub + lane];
         b[0] = -(dmin * (float)tile[GG_Q4K_MN + 16 * sub + lane]);
         break;
+    }
+    case GG_Q3_K:
+    case GG_Q2_K: {
+        const float d = gg_half(gg_u16(tile + 2 * lane));
+        for (int h = 0; h < 2; ++h) {
+            if (format == GG_Q3_K) {
+                a[h] = d * (float)(int8_t)tile[GG_Q6K_SC + 16 * (2 * sub + h) + lane];
+                b[h] = -4.0f * a[h];
+            } else {
+                const uint8_t scm = tile[GG_Q2K_SC + 16 * (2 * sub + h) + lane];
+                a[h] = d * (float)(scm & 0x0F);
+                b[h] = -(gg_half(gg_u16(tile + 32 + 2 * lane)) * (float)(scm >> 4));
+            }
+        }
+        for (int t = 0; t < 8; ++t)
+            for (int kk = 0; kk < 4; ++kk) {
+                const uint8_t low = qs[64 * (t / 4) + 4 * lane + kk];
+                q[4 * t + kk] = (uint8_t)((low >> (2 * (t & 3))) & 3);
+                if (format == GG_Q3_K) q[4 * t + kk] |= (uint8_t)(((qs[128 + 4 * lane + kk] >> t) & 1) << 2);
+            }
+        return;
     }
     default: { /* GG_Q6_K */
         const float d = gg_half(gg_u16(tile + 2 * lane));

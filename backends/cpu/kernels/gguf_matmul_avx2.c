@@ -42,6 +42,24 @@ INLINE void quads(const int format, const uint8_t *tile, int sub, int half, __m2
         return;
     }
     const uint8_t *qs = tile + gg_nibbles_at(format, sub);
+    if (gg_low2(format)) { /* bits 0-1 of k-quad 4h + j at bit pair j of vector h; Q3_K's bit 2 of k-quad t at
+                              bit t of the third (16-bit shifts: no bit of the neighbouring byte lands there) */
+        const __m256i two = _mm256_set1_epi8(0x03), bit2 = _mm256_set1_epi8(0x04);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i low2 = load32(qs + 64 * h + at);
+            v[4 * h] = _mm256_and_si256(low2, two);
+            v[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(low2, 2), two);
+            v[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(low2, 4), two);
+            v[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(low2, 6), two);
+        }
+        if (format == GG_Q2_K) return;
+        const __m256i third = load32(qs + 128 + at);
+        for (int t = 0; t < 8; ++t) {
+            const __m256i bit = t < 2 ? _mm256_slli_epi16(third, 2 - t) : _mm256_srli_epi16(third, t - 2);
+            v[t] = _mm256_or_si256(v[t], _mm256_and_si256(bit, bit2));
+        }
+        return;
+    }
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
         const __m256i packed = load32(qs + 64 * c + at);
@@ -68,25 +86,39 @@ INLINE void quads(const int format, const uint8_t *tile, int sub, int half, __m2
 }
 
 /* As in the AVX512 file, for rows 8h..8h+7. */
-INLINE void scales(const int format, const uint8_t *tile, int sub, int half, __m256 *a0, __m256 *a1, __m256 *b) {
+INLINE void scales(const int format, const uint8_t *tile, int sub, int half, __m256 *a0, __m256 *a1, __m256 *b0,
+                   __m256 *b1) {
     const int lane = 8 * half;
     const __m256 d = half8(tile + 2 * lane);
+    if (format == GG_Q2_K) {
+        const __m256 dmin = half8(tile + 32 + 2 * lane);
+        const __m256i nibble = _mm256_set1_epi32(0x0F);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i scm = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tile + GG_Q2K_SC + 32 * sub + 16 * h + lane)));
+            const __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(scm, nibble)));
+            const __m256 b = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(scm, 4))));
+            *(h ? a1 : a0) = a;
+            *(h ? b1 : b0) = b;
+        }
+        return;
+    }
     if (gg_q4k_scales(format)) {
         const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tile + GG_Q4K_SC + 16 * sub + lane))));
         const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tile + GG_Q4K_MN + 16 * sub + lane))));
         *a0 = *a1 = _mm256_mul_ps(d, sc);
-        *b = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(tile + 32 + 2 * lane), mn));
+        *b0 = *b1 = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(tile + 32 + 2 * lane), mn));
         return;
     }
-    if (format == GG_Q6_K) {
+    if (gg_per16(format)) { /* Q6_K, Q3_K (Q2_K above) */
         const uint8_t *sc = tile + GG_Q6K_SC + 32 * sub + lane;
         *a0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc))));
         *a1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 16)))));
-        *b = _mm256_setzero_ps();
+        *b0 = _mm256_mul_ps(*a0, _mm256_set1_ps(-(float)gg_offset(format)));
+        *b1 = _mm256_mul_ps(*a1, _mm256_set1_ps(-(float)gg_offset(format)));
         return;
     }
     *a0 = *a1 = d;
-    *b = gg_has_min(format) ? half8(tile + 32 + 2 * lane) : _mm256_mul_ps(d, _mm256_set1_ps(-(float)gg_offset(format)));
+    *b0 = *b1 = gg_has_min(format) ? half8(tile + 32 + 2 * lane) : _mm256_mul_ps(d, _mm256_set1_ps(-(float)gg_offset(format)));
 }
 
 INLINE void store_rows(const int MR, const __m256 *acc, float *y, int ldy, int i0, int first_row, int rows, int accumulate) {
@@ -105,7 +137,7 @@ INLINE void store_rows(const int MR, const __m256 *acc, float *y, int ldy, int i
 
 INLINE void f32_rows(const int format, const int MR, const gg_matrix *w, const float *x, int ldx, int i0, int g, int half,
                      float *y, int ldy, int accumulate) {
-    const int tile_k = gg_tile_k[format], tiles = w->cols / tile_k, subs = tile_k / GG_SUB, offset = gg_offset(format);
+    const int tile_k = gg_tile_k[format], tiles = w->cols / tile_k, subs = tile_k / GG_SUB;
     const uint8_t *group = w->data + g * gg_group_bytes(format, w->cols);
     const __m256i byte = _mm256_set1_epi32(0xFF);
     __m256 acc[MR];
@@ -114,11 +146,9 @@ INLINE void f32_rows(const int format, const int MR, const gg_matrix *w, const f
         const uint8_t *tile = group + (int64_t)t * gg_tile_bytes[format];
         for (int sub = 0; sub < subs; ++sub) {
             __m256i v[8];
-            __m256 a0, a1, b;
+            __m256 a0, a1, b0, b1;
             quads(format, tile, sub, half, v);
-            scales(format, tile, sub, half, &a0, &a1, &b);
-            const __m256 b0 = offset ? _mm256_mul_ps(a0, _mm256_set1_ps(-(float)offset)) : b;
-            const __m256 b1 = offset ? _mm256_mul_ps(a1, _mm256_set1_ps(-(float)offset)) : b;
+            scales(format, tile, sub, half, &a0, &a1, &b0, &b1);
             const float *xs = x + (int64_t)i0 * ldx + t * tile_k + sub * GG_SUB;
             for (int quad = 0; quad < 8; ++quad) {
                 const __m256 a = quad < 4 ? a0 : a1, bb = quad < 4 ? b0 : b1;
@@ -155,6 +185,8 @@ int gg_f32_avx2(const gg_matrix *w, const float *x, int ldx, int m, float *y, in
     case GG_Q5_0: f32_format(GG_Q5_0, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q5_1: f32_format(GG_Q5_1, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q5_K: f32_format(GG_Q5_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q3_K: f32_format(GG_Q3_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q2_K: f32_format(GG_Q2_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     default: return -1;
     }
 }
@@ -266,9 +298,9 @@ INLINE void i8_rows(const int format, const int MR, const int LEVELS, const int 
         if (half == 0) prefetch_ahead(tile, gg_tile_bytes[format]);
         for (int sub = 0; sub < subs; ++sub) {
             __m256i v[8];
-            __m256 a0, a1, b;
+            __m256 a0, a1, b0, b1;
             quads(format, tile, sub, half, v);
-            scales(format, tile, sub, half, &a0, &a1, &b);
+            scales(format, tile, sub, half, &a0, &a1, &b0, &b1);
             const int block = t * (tile_k / GG_SUB) + sub;
             for (int i = 0; i < MR * LEVELS; ++i) { /* activation row i / LEVELS, level i % LEVELS */
                 const int64_t row = (int64_t)i0 * LEVELS + i;
@@ -276,17 +308,22 @@ INLINE void i8_rows(const int format, const int MR, const int LEVELS, const int 
                 dots(format, vnni, v, x->q + row * k + block * GG_SUB, &s0, &s1);
                 const __m256 xd = _mm256_set1_ps(x->d[row * blocks + block]);
                 const int32_t *sums = x->sum16 + (row * blocks + block) * 2;
-                if (format == GG_Q6_K) {
+                if (gg_per16(format)) {
                     s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(offset * sums[0]));
                     s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(offset * sums[1]));
                     acc[i / LEVELS] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(a0, xd), acc[i / LEVELS]);
                     acc[i / LEVELS] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(a1, xd), acc[i / LEVELS]);
+                    if (format == GG_Q2_K) { /* the minimums times each half's sum of quantized activations */
+                        const float xs = x->d[row * blocks + block];
+                        acc[i / LEVELS] = _mm256_fmadd_ps(b0, _mm256_set1_ps(xs * (float)sums[0]), acc[i / LEVELS]);
+                        acc[i / LEVELS] = _mm256_fmadd_ps(b1, _mm256_set1_ps(xs * (float)sums[1]), acc[i / LEVELS]);
+                    }
                 } else if (offset || format == GG_Q8_0) {
                     const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(offset * (sums[0] + sums[1])));
                     acc[i / LEVELS] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(a0, xd), acc[i / LEVELS]);
                 } else {
                     acc[i / LEVELS] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(a0, xd), acc[i / LEVELS]);
-                    acc[i / LEVELS] = _mm256_fmadd_ps(b, _mm256_set1_ps(x->s[row * blocks + block]), acc[i / LEVELS]);
+                    acc[i / LEVELS] = _mm256_fmadd_ps(b0, _mm256_set1_ps(x->s[row * blocks + block]), acc[i / LEVELS]);
                 }
             }
         }
@@ -319,6 +356,8 @@ INLINE void i8_format(const int format, const int vnni, const gg_matrix *w, cons
     case GG_Q5_0: i8_format(GG_Q5_0, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
     case GG_Q5_1: i8_format(GG_Q5_1, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
     case GG_Q5_K: i8_format(GG_Q5_K, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
+    case GG_Q3_K: i8_format(GG_Q3_K, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
+    case GG_Q2_K: i8_format(GG_Q2_K, VNNI, w, x, y, ldy, g0, g1, accumulate); return 0;               \
     default: return -1;                                                                               \
     }
 

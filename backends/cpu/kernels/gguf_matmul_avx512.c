@@ -2,7 +2,7 @@
  * The GGUF matmuls with AVX512 (zmm, 16 weight rows a vector: one tile of gguf.h's layout).
  *
  * int8 activations (AVX512-VNNI): a sub-tile's 8 k-quad vectors are unpacked once (nibbles split,
- * the Q5 formats' fifth bits and Q6_K's high bits or'ed in) and, for every activation row,
+ * the Q5 formats' fifth bits, Q6_K's high bits or Q3_K's third bits or'ed in) and, for every activation row,
  * multiplied by 4 activation bytes broadcast to the 16 lanes (vpdpbusd: 64 multiply-adds per
  * instruction, the sums landing one lane per weight row): 8 instructions for 16 rows x 32 columns,
  * then one float scale per row. This is why int8 activations are the fast path: the float path
@@ -40,6 +40,24 @@ INLINE void quads(const int format, const uint8_t *tile, int sub, __m512i v[8]) 
         return;
     }
     const uint8_t *qs = tile + gg_nibbles_at(format, sub);
+    if (gg_low2(format)) { /* bits 0-1 of k-quad 4h + j at bit pair j of vector h; Q3_K's bit 2 of k-quad t at
+                              bit t of the third (16-bit shifts: no bit of the neighbouring byte lands there) */
+        const __m512i two = _mm512_set1_epi8(0x03), bit2 = _mm512_set1_epi8(0x04);
+        for (int h = 0; h < 2; ++h) {
+            const __m512i low2 = load64(qs + 64 * h);
+            v[4 * h] = _mm512_and_si512(low2, two);
+            v[4 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(low2, 2), two);
+            v[4 * h + 2] = _mm512_and_si512(_mm512_srli_epi16(low2, 4), two);
+            v[4 * h + 3] = _mm512_and_si512(_mm512_srli_epi16(low2, 6), two);
+        }
+        if (format == GG_Q2_K) return;
+        const __m512i third = load64(qs + 128);
+        for (int t = 0; t < 8; ++t) {
+            const __m512i bit = t < 2 ? _mm512_slli_epi16(third, 2 - t) : _mm512_srli_epi16(third, t - 2);
+            v[t] = _mm512_or_si512(v[t], _mm512_and_si512(bit, bit2));
+        }
+        return;
+    }
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
         const __m512i packed = load64(qs + 64 * c);
@@ -66,26 +84,40 @@ INLINE void quads(const int format, const uint8_t *tile, int sub, __m512i v[8]) 
     }
 }
 
-/* Per row of sub-tile `sub`: w = a * q + b, a per half of 16 columns (differs only for Q6_K).
-   b is the float minimum of Q4_1, Q5_1, Q4_K and Q5_K, -offset * a (exact) for the others. */
-INLINE void scales(const int format, const uint8_t *tile, int sub, __m512 *a0, __m512 *a1, __m512 *b) {
+/* Per row of sub-tile `sub`: w = a * q + b, a and b per half of 16 columns (they differ only for the
+   per-16 formats: Q6_K, Q3_K, Q2_K). b is the float minimum of Q4_1, Q5_1, Q4_K, Q5_K and Q2_K,
+   -offset * a (exact) for the others. */
+INLINE void scales(const int format, const uint8_t *tile, int sub, __m512 *a0, __m512 *a1, __m512 *b0, __m512 *b1) {
     const __m512 d = half16(tile);
+    if (format == GG_Q2_K) { /* scale in the low nibble, minimum in the high */
+        const __m512 dmin = half16(tile + 32);
+        const __m512i nibble = _mm512_set1_epi32(0x0F);
+        for (int h = 0; h < 2; ++h) {
+            const __m512i scm = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + GG_Q2K_SC + 32 * sub + 16 * h)));
+            const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(scm, nibble)));
+            const __m512 b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(scm, 4))));
+            *(h ? a1 : a0) = a;
+            *(h ? b1 : b0) = b;
+        }
+        return;
+    }
     if (gg_q4k_scales(format)) {
         const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + GG_Q4K_SC + 16 * sub))));
         const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + GG_Q4K_MN + 16 * sub))));
         *a0 = *a1 = _mm512_mul_ps(d, sc);
-        *b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(tile + 32), mn));
+        *b0 = *b1 = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(tile + 32), mn));
         return;
     }
-    if (format == GG_Q6_K) {
+    if (gg_per16(format)) { /* Q6_K, Q3_K (Q2_K above) */
         const uint8_t *sc = tile + GG_Q6K_SC + 32 * sub;
         *a0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
         *a1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16)))));
-        *b = _mm512_setzero_ps(); /* unused: the offset is applied per half */
+        *b0 = _mm512_mul_ps(*a0, _mm512_set1_ps(-(float)gg_offset(format)));
+        *b1 = _mm512_mul_ps(*a1, _mm512_set1_ps(-(float)gg_offset(format)));
         return;
     }
     *a0 = *a1 = d;
-    *b = gg_has_min(format) ? half16(tile + 32) : _mm512_mul_ps(d, _mm512_set1_ps(-(float)gg_offset(format)));
+    *b0 = *b1 = gg_has_min(format) ? half16(tile + 32) : _mm512_mul_ps(d, _mm512_set1_ps(-(float)gg_offset(format)));
 }
 
 /* acc[i] (16 rows) stored to y's row i0 + i, columns 16g.., only the rows the matrix has. */
@@ -111,12 +143,9 @@ INLINE void f32_rows(const int format, const int MR, const gg_matrix *w, const f
         const uint8_t *tile = group + (int64_t)t * gg_tile_bytes[format];
         for (int sub = 0; sub < subs; ++sub) {
             __m512i v[8];
-            __m512 a0, a1, b;
+            __m512 a0, a1, b0, b1;
             quads(format, tile, sub, v);
-            scales(format, tile, sub, &a0, &a1, &b);
-            const int offset = gg_offset(format);
-            const __m512 b0 = offset ? _mm512_mul_ps(a0, _mm512_set1_ps(-(float)offset)) : b;
-            const __m512 b1 = offset ? _mm512_mul_ps(a1, _mm512_set1_ps(-(float)offset)) : b;
+            scales(format, tile, sub, &a0, &a1, &b0, &b1);
             const float *xs = x + (int64_t)i0 * ldx + t * tile_k + sub * GG_SUB;
             for (int quad = 0; quad < 8; ++quad) {
                 const __m512 a = quad < 4 ? a0 : a1, bb = quad < 4 ? b0 : b1;
@@ -185,6 +214,8 @@ int gg_f32_avx512(const gg_matrix *w, const float *x, int ldx, int m, float *y, 
     case GG_Q5_0: f32_format(GG_Q5_0, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q5_1: f32_format(GG_Q5_1, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q5_K: f32_format(GG_Q5_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q3_K: f32_format(GG_Q3_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q2_K: f32_format(GG_Q2_K, w, x, ldx, m, y, ldy, g0, g1, accumulate); return 0;
     default: return -1;
     }
 }
@@ -210,9 +241,9 @@ INLINE void i8_rows(const int format, const int MR, const int LEVELS, const gg_m
         prefetch_ahead(tile, gg_tile_bytes[format]);
         for (int sub = 0; sub < subs; ++sub) {
             __m512i v[8];
-            __m512 a0, a1, b;
+            __m512 a0, a1, b0, b1;
             quads(format, tile, sub, v);
-            scales(format, tile, sub, &a0, &a1, &b);
+            scales(format, tile, sub, &a0, &a1, &b0, &b1);
             const int block = t * (tile_k / GG_SUB) + sub;
             for (int i = 0; i < MR * LEVELS; ++i) { /* activation row i / LEVELS, level i % LEVELS */
                 const int64_t row = (int64_t)i0 * LEVELS + i;
@@ -227,17 +258,22 @@ INLINE void i8_rows(const int format, const int MR, const int LEVELS, const gg_m
                 s1 = _mm512_dpbusd_epi32(s1, v[7], broadcast4(xq + 28));
                 const __m512 xd = _mm512_set1_ps(x->d[row * blocks + block]);
                 const int32_t *sums = x->sum16 + (row * blocks + block) * 2;
-                if (format == GG_Q6_K) { /* a differs per half: the offset too */
+                if (gg_per16(format)) { /* a differs per half: the offset too */
                     s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(offset * sums[0]));
                     s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(offset * sums[1]));
                     acc[i / LEVELS] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(a0, xd), acc[i / LEVELS]);
                     acc[i / LEVELS] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(a1, xd), acc[i / LEVELS]);
+                    if (format == GG_Q2_K) { /* the minimums times each half's sum of quantized activations */
+                        const float xs = x->d[row * blocks + block];
+                        acc[i / LEVELS] = _mm512_fmadd_ps(b0, _mm512_set1_ps(xs * (float)sums[0]), acc[i / LEVELS]);
+                        acc[i / LEVELS] = _mm512_fmadd_ps(b1, _mm512_set1_ps(xs * (float)sums[1]), acc[i / LEVELS]);
+                    }
                 } else if (offset) { /* exact: sum (q - offset) xq */
                     const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(offset * (sums[0] + sums[1])));
                     acc[i / LEVELS] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(a0, xd), acc[i / LEVELS]);
                 } else { /* the minimum times the block's sum of quantized activations */
                     acc[i / LEVELS] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(a0, xd), acc[i / LEVELS]);
-                    acc[i / LEVELS] = _mm512_fmadd_ps(b, _mm512_set1_ps(x->s[row * blocks + block]), acc[i / LEVELS]);
+                    acc[i / LEVELS] = _mm512_fmadd_ps(b0, _mm512_set1_ps(x->s[row * blocks + block]), acc[i / LEVELS]);
                 }
             }
         }
@@ -269,6 +305,8 @@ int gg_i8_avx512(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0
     case GG_Q5_0: i8_format(GG_Q5_0, w, x, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q5_1: i8_format(GG_Q5_1, w, x, y, ldy, g0, g1, accumulate); return 0;
     case GG_Q5_K: i8_format(GG_Q5_K, w, x, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q3_K: i8_format(GG_Q3_K, w, x, y, ldy, g0, g1, accumulate); return 0;
+    case GG_Q2_K: i8_format(GG_Q2_K, w, x, y, ldy, g0, g1, accumulate); return 0;
     default: return -1;
     }
 }

@@ -65,7 +65,11 @@ void gg_i8_portable(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int
                             for (int h = 0; h < 2; ++h)
                                 for (int j = 16 * h; j < 16 * h + 16; ++j) dot[h] += (int)q[j] * (int)xq[j];
                             const float xd = x->d[xrow * (k / GG_SUB) + block];
-                            if (offset) {
+                            if (format == GG_Q2_K) { /* per-16 scales and minimums */
+                                const int32_t *sums = x->sum16 + at / 16;
+                                acc[i / x->levels] += a[0] * xd * (float)dot[0] + a[1] * xd * (float)dot[1] +
+                                                      xd * (b[0] * (float)sums[0] + b[1] * (float)sums[1]);
+                            } else if (offset) {
                                 const int32_t *sums = x->sum16 + at / 16;
                                 acc[i / x->levels] += a[0] * xd * (float)(dot[0] - offset * sums[0]) +
                                                       a[1] * xd * (float)(dot[1] - offset * sums[1]);

@@ -3,7 +3,9 @@
  * gathered rows, and the prefill path, where one dequantized matrix serves every row of a GEMM).
  *
  * Repacking moves bits, it computes nothing: every scale stays the fp16 the file holds (Q4_K's and
- * Q5_K's 6-bit scales and minimums are widened to bytes), every quant the file's (Q8_0's stored + 128).
+ * Q5_K's 6-bit scales and minimums are widened to bytes, Q3_K's 6-bit scales to int8 scale - 32; Q2_K's
+ * 4-bit scale and minimum stay the file's byte), every
+ * quant the file's (Q8_0's stored + 128, Q3_K's 2 low bits + 4 * its hmask bit).
  * Dequantizing rounds once per weight, as the `gguf` package does (tests hold them equal).
  */
 #include <stdlib.h>
@@ -19,6 +21,13 @@ static void q4k_scale_min(const uint8_t *scales, int j, uint8_t *sc, uint8_t *mn
         *sc = (uint8_t)((scales[j + 4] & 0x0F) | ((scales[j - 4] >> 6) << 4));
         *mn = (uint8_t)((scales[j + 4] >> 4) | ((scales[j] >> 6) << 4));
     }
+}
+
+/* The scale of sub-block j (16 columns) of a Q3_K block, minus 32 (ggml's dequantize_row_q3_K):
+   low 4 bits from scales[j % 8] (its low nibble for j < 8, high after), high 2 from scales[8 + j % 4]. */
+static int8_t q3k_scale(const uint8_t *scales, int j) {
+    const int low = (scales[j % 8] >> (4 * (j / 8))) & 0x0F, high = (scales[8 + j % 4] >> (2 * (j / 4))) & 3;
+    return (int8_t)((low | high << 4) - 32);
 }
 
 /* The stored quant of column `idx` (within the block) of one GGUF block. */
@@ -45,6 +54,14 @@ static uint8_t block_quant(int format, const uint8_t *block, int idx) {
         const uint8_t byte = block[48 + 32 * (idx / 64) + idx % 32], high = block[16 + idx % 32];
         return (uint8_t)(((idx / 32) % 2 ? byte >> 4 : byte & 0x0F) | ((high >> (idx / 32)) & 1) << 4);
     }
+    case GG_Q3_K: { /* hmask[32] qs[64] scales[12] d: weight 128n + 32j + l is bits 2j..2j+1 of qs[32n + l],
+                       its hmask bit bit 4n + j of hmask[l] (set: no -4) */
+        const int n = idx / 128, j = (idx % 128) / 32, l = idx % 32;
+        const uint8_t low = (block[32 + 32 * n + l] >> (2 * j)) & 3, high = (block[l] >> (idx / 32)) & 1;
+        return (uint8_t)(low | high << 2);
+    }
+    case GG_Q2_K: /* scales[16] qs[64] d dmin: weight 128n + 32j + l is bits 2j..2j+1 of qs[32n + l] */
+        return (block[16 + 32 * (idx / 128) + idx % 32] >> (2 * ((idx % 128) / 32))) & 3;
     default: { /* GG_Q6_K: ql[128] qh[64] scales[16] d */
         const int n = idx / 128, t4 = (idx % 128) / 32, l = idx % 32;
         const uint8_t low = block[64 * n + l + 32 * (t4 & 1)], high = block[128 + 32 * n + l];
@@ -77,6 +94,15 @@ static void fill_tile_row(int format, uint8_t *tile, int lane, const uint8_t *bl
         for (int j = 0; j < 8; ++j)
             q4k_scale_min(block + 4, j, tile + GG_Q4K_SC + 16 * j + lane, tile + GG_Q4K_MN + 16 * j + lane);
         break;
+    case GG_Q3_K:
+        memcpy(tile + 2 * lane, block + 108, 2);
+        for (int i = 0; i < 16; ++i) tile[GG_Q6K_SC + 16 * i + lane] = (uint8_t)q3k_scale(block + 96, i);
+        break;
+    case GG_Q2_K:
+        memcpy(tile + 2 * lane, block + 80, 2);
+        memcpy(tile + 32 + 2 * lane, block + 82, 2);
+        for (int i = 0; i < 16; ++i) tile[GG_Q2K_SC + 16 * i + lane] = block[i];
+        break;
     default: /* GG_Q6_K */
         memcpy(tile + 2 * lane, block + 208, 2);
         for (int i = 0; i < 16; ++i) tile[GG_Q6K_SC + 16 * i + lane] = block[192 + i];
@@ -89,6 +115,12 @@ static void fill_tile_row(int format, uint8_t *tile, int lane, const uint8_t *bl
         const int at = 4 * lane + kk;
         if (format == GG_Q8_0) {
             tile[32 + 64 * t + at] = q;
+            continue;
+        }
+        if (gg_low2(format)) { /* 2 low bits as Q6_K's high bits, Q3_K's third as the Q5 formats' fifth */
+            uint8_t *low = tile + gg_nibbles_at(format, sub) + 64 * (t / 4) + at, *third = tile + gg_nibbles_at(format, sub) + 128 + at;
+            *low = (uint8_t)((*low & ~(3u << (2 * (t & 3)))) | ((q & 3u) << (2 * (t & 3))));
+            if (format == GG_Q3_K) *third = (uint8_t)((*third & ~(1u << t)) | (((q >> 2) & 1u) << t));
             continue;
         }
         uint8_t *nibbles = tile + gg_nibbles_at(format, sub), *high = nibbles + 256;
