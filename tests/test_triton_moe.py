@@ -265,3 +265,21 @@ def test_route_kernel_ties_take_the_lower_expert() -> None:
         ids, weights = moe_route(logits, 2, True)
     assert ids.cpu().tolist() == [[1, 3]]
     torch.testing.assert_close(weights.cpu(), torch.tensor([[0.5, 0.5]]))
+
+
+def test_tile_choice_follows_the_h200_measurements(monkeypatch: pytest.MonkeyPatch) -> None:
+    """moe_tile off the interpreter (the compiled kernels' tiles): per slot up to one slot per expert on
+    average, 8 columns a program up to 8 slots, grouped BLOCK_M 16 to 16 slots per expert, 64 beyond:
+    the choices benchmarks/moe_kernel.py --sweep measured best (docs/cuda.md, session (d))."""
+    import backends.cuda.triton_moe as triton_moe
+
+    monkeypatch.setattr(triton_moe, "interpreted", lambda: False)
+    bf16 = torch.bfloat16
+    qwen3 = {t: triton_moe.moe_tile(t, 8, 128, bf16) for t in (1, 4, 16, 17, 32, 128, 512)}
+    assert qwen3[1] == MoeTile(1, 8, 128, num_warps=8, num_stages=2, per_slot=True)  # 8 slots
+    assert qwen3[4] == qwen3[16] == MoeTile(1, 32, 128, num_warps=8, num_stages=2, per_slot=True)
+    assert not qwen3[17].per_slot and qwen3[32].block_m == qwen3[128].block_m == 16  # > 1 slot per expert
+    assert qwen3[512].block_m == 64  # 32 slots per expert
+    mixtral = {t: triton_moe.moe_tile(t, 2, 8, bf16) for t in (1, 4, 5, 64, 65)}
+    assert mixtral[1].per_slot and mixtral[1].block_n == 8 and mixtral[4].per_slot and mixtral[4].block_n == 8
+    assert mixtral[5].block_m == 16 and mixtral[64].block_m == 16 and mixtral[65].block_m == 64
