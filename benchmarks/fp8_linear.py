@@ -16,7 +16,6 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 from typing import Any, Callable
 
 import torch
@@ -29,6 +28,7 @@ from backends.cuda.fp8_linear import (
     fp8_scaled_mm,
     fp8_weight_only_matmul,
 )
+from benchmarks.gpu_timing import graph_us as shared_graph_us
 from engine.quantization.fp8 import fp8_reference_linear, quantize_per_channel
 
 LLAMA3_8B_LAYER = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -37,27 +37,7 @@ CALLS_PER_GRAPH = 20
 
 def graph_us(fn: Callable[[], Any], replays: int = 10) -> float:
     """Microseconds per call of fn, captured CALLS_PER_GRAPH times in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-    return statistics.median(samples)
+    return shared_graph_us([fn] * CALLS_PER_GRAPH, replays=1, groups=replays)
 
 
 def sweep_configs(rows: int) -> list[KernelConfig]:

@@ -14,11 +14,12 @@ import argparse
 import itertools
 import json
 import os
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from backends.cuda.gemv import GemvConfig, choose_config, gemv
+from benchmarks.gpu_timing import copy_rate_bytes_per_s, graph_us, preset_config
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336),
           "lm_head": (128256, 4096)}
@@ -27,46 +28,13 @@ COPIES = 8
 
 def preset_shapes(name: str) -> dict[str, tuple[int, int]]:
     """(out, in) of a preset's decode matrices: fused q/k/v, o, fused gate/up, down, LM head."""
-    with open(os.path.join("configs", "models", f"{name}.json")) as handle:
-        config = json.load(handle)
+    config = preset_config(name)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
     inter = config["intermediate_size"]
     return {"qkv_proj": (q + 2 * kv, hidden), "o_proj": (hidden, q), "gate_up_proj": (2 * inter, hidden),
             "down_proj": (hidden, inter), "lm_head": (config["vocab_size"], hidden)}
-
-
-def graph_us(calls: list[Callable[[], Any]], replays: int = 20) -> float:
-    """Microseconds per call: every call captured once in one graph, the graph replayed."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for call in calls:  # warm-up (JIT) outside the capture
-            call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
-    return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = graph_us([lambda: dst.copy_(src)], replays=10)
-    return 2 * src.numel() / (us * 1e-6) / 1e12
 
 
 def main() -> None:
@@ -83,7 +51,7 @@ def main() -> None:
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     configs = [GemvConfig(*c) for c in itertools.product(ints(args.block_n), ints(args.block_k), ints(args.warps),
                                                          ints(args.stages))]
-    ceiling = copy_bandwidth()
+    ceiling = copy_rate_bytes_per_s() / 1e12
     print(f"device copy: {ceiling:.2f} TB/s")
     results: list[dict[str, Any]] = []
     torch.manual_seed(0)

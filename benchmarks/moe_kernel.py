@@ -31,6 +31,7 @@ import torch
 
 from backends.cuda.triton_moe import MoeTile, fused_moe, moe_tile
 from engine.layers.moe import moe_experts
+from benchmarks.gpu_timing import copy_rate_bytes_per_s, graph_us, preset_config
 from graphs.tune_measure import steady_ms
 
 SWEEP_TILES = (
@@ -42,8 +43,7 @@ SWEEP_TILES = (
 
 
 def preset(name: str) -> dict[str, int]:
-    with open(os.path.join("configs", "models", f"{name}.json")) as handle:
-        config = json.load(handle)
+    config = preset_config(name)
     return {
         "experts": config.get("num_experts", config.get("num_local_experts")),
         "top_k": config["num_experts_per_tok"],
@@ -52,28 +52,9 @@ def preset(name: str) -> dict[str, int]:
     }
 
 
-def copy_rate_bytes_per_s() -> float:
-    """Device memory's rate as a large copy reaches it (bytes read + written per second)."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = steady_ms(torch.cuda.synchronize, lambda: dst.copy_(src), 20)
-    del src, dst
-    return 2 * (2 << 30) / (ms / 1e3)
-
-
 def graph_ms_per_layer(fn: Callable[[int], object], layers: int) -> float:
     """fn(layer) for every layer, captured once in a CUDA graph; ms per layer of a replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(layers):  # compile and warm outside the capture
-            fn(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            fn(layer)
-    return steady_ms(torch.cuda.synchronize, graph.replay, 30) / layers
+    return graph_us([lambda layer=layer: fn(layer) for layer in range(layers)], replays=30) / 1e3
 
 
 def measure(name: str, tokens: int, layers: int, sweep: bool, rate: float) -> dict[str, Any]:
@@ -109,8 +90,6 @@ def measure(name: str, tokens: int, layers: int, sweep: bool, rate: float) -> di
                 row["sweep"].append({"tile": asdict(tile), "ms": graph_ms_per_layer(run(tile), layers), "max_abs_err": err})
             except Exception as error:  # noqa: BLE001 - a tile a GPU cannot compile (shared memory) is reported, not fatal
                 row["sweep"].append({"tile": asdict(tile), "error": f"{type(error).__name__}: {str(error)[:200]}"})
-    del gate_ups, downs
-    torch.cuda.empty_cache()
     return row
 
 
@@ -134,6 +113,7 @@ def main() -> None:
     for name in args.models.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
             row = measure(name, tokens, args.layers, args.sweep, rate)
+            torch.cuda.empty_cache()  # the case's weights are freed with measure's frame
             rows.append(row)
             timed = [s for s in row.get("sweep", []) if "ms" in s]
             best = min(timed, key=lambda s: s["ms"]) if timed else None
