@@ -105,6 +105,10 @@ class Platform(abc.ABC):
     def capture_settings(self) -> CaptureSettings:
         """Which capture mechanism this platform uses and its options."""
 
+    def start_compile_workers(self) -> None:
+        """Called before the model loads when a step will be torch.compile'd: start what the compiler needs
+        (its worker processes) so that it is ready by the first compile. Nothing by default."""
+
     def kernel_precompiler(self, model: torch.nn.Module, kv_caches: list) -> "Callable[[list], Callable[[], None]] | None":
         """A function the decode graph runner calls before its first compile: given the capture metadata
         of some sizes, it starts compiling the platform's own kernels in the background and returns the

@@ -1,4 +1,4 @@
-"""One-row matmuls on the GPU: cuBLAS (F.linear) against the Triton GEMV's tiles, bf16 and FP8 weights.
+"""One- or two-row matmuls on the GPU: cuBLAS (F.linear) against the Triton GEMV's tiles, bf16 and FP8 weights.
 
     PYTHONPATH=. python benchmarks/gemv_sweep.py --output bench_results/gemv_sweep.json
 
@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="1,3")
     parser.add_argument("--dtypes", default="bf16,fp8")
+    parser.add_argument("--rows", type=int, default=1, help="activation rows: 1, or 2 (the two-row GEMV measured in docs/cuda.md, session (e))")
     parser.add_argument("--model", default=None, help="a preset under configs/models/ (default: Llama-3-8B's shapes)")
     parser.add_argument("--output", default="bench_results/gemv_sweep.json")
     args = parser.parse_args()
@@ -55,12 +56,12 @@ def main() -> None:
     print(f"device copy: {ceiling:.2f} TB/s")
     results: list[dict[str, Any]] = []
     torch.manual_seed(0)
-    x = torch.randn(1, max(k for _, k in shapes.values()), dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(args.rows, max(k for _, k in shapes.values()), dtype=torch.bfloat16, device="cuda")
     for dtype_name in args.dtypes.split(","):
         for name, (n, k) in shapes.items():
             weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(COPIES)]
             xk = x[:, :k]
-            row: dict[str, Any] = {"dtype": dtype_name, "layer": name, "n": n, "k": k}
+            row: dict[str, Any] = {"dtype": dtype_name, "layer": name, "n": n, "k": k, "rows": args.rows}
             if dtype_name == "fp8":
                 from backends.cuda.fp8_linear import fp8_weight_only_matmul
                 from engine.quantization.fp8 import quantize_per_channel

@@ -86,6 +86,8 @@ class Engine:
         """Everything after the config and the ranks: model, KV pool, scheduler, runner, graphs, warm-up."""
         if config.dtype == "auto" and (preferred := self.platform.dtype_for_checkpoint(source.kind, self.config.quantization)):
             self.config.dtype = preferred
+        if not self.config.disable_graphs and (self.config.compile_decode or self.config.compile_extend):
+            self.platform.start_compile_workers()  # up by the time the step compiles, after the weights load
         with building_for(self.tp):
             self.model, self.model_config = load_model(source, self.config.torch_dtype, self.device,
                                                          self.config.load_format, self.config.quantization,

@@ -68,11 +68,14 @@ def test_cuda_graph_decode_matches_eager(tmp_path, compile_decode: bool) -> None
                             capture_sizes="1,2,8", disable_graphs=not graphs, kv_cache_tokens=4096,
                             compile_decode=compile_decode)
             tokens[(page_size, graphs)] = [o.token_ids for o in engine.generate(prompts, params)]
+            # Batch 1 alone (the four prompts finish together, so the batch above never shrinks to 1).
+            tokens[(page_size, graphs, "alone")] = engine.generate([prompts[2]], params)[0].token_ids
             if graphs:
                 assert engine.runner.graph_steps > 0
             engine.check_kv_invariant()
             assert engine.kv_pages_in_use() == 0
         assert tokens[(page_size, True)] == tokens[(page_size, False)]
+        assert tokens[(page_size, True, "alone")] == tokens[(page_size, False, "alone")]
 
 
 def test_prefix_cache_chunking_and_retraction_on_cuda_graphs(tmp_path) -> None:

@@ -6,9 +6,11 @@ q/k/v and o_proj (50 and 34 MB) at about 3.1 TB/s, and ran o_proj and down_proj 
 reduce and a copy kernel after each. kernels/gemv.py does each in one launch; the sweep
 (benchmarks/gemv_sweep.py, docs/results/h200_gemv_sweep_2026-12-02.json) found it faster on every
 Llama-3-8B matrix in bf16 and in FP8, and in the engine it took the batch-1 replay from 4.73 to
-4.31 ms (docs/cuda.md). `use_gemv` switches the dense bf16/fp16 linears; the method takes the GEMV
-only for one-row inputs, which in a compiled step is dynamo's own size-1 specialisation (no new
-guard, no extra graph); other row counts stay on cuBLAS.
+4.31 ms (docs/cuda.md). `use_gemv` switches the dense bf16/fp16 linears; their op takes the GEMV for
+one-row inputs and cuBLAS for more, decided inside the op at run time, so the compiled decode step's
+batch-dynamic graph holds no branch on the rows (its size-1 graph is dynamo's own specialisation). A
+two-row variant reading each weight tile once for both rows was no faster than cuBLAS at two rows on the
+H200 (docs/results/h200_gemv_rows2_2026-12-02e.json), so a batch-1 step does not pad to the batch-2 graph.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def _dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # Chosen here, at run time, not in traced code (see GemvLinearMethod.apply).
     if x.shape[0] == 1 and weight.is_cuda:
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -103,7 +106,10 @@ class GemvLinearMethod:
     name = "dense_gemv"
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1:
+        # Every 2-D input goes through the op, which picks the GEMV or cuBLAS by its rows at run time: a
+        # branch on the rows here would be traced into the compiled graphs as a guard. cuBLAS inside the op
+        # was also a little faster than traced F.linear (batch-32 replay 5.466 against 5.532 ms, docs/cuda.md).
+        if x.dim() == 2:
             return torch.ops.engine.dense_gemv(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -60,6 +61,18 @@ class CudaPlatform(Platform):
 
     def capture_settings(self) -> CaptureSettings:
         return CaptureSettings(kind="cuda_graph")
+
+    def start_compile_workers(self) -> None:
+        """Inductor compiles its Triton kernels in a pool of worker processes, which it starts at the first
+        compile; until they are up (each imports torch: seconds) the kernels compile one by one in this
+        process. Started here, while the model loads, the pool is ready when the decode step compiles."""
+        try:
+            from torch._inductor.async_compile import maybe_warm_pool
+        except ImportError:  # a torch without inductor's pool: it compiles in-process, nothing to start
+            return
+        started = time.perf_counter()
+        maybe_warm_pool()
+        logger.info("inductor compile workers starting in the background (%.2f s to launch)", time.perf_counter() - started)
 
     def kernel_precompiler(self, model: torch.nn.Module, kv_caches: list) -> Any:
         """The attention kernels and the one-row GEMVs compile in worker threads while dynamo and inductor

@@ -90,6 +90,16 @@ def paged_decode_kernel(
             new_slot = tl.load(slots_ptr + batch).to(tl.int64)
             tl.store(k_ptr + new_slot * stride_ks + kv_head * stride_kh + offs_d, k_new.to(k_ptr.dtype.element_ty), mask=d_mask)
             tl.store(v_ptr + new_slot * stride_vs + kv_head * stride_vh + offs_d, v_new.to(v_ptr.dtype.element_ty), mask=d_mask)
+        if FP8_MAX > 0:
+            # The new row as every later step will read it back (saturated, rounded through e4m3), computed
+            # once here: rounding it per tile inside the loop ([BLOCK_N, D] divides, clamps and two casts
+            # per tile for one live row) made the FP8 cache's steps ALU-bound at large batch.
+            k_new_row = tl.load(k_new_ptr + batch * stride_nkb + kv_head * stride_nkh + offs_d, mask=d_mask, other=0.0)
+            v_new_row = tl.load(v_new_ptr + batch * stride_nvb + kv_head * stride_nvh + offs_d, mask=d_mask, other=0.0)
+            k_new_row = tl.minimum(tl.maximum(k_new_row.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
+            v_new_row = tl.minimum(tl.maximum(v_new_row.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+            k_new_row = k_new_row.to(k_ptr.dtype.element_ty).to(q.dtype)
+            v_new_row = v_new_row.to(v_ptr.dtype.element_ty).to(q.dtype)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
@@ -103,25 +113,20 @@ def paged_decode_kernel(
         v_ptrs = v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
         # The new position's row is read from k_new/v_new, never from the slot this launch writes. With the
         # cache's own dtype that is a pointer choice per row (nothing held across the loop: registers stay
-        # as without the store); an FP8 cache's row is loaded, saturated and rounded through e4m3 as stored.
+        # as without the store); an FP8 cache's row is the one rounded before the loop, selected per row.
         if STORE_NEW:
             is_new = (tokens == new_pos)[:, None]
-            k_new_ptrs = k_new_ptr + batch * stride_nkb + kv_head * stride_nkh + offs_d[None, :] + 0 * slot[:, None]
-            v_new_ptrs = v_new_ptr + batch * stride_nvb + kv_head * stride_nvh + offs_d[None, :] + 0 * slot[:, None]
             if FP8_MAX > 0:
-                kv_mask_new = is_new & d_mask[None, :]
-                k_row = tl.load(k_new_ptrs, mask=kv_mask_new, other=0.0).to(tl.float32) / k_scale
-                v_row = tl.load(v_new_ptrs, mask=kv_mask_new, other=0.0).to(tl.float32) / v_scale
-                k_row = tl.minimum(tl.maximum(k_row, -FP8_MAX), FP8_MAX).to(k_ptr.dtype.element_ty).to(q.dtype)
-                v_row = tl.minimum(tl.maximum(v_row, -FP8_MAX), FP8_MAX).to(v_ptr.dtype.element_ty).to(q.dtype)
                 kv_mask = kv_mask & (is_new == 0)
             else:
+                k_new_ptrs = k_new_ptr + batch * stride_nkb + kv_head * stride_nkh + offs_d[None, :] + 0 * slot[:, None]
+                v_new_ptrs = v_new_ptr + batch * stride_nvb + kv_head * stride_nvh + offs_d[None, :] + 0 * slot[:, None]
                 k_ptrs = tl.where(is_new, k_new_ptrs, k_ptrs)
                 v_ptrs = tl.where(is_new, v_new_ptrs, v_ptrs)
         # An FP8 cache (--kv-cache-dtype fp8_e4m3) is widened in registers: every e4m3 value is exact in q's dtype.
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
         if STORE_NEW and FP8_MAX > 0:
-            k = tl.where(is_new, k_row, k)
+            k = tl.where(is_new, k_new_row[None, :], k)
         if IEEE_FP32:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -136,7 +141,7 @@ def paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
         if STORE_NEW and FP8_MAX > 0:
-            v = tl.where(is_new, v_row, v)
+            v = tl.where(is_new, v_new_row[None, :], v)
         if IEEE_FP32:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
