@@ -162,6 +162,24 @@ def test_int8_kernels_compute_the_quantized_product(monkeypatch: pytest.MonkeyPa
         assert relative_error(got, x.double() @ dense.double().T) < (2e-2 if levels == 1 else 2e-4), rows
 
 
+@pytest.mark.parametrize("path", list(INT8_PATHS))
+def test_int8_kernels_take_more_rows_than_a_pass(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """The fused decode step hands the int8 kernels its whole batch (up to the largest capture size,
+    past gguf_linear's FUSED_MAX_ROWS): 20 and 33 rows of two-level activations by Q8_0, whose AVX2
+    kernel without VNNI takes 16 activation rows at a time (gguf_matmul_avx2.c, i16_format)."""
+    force_path(monkeypatch, INT8_PATHS[path], int8=True)
+    fmt = gl.FORMATS["Q8_0"]
+    blocks, dense = random_blocks(fmt, 37, 512, seed=3)
+    tiles = gl.tile_blocks(fmt, blocks)
+    parts = (gl.GGMatrix * 1)(gl._matrix(tiles, fmt.code, 37, 512))
+    for rows in (20, 33):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        got = torch.empty(rows, 37)
+        assert gl._library().gguf_matmul(parts, 1, x.data_ptr(), rows, got.data_ptr(), 2, INT8_PATHS[path],
+                                         torch.get_num_threads()) == 0
+        assert relative_error(got, gl.quantized_activations(x, 2) @ dense.double().T) < 2e-6, rows
+
+
 @pytest.mark.parametrize("levels", [1, 2])
 def test_the_activation_quantizer_is_llama_cpps(levels: int) -> None:
     """The kernels' quantizer against numpy's: the same values but where float32 rounding tips a

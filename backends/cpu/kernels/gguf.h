@@ -101,6 +101,9 @@ typedef struct {
     float *d;       /* [m * levels][k / 32] */
     float *s;       /* [m * levels][k / 32] */
     int32_t *sum16; /* [m * levels][k / 16] */
+    int16_t *q16;   /* levels 2: [m][k], 254 * q1 + q2 (|.| <= 32385), the same value at scale d / 254 in one
+                       int16: the AVX2 kernels without VNNI multiply it with vpmaddwd (gguf_matmul_avx2.c);
+                       NULL with one level */
     int32_t m, k, levels;
 } gg_act8;
 

@@ -158,20 +158,32 @@ static void softmax(float *s, int span) {
     for (int l = 0; l < span; ++l) s[l] *= inverse;
 }
 
-/* 16 floats as one vector (gcc's vector extensions: a zmm with AVX512, two ymm with AVX2, ...), and
-   unaligned loads of it. */
-typedef float vf16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
+/* VW floats as one vector (gcc's vector extensions): a zmm with AVX512, a ymm otherwise. A 64-byte type
+   on AVX2 compiled badly: every scalar splat went through 16 stores to the stack, and the accumulators
+   lived there in 16-byte pieces (attention was 22% of a batch-16 step on the AVX2 EPYC). */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vfw __attribute__((vector_size(4 * VW)));
+typedef int32_t viw __attribute__((vector_size(4 * VW)));
 /* Unaligned, aliasing views: a plain dereference compiles to one unaligned vector move (a memcpy here
    went through the stack as two halves, and each reload then stalled on store forwarding). */
-typedef float vf16u __attribute__((vector_size(64), aligned(4), may_alias));
-static inline vf16 vload(const float *p) { return *(const vf16u *)p; }
-static inline void vstore(float *p, vf16 v) { *(vf16u *)p = v; }
-static inline float vsum(vf16 v) { /* halves folded onto each other down to one lane (__builtin_shuffle: any gcc) */
-    v += __builtin_shuffle(v, (vi16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (vi16){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
-    v += __builtin_shuffle(v, (vi16){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
-    v += __builtin_shuffle(v, (vi16){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+typedef float vfwu __attribute__((vector_size(4 * VW), aligned(4), may_alias));
+static inline vfw vload(const float *p) { return *(const vfwu *)p; }
+static inline void vstore(float *p, vfw v) { *(vfwu *)p = v; }
+static inline float vsum(vfw v) { /* halves folded onto each other down to one lane (__builtin_shuffle: any gcc) */
+#if VW == 16
+    v += __builtin_shuffle(v, (viw){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (viw){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (viw){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+    v += __builtin_shuffle(v, (viw){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+#else
+    v += __builtin_shuffle(v, (viw){4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (viw){2, 3, 0, 1, 2, 3, 0, 1});
+    v += __builtin_shuffle(v, (viw){1, 0, 1, 0, 1, 0, 1, 0});
+#endif
     return v[0];
 }
 
@@ -189,12 +201,12 @@ static inline void advance(cursor *c, int ps) {
 static inline const float *row_at(const float *cache, const int32_t *pages, cursor c, int ps, int64_t row, int64_t head) {
     return cache + ((int64_t)pages[c.page] * ps + c.offset) * row + head;
 }
-static inline void prefetch_row(const float *p, int vectors) {
-    for (int v = 0; v < vectors; ++v) __builtin_prefetch((const char *)p + 64 * v);
+static inline void prefetch_row(const float *p, int lines) {
+    for (int v = 0; v < lines; ++v) __builtin_prefetch((const char *)p + 64 * v);
 }
 
 /* The query heads of kv head `kh` of one request over its pages (its last `window` positions), for a
-   head dimension of 16 * C. Scores: each key row loaded once for every query head of the group;
+   head dimension of VW * C. Scores: each key row loaded once for every query head of the group;
    values: one query head at a time, its C output vectors in registers across the positions (the
    span's value rows come from L1/L2 after the first head). The rows of a long context come from
    memory: each is prefetched AHEAD positions early (batch 16, context 512: 55 -> 37 ms a step). */
@@ -202,19 +214,19 @@ static inline __attribute__((always_inline)) void attend_vectors(const int C, co
                                                                  const float *q, const int32_t *pages, int start,
                                                                  int len, int kh, float *out, float *scores) {
     const int group = m->heads / m->kv_heads, span = len - start, ps = m->page_size;
-    const int64_t row = (int64_t)m->kv_heads * 16 * C, head = (int64_t)kh * 16 * C;
-    const float *qh = q + (int64_t)kh * group * 16 * C;
+    const int64_t row = (int64_t)m->kv_heads * VW * C, head = (int64_t)kh * VW * C;
+    const float *qh = q + (int64_t)kh * group * VW * C;
     cursor at = cursor_at(start, ps), ahead = cursor_at(start + AHEAD, ps);
     for (int l = 0; l < span; ++l) {
         const float *key = row_at(ly->k_cache, pages, at, ps, row, head);
-        if (l + AHEAD < span) prefetch_row(row_at(ly->k_cache, pages, ahead, ps, row, head), C);
-        vf16 k[C];
+        if (l + AHEAD < span) prefetch_row(row_at(ly->k_cache, pages, ahead, ps, row, head), VW * C / 16);
+        vfw k[128 / VW]; /* C <= 128 / VW: an array sized by C would be a VLA on the stack, not registers */
 #pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) k[c] = vload(key + 16 * c);
+        for (int c = 0; c < C; ++c) k[c] = vload(key + VW * c);
         for (int g = 0; g < group; ++g) {
-            vf16 acc = k[0] * vload(qh + g * 16 * C);
+            vfw acc = k[0] * vload(qh + g * VW * C);
 #pragma GCC unroll 16
-            for (int c = 1; c < C; ++c) acc += k[c] * vload(qh + g * 16 * C + 16 * c);
+            for (int c = 1; c < C; ++c) acc += k[c] * vload(qh + g * VW * C + VW * c);
             scores[g * span + l] = vsum(acc) * m->scale;
         }
         advance(&at, ps);
@@ -223,20 +235,20 @@ static inline __attribute__((always_inline)) void attend_vectors(const int C, co
     for (int g = 0; g < group; ++g) {
         float *s = scores + g * span;
         softmax(s, span);
-        vf16 o[C];
+        vfw o[128 / VW];
 #pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) o[c] = (vf16){0};
+        for (int c = 0; c < C; ++c) o[c] = (vfw){0};
         at = cursor_at(start, ps), ahead = cursor_at(start + AHEAD, ps);
         for (int l = 0; l < span; ++l) {
             const float *value = row_at(ly->v_cache, pages, at, ps, row, head);
-            if (g == 0 && l + AHEAD < span) prefetch_row(row_at(ly->v_cache, pages, ahead, ps, row, head), C);
+            if (g == 0 && l + AHEAD < span) prefetch_row(row_at(ly->v_cache, pages, ahead, ps, row, head), VW * C / 16);
 #pragma GCC unroll 16
-            for (int c = 0; c < C; ++c) o[c] += s[l] * vload(value + 16 * c);
+            for (int c = 0; c < C; ++c) o[c] += s[l] * vload(value + VW * c);
             advance(&at, ps);
             advance(&ahead, ps);
         }
 #pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) vstore(out + (int64_t)(kh * group + g) * 16 * C + 16 * c, o[c]); /* o stays in registers */
+        for (int c = 0; c < C; ++c) vstore(out + (int64_t)(kh * group + g) * VW * C + VW * c, o[c]); /* o stays in registers */
     }
 }
 
@@ -245,8 +257,8 @@ static void attend(const gg_model *m, const gg_layer *ly, const float *q, const 
                    float *out, float *scores) {
     const int hd = m->head_dim, group = m->heads / m->kv_heads;
     const int start = ly->window > 0 && len > ly->window ? len - ly->window : 0, span = len - start;
-    if (hd == 64) return attend_vectors(4, m, ly, q, pages, start, len, kh, out, scores);
-    if (hd == 128) return attend_vectors(8, m, ly, q, pages, start, len, kh, out, scores);
+    if (hd == 64) return attend_vectors(64 / VW, m, ly, q, pages, start, len, kh, out, scores);
+    if (hd == 128) return attend_vectors(128 / VW, m, ly, q, pages, start, len, kh, out, scores);
     for (int g = 0; g < group; ++g) { /* any other head size: plain loops */
         const float *qh = q + (int64_t)(kh * group + g) * hd;
         float *s = scores + g * span, *o = out + (int64_t)(kh * group + g) * hd;

@@ -58,9 +58,14 @@ __attribute__((optimize("fp-contract=off"))) void gg_quantize_row_portable(const
 }
 
 void gg_quantize_row(const float *x, gg_act8 *out, int i, int isa) {
-    if (isa >= GG_AVX512 && gg_quantize_row_avx512(x, out, i) == 0) return;
-    if (isa >= GG_AVX2 && gg_quantize_row_avx2(x, out, i) == 0) return;
-    gg_quantize_row_portable(x, out, i);
+    if (!(isa >= GG_AVX512 && gg_quantize_row_avx512(x, out, i) == 0) && !(isa >= GG_AVX2 && gg_quantize_row_avx2(x, out, i) == 0))
+        gg_quantize_row_portable(x, out, i);
+    if (out->q16 != NULL) { /* both levels in one int16 (exact: 254 * 127 + 127 < 32768) */
+        const int k = out->k;
+        const int8_t *first = out->q + (int64_t)i * 2 * k, *second = first + k;
+        int16_t *both = out->q16 + (int64_t)i * k;
+        for (int j = 0; j < k; ++j) both[j] = (int16_t)(254 * first[j] + second[j]);
+    }
 }
 
 void gg_quantize_rows(const float *x, int ldx, gg_act8 *out, int isa) {
@@ -91,7 +96,7 @@ int gguf_quantized_activations(const float *x, int m, int k, int levels, int isa
 
 /* Bytes of the int8 activation buffers for m rows of k columns, and their layout in one buffer. */
 int64_t gg_act8_bytes(int m, int k, int levels) {
-    return (int64_t)m * levels * k + (int64_t)m * levels * (k / GG_SUB) * 16;
+    return (int64_t)m * levels * k + (int64_t)m * levels * (k / GG_SUB) * 16 + (levels == 2 ? 2LL * m * k : 0);
 }
 void gg_act8_place(gg_act8 *a, void *buffer, int m, int k, int levels) {
     uint8_t *p = (uint8_t *)buffer;
@@ -99,7 +104,8 @@ void gg_act8_place(gg_act8 *a, void *buffer, int m, int k, int levels) {
     a->d = (float *)p;
     a->s = a->d + blocks;
     a->sum16 = (int32_t *)(a->s + blocks);
-    a->q = (int8_t *)(a->sum16 + 2 * blocks);
+    a->q16 = levels == 2 ? (int16_t *)(a->sum16 + 2 * blocks) : NULL;
+    a->q = (int8_t *)(a->sum16 + 2 * blocks) + (levels == 2 ? 2LL * m * k : 0);
     a->m = m;
     a->k = k;
     a->levels = levels;

@@ -140,7 +140,7 @@ INLINE void f32_rows(const int format, const int MR, const gg_matrix *w, const f
     const int tile_k = gg_tile_k[format], tiles = w->cols / tile_k, subs = tile_k / GG_SUB;
     const uint8_t *group = w->data + g * gg_group_bytes(format, w->cols);
     const __m256i byte = _mm256_set1_epi32(0xFF);
-    __m256 acc[MR];
+    __m256 acc[4]; /* MR <= 4; a fixed size: an array sized by MR is a VLA on the stack, not registers */
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
     for (int t = 0; t < tiles; ++t) {
         const uint8_t *tile = group + (int64_t)t * gg_tile_bytes[format];
@@ -291,7 +291,7 @@ INLINE void i8_rows(const int format, const int MR, const int LEVELS, const int 
     /* Q8_0 without VNNI: the sign trick already took the signed weights, nothing to subtract */
     const int offset = format == GG_Q8_0 && !vnni ? 0 : gg_offset(format);
     const uint8_t *group = w->data + g * gg_group_bytes(format, w->cols);
-    __m256 acc[MR];
+    __m256 acc[4]; /* MR <= 4; a fixed size: an array sized by MR is a VLA on the stack, not registers */
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
     for (int t = 0; t < tiles; ++t) {
         const uint8_t *tile = group + (int64_t)t * gg_tile_bytes[format];
@@ -331,8 +331,130 @@ INLINE void i8_rows(const int format, const int MR, const int LEVELS, const int 
     store_rows(MR, acc, y, ldy, i0, g * GG_ROWS + 8 * half, w->rows, accumulate);
 }
 
+/*
+ * int8x2 activations without VNNI, many rows: both levels of a block as one int16 (gg_act8.q16,
+ * 254 * q1 + q2 at scale d / 254: the same value), the weights widened to int16 once per sub-tile for
+ * every activation row, and one vpmaddwd per 2 columns x 8 rows, against the maddubs path's two
+ * levels of maddubs and madd per 4 columns (Q8_0's signed weights two signs more, without the pair
+ * trick), which unpacks the weights again for every 4 activation rows. One core of the AVX2 EPYC
+ * (Zen 3), a 3072 x 1024 matrix, best of 5: at 16 rows Q4_0 1.42 ms against 1.60, Q4_1 1.40 / 1.67,
+ * Q4_K 1.37 / 1.65, Q6_K 1.25 / 1.91, Q5_K 1.37 / 1.82; at 6 rows Q4_1 0.58 / 0.63; at 4 rows the
+ * maddubs path is ahead (Q4_1 0.41 / 0.43). Q8_0 (SmolLM2's LM head, 49152 x 576) gains from 2 rows:
+ * 16 rows 13.3 ms against 22.4. One row stays on maddubs: no batch shares the widened weights.
+ *
+ * Lanes: widening the low 16 bytes of k-quad vector v[t] of half h gives weight rows 8h..8h+3 (a
+ * "quarter") as [row, columns 4t,4t+1 | row, columns 4t+2,4t+3] int16 pairs, the high 16 bytes rows
+ * 8h+4..8h+7; madd against the activation row's 4 int16 values broadcast leaves two partial sums per
+ * weight row side by side, and one phaddd per half adds them: lanes [8h + 0 1 4 5 | 2 3 6 7] (ORDER).
+ * Each half's float accumulator per activation row stays in a stack block across the k loop.
+ */
+#define I16_ROWS 16
+#define I16_MIN_ROWS 5      /* activation rows from which this path wins (by the figures above) */
+#define I16_MIN_ROWS_Q8_0 2
+#define I16_ORDER 0, 1, 4, 5, 2, 3, 6, 7
+
+INLINE __m256i widen16(const int format, __m128i bytes) {
+    if (format == GG_Q8_0) return _mm256_cvtepi8_epi16(_mm_xor_si128(bytes, _mm_set1_epi8((char)0x80))); /* q - 128 */
+    return _mm256_cvtepu8_epi16(bytes);
+}
+
+/* MR activation rows (from i0) by one sub-tile's 16 weight rows (w16 [k-quad][quarter], a and b per
+   part of 16 columns and half, in ORDER) into acc [row][half]. */
+INLINE void i16_block(const int format, const int MR, const __m256i w16[8][4], const __m256 a[2][2], const __m256 b[2][2],
+                      const gg_act8 *x, int i0, int block, __m256 *acc) {
+    const int k = x->k, blocks = k / GG_SUB;
+    const int16_t *q16 = x->q16 + (int64_t)i0 * k + block * GG_SUB;
+    const int offset = format == GG_Q8_0 ? 0 : gg_offset(format); /* Q8_0: widened signed */
+    const int parts = gg_per16(format) ? 2 : 1;
+    for (int part = 0; part < parts; ++part) {
+        __m256i sums[2][4]; /* MR <= 2 */
+        for (int i = 0; i < MR; ++i)
+            for (int q = 0; q < 4; ++q) sums[i][q] = _mm256_setzero_si256();
+        for (int t = 8 / parts * part; t < 8 / parts * (part + 1); ++t) {
+            __m256i xs[2];
+            for (int i = 0; i < MR; ++i) {
+                int64_t four;
+                memcpy(&four, q16 + (int64_t)i * k + 4 * t, 8);
+                xs[i] = _mm256_set1_epi64x(four);
+            }
+            for (int q = 0; q < 4; ++q)
+                for (int i = 0; i < MR; ++i) sums[i][q] = _mm256_add_epi32(sums[i][q], _mm256_madd_epi16(w16[t][q], xs[i]));
+        }
+        for (int i = 0; i < MR; ++i) {
+            const int64_t row = (int64_t)(i0 + i) * 2 + 1; /* level 2's scale is d / 254: q16's */
+            const float xd = x->d[row * blocks + block];
+            const int32_t *first = x->sum16 + ((row - 1) * blocks + block) * 2, *second = x->sum16 + (row * blocks + block) * 2;
+            int32_t total = 0; /* the int16 values' sum over this part's columns */
+            for (int h = parts == 2 ? part : 0; h < (parts == 2 ? part + 1 : 2); ++h) total += 254 * first[h] + second[h];
+            const float min_factor = format == GG_Q2_K ? xd * (float)total
+                                     : gg_has_min(format) ? x->s[(row - 1) * blocks + block] + x->s[row * blocks + block] : 0.0f;
+            for (int half = 0; half < 2; ++half) {
+                __m256i dot = _mm256_hadd_epi32(sums[i][2 * half], sums[i][2 * half + 1]);
+                if (offset) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(offset * total));
+                __m256 out = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(a[part][half], _mm256_set1_ps(xd)), acc[2 * i + half]);
+                if (gg_has_min(format) || format == GG_Q2_K) out = _mm256_fmadd_ps(b[part][half], _mm256_set1_ps(min_factor), out);
+                acc[2 * i + half] = out;
+            }
+        }
+    }
+}
+
+INLINE void i16_format(const int format, const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0, int g1, int accumulate) {
+    const int tile_k = gg_tile_k[format], tiles = w->cols / tile_k, subs = tile_k / GG_SUB;
+    const __m256i order = _mm256_setr_epi32(I16_ORDER);
+    __m256 acc[I16_ROWS * 2]; /* [activation row][half of the 16 weight rows], lanes in ORDER */
+    for (int g = g0; g < g1; ++g) {
+        const uint8_t *group = w->data + g * gg_group_bytes(format, w->cols);
+        for (int r0 = 0; r0 < x->m; r0 += I16_ROWS) {
+            const int rows = x->m - r0 < I16_ROWS ? x->m - r0 : I16_ROWS;
+            for (int i = 0; i < 2 * rows; ++i) acc[i] = _mm256_setzero_ps();
+            for (int t = 0; t < tiles; ++t) {
+                const uint8_t *tile = group + (int64_t)t * gg_tile_bytes[format];
+                if (r0 == 0) prefetch_ahead(tile, gg_tile_bytes[format]);
+                for (int sub = 0; sub < subs; ++sub) {
+                    __m256i w16[8][4];
+                    __m256 a[2][2], b[2][2];
+                    for (int half = 0; half < 2; ++half) {
+                        __m256i v[8];
+                        __m256 a0, a1, b0, b1;
+                        quads(format, tile, sub, half, v);
+                        scales(format, tile, sub, half, &a0, &a1, &b0, &b1);
+                        for (int t8 = 0; t8 < 8; ++t8) {
+                            w16[t8][2 * half] = widen16(format, _mm256_castsi256_si128(v[t8]));
+                            w16[t8][2 * half + 1] = widen16(format, _mm256_extracti128_si256(v[t8], 1));
+                        }
+                        a[0][half] = _mm256_permutevar8x32_ps(a0, order);
+                        a[1][half] = _mm256_permutevar8x32_ps(a1, order);
+                        b[0][half] = _mm256_permutevar8x32_ps(b0, order);
+                        b[1][half] = _mm256_permutevar8x32_ps(b1, order);
+                    }
+                    const int block = t * (tile_k / GG_SUB) + sub;
+                    int i = 0;
+                    for (; i + 2 <= rows; i += 2) i16_block(format, 2, w16, a, b, x, r0 + i, block, acc + 2 * i);
+                    for (; i < rows; ++i) i16_block(format, 1, w16, a, b, x, r0 + i, block, acc + 2 * i);
+                }
+            }
+            const int first = g * GG_ROWS, valid = w->rows - first < GG_ROWS ? w->rows - first : GG_ROWS;
+            static const int lane_row[8] = {I16_ORDER};
+            for (int i = 0; i < rows; ++i) {
+                float out[16], lanes[8];
+                for (int half = 0; half < 2; ++half) {
+                    _mm256_storeu_ps(lanes, acc[2 * i + half]);
+                    for (int l = 0; l < 8; ++l) out[8 * half + lane_row[l]] = lanes[l];
+                }
+                float *dst = y + (int64_t)(r0 + i) * ldy + first;
+                for (int r = 0; r < valid; ++r) dst[r] = accumulate ? dst[r] + out[r] : out[r];
+            }
+        }
+    }
+}
+
 INLINE void i8_format(const int format, const int vnni, const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0,
                       int g1, int accumulate) {
+    if (!vnni && x->levels == 2 && x->q16 != NULL && x->m >= (format == GG_Q8_0 ? I16_MIN_ROWS_Q8_0 : I16_MIN_ROWS)) {
+        i16_format(format, w, x, y, ldy, g0, g1, accumulate);
+        return;
+    }
     for (int g = g0; g < g1; ++g)
         for (int half = 0; half < 2 && g * GG_ROWS + 8 * half < w->rows; ++half) {
             int i0 = 0;

@@ -137,7 +137,7 @@ INLINE void f32_rows(const int format, const int MR, const gg_matrix *w, const f
     const int tile_k = gg_tile_k[format], tiles = w->cols / tile_k, subs = tile_k / GG_SUB;
     const uint8_t *group = w->data + g * gg_group_bytes(format, w->cols);
     const __m512i byte = _mm512_set1_epi32(0xFF);
-    __m512 acc[MR];
+    __m512 acc[4]; /* MR <= 4; a fixed size: an array sized by MR is a VLA on the stack, not registers */
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
     for (int t = 0; t < tiles; ++t) {
         const uint8_t *tile = group + (int64_t)t * gg_tile_bytes[format];
@@ -234,7 +234,7 @@ INLINE void i8_rows(const int format, const int MR, const int LEVELS, const gg_m
     const int tile_k = gg_tile_k[format], tiles = w->cols / tile_k, subs = tile_k / GG_SUB;
     const int k = x->k, blocks = k / GG_SUB, offset = gg_offset(format);
     const uint8_t *group = w->data + g * gg_group_bytes(format, w->cols);
-    __m512 acc[MR];
+    __m512 acc[4]; /* MR <= 4; a fixed size: an array sized by MR is a VLA on the stack, not registers */
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
     for (int t = 0; t < tiles; ++t) {
         const uint8_t *tile = group + (int64_t)t * gg_tile_bytes[format];
