@@ -66,6 +66,7 @@ enum { GG_PORTABLE = 0, GG_AVX2 = 1, GG_VNNI256 = 2, GG_AVX512 = 3 };
 
 #define GG_ROWS 16 /* rows of a tile */
 #define GG_SUB 32  /* columns of a sub-tile */
+#define GG_Q16_MIN_ROWS 2 /* the fewest activation rows any kernel reads gg_act8.q16 for (Q8_0's; 5 for the rest) */
 
 static const int gg_tile_k[GG_NFORMATS] = {32, 32, 32, 256, 256, 32, 32, 256, 256, 256};
 static const int gg_tile_bytes[GG_NFORMATS] = {288, 320, 544, 2368, 3360, 352, 384, 2880, 1824, 1344};
@@ -102,8 +103,8 @@ typedef struct {
     float *s;       /* [m * levels][k / 32] */
     int32_t *sum16; /* [m * levels][k / 16] */
     int16_t *q16;   /* levels 2: [m][k], 254 * q1 + q2 (|.| <= 32385), the same value at scale d / 254 in one
-                       int16: the AVX2 kernels without VNNI multiply it with vpmaddwd (gguf_matmul_avx2.c);
-                       NULL with one level */
+                       int16: the AVX2 kernel without VNNI multiplies it with vpmaddwd (gguf_matmul_avx2.c);
+                       NULL where no kernel will read it (gg_act8_place) */
     int32_t m, k, levels;
 } gg_act8;
 
@@ -278,7 +279,7 @@ int gg_avx512_built(void); /* 1 where this build has the AVX512 paths (float; in
 void gg_matmul_f32(const gg_matrix *w, const float *x, int ldx, int m, float *y, int ldy, int g0, int g1, int accumulate, int isa);
 void gg_matmul_i8(const gg_matrix *w, const gg_act8 *x, float *y, int ldy, int g0, int g1, int accumulate, int isa);
 int64_t gg_act8_bytes(int m, int k, int levels);                /* one buffer for m rows of k ... */
-void gg_act8_place(gg_act8 *a, void *buffer, int m, int k, int levels); /* ... its views ... */
+void gg_act8_place(gg_act8 *a, void *buffer, int m, int k, int levels, int isa); /* ... its views (isa: of the int8 matmuls) ... */
 void gg_quantize_rows(const float *x, int ldx, gg_act8 *out, int isa); /* ... filled from x [m][ldx] */
 void gg_quantize_row(const float *x, gg_act8 *out, int i, int isa);    /* ... or its row i from x [k] */
 /* The same quantization per code path, bit for bit (the same float32 operations, rounded to nearest

@@ -75,9 +75,9 @@ static int64_t layout(const gg_model *m, int n, int max_len, int threads, uint8_
         b->h = parts[0], b->xn = parts[1], b->qkv = parts[2], b->att = parts[3], b->gu = parts[4], b->act = parts[5];
         b->scores = parts[6], b->max_len = max_len;
         const int levels = m->levels ? m->levels : 1;
-        gg_act8_place(&b->a_hidden, parts[7], n, m->hidden, levels);
-        gg_act8_place(&b->a_att, parts[7], n, m->heads * m->head_dim, levels);
-        gg_act8_place(&b->a_inter, parts[7], n, m->inter, levels);
+        gg_act8_place(&b->a_hidden, parts[7], n, m->hidden, levels, m->isa_i8);
+        gg_act8_place(&b->a_att, parts[7], n, m->heads * m->head_dim, levels, m->isa_i8);
+        gg_act8_place(&b->a_inter, parts[7], n, m->inter, levels, m->isa_i8);
     }
     return at;
 }

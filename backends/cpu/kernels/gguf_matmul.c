@@ -60,7 +60,7 @@ __attribute__((optimize("fp-contract=off"))) void gg_quantize_row_portable(const
 void gg_quantize_row(const float *x, gg_act8 *out, int i, int isa) {
     if (!(isa >= GG_AVX512 && gg_quantize_row_avx512(x, out, i) == 0) && !(isa >= GG_AVX2 && gg_quantize_row_avx2(x, out, i) == 0))
         gg_quantize_row_portable(x, out, i);
-    if (out->q16 != NULL) { /* both levels in one int16 (exact: 254 * 127 + 127 < 32768) */
+    if (out->q16 != NULL) { /* both levels in one int16 (exact: 254 * 127 + 127 < 32768); see gg_act8_place */
         const int k = out->k;
         const int8_t *first = out->q + (int64_t)i * 2 * k, *second = first + k;
         int16_t *both = out->q16 + (int64_t)i * k;
@@ -79,7 +79,7 @@ int gguf_quantized_activations(const float *x, int m, int k, int levels, int isa
     void *buffer = malloc((size_t)gg_act8_bytes(m, k, levels));
     if (buffer == NULL) return -3;
     gg_act8 a;
-    gg_act8_place(&a, buffer, m, k, levels);
+    gg_act8_place(&a, buffer, m, k, levels, isa);
     gg_quantize_rows(x, k, &a, isa);
     for (int i = 0; i < m; ++i)
         for (int j = 0; j < k; ++j) {
@@ -98,13 +98,25 @@ int gguf_quantized_activations(const float *x, int m, int k, int levels, int isa
 int64_t gg_act8_bytes(int m, int k, int levels) {
     return (int64_t)m * levels * k + (int64_t)m * levels * (k / GG_SUB) * 16 + (levels == 2 ? 2LL * m * k : 0);
 }
-void gg_act8_place(gg_act8 *a, void *buffer, int m, int k, int levels) {
+/* Whether gg_matmul_i8 at `isa` lands on the AVX2 kernel without VNNI, the one that reads q16 (the
+   dispatch above: a path this build lacks falls through to the next one down). */
+static int i8_lands_on_avx2_without_vnni(int isa) {
+    if (isa >= GG_AVX512 && gg_avx512_built() >= 2) return 0;
+    if (isa >= GG_VNNI256 && gg_avx2_built() >= 2) return 0;
+    return isa >= GG_AVX2 && gg_avx2_built() >= 1;
+}
+
+/* q16 (two levels as one int16) only where a kernel will read it: two levels, a batch of rows
+   (GG_Q16_MIN_ROWS), and the dispatch landing on AVX2 without VNNI. Elsewhere (one row, VNNI, AVX512,
+   portable) no quantized row pays for writing it. */
+void gg_act8_place(gg_act8 *a, void *buffer, int m, int k, int levels, int isa) {
     uint8_t *p = (uint8_t *)buffer;
     const int64_t blocks = (int64_t)m * levels * (k / GG_SUB);
     a->d = (float *)p;
     a->s = a->d + blocks;
     a->sum16 = (int32_t *)(a->s + blocks);
-    a->q16 = levels == 2 ? (int16_t *)(a->sum16 + 2 * blocks) : NULL;
+    a->q16 = levels == 2 && m >= GG_Q16_MIN_ROWS && i8_lands_on_avx2_without_vnni(isa) ? (int16_t *)(a->sum16 + 2 * blocks)
+                                                                                        : NULL;
     a->q = (int8_t *)(a->sum16 + 2 * blocks) + (levels == 2 ? 2LL * m * k : 0);
     a->m = m;
     a->k = k;
@@ -167,7 +179,7 @@ int gguf_matmul(const gg_matrix *parts, int nparts, const float *x, int m, float
     if (int8) {
         buffer = malloc((size_t)gg_act8_bytes(m, cols, levels));
         if (buffer == NULL) return -3;
-        gg_act8_place(&act, buffer, m, cols, levels);
+        gg_act8_place(&act, buffer, m, cols, levels, isa);
         gg_quantize_rows(x, cols, &act, isa);
     }
     if (threads < 1) threads = 1;

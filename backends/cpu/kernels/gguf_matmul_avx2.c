@@ -349,8 +349,8 @@ INLINE void i8_rows(const int format, const int MR, const int LEVELS, const int 
  * Each half's float accumulator per activation row stays in a stack block across the k loop.
  */
 #define I16_ROWS 16
-#define I16_MIN_ROWS 5      /* activation rows from which this path wins (by the figures above) */
-#define I16_MIN_ROWS_Q8_0 2
+#define I16_MIN_ROWS 5 /* activation rows from which this path wins (by the figures above) */
+#define I16_MIN_ROWS_Q8_0 GG_Q16_MIN_ROWS
 #define I16_ORDER 0, 1, 4, 5, 2, 3, 6, 7
 
 INLINE __m256i widen16(const int format, __m128i bytes) {
