@@ -9,27 +9,38 @@ With `compile_step` the captured step is first compiled piecewise by
 torch.compile (graphs/compiled_step.py), which fuses the norms, rotary and
 activations into a few kernels per layer: a graph of 32 layers launches
 ~10 kernels a layer instead of ~45. The batch dimension is marked dynamic from
-the first (largest) size, so all sizes share one compiled layer graph (plus
-the specialised size 1): two compiles of each piece, where dynamo's automatic
-dynamic shapes made three. Graphs are then captured as usual.
+the first (largest) size, so all sizes share one compiled layer graph: one
+compile of each piece, where dynamo's automatic dynamic shapes made three.
+Batch 1 is captured over two rows, the second a padding row, because dynamo
+specialises size 1 and would compile every piece again (~3 s of a cold
+capture of Llama-3-8B); the linears compute the live row alone through the
+one-row GEMV (engine/layers/live_rows.py). MoE models keep the size-1 compile:
+the padding row would route to experts of its own and read their weights.
+Graphs are then captured as usual.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import torch
 from tqdm import tqdm
 
+from engine.layers.live_rows import only_first_rows_live
+from engine.layers.moe import SparseMoE
 from graphs.compile_report import compile_report
 from graphs.compiled_step import CompiledDecodeStep, compile_count
 from graphs.runner import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
+
+# "0": batch 1 gets its own size-1 compile again instead of a graph over two rows (for A/B runs).
+BATCH1_IN_TWO_ROWS_ENV = "ENGINE_CUDA_BATCH1_IN_TWO_ROWS"
 
 # Eager runs before each capture. One is enough: everything lazy (kernel JIT, a dynamo recompile,
 # cuBLAS handles) happens on the first call of a shape; a second run only cost capture time.
@@ -68,6 +79,10 @@ class CudaGraphRunner(DecodeGraphRunner):
         if compile_step:
             self.compiled_step = CompiledDecodeStep(self.model, self.kv_caches, dynamic=None, max_entries=16,
                                                     dynamic_batch=True)
+        # Captured sizes whose graphs read more rows than the size (the rest are padding rows).
+        self.padded_graph_rows: dict[int, int] = {}
+        if self.compiled_step is not None and self.max_batch_size >= 2 and batch1_in_two_rows(self.model):
+            self.padded_graph_rows[1] = 2
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Every size writes its logits into one buffer: a graph's own output stays allocated in the pool
         # for good, and 20 sizes' float32 logits over a 128k vocabulary were 1.5 GiB of the 1.7 GiB pool.
@@ -91,13 +106,13 @@ class CudaGraphRunner(DecodeGraphRunner):
         with frozen_gc(), compile_report() as compiled:
             # Kernels compiled ahead for the largest size (one pass) and the smallest (split-K decode).
             wait_for_precompile = self.precompile(
-                [self.capture_metadata(bs) for bs in (sizes_largest_first[0], sizes_largest_first[-1])]
+                [self.capture_metadata(self.graph_rows(bs)) for bs in (sizes_largest_first[0], sizes_largest_first[-1])]
             ) if self.precompile is not None else None
             try:
                 for bs in tqdm(sizes_largest_first, desc="Capturing CUDA graphs", unit="graph", disable=None):
                     started = time.perf_counter()
                     with torch.cuda.stream(stream):
-                        self.hooks.prepare_for_capture(self.buffers, bs)
+                        self.hooks.prepare_for_capture(self.buffers, self.graph_rows(bs))
                         for _ in range(WARMUP_RUNS):
                             warm_logits = self._captured_step(bs)
                     stream.synchronize()
@@ -126,11 +141,16 @@ class CudaGraphRunner(DecodeGraphRunner):
                     sum(warmup_s.values()), ", ".join(f"size {bs} {s:.1f} s" for bs, s in slowest), capture_s,
                     compile_count() - compiles_before, compiled.summary())
 
+    def graph_rows(self, bs: int) -> int:
+        return self.padded_graph_rows.get(bs, bs)
+
     def _captured_step(self, bs: int) -> torch.Tensor:
         if self.compiled_step is None:
             return self.step_eager(bs)
-        buffers = self.buffers
-        return self.compiled_step(buffers.input_ids[:bs], buffers.positions[:bs], self.capture_metadata(bs))
+        buffers, rows = self.buffers, self.graph_rows(bs)
+        with only_first_rows_live(bs) if rows > bs else nullcontext():
+            logits = self.compiled_step(buffers.input_ids[:rows], buffers.positions[:rows], self.capture_metadata(rows))
+        return logits[:bs]
 
     def _replay(self, bs: int) -> torch.Tensor:
         self.hooks.before_replay(self.buffers, bs, self.graphs[bs])
@@ -143,3 +163,11 @@ class CudaGraphRunner(DecodeGraphRunner):
             end.record()
             self.replay_events.append((start, end))
         return self.outputs[bs]
+
+
+def batch1_in_two_rows(model: torch.nn.Module) -> bool:
+    """Whether batch 1 is captured over two rows (see the module docstring): not for MoE models, and not
+    with ENGINE_CUDA_BATCH1_IN_TWO_ROWS=0."""
+    if os.environ.get(BATCH1_IN_TWO_ROWS_ENV, "1") == "0":
+        return False
+    return not any(isinstance(module, SparseMoE) for module in model.modules())

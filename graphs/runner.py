@@ -82,6 +82,11 @@ class DecodeGraphRunner(abc.ABC):
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch_size
 
+    def graph_rows(self, bs: int) -> int:
+        """Rows of the static buffers the graph of size bs reads: bs, unless a runner captures that size over
+        padding rows too (the CUDA runner's batch 1); the rows past bs are filled as padding before a replay."""
+        return bs
+
     def padded_size(self, batch_size: int) -> int:
         size = smallest_bucket_at_least(self.capture_sizes, batch_size)
         if size is None:
@@ -104,7 +109,7 @@ class DecodeGraphRunner(abc.ABC):
         slots, one copy and a few gathers; otherwise from the rows' device batch)."""
         n = message.batch_size
         padded = self.padded_size(n)
-        rows = self.hooks.prepare_for_replay(self.buffers, message, state, padded)
+        rows = self.hooks.prepare_for_replay(self.buffers, message, state, self.graph_rows(padded))
         return self._replay(padded)[:n], rows
 
     def step_eager(self, bs: int) -> torch.Tensor:

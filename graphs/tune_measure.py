@@ -25,8 +25,9 @@ import logging
 import os
 import statistics
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 from tqdm import tqdm
@@ -220,16 +221,32 @@ def measure_candidates(
         fixed_capture = max(0.0, sum(first.values()) - sum(second.values()))
     fill_rows(runner, max(sizes), context, vocab)
 
-    def time_each(label: str, each: Sequence[int], step: Callable[[int], object]) -> dict[int, float]:
+    def time_each(label: str, each: Sequence[int], step: Callable[[int], object],
+                  around: Callable[[int], ContextManager[None]] | None = None) -> dict[int, float]:
         times: dict[int, float] = {}
         with torch.no_grad():
             for size in each:
                 bar.set_postfix_str(f"{label} {size}")
-                times[size] = steady_ms(sync, lambda size=size: step(size), iters)
+                with around(size) if around is not None else nullcontext():
+                    times[size] = steady_ms(sync, lambda size=size: step(size), iters)
                 bar.update()
         return times
 
-    replay = time_each("replay", sizes, runner._replay)
+    @contextmanager
+    def as_served(size: int) -> Iterator[None]:
+        # A graph that reads padding rows past its size (CUDA's batch 1) replays over padding, as a served
+        # step's would, not over the filled rows (filled again for the next size).
+        rows = runner.graph_rows(size)
+        if rows == size:
+            yield
+            return
+        runner.buffers._pad(size, rows)
+        try:
+            yield
+        finally:
+            fill_rows(runner, max(sizes), context, vocab)
+
+    replay = time_each("replay", sizes, runner._replay, as_served)
     if isinstance(getattr(runner, "graphs", None), dict):
         runner.graphs.clear()  # CUDA: this measurement's graphs (and their pools) go before the eager probes
     probe = make_runner(engine, [max(eager_sizes)])  # never captured: its buffers hold the eager batches

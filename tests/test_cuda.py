@@ -278,3 +278,33 @@ def test_one_row_gemv_in_bf16_decode_graphs(tmp_path, monkeypatch: pytest.Monkey
             steps.append(abs(got.logprob - want.logprob))
     assert len(deviations["gemv"]) >= 4 and len(deviations["cublas"]) >= 4
     assert max(deviations["gemv"]) <= 2 * max(deviations["cublas"]) + 0.02, deviations
+
+
+def test_batch1_graph_is_captured_over_two_rows_without_a_compile_of_its_own(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled decode step's batch-1 graph reads two static rows, the second padding
+    (graphs/cuda_graph_runner.py): capturing sizes 1, 2 and 8 compiles the layer and the head once each
+    (dynamo's size-1 specialisation never runs), two graphs fewer than with ENGINE_CUDA_BATCH1_IN_TWO_ROWS=0,
+    and batch-1 tokens (float32) are those of the size-1 compile and of eager steps, after batches of more
+    rows left their own values in the padding row's buffers."""
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+    from graphs.compiled_step import compile_count
+
+    _tiny_llama(tmp_path)
+    prompts = [list(range(3, 60)), [9, 8, 7], [5] * 20]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    compiles, tokens = {}, {}
+    for variant in ("1", "0", "eager"):
+        monkeypatch.setenv("ENGINE_CUDA_BATCH1_IN_TWO_ROWS", "0" if variant == "0" else "1")
+        before = compile_count()
+        engine = Engine(model=str(tmp_path), device=ENGINE_DEVICE, dtype="float32", capture_sizes="1,2,8",
+                        kv_cache_tokens=4096, compile_decode=True, disable_graphs=variant == "eager")
+        compiles[variant] = compile_count() - before
+        if variant != "eager":
+            assert engine.runner.graph_runner.graph_rows(1) == (2 if variant == "1" else 1)
+        engine.generate(prompts, params)  # batches of three fill rows 1 and 2 of the static buffers
+        tokens[variant] = [engine.generate([prompt], params)[0].token_ids for prompt in prompts]
+        assert engine.kv_pages_in_use() == 0
+        del engine
+    assert compiles["0"] - compiles["1"] == 2, compiles
+    assert tokens["1"] == tokens["0"] == tokens["eager"]

@@ -100,3 +100,57 @@ def test_config_chunks_divide_the_row_where_they_can() -> None:
     assert choose_config(256000, 3584, 2) == GemvConfig(4, 512, 4, 1)  # its LM head
     assert choose_config(3584, 14336, 2) == GemvConfig(16, 1024, 8, 1)  # its down: 1,024 divides 14,336
     assert choose_config(4096, 1000, 2) == GemvConfig(16, 512, 8, 1)  # 512 does not divide either: unchanged
+
+
+def test_gemv_writes_zeros_to_the_padding_rows() -> None:
+    """out_rows > 1 (a batch-1 graph captured over a padding row, engine/layers/live_rows.py): the first row
+    is the product, every row after it zeros, whatever the output held before (NaN here)."""
+    from backends.cuda.gemv import GemvConfig, gemv
+
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 96, generator=generator).to(DEVICE, dtype)
+    weight = torch.randn(40, 96, generator=generator).to(DEVICE, dtype)
+    out = torch.full((3, 40), float("nan"), device=DEVICE, dtype=dtype)
+    with kernel_mode():
+        got = gemv(x, weight, None, config=GemvConfig(8, 64, 4, 1), out_rows=3, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[:1].float(), F.linear(x.float(), weight.float()), atol=tol * 96**0.5, rtol=tol)
+    assert torch.equal(got[1:], torch.zeros_like(got[1:]))
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv(x, weight, out_rows=2, out=out)
+
+
+def test_live_rows_scope() -> None:
+    from engine.layers.live_rows import live_rows, only_first_rows_live
+
+    assert live_rows(4) == 4
+    with only_first_rows_live(1):
+        assert live_rows(2) == 1 and live_rows(1) == 1
+        with only_first_rows_live(3):
+            assert live_rows(2) == 2 and live_rows(8) == 3
+        assert live_rows(5) == 1
+    assert live_rows(2) == 2
+    with pytest.raises(ValueError, match="at least one"):
+        with only_first_rows_live(0):
+            pass
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the op's GEMV branch runs on CUDA tensors only")
+def test_gemv_op_computes_the_live_row_alone() -> None:
+    """Inside only_first_rows_live(1) the dense GEMV op runs the first row through the GEMV and zeros the
+    rest; outside it, the same rows go to cuBLAS whole."""
+    from backends.cuda.gemv import GEMV, use_gemv
+    from engine.layers.linear import Linear
+    from engine.layers.live_rows import only_first_rows_live
+
+    layer = torch.nn.ModuleList([Linear(64, 96, bias=True)]).to(DEVICE, torch.bfloat16)
+    assert use_gemv(layer) == 1 and layer[0].method is GEMV
+    x = torch.randn(2, 64, device=DEVICE, dtype=torch.bfloat16)
+    want = F.linear(x, layer[0].weight, layer[0].bias).float()
+    torch.testing.assert_close(layer[0](x).float(), want, atol=2e-2, rtol=2e-2)
+    with only_first_rows_live(1):
+        got = layer[0](x)
+    torch.testing.assert_close(got[:1].float(), want[:1], atol=2e-2, rtol=2e-2)
+    assert torch.equal(got[1:], torch.zeros_like(got[1:]))

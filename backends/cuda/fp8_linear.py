@@ -24,6 +24,7 @@ import torch
 from backends.cuda.gemv import gemv
 from backends.cuda.triton_build import load_kernel
 from engine.layers.linear import SCALE_BLOCK, Linear
+from engine.layers.live_rows import live_rows
 from engine.layers.ops import define_op
 from engine.quantization.fp8 import FP8_DTYPE, FP8_MAX
 
@@ -123,8 +124,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if GEMV_ONE_ROW and rows.shape[0] == 1 and weight_scale.dim() == 1 and rows.is_cuda:
-        return gemv(rows, weight, bias, weight_scale).reshape(*x.shape[:-1], weight.shape[0])
+    if GEMV_ONE_ROW and live_rows(rows.shape[0]) == 1 and weight_scale.dim() == 1 and rows.is_cuda:
+        # One row, or one live row and padding (engine/layers/live_rows.py: zeros for the padding).
+        out = gemv(rows[:1], weight, bias, weight_scale, out_rows=rows.shape[0])
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     # torch._scaled_mm's row-wise scaling writes bf16 only; other activations stay weight-only.
     if weight_scale.dim() == 2 or rows.shape[0] <= WEIGHT_ONLY_MAX_ROWS or rows.dtype != torch.bfloat16:
         out = fp8_weight_only_matmul(rows, weight, weight_scale, bias)

@@ -8,9 +8,10 @@ reduce and a copy kernel after each. kernels/gemv.py does each in one launch; th
 Llama-3-8B matrix in bf16 and in FP8, and in the engine it took the batch-1 replay from 4.73 to
 4.31 ms (docs/cuda.md). `use_gemv` switches the dense bf16/fp16 linears; their op takes the GEMV for
 one-row inputs and cuBLAS for more, decided inside the op at run time, so the compiled decode step's
-batch-dynamic graph holds no branch on the rows (its size-1 graph is dynamo's own specialisation). A
-two-row variant reading each weight tile once for both rows was no faster than cuBLAS at two rows on the
-H200 (docs/results/h200_gemv_rows2_2026-12-02e.json), so a batch-1 step does not pad to the batch-2 graph.
+batch-dynamic graph holds no branch on the rows. The batch-1 graph is captured over two rows with one
+live (no size-1 compile: engine/layers/live_rows.py), and the op then computes the live row alone and
+zeros the other: a two-row variant reading each weight tile once for both rows was no faster than
+cuBLAS at two rows on the H200 (docs/results/h200_gemv_rows2_2026-12-02e.json).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 
 from backends.cuda.triton_build import compile_only, load_kernel
 from engine.layers.linear import DENSE, Linear
+from engine.layers.live_rows import live_rows
 from engine.layers.ops import define_op
 
 logger = logging.getLogger(__name__)
@@ -60,20 +62,26 @@ def choose_config(out_features: int, in_features: int, weight_bytes: int) -> Gem
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """x [1, K] @ (weight [N, K] (* scale [N] per row)).T + bias -> [1, N] in x's dtype, float32 sums."""
+         config: GemvConfig | None = None, out_rows: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] @ (weight [N, K] (* scale [N] per row)).T + bias -> [1, N] in x's dtype, float32 sums.
+    out_rows > 1: [out_rows, N], the rows after the first zeros (padding rows: engine/layers/live_rows.py).
+    out: a contiguous [out_rows, N] tensor of x's dtype to write instead of a new one."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes one row, got x of shape {tuple(x.shape)}")
     out_features, in_features = weight.shape
     config = config or choose_config(out_features, in_features, weight.element_size())
     x = x.contiguous()
-    out = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(out_rows, out_features, dtype=x.dtype, device=x.device)
+    elif out.shape != (out_rows, out_features) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"gemv writes a contiguous {x.dtype} [{out_rows}, {out_features}], got {out.dtype} {tuple(out.shape)}")
     kernel = load_kernel(KERNELS, "gemv_kernel")
     grid = (-(-out_features // config.block_n),)
     kernel[grid](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         out_features, in_features,
         weight.stride(0),
+        out_rows - 1,
         HAS_SCALE=scale is not None,
         HAS_BIAS=bias is not None,
         EVEN_N=out_features % config.block_n == 0,
@@ -87,9 +95,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def _dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # Chosen here, at run time, not in traced code (see GemvLinearMethod.apply).
-    if x.shape[0] == 1 and weight.is_cuda:
-        return gemv(x, weight, bias)
+    # Chosen here, at run time, not in traced code (see GemvLinearMethod.apply). One live row (a batch-1
+    # graph captured over a padding row too: engine/layers/live_rows.py) is a GEMV as well.
+    rows = x.shape[0]
+    if weight.is_cuda and live_rows(rows) == 1:
+        return gemv(x[:1], weight, bias, out_rows=rows)
     return F.linear(x, weight, bias)
 
 
@@ -141,7 +151,8 @@ def use_gemv(model: nn.Module) -> int:
 
 def precompile_gemv(model: nn.Module) -> int:
     """Compile ahead (compile_only launches) the GEMV variant of every linear switched to it: one per
-    distinct (shape, dtype, bias), whose tiles choose_config picks. Returns the launches made."""
+    distinct (shape, dtype, bias), whose tiles choose_config picks (the same variant zeros padding rows).
+    Returns the launches made."""
     seen: set[tuple] = set()
     with compile_only():
         for module in model.modules():

@@ -61,6 +61,7 @@ def triton_paged_decode(
     per-tensor scales (float32 scalars on the device), or None for unit scale."""
     fp8 = k_cache.dtype == FP8_KV_DTYPE
     scales = dict(k_scale=k_scale, v_scale=v_scale)
+    k, v = (row if row.stride(-1) == 1 else row.contiguous() for row in (k, v))  # the kernel steps dim by 1
     if (fp8 and interpreted()) or (not fp8 and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype)):
         store_kv_rows(k_cache, slot_indices, k, k_scale)
         store_kv_rows(v_cache, slot_indices, v, v_scale)
@@ -86,6 +87,9 @@ class TritonAttentionBackend(StaticBufferCaptureHooks):
     supports_sliding_window = True
     supports_softcap = True  # held to HF (eager) on the H200: tests/test_cuda.py
     supports_fp8_kv = True  # the kernels widen e4m3 K/V in registers
+    # This step's k/v may be strided views ([tokens, kv_heads, dim], dim contiguous): the decode kernel reads
+    # them through their strides, index_copy_ stores a prefill's.
+    takes_strided_kv = True
 
     def forward(
         self,

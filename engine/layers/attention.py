@@ -110,6 +110,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
         assert self.backend is not None, "attention backend not set; load the model through engine.loader"
+        if not (getattr(self.backend, "takes_strided_kv", False) and not meta.opaque_extend):
+            # k, v arrive as views of a fused projection (rows strided). A backend that reads them through
+            # their strides (takes_strided_kv) saves the copy: one kernel a layer in every compiled step.
+            k, v = k.contiguous(), v.contiguous()
         window = self.sliding_window or 0
         k_scale, v_scale = self.kv_scales_for(kv_cache[0])
         if meta.opaque_extend:

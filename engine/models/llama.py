@@ -71,7 +71,7 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k.contiguous(), v.contiguous(), kv_cache, meta)
+        out = self.attn(q, k, v, kv_cache, meta)  # views of the fused projection: Attention makes them contiguous where needed
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
