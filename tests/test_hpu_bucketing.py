@@ -20,6 +20,7 @@ from backends.hpu.bucketing import (
     BucketRange,
     build_block_metadata,
     choose_decode_bucket,
+    choose_prompt_ctx_bucket,
     decode_buckets,
     exponential_buckets,
     find_bucket,
@@ -27,6 +28,7 @@ from backends.hpu.bucketing import (
     pad_decode_batch,
     pages_needed,
     prompt_buckets,
+    prompt_ctx_buckets,
     resolve_bucket_config,
 )
 from backends.hpu.graph_runner import (
@@ -354,3 +356,33 @@ def test_runner_passes_block_metadata_with_bucket_length() -> None:
     with pytest.raises(ValueError, match="columns"):
         pad_decode_batch(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.tensor([[5]]), torch.tensor([6]),
                          (1, 2), page_size=4, max_blocks_per_seq=4)  # fmt: skip
+
+
+def test_prompt_buckets_with_context_pages() -> None:
+    # Kept: a full row fits the model (seq + (ctx - 1) pages < max_model_len) and the batch budget, keys included.
+    triples = prompt_ctx_buckets([1, 2], [128, 256], [0, 1, 2, 4], 128, max_model_len=640, max_num_batched_tokens=700)
+    assert triples == [(1, 128, 1), (1, 128, 2), (1, 128, 4), (1, 256, 1), (1, 256, 2), (2, 128, 1)]
+    # A budget keeps those with the fewest padded tokens (rows * (seq + ctx * page_size)).
+    assert prompt_ctx_buckets([1], [128, 256], [1, 2, 4], 128, limit=3) == [(1, 128, 1), (1, 128, 2), (1, 256, 1)]
+    assert choose_prompt_ctx_bucket(1, 100, 2, triples, 128) == (1, 128, 2)
+    assert choose_prompt_ctx_bucket(2, 100, 1, triples, 128) == (2, 128, 1)
+    assert choose_prompt_ctx_bucket(1, 129, 3, [(1, 256, 4), (1, 512, 4), (2, 256, 4)], 128) == (1, 256, 4)
+    with pytest.raises(BucketOverflowError, match="prompt bucket with context"):
+        choose_prompt_ctx_bucket(1, 100, 5, triples, 128)
+
+
+def test_context_bucket_config_and_env() -> None:
+    config = yaml.safe_load(open(os.path.join(CONFIG_DIR, "hpu.yaml"), encoding="utf-8"))
+    plain = resolve_bucket_config(config, env={})
+    assert plain.prompt_ctx == linear_buckets(BucketRange(**config["hpu"]["prompt_ctx_bucket"]))
+    triples = plain.prompt_ctx_triples(config["max_model_len"] - 1)
+    assert len(triples) == config["hpu"]["max_prompt_ctx_buckets"] and all(c >= 1 for _, _, c in triples)
+    assert all(bs * (seq + ctx * 128) <= config["hpu"]["max_num_batched_tokens"] for bs, seq, ctx in triples)
+    env = {"ENGINE_PROMPT_CTX_BUCKET_MIN": "2", "ENGINE_PROMPT_CTX_BUCKET_STEP": "2", "ENGINE_PROMPT_CTX_BUCKET_MAX": "6",
+           "ENGINE_HPU_MAX_PROMPT_CTX_BUCKETS": "5"}  # fmt: skip
+    over = resolve_bucket_config(config, env=env)
+    assert over.prompt_ctx == [2, 4, 6] and len(over.prompt_ctx_triples()) == 5
+    assert resolve_bucket_config(config, env={"ENGINE_PROMPT_CTX_BUCKET_MAX": "0"}).prompt_ctx_triples() == []
+    # A config written before context buckets existed keeps steps with a prefix unpadded.
+    old = {**config, "hpu": {k: v for k, v in config["hpu"].items() if k != "prompt_ctx_bucket"}}
+    assert resolve_bucket_config(old, env={}).prompt_ctx == []

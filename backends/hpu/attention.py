@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -41,6 +41,7 @@ from backends.hpu.bucketing import (
     pad_decode_batch,
     page_table_width,
 )
+from backends.hpu.fused_sdpa import fused_prompt_attention
 from backends.hpu.prompt_attention import HpuPromptMetadata, padded_prompt_attention
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import extend_attention
@@ -312,15 +313,19 @@ class HpuAttentionBackend:
     graph_hooks = HpuGraphHooks
 
     def __init__(
-        self, store_kv: StoreFn | None = None, fp32_softmax: bool = False, mark_steps: bool = False
+        self, store_kv: StoreFn | None = None, fp32_softmax: bool = False, mark_steps: bool = False,
+        fused_sdpa: Any | None = None,
     ) -> None:
         """fp32_softmax: decode and padded-prompt softmax in fp32 (HpuPlatform.prepare_model sets it per model type).
         mark_steps: lazy mode; a prefill's lazily accumulated graph is flushed (htorch.core.mark_step) at the
-        end of its forward pass, so it compiles and runs there, not at the next decode step's mark_step."""
+        end of its forward pass, so it compiles and runs there, not at the next decode step's mark_step.
+        fused_sdpa: Habana's FusedSDPA kernel class for padded prompts (backends/hpu/fused_sdpa.py
+        load_fused_sdpa; HpuPlatform.attention_backend passes it), None for the masked-matmul op."""
         # HpuPlatform.store_kv: index_copy_ along slots, int64 indices, static per bucket.
         self.store_kv = store_kv if store_kv is not None else _hpu_store_kv()
         self.fp32_softmax = fp32_softmax
         self.mark_steps = mark_steps
+        self.fused_sdpa = fused_sdpa
 
     @contextmanager
     def step_context(self, meta: AttentionMetadata) -> Iterator[None]:
@@ -356,9 +361,14 @@ class HpuAttentionBackend:
     ) -> torch.Tensor:
         self.store_kv(k_cache, v_cache, meta.slot_indices, k, v)
         if not meta.is_decode:
-            if isinstance(meta.platform_metadata, HpuPromptMetadata):
-                # A prefill padded to a prompt bucket (backends/hpu/prefill_runner.py): one static-shape op.
-                return padded_prompt_attention(q, k, v, meta.platform_metadata, scale, self.fp32_softmax)
+            prompt = meta.platform_metadata
+            if isinstance(prompt, HpuPromptMetadata):
+                # A prefill padded to a prompt bucket (backends/hpu/prefill_runner.py): one static-shape op over
+                # each row's prefix pages (read back from the caches just written) and its new tokens.
+                if self.fused_sdpa is not None:
+                    return fused_prompt_attention(self.fused_sdpa, q, k, v, prompt, scale, self.fp32_softmax,
+                                                  k_cache, v_cache)  # fmt: skip
+                return padded_prompt_attention(q, k, v, prompt, scale, self.fp32_softmax, k_cache, v_cache)
             return extend_attention(q, k_cache, v_cache, meta, scale)
         flat = meta.platform_metadata
         if not isinstance(flat, HpuFlatMetadata):

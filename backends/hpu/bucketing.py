@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -131,6 +131,39 @@ def prompt_buckets(
     )
 
 
+def prompt_ctx_buckets(
+    bs_buckets: Sequence[int],
+    seq_buckets: Sequence[int],
+    ctx_buckets: Sequence[int],
+    page_size: int,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    limit: int | None = None,
+) -> list[tuple[int, int, int]]:
+    """(rows, tokens per row, context pages per row) prefill buckets for steps with a cached prefix, sorted.
+
+    vllm-gaudi's prompt buckets with prefix caching are 3-D the same way (bucketing/linear.py
+    generate_prompt_buckets: `(bs, seq, ctx_blocks)`, ctx in KV pages per row). Kept: ctx >= 1 (ctx 0 is
+    the plain 2-D bucket), a row that fills the bucket still fits the model (its prefix needs all ctx pages,
+    so it is longer than (ctx - 1) pages: seq + (ctx - 1) * page_size < max_model_len), and the padded
+    tokens the attention holds, context included, fit the batch budget (rows * (seq + ctx * page_size) <=
+    max_num_batched_tokens, vllm-gaudi's filter). limit: at most that many, those with the fewest padded
+    tokens (every one is compiled at warm-up; a prefix past them runs unpadded).
+    """
+    triples = [
+        (bs, seq, ctx)
+        for bs in bs_buckets
+        for seq in seq_buckets
+        for ctx in ctx_buckets
+        if ctx >= 1
+        and (max_model_len is None or seq + (ctx - 1) * page_size < max_model_len)
+        and (max_num_batched_tokens is None or bs * (seq + ctx * page_size) <= max_num_batched_tokens)
+    ]
+    if limit is not None:
+        triples = sorted(triples, key=lambda b: (b[0] * (b[1] + b[2] * page_size), b))[: max(limit, 0)]
+    return sorted(triples)
+
+
 def find_bucket(value: int, buckets: Sequence[int]) -> int:
     """Smallest bucket >= value; `buckets` sorted ascending. Raises BucketOverflowError past the max."""
     if not buckets:
@@ -185,6 +218,28 @@ def choose_prompt_bucket(num_rows: int, max_len: int, buckets: Sequence[tuple[in
         )
     _, bs, seq = min(fitting)
     return bs, seq
+
+
+def choose_prompt_ctx_bucket(
+    num_rows: int, max_len: int, max_ctx_pages: int, buckets: Sequence[tuple[int, int, int]], page_size: int
+) -> tuple[int, int, int]:
+    """The warmed (rows, tokens per row, context pages per row) bucket that holds `num_rows` prompts of up to
+    `max_len` new tokens after cached prefixes of up to `max_ctx_pages` pages, with the fewest padded tokens
+    (keys included: rows * (seq + ctx * page_size)); each dimension checked on its own, as for 2-D buckets."""
+    fitting = [
+        (bs * (seq + ctx * page_size), bs, seq, ctx)
+        for bs, seq, ctx in buckets
+        if bs >= num_rows and seq >= max_len and ctx >= max_ctx_pages
+    ]
+    if num_rows < 1 or not fitting:
+        largest = max(buckets) if buckets else None
+        raise BucketOverflowError(
+            f"{num_rows} prompt(s) of up to {max_len} new tokens after up to {max_ctx_pages} cached pages fit no "
+            f"prompt bucket with context (largest {largest}); raise ENGINE_PROMPT_CTX_BUCKET_MAX or "
+            "hpu.prompt_ctx_bucket.max / hpu.max_prompt_ctx_buckets"
+        )
+    _, bs, seq, ctx = min(fitting)
+    return bs, seq, ctx
 
 
 def page_table_width(blocks_bucket: int, max_blocks_per_seq: int) -> int:
@@ -311,6 +366,8 @@ class HpuBucketConfig:
     page_size: int
     max_blocks_per_seq: int
     max_num_batched_tokens: int | None
+    prompt_ctx: list[int] = field(default_factory=list)  # context pages per row of prefix buckets; [] = none
+    max_prompt_ctx_buckets: int | None = None  # warm-up budget for the (rows, seq, ctx) buckets
 
     def decode_pairs(self, max_blocks_total: int | None = None) -> list[tuple[int, int]]:
         return decode_buckets(self.decode_bs, self.decode_block, self.max_blocks_per_seq, max_blocks_total)
@@ -323,6 +380,14 @@ class HpuBucketConfig:
             cap = smallest_bucket_at_least(seq, max_prompt_len)
             seq = [s for s in seq if cap is None or s <= cap]
         return prompt_buckets(self.prompt_bs, seq, self.max_num_batched_tokens)
+
+    def prompt_ctx_triples(self, max_prompt_len: int | None = None) -> list[tuple[int, int, int]]:
+        """Prompt buckets with a cached prefix, (rows, seq, ctx pages), over the sequence buckets prompt_pairs
+        keeps; rows that fill one fit a context of max_prompt_len + 1 tokens (default: max_model_len)."""
+        seq = sorted({s for _, s in self.prompt_pairs(max_prompt_len)})
+        max_len = max_prompt_len + 1 if max_prompt_len is not None else self.max_blocks_per_seq * self.page_size
+        return prompt_ctx_buckets(self.prompt_bs, seq, self.prompt_ctx, self.page_size, max_len,
+                                  self.max_num_batched_tokens, self.max_prompt_ctx_buckets)  # fmt: skip
 
 
 def read_bucket_range(name: str, defaults: Mapping[str, int], env: Mapping[str, str]) -> tuple[BucketRange, bool]:
@@ -356,10 +421,30 @@ def resolve_bucket_config(config: Mapping[str, Any], env: Mapping[str, str] | No
     for key, default in defaults.items():
         r, env_set[key] = read_bucket_range(key, {**default, **(hpu.get(f"{key}_bucket") or {})}, env)
         lists[key] = make_buckets(r, strategy)
+    lists["prompt_ctx"] = read_ctx_buckets(hpu.get("prompt_ctx_bucket"), max_blocks_per_seq, strategy, env)
     if not env_set["decode_bs"] and config.get("capture_sizes"):
         lists["decode_bs"] = sorted({int(s) for s in config["capture_sizes"]})
     tokens = config.get("max_num_batched_tokens", hpu.get("max_num_batched_tokens"))
+    ctx_limit = env.get("ENGINE_HPU_MAX_PROMPT_CTX_BUCKETS", "").strip() or hpu.get("max_prompt_ctx_buckets")
     return HpuBucketConfig(
         strategy=strategy, page_size=page_size, max_blocks_per_seq=max_blocks_per_seq,
-        max_num_batched_tokens=int(tokens) if tokens is not None else None, **lists,
+        max_num_batched_tokens=int(tokens) if tokens is not None else None,
+        max_prompt_ctx_buckets=int(ctx_limit) if ctx_limit not in (None, "") else None, **lists,
     )  # fmt: skip
+
+
+def read_ctx_buckets(
+    configured: Mapping[str, int] | None, max_blocks_per_seq: int, strategy: str, env: Mapping[str, str]
+) -> list[int]:
+    """Context pages per row of the prefix buckets: ENGINE_PROMPT_CTX_BUCKET_{MIN,STEP,MAX} over
+    hpu.prompt_ctx_bucket (default min 1, step 4, max the pages of max_model_len). A max of 0 turns them
+    off (every step with a cached prefix runs unpadded, as before they existed); no entry in the config and
+    no env variable: off too, so a config written before them keeps its behaviour."""
+    raw = {part: env.get(f"ENGINE_PROMPT_CTX_BUCKET_{part}".upper(), "").strip() for part in ("min", "step", "max")}
+    if configured is None and not any(raw.values()):
+        return []
+    defaults = {"min": 1, "step": 4, "max": max_blocks_per_seq, **(configured or {})}
+    values = {part: int(text) if text else int(defaults[part]) for part, text in raw.items()}
+    if values["max"] <= 0:
+        return []
+    return make_buckets(BucketRange(values["min"], values["step"], values["max"]), strategy)

@@ -143,9 +143,11 @@ class HpuPlatform(Platform):
     def attention_backend(self) -> Any:
         # Flat paged attention over vllm-gaudi's block list: static shapes per (bs, blocks) bucket. In lazy
         # mode every prefill's forward pass ends with a mark_step (see HpuAttentionBackend.step_context).
+        # Padded prompts through FusedSDPA where the bridge has it (hpu.fused_sdpa / ENGINE_HPU_FUSED_SDPA).
         from backends.hpu.attention import HpuAttentionBackend
+        from backends.hpu.fused_sdpa import load_fused_sdpa
 
-        return HpuAttentionBackend(self.store_kv, mark_steps=self.graph_mode() == "lazy")
+        return HpuAttentionBackend(self.store_kv, mark_steps=self.graph_mode() == "lazy", fused_sdpa=load_fused_sdpa())
 
     def prepare_model(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
         """Decode softmax in fp32 for the model types that need it (hpu.fp32_softmax / ENGINE_HPU_FP32_SOFTMAX)."""

@@ -3,12 +3,15 @@
 Without it an extend step runs the model on its exact token count, with one attention call per request
 of that request's length: in lazy mode every new prompt shape is a new graph to compile, seconds each,
 while serving. Here (as vllm-gaudi does) the step's prompts are grouped and each group padded on the
-host to a prompt bucket (rows, tokens per row) from the HPU bucket config (backends/hpu/prefill.py);
-the step sees only bucket shapes, attention over the padded batch is one masked op
-(backends/hpu/prompt_attention.py), padded tokens write only the dummy slot, and the LM head runs on
-each row's last token alone. Every bucket runs once at start-up (warm-up), so serving compiles nothing
-new. Steps that cannot be bucketed (`prefill.unbucketable_reason`) run the unpadded path, each reason
-logged once.
+host to a prompt bucket (rows, tokens per row) from the HPU bucket config (backends/hpu/prefill.py), or,
+where a request has a cached prefix (a prefix-cache hit, a later chunk of a chunked prompt), to a bucket
+(rows, tokens per row, context pages per row) whose rows also name the pages that hold their prefix;
+the step sees only bucket shapes, attention over the padded batch is one masked op over each row's
+prefix pages, gathered on the device, and its new tokens (backends/hpu/prompt_attention.py; FusedSDPA
+where the bridge has it, backends/hpu/fused_sdpa.py), padded tokens write only the dummy slot, and the
+LM head runs on each row's last token alone. Every bucket runs once at start-up (warm-up), so serving
+compiles nothing new. Steps that cannot be bucketed (`prefill.unbucketable_reason`) run the unpadded
+path, each reason logged once.
 
 Modes follow the decode runner's (backends/hpu/graph_runner.py): `lazy` runs the step and then
 `htorch.core.mark_step()` (the bridge keeps one recipe per bucket shape; prompts are not wrapped in HPU
@@ -26,7 +29,6 @@ from typing import Any, Callable, Sequence
 import torch
 
 from backends.hpu.prefill import (
-    STEP_INPUTS,
     PaddedPromptBatch,
     group_prompts,
     pad_prompt_batch,
@@ -42,19 +44,25 @@ from graphs.compiled_step import compile_count, compile_limits, private_copy
 logger = logging.getLogger(__name__)
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-PromptStepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+PromptStepFn = Callable[..., torch.Tensor]
 
 
 def prompt_model_step(model: Any, kv_caches: KVCaches, page_size: int, bias_dtype: torch.dtype) -> PromptStepFn:
     """The padded prefill over the engine's model:
-    ``step(input_ids [rows*seq], positions [rows*seq], slot_indices [rows*seq], seq_lens [rows], last_index [rows])
-    -> logits [rows, vocab]``, every shape fixed by the bucket. The attention mask is built on the device
-    once per step from seq_lens (HpuPromptMetadata), and the LM head sees one token per row."""
+    ``step(input_ids [rows*seq], positions [rows*seq], slot_indices [rows*seq], seq_lens [rows], last_index [rows]
+    [, ctx_lens [rows], ctx_pages [rows, ctx]]) -> logits [rows, vocab]``, every shape fixed by the bucket (the
+    last two for a bucket with context pages). The attention mask is built on the device once per step from
+    the lengths (HpuPromptMetadata), not at all for a step without a prefix that FusedSDPA runs with its causal
+    flag; and the LM head sees one token per row."""
+    backend = getattr(model, "attention_backend", None)
 
-    def step(input_ids, positions, slot_indices, seq_lens, last_index):  # noqa: ANN001, ANN202
+    def step(input_ids, positions, slot_indices, seq_lens, last_index,  # noqa: ANN001, ANN202
+             ctx_lens=None, ctx_pages=None):  # noqa: ANN001
         rows = seq_lens.shape[0]
-        prompt = HpuPromptMetadata.from_lengths(seq_lens, input_ids.shape[0] // rows, bias_dtype)
-        # No page table: every key a row attends to is one of its own new tokens (no cached prefix).
+        fused = getattr(backend, "fused_sdpa", None) is not None  # read per call: follows a backend switched later
+        prompt = HpuPromptMetadata.from_lengths(seq_lens, input_ids.shape[0] // rows, bias_dtype, ctx_lens, ctx_pages,
+                                                page_size, with_bias=not fused)  # fmt: skip
+        # No page table: a row's prefix pages reach the attention through `prompt.ctx_pages`.
         meta = AttentionMetadata(is_decode=False, slot_indices=slot_indices, page_table=seq_lens.new_zeros((rows, 0)),
                                  seq_lens=seq_lens, page_size=page_size, platform_metadata=prompt)  # fmt: skip
         hidden = model(input_ids, positions, kv_caches, meta)
@@ -76,6 +84,7 @@ class HpuPrefillRunner:
         slot_dtype: torch.dtype = torch.int64,
         *,
         buckets: Sequence[tuple[int, int]],
+        ctx_buckets: Sequence[tuple[int, int, int]] = (),
         mode: str = "compile",
         compile_backend: str | Callable[..., Any] = "hpu_backend",
         show_progress: bool = True,
@@ -86,6 +95,8 @@ class HpuPrefillRunner:
         if not buckets:
             raise ValueError("no prompt buckets")
         self.buckets = sorted(set(buckets))
+        self.ctx_buckets = sorted(set(ctx_buckets))  # (rows, seq, ctx pages): steps with a cached prefix
+        self.page_size = page_size
         self.device = torch.device(device)
         self.slot_dtype = slot_dtype
         self.mode = mode
@@ -106,7 +117,8 @@ class HpuPrefillRunner:
         slot_dtype: torch.dtype = torch.int64, **options: Any,
     ) -> "HpuPrefillRunner":
         """Buckets, mode and warm-up from configs/hpu.yaml plus ENGINE_* env overrides, for the engine's page
-        size and context length (no bucket longer than the first that holds a max_model_len - 1 token prompt)."""
+        size and context length (no bucket longer than the first that holds a max_model_len - 1 token prompt;
+        buckets with context pages from hpu.prompt_ctx_bucket, within hpu.max_prompt_ctx_buckets)."""
         from backends.base import load_yaml_config
         from backends.hpu.bucketing import resolve_bucket_config
         from backends.hpu.graph_runner import _env_flag
@@ -118,7 +130,9 @@ class HpuPrefillRunner:
         if "mode" not in options:
             options["mode"] = graph_mode_from_env(default=hpu.get("graph_mode"), bridge_lazy=bridge_is_lazy())
         options.setdefault("skip_warmup", _env_flag("ENGINE_HPU_SKIP_WARMUP", bool(hpu.get("skip_warmup", False))))
-        buckets = resolve_bucket_config(config).prompt_pairs(max_model_len - 1)
+        resolved = resolve_bucket_config(config)
+        options.setdefault("ctx_buckets", resolved.prompt_ctx_triples(max_model_len - 1))
+        buckets = resolved.prompt_pairs(max_model_len - 1)
         return cls(model, kv_caches, page_size, device, slot_dtype, buckets=buckets, **options)
 
     def _build(self, step: PromptStepFn, compile_backend: str | Callable[..., Any]) -> PromptStepFn:
@@ -126,7 +140,7 @@ class HpuPrefillRunner:
             return step  # lazy: the bridge compiles one recipe per bucket shape at mark_step
         # A private code object: another engine's runner in this process keeps its own compiled entries.
         compiled = torch.compile(private_copy(step), backend=compile_backend, dynamic=False)
-        entries = len(self.buckets) + 8  # every bucket is its own compiled entry
+        entries = len(self.buckets) + len(self.ctx_buckets) + 8  # every bucket is its own compiled entry
 
         def within_limits(*args: torch.Tensor) -> torch.Tensor:
             with compile_limits(entries):
@@ -142,7 +156,7 @@ class HpuPrefillRunner:
 
     def _run(self, batch: PaddedPromptBatch) -> torch.Tensor:
         """One padded forward pass: inputs to the device (one copy each), logits [rows, vocab]."""
-        inputs = [getattr(batch, name).to(self.device, non_blocking=True) for name in STEP_INPUTS]
+        inputs = [tensor.to(self.device, non_blocking=True) for tensor in batch.step_inputs()]
         self._mark_step()  # lazy: the step's graph takes in no work queued before it
         before = compile_count()
         logits = self._fn(*inputs)
@@ -155,9 +169,9 @@ class HpuPrefillRunner:
 
     # ---- warm-up ------------------------------------------------------------------------
     def capture(self) -> None:
-        """Run every prompt bucket before serving (twice when compiled: the second run catches guards that
-        fail only on reuse), on batches that write only the dummy slot. ENGINE_HPU_SKIP_WARMUP / skip_warmup:
-        buckets compile on first use instead."""
+        """Run every prompt bucket, with context pages or not, before serving (twice when compiled: the second
+        run catches guards that fail only on reuse), on batches that write only the dummy slot and read only
+        the dummy page. ENGINE_HPU_SKIP_WARMUP / skip_warmup: buckets compile on first use instead."""
         from tqdm import tqdm
 
         if self.skip_warmup:
@@ -166,22 +180,23 @@ class HpuPrefillRunner:
             return
         start = time.perf_counter()
         compiles = compile_count()
+        buckets: list[tuple[int, ...]] = [*self.buckets, *self.ctx_buckets]
         with torch.no_grad():
-            for bucket in tqdm(self.buckets, desc="HPU prefill warm-up", disable=not self.show_progress):
-                batch = warmup_prompt_batch(bucket, self.slot_dtype)
+            for bucket in tqdm(buckets, desc="HPU prefill warm-up", disable=not self.show_progress):
+                batch = warmup_prompt_batch(bucket, self.slot_dtype, self.page_size)
                 for _ in range(2 if self.mode == "compile" else 1):
                     self._run(batch)
         if self.device.type == "hpu":
             torch.hpu.synchronize()
         self._warm = True
-        logger.info("HPU prefill warm-up: %d prompt buckets %s in %.1f s (mode=%s, %d dynamo compiles)",
-                    len(self.buckets), self.buckets, time.perf_counter() - start, self.mode,
-                    compile_count() - compiles)  # fmt: skip
+        logger.info("HPU prefill warm-up: %d prompt buckets %s and %d with context pages %s in %.1f s (mode=%s, "
+                    "%d dynamo compiles)", len(self.buckets), self.buckets, len(self.ctx_buckets), self.ctx_buckets,
+                    time.perf_counter() - start, self.mode, compile_count() - compiles)  # fmt: skip
 
     # ---- serving ------------------------------------------------------------------------
     def can_run(self, message: ExtendMessage) -> bool:
         """Whether this extend step can run padded; the first step turned away for each reason is logged."""
-        reason = unbucketable_reason(message, self.buckets)
+        reason = unbucketable_reason(message, self.buckets, self.ctx_buckets, self.page_size)
         if reason is None:
             return True
         if reason not in self._logged:
@@ -194,8 +209,9 @@ class HpuPrefillRunner:
         None when none samples (chunks of a long prompt). One padded forward pass per group of prompts."""
         rows = prompt_rows(message)
         logits: list[torch.Tensor] = []
-        for indices, bucket in group_prompts([len(r.input_ids) for r in rows], self.buckets):
-            batch = pad_prompt_batch([rows[i] for i in indices], bucket, self.slot_dtype)
+        lengths, ctx = [len(r.input_ids) for r in rows], [r.ctx_pages(self.page_size) for r in rows]
+        for indices, bucket in group_prompts(lengths, self.buckets, ctx, self.ctx_buckets, self.page_size):
+            batch = pad_prompt_batch([rows[i] for i in indices], bucket, self.slot_dtype, self.page_size)
             out = self._run(batch)
             self.padded_steps += 1
             sampled = batch.sampled_rows
