@@ -43,6 +43,19 @@ PAGE = 8
 BUCKETS = [(1, 16), (1, 32), (2, 16), (2, 32)]
 
 
+def record_buckets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The bucket of every padded prefill batch HpuPrefillRunner runs from now on, in order."""
+    used: list[tuple[int, ...]] = []
+    run = HpuPrefillRunner._run
+
+    def recorded(self: HpuPrefillRunner, batch: Any) -> torch.Tensor:
+        used.append(batch.bucket)
+        return run(self, batch)
+
+    monkeypatch.setattr(HpuPrefillRunner, "_run", recorded)
+    return used
+
+
 # ---- host side: bucket choice, grouping, padding ----------------------------------------------
 
 
@@ -278,14 +291,7 @@ def test_engine_with_hpu_prompt_buckets_gives_the_same_tokens(
     engine = Engine(capture_sizes="1,2,4", **options)
     runner = engine.runner.prefill_runner
     assert isinstance(runner, HpuPrefillRunner) and runner.buckets == [(1, 8), (1, 16), (1, 32), (2, 8), (2, 16), (2, 32)]
-    used: list[tuple[int, int]] = []
-    run = HpuPrefillRunner._run
-
-    def recorded(self: HpuPrefillRunner, batch: Any) -> torch.Tensor:
-        used.append(batch.bucket)
-        return run(self, batch)
-
-    monkeypatch.setattr(HpuPrefillRunner, "_run", recorded)
+    used = record_buckets(monkeypatch)
     eager_before = engine.runner.eager_steps
     got = run_staggered(engine, prompts, params, arrivals)
     assert got.token_ids == want
@@ -520,14 +526,7 @@ def test_engine_with_prefix_caching_and_prompt_buckets_gives_the_same_tokens(
     engine = Engine(capture_sizes="1,2,4", **options)
     runner = engine.runner.prefill_runner
     assert isinstance(runner, HpuPrefillRunner) and {c for _, _, c in runner.ctx_buckets} == {1, 2, 4}
-    used: list[tuple[int, ...]] = []
-    run = HpuPrefillRunner._run
-
-    def recorded(self: HpuPrefillRunner, batch: Any) -> torch.Tensor:
-        used.append(batch.bucket)
-        return run(self, batch)
-
-    monkeypatch.setattr(HpuPrefillRunner, "_run", recorded)
+    used = record_buckets(monkeypatch)
     eager_before = engine.runner.eager_steps
     got = run_staggered(engine, prompts, params, arrivals)
     assert got.token_ids == want
