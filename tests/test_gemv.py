@@ -154,3 +154,17 @@ def test_gemv_op_computes_the_live_row_alone() -> None:
         got = layer[0](x)
     torch.testing.assert_close(got[:1].float(), want[:1], atol=2e-2, rtol=2e-2)
     assert torch.equal(got[1:], torch.zeros_like(got[1:]))
+
+
+def test_batch1_is_captured_over_two_rows_for_dense_models_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MoE model keeps its size-1 compile (a padding row would route to experts of its own and read their
+    weights); a dense one takes the two-row graph unless ENGINE_CUDA_BATCH1_IN_TWO_ROWS=0."""
+    from engine.layers.linear import Linear
+    from engine.layers.moe import SparseMoE
+    from graphs.cuda_graph_runner import batch1_in_two_rows
+
+    dense = torch.nn.ModuleList([Linear(8, 8)])
+    moe = torch.nn.ModuleList([Linear(8, 8), torch.nn.ModuleList([SparseMoE(8, 16, num_experts=4, top_k=2, renormalize=True)])])
+    assert batch1_in_two_rows(dense) and not batch1_in_two_rows(moe)
+    monkeypatch.setenv("ENGINE_CUDA_BATCH1_IN_TWO_ROWS", "0")
+    assert not batch1_in_two_rows(dense)

@@ -43,6 +43,21 @@ PAGE = 8
 BUCKETS = [(1, 16), (1, 32), (2, 16), (2, 32)]
 
 
+def hpu_engine_on_cpu(monkeypatch: pytest.MonkeyPatch, options: dict[str, Any],
+                      ranges: dict[str, tuple[int, int, int]]) -> Engine:
+    """An engine on the CPU built the way a Gaudi engine is (HPU decode and prefill runners in eager mode, the
+    HPU attention backend), with bucket ranges ENGINE_<NAME>_BUCKET_{MIN,STEP,MAX} = ranges[NAME]."""
+    for name, (low, step, high) in ranges.items():
+        for part, value in zip(("MIN", "STEP", "MAX"), (low, step, high)):
+            monkeypatch.setenv(f"ENGINE_{name}_BUCKET_{part}", str(value))
+    monkeypatch.setattr(CpuPlatform, "graph_runner_class",
+                        lambda self: lambda *a, strict=None, **k: HpuEngineRunner(*a, mode="eager", show_progress=False, **k))
+    monkeypatch.setattr(CpuPlatform, "prefill_runner_class",
+                        lambda self: lambda *a: HpuPrefillRunner.from_engine(*a, mode="eager", show_progress=False))
+    monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self: HpuPlatform().attention_backend())
+    return Engine(capture_sizes="1,2,4", **options)
+
+
 def record_buckets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """The bucket of every padded prefill batch HpuPrefillRunner runs from now on, in order."""
     used: list[tuple[int, ...]] = []
@@ -277,18 +292,10 @@ def test_engine_with_hpu_prompt_buckets_gives_the_same_tokens(
                    max_model_len=128, enable_prefix_caching=False, debug_kv_invariant=True, max_extend_step_ms=0)
     want = run_staggered(Engine(disable_graphs=True, **options), prompts, params, arrivals).token_ids
 
-    for name, (low, step, high) in {"PROMPT_BS": (1, 1, 2), "PROMPT_SEQ": (8, 16, 32),
-                                    "DECODE_BLOCK": (4, 4, 32)}.items():  # fmt: skip
-        for part, value in zip(("MIN", "STEP", "MAX"), (low, step, high)):
-            monkeypatch.setenv(f"ENGINE_{name}_BUCKET_{part}", str(value))
-    monkeypatch.setattr(CpuPlatform, "graph_runner_class",
-                        lambda self: lambda *a, strict=None, **k: HpuEngineRunner(*a, mode="eager", show_progress=False, **k))
-    monkeypatch.setattr(CpuPlatform, "prefill_runner_class",
-                        lambda self: lambda *a: HpuPrefillRunner.from_engine(*a, mode="eager", show_progress=False))
-    monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self: HpuPlatform().attention_backend())
     assert HpuPlatform().prefill_runner_class() == HpuPrefillRunner.from_engine  # what a Gaudi engine gets
     caplog.set_level(logging.WARNING, logger="backends.hpu.prefill_runner")
-    engine = Engine(capture_sizes="1,2,4", **options)
+    engine = hpu_engine_on_cpu(monkeypatch, options, {"PROMPT_BS": (1, 1, 2), "PROMPT_SEQ": (8, 16, 32),
+                                                      "DECODE_BLOCK": (4, 4, 32)})
     runner = engine.runner.prefill_runner
     assert isinstance(runner, HpuPrefillRunner) and runner.buckets == [(1, 8), (1, 16), (1, 32), (2, 8), (2, 16), (2, 32)]
     used = record_buckets(monkeypatch)
@@ -514,16 +521,8 @@ def test_engine_with_prefix_caching_and_prompt_buckets_gives_the_same_tokens(
     plain = Engine(disable_graphs=True, **options)
     want = run_staggered(plain, prompts, params, arrivals).token_ids
 
-    for name, (low, step, high) in {"PROMPT_BS": (1, 1, 2), "PROMPT_SEQ": (8, 16, 32), "PROMPT_CTX": (1, 2, 4),
-                                    "DECODE_BLOCK": (4, 4, 32)}.items():  # fmt: skip
-        for part, value in zip(("MIN", "STEP", "MAX"), (low, step, high)):
-            monkeypatch.setenv(f"ENGINE_{name}_BUCKET_{part}", str(value))
-    monkeypatch.setattr(CpuPlatform, "graph_runner_class",
-                        lambda self: lambda *a, strict=None, **k: HpuEngineRunner(*a, mode="eager", show_progress=False, **k))
-    monkeypatch.setattr(CpuPlatform, "prefill_runner_class",
-                        lambda self: lambda *a: HpuPrefillRunner.from_engine(*a, mode="eager", show_progress=False))
-    monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self: HpuPlatform().attention_backend())
-    engine = Engine(capture_sizes="1,2,4", **options)
+    engine = hpu_engine_on_cpu(monkeypatch, options, {"PROMPT_BS": (1, 1, 2), "PROMPT_SEQ": (8, 16, 32),
+                                                      "PROMPT_CTX": (1, 2, 4), "DECODE_BLOCK": (4, 4, 32)})
     runner = engine.runner.prefill_runner
     assert isinstance(runner, HpuPrefillRunner) and {c for _, _, c in runner.ctx_buckets} == {1, 2, 4}
     used = record_buckets(monkeypatch)

@@ -300,7 +300,8 @@ def test_decode_kernel_stores_the_new_rows_itself(splits: int, window: int, fp8:
     the op (triton_paged_decode): compiled on a GPU that is the kernel's own e4m3 store; in Triton's
     interpreter, which narrows float32 to e4m3 wrongly, the op stores with torch first, and that
     fallback is what runs here. With scales the stored rows are k / k_scale, v / v_scale: on a GPU
-    the kernel's division must equal torch's bit for bit."""
+    the kernel's division must equal torch's bit for bit. The new rows are strided views of a fused
+    projection, as the Llama attention passes them to this backend."""
     from backends.cuda.triton_attention import store_kv_rows, triton_paged_decode
     from backends.cuda.triton_decode import paged_decode_attention_triton
 
@@ -311,8 +312,10 @@ def test_decode_kernel_stores_the_new_rows_itself(splits: int, window: int, fp8:
             case.k_cache, case.v_cache = case.k_cache.to(torch.float8_e4m3fn), case.v_cache.to(torch.float8_e4m3fn)
         slots = last_slots(case)
         generator = torch.Generator().manual_seed(7)
-        k_new = torch.randn(4, 2, 64, generator=generator).to(DEVICE, dtype)
-        v_new = torch.randn(4, 2, 64, generator=generator).to(DEVICE, dtype)
+        # Strided views of one fused projection, as the model passes them (takes_strided_kv): rows 384 apart.
+        fused = torch.randn(4, 3 * 128, generator=generator).to(DEVICE, dtype)
+        k_new, v_new = fused[:, 128:256].view(4, 2, 64), fused[:, 256:].view(4, 2, 64)
+        assert not k_new.is_contiguous() and not v_new.is_contiguous()
         k_new[3, 1, 5] = 1000.0  # past e4m3's 448: saturated, not NaN
         scales = {}
         if k_scale is not None:
