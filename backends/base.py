@@ -45,6 +45,9 @@ class Platform(abc.ABC):
     dist_backend: str = "gloo"
     # dtype of slot indices fed to the KV store op (NPU's scatter wants int32).
     slot_index_dtype: torch.dtype = torch.int64
+    # Pad the eager LM head's rows to a ladder warmed at start-up (engine/logit_rows.py): where a BLAS's first
+    # matmul of a new row count waits for the whole device queue (cuBLAS on the H200).
+    pads_logit_rows: bool = False
 
     # ---- device and availability -------------------------------------------------
     @abc.abstractmethod

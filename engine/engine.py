@@ -30,6 +30,7 @@ from engine.kv_cache import KVPool
 from engine.kv_manager import KVCacheManager, PrefixCacheStats
 from engine.layers.attention import Attention, AttentionMetadata, step_context
 from engine.loader import ModelSource, load_model, resolve_model_source
+from engine.logit_rows import LogitRowLadder
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput
 from engine.sampler import SampledTokens
@@ -151,6 +152,7 @@ class Engine:
             self.runner: ModelRunner = TensorParallelRunner(*runner_args, ranks=self.tp_ranks)
         else:
             self.runner = ModelRunner(*runner_args)
+        self._pad_logit_rows()
         # Debug mode: the pool invariant after every step (ENGINE_DEBUG_KV=1 or debug_kv_invariant).
         self.debug_kv = bool(self.config.debug_kv_invariant) or os.environ.get("ENGINE_DEBUG_KV", "") not in ("", "0")
         self.stats_logger = StatsLogger(self)
@@ -168,6 +170,18 @@ class Engine:
             self.tp_ranks.wait_ready()
         if self.config.warmup:
             self._warm_up()
+
+    def _pad_logit_rows(self) -> None:
+        """Where the platform asks (engine/logit_rows.py): the eager LM head's rows padded to the decode capture
+        sizes up to max_num_seqs, each size run once now. A tensor-parallel head needs every rank in its
+        collectives, so there the sizes are paid at their first step instead."""
+        if not self.platform.pads_logit_rows:
+            return
+        ladder = LogitRowLadder(parse_sizes(self.config.capture_sizes), int(self.config.max_num_seqs))
+        self.runner.logit_rows = ladder
+        if self.tp_ranks is None and not self.tp.enabled:
+            ladder.warm(self.model.compute_logits, int(self.model_config.hidden_size), self.config.torch_dtype,
+                        self.device, self.platform.synchronize)
 
     def _join_tensor_parallel(self, source: ModelSource) -> TensorParallelState:
         """This engine's rank: rank 0 of 1 (no tensor parallelism), a worker's (its group joined by

@@ -11,6 +11,7 @@ from engine.batch_state import DecodeBatchState
 from engine.forward_batch import ForwardBatch, extend_forward_batch, mixed_forward_batch
 from engine.kv_cache import KVPool
 from engine.layers.attention import step_context
+from engine.logit_rows import LogitRowLadder
 from engine.models.interface import CausalLM
 from engine.sampler import SampledTokens, record_prompt_logprobs, sample
 from engine.scheduler import ScheduledStep
@@ -54,6 +55,7 @@ class ModelRunner:
         self.extend_step = extend_step  # compiled prefill/mixed steps; None: eager
         self.extend_graphs = extend_graphs  # their CUDA graphs per token bucket; None: none
         self.prefill_runner = prefill_runner  # the platform's own prefill (HPU prompt buckets); None: none
+        self.logit_rows: LogitRowLadder | None = None  # the platform pads the eager LM head's rows (Engine sets it)
         self.graph_steps = 0
         self.eager_steps = 0
 
@@ -96,6 +98,8 @@ class ModelRunner:
             if not any(step.sample_mask):
                 return None, None
             hidden = hidden[batch.logits_indices]
+        if self.logit_rows is not None:
+            return self.logit_rows.logits(self.model.compute_logits, hidden), batch.decode_rows
         return self.model.compute_logits(hidden), batch.decode_rows
 
     def _extend_batch(self, step: ScheduledStep, message: StepMessage) -> ForwardBatch:

@@ -19,6 +19,7 @@ class CudaPlatform(Platform):
     dist_backend = "nccl"
     # One-row linears through the Triton GEMV where the H200 measured it faster than cuBLAS (backends/cuda/gemv.py).
     one_row_gemv = True
+    pads_logit_rows = True  # measured on the H200 (engine/logit_rows.py); ROCm inherits it, unmeasured there
 
     def is_available(self) -> bool:
         return torch.cuda.is_available() and torch.version.hip is None
