@@ -105,6 +105,8 @@ def run_engine(engine: Engine, requests: list[tuple[list[int], int]], profile_st
         "decode_graph_replay_s": replay_s,
         "decode_steps_over_replay": seconds["decode"] / replay_s if replay_s else None,
         "step_classes": timeline.summary(2.0 * matmul_params(engine)) if timeline is not None else None,
+        # Every launched step in order, (kind, decode rows, prefill tokens, device ms): where the slow ones fall.
+        "steps": [list(step) for step in timeline.steps()] if timeline is not None else None,
         "profile": {"steps": list(profile_steps), "kernels": profiler.kernels} if profiler is not None else None,
     }
 
@@ -191,7 +193,8 @@ def step_classes(steps: list[tuple[str, int, int, float]], flops_per_token: floa
         table.append({"kind": kind, "tokens_up_to": size_class, "steps": len(members),
                       "mean_decode_rows": statistics.mean(d for d, _, _ in members),
                       "mean_prefill_tokens": statistics.mean(e for _, e, _ in members),
-                      "mean_ms": total_ms / len(members), "total_s": total_ms / 1e3,
+                      "mean_ms": total_ms / len(members), "median_ms": statistics.median(ms for _, _, ms in members),
+                      "max_ms": max(ms for _, _, ms in members), "total_s": total_ms / 1e3,
                       "matmul_tflops": tokens * flops_per_token / (total_ms / 1e3) / 1e12 if total_ms else 0.0})
     return table
 
@@ -314,11 +317,12 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
           f"{e['decode_graph_replay_s'] or float('nan'):.1f} s, steps/replays {e['decode_steps_over_replay'] or float('nan'):.2f})",
           flush=True)
     if e["step_classes"]:
-        print(f"{'step':<8}{'tokens <=':>10}{'steps':>7}{'decode rows':>12}{'prefill tok':>12}{'mean ms':>9}{'total s':>9}"
-              f"{'matmul TFLOP/s':>15}")
+        print(f"{'step':<8}{'tokens <=':>10}{'steps':>7}{'decode rows':>12}{'prefill tok':>12}{'mean ms':>9}"
+              f"{'median ms':>10}{'max ms':>9}{'total s':>9}{'matmul TFLOP/s':>15}")
         for row in e["step_classes"]:
             print(f"{row['kind']:<8}{row['tokens_up_to']:>10}{row['steps']:>7}{row['mean_decode_rows']:>12.0f}"
-                  f"{row['mean_prefill_tokens']:>12.0f}{row['mean_ms']:>9.2f}{row['total_s']:>9.2f}{row['matmul_tflops']:>15.0f}")
+                  f"{row['mean_prefill_tokens']:>12.0f}{row['mean_ms']:>9.2f}{row['median_ms']:>10.2f}{row['max_ms']:>9.1f}"
+                  f"{row['total_s']:>9.2f}{row['matmul_tflops']:>15.0f}")
     if e["profile"]:
         print(f"kernels of steps {e['profile']['steps'][0]}..+{e['profile']['steps'][1]} (device ms, launches):")
         for row in e["profile"]["kernels"][:30]:
