@@ -67,7 +67,11 @@ def _attend_tile(
 # Integers that change from step to step are not specialised on (Triton would compile a variant per
 # value class: 1, a multiple of 16, other). Cold, each variant is seconds of JIT in the middle of
 # serving: offline 1,000 requests ran at 7,365-7,725 tok/s on a cold cache and 9,606 on a warm one.
-@triton.jit(do_not_specialize=["num_requests", "window", "stride_pb"])
+# Nor are the metadata pointers' alignments: a mixed step passes views that start after its decode rows
+# (seq_lens[31:] is 4 bytes past a 16-byte boundary), and the first such step JIT-compiled a variant
+# in the middle of the offline run (1.1-1.3 s of one step on the H200). They are read a value at a time.
+@triton.jit(do_not_specialize=["num_requests", "window", "stride_pb"],
+            do_not_specialize_on_alignment=["query_start_ptr", "seq_lens_ptr", "page_table_ptr"])
 def ragged_paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     query_start_ptr, seq_lens_ptr, page_table_ptr,
