@@ -289,7 +289,7 @@ def main() -> None:
 
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
     input_len, output_len = _length_range(args.input_len), _length_range(args.output_len)
-    engine = Engine(engine_config_from_args(args))
+    engine = Engine(engine_config_from_args(args, freeze_gc=args.freeze_gc is not False))  # shutdown() unfreezes
     dtype = engine.config.dtype
     requests = make_requests(args.num_requests, input_len, output_len, engine.model_config.vocab_size, args.seed)  # --seed: the engine's flag
     report: dict[str, Any] = {"torch": torch.__version__, "device": args.device, "model": args.model,

@@ -85,6 +85,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--debug-kv-invariant", action="store_true", help="check the KV pool invariant after every step")
     group.add_argument(
+        "--freeze-gc", action=argparse.BooleanOptionalAction, default=None,
+        help="after start-up, move its Python objects out of the cyclic garbage collector's scans until shutdown, "
+        "as vLLM does (default: on for serve and bench throughput, which hold one engine for the process's life)",
+    )
+    group.add_argument(
         "--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int, default=1, metavar="N",
         help="split the model over N ranks, one process each (NCCL on CUDA, gloo on CPU); docs/tensor_parallel.md",
     )
@@ -125,6 +130,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object):  # n
         overlap_schedule=args.overlap_schedule,
         mixed_steps=args.mixed_steps,
         debug_kv_invariant=args.debug_kv_invariant,
+        freeze_gc=args.freeze_gc,
         tensor_parallel_size=args.tensor_parallel_size,
         dist_timeout_s=args.dist_timeout_s,
         seed=args.seed,

@@ -93,6 +93,10 @@ class EngineConfig:
     # (None: the device's YAML; on for cuda/rocm; off where prefill and decode graphs differ).
     mixed_steps: bool | None = None
     debug_kv_invariant: bool = False  # check the KV pool invariant after every step
+    # Once built, the engine's Python objects (modules, dynamo/inductor's compiled code: ~370k of them) leave
+    # the cyclic GC's generations until shutdown() (engine/gc_freeze.py). For a process that serves one engine:
+    # `engine serve` and `engine bench throughput` turn it on. None: ENGINE_FREEZE_GC=1, else off.
+    freeze_gc: bool | None = None
     # Tensor parallelism: this many ranks, one process each (rank 0 is this process; docs/tensor_parallel.md).
     tensor_parallel_size: int = 1
     # How long a tensor-parallel collective (and start-up) waits for the other ranks before the engine fails
@@ -124,6 +128,8 @@ class EngineConfig:
         mixed_env = os.environ.get("ENGINE_MIXED_STEPS", "")
         if self.mixed_steps is None and mixed_env:
             resolved.mixed_steps = mixed_env not in ("0", "false", "off")
+        if resolved.freeze_gc is None:
+            resolved.freeze_gc = os.environ.get("ENGINE_FREEZE_GC", "0") not in ("0", "false", "off", "")
         if resolved.dtype == "auto":
             max_batch = min(int(resolved.max_num_seqs or 1), int(resolved.max_capture_size or resolved.max_num_seqs or 1))
             resolved.dtype = defaults.get("dtype") or str(platform.default_dtype(max_batch)).replace("torch.", "")

@@ -30,6 +30,7 @@ from engine.kv_cache import KVPool
 from engine.kv_manager import KVCacheManager, PrefixCacheStats
 from engine.layers.attention import Attention, AttentionMetadata, step_context
 from engine.loader import ModelSource, load_model, resolve_model_source
+from engine.gc_freeze import freeze_start_up_objects, unfreeze_gc
 from engine.logit_rows import LogitRowLadder
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput
@@ -170,6 +171,7 @@ class Engine:
             self.tp_ranks.wait_ready()
         if self.config.warmup:
             self._warm_up()
+        self.froze_gc = bool(self.config.freeze_gc) and freeze_start_up_objects() > 0
 
     def _pad_logit_rows(self) -> None:
         """Where the platform asks (engine/logit_rows.py): the eager LM head's rows padded to the decode capture
@@ -209,9 +211,13 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop a tensor-parallel engine's worker ranks and leave its process group (also done at exit and
-        on SIGTERM); idempotent, and nothing to do at world size 1. The engine cannot step afterwards."""
+        on SIGTERM), and unfreeze the garbage collector if this engine froze it (freeze_gc), so that a
+        `del` of the engine frees its memory; idempotent. The engine cannot step afterwards."""
         if self.tp_ranks is not None:
             self.tp_ranks.shutdown()
+        if getattr(self, "froze_gc", False):
+            unfreeze_gc()
+            self.froze_gc = False
 
     def _warm_up(self) -> None:
         """One short request through the real step path (prefill, decode, sampling, detokenizing).

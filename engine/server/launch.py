@@ -85,7 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.torch_threads is not None and args.torch_threads < 1:
         raise ValueError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     start = time.perf_counter()
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args, freeze_gc=args.freeze_gc is not False)  # one engine for the server's life
     use_process = args.engine_process
     if use_process is None:
         from backends import get_platform
