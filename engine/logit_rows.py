@@ -25,9 +25,14 @@ class LogitRowLadder:
     """Row counts the LM head runs at; a step's sampled rows are padded with zero rows up to the next one."""
 
     def __init__(self, sizes: Sequence[int], max_rows: int) -> None:
+        """sizes: the decode capture sizes; max_rows: max_num_seqs. Past the largest size below max_rows the
+        ladder goes on in steps of its last gap (512 + 64k up to 1,024 running requests), not one jump."""
         if max_rows < 1:
             raise ValueError(f"max_rows must be positive, got {max_rows}")
-        self.sizes = sorted({int(s) for s in sizes if 0 < int(s) < max_rows} | {int(max_rows)})
+        below = sorted({int(s) for s in sizes if 0 < int(s) < max_rows})
+        step = below[-1] - below[-2] if len(below) >= 2 else max(below[-1] if below else max_rows, 1)
+        above = range(below[-1] + step, max_rows, step) if below else range(0)
+        self.sizes = below + list(above) + [int(max_rows)]
 
     def padded_rows(self, rows: int) -> int:
         """The ladder's size for `rows` rows; past the top (prompt logprobs' slices), `rows` itself."""

@@ -31,6 +31,10 @@ def test_ladder_pads_to_the_next_size_and_keeps_rows_past_the_top() -> None:
     hidden = torch.randn(5, 3)
     out = ladder.logits(head, hidden)
     assert seen == [8] and torch.equal(out, hidden * 2 + 1)
+    # Past the capture sizes the ladder goes on in the last gap's steps, not one jump to max_rows.
+    assert LogitRowLadder([1, 2, 4, 8, 16, 24, 32], max_rows=64).sizes == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert LogitRowLadder([4], max_rows=10).sizes == [4, 8, 10]
+    assert LogitRowLadder([], max_rows=3).sizes == [3]
     with pytest.raises(ValueError):
         LogitRowLadder([1, 2], max_rows=0)
 
