@@ -23,25 +23,34 @@ KV_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3
 
 
 def _with_capture_config(defaults: dict[str, Any], path: str, device: str, model: str | None) -> dict[str, Any]:
-    """The device YAML with a tuned file's sizes over it (its device sections merged key by key)."""
+    """The device YAML with a tuned file's sizes over it (its device sections merged key by key): decode
+    capture sizes (`engine tune-capture`) and/or extend-graph token buckets (`engine tune-capture --extend`)."""
     try:
         tuned = load_yaml_config(path)
     except OSError as exc:
         raise EngineError(f"--capture-config {path}: {exc.strerror or exc}") from exc
-    if not parse_sizes(tuned.get("capture_sizes")):
-        raise EngineError(f"--capture-config {path}: no capture_sizes in it")
+    has_decode = bool(parse_sizes(tuned.get("capture_sizes")))
+    if not has_decode and "extend_capture_tokens" not in tuned:
+        raise EngineError(f"--capture-config {path}: no capture_sizes or extend_capture_tokens in it")
     made_for = tuned.get("tuned_for") or {}
     if made_for.get("device") not in (None, device):
         logger.warning("%s was tuned on %s; this engine runs on %s", path, made_for["device"], device)
     if made_for.get("model") and model and os.path.basename(os.path.normpath(model)) not in str(made_for["model"]):
         logger.warning("%s was tuned for %s; this engine loads %s", path, made_for["model"], model)
     merged = dict(defaults)
-    merged["capture_sizes"] = tuned["capture_sizes"]
-    merged["max_capture_size"] = tuned.get("max_capture_size") or max(parse_sizes(tuned["capture_sizes"]) or [1])
+    if has_decode:
+        merged["capture_sizes"] = tuned["capture_sizes"]
+        merged["max_capture_size"] = tuned.get("max_capture_size") or max(parse_sizes(tuned["capture_sizes"]) or [1])
+        logger.info("capture sizes from %s: %s", path, merged["capture_sizes"])
+    if "extend_capture_tokens" in tuned:
+        # The buckets were measured over the extend step the file names (compiled or eager): that step too.
+        merged["extend_capture_tokens"] = tuned["extend_capture_tokens"] or []
+        if "compile_extend" in tuned:
+            merged["compile_extend"] = bool(tuned["compile_extend"])
+        logger.info("extend-graph token buckets from %s: %s", path, merged["extend_capture_tokens"] or "none")
     for section in ("hpu", "npu"):
         if isinstance(tuned.get(section), dict):
             merged[section] = {**(defaults.get(section) or {}), **tuned[section]}
-    logger.info("capture sizes from %s: %s", path, merged["capture_sizes"])
     return merged
 
 

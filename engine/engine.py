@@ -28,7 +28,7 @@ from engine.errors import (
 )
 from engine.kv_cache import KVPool
 from engine.kv_manager import KVCacheManager, PrefixCacheStats
-from engine.layers.attention import Attention, AttentionMetadata, step_context
+from engine.layers.attention import Attention
 from engine.loader import ModelSource, load_model, resolve_model_source
 from engine.gc_freeze import freeze_start_up_objects, unfreeze_gc
 from engine.logit_rows import LogitRowLadder
@@ -395,17 +395,12 @@ class Engine:
         # No bucket above what one step can hold (the prompt-token budget, plus the decodes of a mixed step).
         step_tokens = self.scheduler.max_step_tokens()
         buckets = sorted({min(b, step_tokens) for b in buckets})
-        from graphs.extend_graph_runner import ExtendGraphRunner
+        from graphs.extend_graph_runner import ExtendGraphRunner, eager_extend_step
 
-        model, caches = self.model, self.kv_pool.caches
-
-        def eager_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-            with step_context(model.attention_backend, meta):
-                return model(input_ids, positions, caches, meta)
-
+        step = extend_step if extend_step is not None else eager_extend_step(self.model, self.kv_pool.caches)
         runner = ExtendGraphRunner(
-            extend_step if extend_step is not None else eager_step, buckets, int(self.config.max_num_seqs), max_pages,
-            self.kv_pool.page_size, self.device, self.platform.slot_index_dtype,
+            step, buckets, int(self.config.max_num_seqs), max_pages, self.kv_pool.page_size, self.device,
+            self.platform.slot_index_dtype,
         )
         runner.capture(pool=getattr(decode_graphs, "pool", None))
         return runner

@@ -28,10 +28,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from os.path import commonprefix
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
 from engine.kv_manager import KVCacheManager, pages_needed
 from engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 # SGLang's defaults for the decode reserve ratio.
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -43,6 +47,23 @@ MIN_TIMED_EXTEND = 128  # extend steps this long or longer measure the prefill s
 # step also runs the LM head, a log-softmax and a top-k at every position, and builds an entry for
 # each (4.5 ms against 1.15 ms a token for SmolLM2 on a 2-core CPU).
 PROMPT_LOGPROB_TOKEN_WEIGHT = 4.0
+
+
+def max_step_tokens(max_num_seqs: int, max_prefill_tokens: int, chunked_prefill_size: int | None,
+                    mixed_steps: bool) -> int:
+    """The most tokens one step can run: the prompt-token budget (a mixed step's decodes are taken from
+    it, down to MIN_EXTEND_BUDGET left for prefill) or a full decode batch."""
+    chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+    budget = min(max_prefill_tokens, chunk or max_prefill_tokens)
+    if mixed_steps:
+        budget = max(budget, max_num_seqs + MIN_EXTEND_BUDGET)
+    return max(budget, max_num_seqs)
+
+
+def max_step_tokens_for(config: "EngineConfig") -> int:
+    """max_step_tokens of the scheduler a resolved config builds."""
+    return max_step_tokens(int(config.max_num_seqs), int(config.max_prefill_tokens), config.chunked_prefill_size,
+                           bool(config.mixed_steps))
 
 
 @dataclass
@@ -317,12 +338,7 @@ class Scheduler:
         return ScheduledStep(False, requests, lens)
 
     def max_step_tokens(self) -> int:
-        """The most tokens one step can run: the prompt-token budget (a mixed step's decodes are
-        taken from it, down to MIN_EXTEND_BUDGET left for prefill) or a full decode batch."""
-        budget = min(self.max_prefill_tokens, self.chunked_prefill_size or self.max_prefill_tokens)
-        if self.mixed_steps:
-            budget = max(budget, self.max_num_seqs + MIN_EXTEND_BUDGET)
-        return max(budget, self.max_num_seqs)
+        return max_step_tokens(self.max_num_seqs, self.max_prefill_tokens, self.chunked_prefill_size, self.mixed_steps)
 
     def _tokens_to_hold(self, request: Request, n: int) -> int:
         # The step that ends the prompt also needs a slot for the token it samples (fed next step).

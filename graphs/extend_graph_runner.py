@@ -33,13 +33,23 @@ import torch
 from tqdm import tqdm
 
 from engine.forward_batch import ForwardBatch
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import AttentionMetadata, step_context
 from graphs.buckets import smallest_bucket_at_least
 from graphs.cuda_graph_runner import WARMUP_RUNS, free_device_memory, frozen_gc
 
 logger = logging.getLogger(__name__)
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def eager_extend_step(model: torch.nn.Module, kv_caches: list) -> StepFn:
+    """The model's eager forward as a StepFn (what an extend graph captures when compile_extend is off)."""
+
+    def step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        with step_context(model.attention_backend, meta):
+            return model(input_ids, positions, kv_caches, meta)
+
+    return step
 
 
 class ExtendGraphRunner:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from graphs.buckets import cap_sizes, parse_sizes
 from graphs.tune_distribution import SizeDistribution, load_distribution
 from graphs.tune_measure import MEASURABLE_KINDS, MeasureReport, describe_machine
-from graphs.tune_output import header_lines, print_tables, write_json, write_tuned_yaml
+from graphs.tune_output import decode_values, header_lines, print_tables, write_json, write_tuned_yaml
 from graphs.tune_select import Budget, CostModel, Evaluation, SizeCost, candidate_sizes, evaluate, select_sizes
 
 if TYPE_CHECKING:
@@ -92,6 +92,18 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
                        help="hpu: prompt-bucket warm-up seconds (warmup_s_per_prompt_bucket each; default: none)")
     group.add_argument("--hpu-prompt-seq-steps", default="32,64,128,256",
                        help="hpu: prompt_seq_bucket steps to search")
+    group.add_argument("--extend", action="store_true",
+                       help="tune the token-count buckets of extend/mixed-step CUDA graphs (extend_capture_tokens) "
+                       "instead of decode sizes: --distribution and --metrics-url then give tokens per step "
+                       "(engine:extend_step_tokens), --candidates token buckets (graphs/tune_extend.py)")
+    group.add_argument("--prompt-len", type=int, default=512,
+                       help="--extend: a measured step of t tokens is prompts of this many tokens (the last shorter)")
+    group.add_argument("--prefix-lengths", default=None,
+                       help="hpu: cached prefix tokens of the prefill steps that have one (a JSON/CSV file or a spec "
+                       "like '512-2048:0.7,4096:0.3'), to tune hpu.prompt_ctx_bucket; needs ctx_points in --cost-table")
+    group.add_argument("--max-prompt-ctx-buckets", type=int, default=None,
+                       help="hpu: at most this many prefix buckets (default: hpu.max_prompt_ctx_buckets)")
+    group.add_argument("--hpu-ctx-steps", default="1,2,4,8", help="hpu: prompt_ctx_bucket steps (pages) to search")
     group.add_argument("--output", default=None,
                        help="YAML to write (default configs/tuned/<device>-<model>.yaml; an existing device file such "
                        "as configs/cpu.yaml is updated in place)")
@@ -117,7 +129,7 @@ def _platform_for(device: str, cost_table: bool) -> Any:
     return get_platform(device)
 
 
-def _cost_model(report: MeasureReport) -> CostModel:
+def cost_model(report: MeasureReport) -> CostModel:
     costs = [SizeCost(m.size, m.replay_ms, m.memory_mib, m.capture_s) for m in report.sizes]
     return CostModel(costs, report.eager_points, report.fixed_capture_s, report.fixed_memory_mib,
                      report.logits_mib_per_row, shared_pool=report.capture_kind == "cuda_graph")
@@ -194,6 +206,10 @@ def cmd_tune_capture(args: argparse.Namespace) -> int:
     if int(config.tensor_parallel_size) > 1:
         # The tuner replays the engine's runners directly; the other ranks would never see those steps.
         raise ValueError("tune-capture measures one rank; run it with --tensor-parallel-size 1")
+    if args.extend:
+        from graphs.tune_extend import tune_extend
+
+        return tune_extend(args, config, platform)
     max_size = int(config.max_num_seqs)
     defaults = cap_sizes(parse_sizes(config.capture_sizes) or [1], min(int(config.max_capture_size or max_size), max_size))
     distribution = load_distribution(args.distribution, args.metrics_url, max_size, args.api_key)
@@ -233,7 +249,7 @@ def cmd_tune_capture(args: argparse.Namespace) -> int:
                     sorted(eager_sizes - set(candidates)) or "the candidates")
         report = measure_candidates(engine, candidates, sorted(eager_sizes), args.context, args.iters)
         config.dtype = engine.config.dtype  # what the engine ran in (a GGUF on the CPU: float32 blocks)
-    model = _cost_model(report)
+    model = cost_model(report)
     default_eval = evaluate(defaults, distribution, model)
     budget = _budget(args, default_eval, platform.name, config, num_layers)
     tuned = select_sizes(distribution, model, budget)
@@ -254,12 +270,12 @@ def cmd_tune_capture(args: argparse.Namespace) -> int:
                                       seed=args.seed, max_sizes=args.workload_max_sizes)
             workload = [asdict(r) for r in results]
         del runners
-    info = _summary(args, config, platform.name, report, distribution, budget, tuned, default_eval, verified, workload,
-                    candidates)
+    info = run_summary(args, config, platform.name, report, distribution, budget, tuned, default_eval, verified,
+                       workload, candidates)
     output = args.output or os.path.join("configs", "tuned", f"{platform.name}-{_slug(args.model, args.load_format)}.yaml")
     tuned_for = {"model": args.model or "embedded SmolLM2-135M-Instruct", "device": platform.name,
                  "dtype": config.dtype, "page_size": int(config.page_size), "date": info["date"]}
-    write_tuned_yaml(output, tuned.sizes, header_lines(info), tuned_for)
+    write_tuned_yaml(output, decode_values(tuned.sizes), header_lines(info), tuned_for)
     json_path = args.json or os.path.splitext(output)[0] + ".json"
     write_json(json_path, {
         "date": info["date"], "command": info["command"], "machine": report.machine, "tuned_for": tuned_for,
@@ -284,9 +300,10 @@ def cmd_tune_capture(args: argparse.Namespace) -> int:
     return 0
 
 
-def _summary(args: argparse.Namespace, config: "EngineConfig", device: str, report: MeasureReport,
-             distribution: SizeDistribution, budget: Budget, tuned: Evaluation, default: Evaluation,
-             verified: dict[str, Any], workload: list[dict[str, Any]], candidates: list[int]) -> dict[str, Any]:
+def run_summary(args: argparse.Namespace, config: "EngineConfig", device: str, report: MeasureReport,
+                distribution: SizeDistribution, budget: Budget, tuned: Evaluation, default: Evaluation,
+                verified: dict[str, Any], workload: list[dict[str, Any]], candidates: list[int]) -> dict[str, Any]:
+    """What the tuned file's header and the JSON say about a run (shared by the decode and extend tunings)."""
     parts = []
     if budget.memory_mib is not None:
         parts.append(f"graph memory <= {budget.memory_mib:.1f} MiB")

@@ -65,11 +65,12 @@ class SizeDistribution:
             folded[min(size, max_size)] = folded.get(min(size, max_size), 0.0) + p
         return SizeDistribution(folded, f"{self.source} (sizes above {max_size} counted at {max_size})", self.observations)
 
-    def summary(self) -> str:
+    def summary(self, noun: str = "batch") -> str:
+        """noun: what a size counts ("batch" for decode rows, "tokens" for extend steps)."""
         top = sorted(self.weights.items(), key=lambda kv: -kv[1])[:3]
         modes = ", ".join(f"{s} ({100 * p:.0f}%)" for s, p in top)
         counted = f"{self.observations:.0f} steps, " if self.observations else ""
-        return f"{self.source}: {counted}mean batch {self.mean:.1f}, max {self.max_size}, most frequent {modes}"
+        return f"{self.source}: {counted}mean {noun} {self.mean:.1f}, max {self.max_size}, most frequent {modes}"
 
 
 def default_distribution(max_size: int) -> SizeDistribution:
@@ -136,11 +137,11 @@ def _accumulate(pairs: Iterable[tuple[int, float]]) -> dict[int, float]:
     return counts
 
 
-def load_distribution_file(path: str) -> SizeDistribution:
+def load_distribution_file(path: str, histogram: str = DECODE_HISTOGRAM) -> SizeDistribution:
     with open(path, encoding="utf-8") as handle:
         text = handle.read()
-    if path.endswith(".prom") or DECODE_HISTOGRAM + "_bucket" in text:
-        return from_prometheus_text(text, source=path)
+    if path.endswith(".prom") or histogram + "_bucket" in text:
+        return from_prometheus_text(text, source=path, name=histogram)
     if path.endswith(".json"):
         counts = _counts_from_json(json.loads(text), path)
     else:
@@ -214,16 +215,18 @@ def fetch_metrics(url: str, api_key: str | None = None, timeout: float = 10.0) -
 
 
 def load_distribution(
-    distribution: str | None, metrics_url: str | None, max_size: int, api_key: str | None = None
+    distribution: str | None, metrics_url: str | None, max_size: int, api_key: str | None = None,
+    histogram: str = DECODE_HISTOGRAM,
 ) -> SizeDistribution:
     """The tuner's distribution: --distribution (a file, or a spec like '33-40:0.6,70:0.4'), --metrics-url,
-    or the log-uniform default over 1..max_size; always folded to at most max_size."""
+    or the log-uniform default over 1..max_size; always folded to at most max_size. `histogram`: the /metrics
+    histogram read (decode batch sizes, or TOKENS_HISTOGRAM: tokens per extend or mixed step)."""
     if distribution and metrics_url:
         raise ValueError("give --distribution or --metrics-url, not both")
     if metrics_url:
-        found = from_prometheus_text(fetch_metrics(metrics_url, api_key), source=metrics_url)
+        found = from_prometheus_text(fetch_metrics(metrics_url, api_key), source=metrics_url, name=histogram)
     elif distribution and os.path.exists(distribution):
-        found = load_distribution_file(distribution)
+        found = load_distribution_file(distribution, histogram)
     elif distribution:
         found = parse_spec(distribution)
     else:

@@ -25,11 +25,11 @@ import os
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
-from backends.hpu.bucketing import BucketRange, HpuBucketConfig, read_bucket_range, resolve_bucket_config
+from backends.hpu.bucketing import BucketRange, HpuBucketConfig, make_buckets, read_bucket_range, resolve_bucket_config
 from graphs.buckets import parse_sizes
 from graphs.tune_buckets import PlaneCost, evaluate_hpu, propose_hpu_buckets, step_distribution
 from graphs.tune_distribution import SizeDistribution
-from graphs.tune_output import write_json, write_tuned_yaml
+from graphs.tune_output import decode_values, write_json, write_tuned_yaml
 from graphs.tune_prompt import (
     PromptCost,
     PromptEvaluation,
@@ -40,6 +40,16 @@ from graphs.tune_prompt import (
     prompt_steps,
     prompt_table,
     propose_prompt_buckets,
+)
+from graphs.tune_prompt_ctx import (
+    CtxCost,
+    CtxEvaluation,
+    CtxProposal,
+    ctx_steps,
+    ctx_table,
+    evaluate_ctx,
+    load_prefix_lengths,
+    propose_ctx_buckets,
 )
 from graphs.tune_select import candidate_sizes
 
@@ -54,6 +64,7 @@ def tune_hpu(args: argparse.Namespace, config: "EngineConfig", distribution: Siz
         table = json.load(handle)["hpu_buckets"]
     # Checked before any work: a table with prompt points too few to fit is one error, not a half-written file.
     prompt_ms = PromptCost.fit(table["prompt_points"]) if "prompt_points" in table else None
+    ctx_ms = CtxCost.fit(table["ctx_points"], int(config.page_size)) if "ctx_points" in table else None
     step_ms = PlaneCost.fit([tuple(p) for p in table["points"]])
     eager_ms = PlaneCost.fit([tuple(p) for p in table["eager_points"]])
     warmup = float(table.get("warmup_s_per_bucket", 0.0))
@@ -96,14 +107,24 @@ def tune_hpu(args: argparse.Namespace, config: "EngineConfig", distribution: Siz
         hpu_keys.update(prompt.chosen.config())
     else:
         header.append("Prompt buckets not tuned: the cost table has no prompt_points.")
+    ctx = None
+    if ctx_ms is not None and args.prefix_lengths:
+        ctx, ctx_header = _tune_ctx(args, config, current, proposal.strategy, ctx_ms, table, prompt)
+        header += ctx_header
+        hpu_keys.update(ctx.chosen.config())
+        if args.max_prompt_ctx_buckets:
+            hpu_keys["max_prompt_ctx_buckets"] = args.max_prompt_ctx_buckets
+    else:
+        header.append("Prefix (ctx) buckets not tuned: " + ("no --prefix-lengths." if ctx_ms is not None else
+                                                            "the cost table has no ctx_points."))
     output = args.output or os.path.join("configs", "tuned", "hpu-buckets.yaml")
-    write_tuned_yaml(output, proposal.batch_buckets, header,
+    write_tuned_yaml(output, decode_values(proposal.batch_buckets), header,
                      {"model": args.model, "device": "hpu", "page_size": page_size, "date": date}, {"hpu": hpu_keys})
     json_path = args.json or os.path.splitext(output)[0] + ".json"
     write_json(json_path, {"date": date, "proposal": proposal.__dict__ | {"block_range": r.__dict__},
                            "current": {"expected_ms": default[0], "padded_rows": default[1], "padded_blocks": default[2],
                                        "buckets": default[3]}, "cost_table": table,
-                           "prompt": _prompt_json(prompt)})
+                           "prompt": _prompt_json(prompt), "prompt_ctx": _ctx_json(ctx)})
     print("\n".join(header))
     print(f"\nwrote {output} and {json_path}")
     return 0
@@ -145,6 +166,62 @@ def _tune_prompt(args: argparse.Namespace, config: "EngineConfig", settings: dic
         f"ENGINE_PROMPT_SEQ_BUCKET_MAX={seq.max}.",
     ]
     return proposal, header
+
+
+def _tune_ctx(args: argparse.Namespace, config: "EngineConfig", current: HpuBucketConfig, strategy: str, cost: CtxCost,
+              table: dict, prompt: PromptProposal | None) -> tuple[CtxProposal, list[str]]:
+    """The context range for --prefix-lengths over the prompt buckets in force (the proposed ones when prompt
+    buckets were tuned too), printed as a table; and header lines."""
+    page, max_model_len = int(config.page_size), int(config.max_model_len)
+    new_tokens = load_prompt_lengths(args.prompt_lengths, _longest_bucketed_prompt(config, current), args.metrics_url,
+                                     args.api_key)
+    prefixes = load_prefix_lengths(args.prefix_lengths, max_model_len - 1)
+    steps = ctx_steps(new_tokens, prefixes, page, max_model_len)
+    pairs = prompt.chosen.pairs if prompt is not None else current.prompt_pairs(max_model_len - 1)
+    bs, seq = sorted({b for b, _ in pairs}), sorted({s for _, s in pairs})
+    limit = args.max_prompt_ctx_buckets or current.max_prompt_ctx_buckets
+    warmup = float(table.get("warmup_s_per_prompt_bucket", 0.0))
+
+    def evaluate(ctx_range: BucketRange | None, ctx: list[int] | None = None) -> CtxEvaluation:
+        ctx = make_buckets(ctx_range, strategy) if ctx is None and ctx_range is not None else ctx or []
+        return evaluate_ctx(ctx_range, ctx, bs, seq, page, max_model_len, current.max_num_batched_tokens, limit, steps,
+                            cost, warmup)
+
+    configured = (config.device_config.get("hpu") or {}).get("prompt_ctx_bucket") or {"min": 1, "step": 4, "max": 0}
+    now_range, _ = read_bucket_range("prompt_ctx", configured, os.environ)
+    now = evaluate(now_range if current.prompt_ctx else None, current.prompt_ctx)
+    proposal = propose_ctx_buckets(steps, now, evaluate, parse_sizes(args.hpu_ctx_steps))
+    print(ctx_table(proposal) + "\n")
+    c, r, cur = proposal.chosen, proposal.chosen.ctx_range, proposal.current
+    assert r is not None
+    now_text = f"{cur.ctx_range.min}/{cur.ctx_range.step}/{cur.ctx_range.max}" if cur.ctx_range else "off"
+    header = [
+        f"Prefix buckets from {len(table['ctx_points'])} measured prefill passes with a prefix (ms = a + b*rows*seq + "
+        f"c*rows*seq^2 + d*rows*seq*ctx_tokens: a={cost.a:.3f}, b={cost.b:.3g}, c={cost.c:.3g}, d={cost.d:.3g}). "
+        f"Prefixed steps: new tokens {describe_lengths(new_tokens)}; cached prefixes {describe_lengths(prefixes)}.",
+        f"Proposed: prompt_ctx {{min: {r.min}, step: {r.step}, max: {r.max}}} pages ({strategy}) = {c.buckets} prefix "
+        f"buckets (at most {limit}); expected {c.expected_ms:.3f} ms and {c.padded_tokens:.1f} padded tokens per "
+        f"prefixed step.",
+        f"Current: prompt_ctx {now_text} = {cur.buckets} prefix buckets; "
+        + (f"expected {cur.expected_ms:.3f} ms and {cur.padded_tokens:.1f} padded tokens per prefixed step." if cur.covers
+           else "some prefixed steps fit no bucket and would run unpadded (a new graph per shape)."),
+        f"The range reaches the HPU prefill runner through configs/hpu.yaml or ENGINE_PROMPT_CTX_BUCKET_MIN={r.min} "
+        f"ENGINE_PROMPT_CTX_BUCKET_STEP={r.step} ENGINE_PROMPT_CTX_BUCKET_MAX={r.max}.",
+    ]
+    return proposal, header
+
+
+def _ctx_json(proposal: CtxProposal | None) -> dict | None:
+    if proposal is None:
+        return None
+
+    def one(e: CtxEvaluation) -> dict:
+        return {"prompt_ctx_bucket": e.ctx_range.__dict__ if e.ctx_range else None, "buckets": e.buckets,
+                "expected_ms": e.expected_ms, "padded_tokens": e.padded_tokens, "warmup_s": e.warmup_s,
+                "covers": e.covers}
+
+    return {"chosen": one(proposal.chosen), "current": one(proposal.current),
+            "candidates": [one(e) for e in proposal.candidates]}
 
 
 def _longest_bucketed_prompt(config: "EngineConfig", current: HpuBucketConfig) -> int:

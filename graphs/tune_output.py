@@ -22,14 +22,17 @@ from graphs.tune_select import Evaluation
 
 BEGIN = "# --- tune-capture begin (engine tune-capture rewrites this block) ---"
 END = "# --- tune-capture end ---"
-TUNED_KEYS = ("capture_sizes", "max_capture_size")
+EXTEND_BEGIN = "# --- tune-capture extend begin (engine tune-capture --extend rewrites this block) ---"
+EXTEND_END = "# --- tune-capture extend end ---"
 
 
-def describe(evaluation: Evaluation) -> str:
-    eager = f", {100 * evaluation.eager_fraction:.1f}% of steps eager" if evaluation.eager_fraction else ""
+def describe(evaluation: Evaluation, unit: str = "rows", uncaptured: str = "eager") -> str:
+    """One line of an evaluation; unit: what a step pads (decode rows, extend tokens), uncaptured: what a
+    step past the largest graph runs as."""
+    eager = f", {100 * evaluation.eager_fraction:.1f}% of steps {uncaptured}" if evaluation.eager_fraction else ""
     estimated = f"; interpolated costs for {list(evaluation.interpolated)}" if evaluation.interpolated else ""
     return (f"{evaluation.expected_ms:.3f} ms/step (padding {evaluation.padding_ms:.3f} ms, {evaluation.padding_rows:.2f} "
-            f"rows/step = {100 * evaluation.padded_fraction:.1f}% of replayed rows{eager}); {evaluation.graphs} graphs, "
+            f"{unit}/step = {100 * evaluation.padded_fraction:.1f}% of replayed {unit}{eager}); {evaluation.graphs} graphs, "
             f"~{evaluation.memory_mib:.0f} MiB, ~{evaluation.capture_s:.1f} s capture{estimated}")
 
 
@@ -71,18 +74,29 @@ def _comment(lines: Sequence[str], width: int = 118) -> list[str]:
     return out
 
 
-def tuned_block(sizes: Sequence[int], header: Sequence[str], extra: dict[str, Any] | None = None) -> list[str]:
-    block = [BEGIN, *_comment(header), f"capture_sizes: [{', '.join(str(s) for s in sizes)}]",
-             f"max_capture_size: {max(sizes)}"]
-    if extra:
-        block += yaml.safe_dump(extra, sort_keys=False, default_flow_style=None).rstrip("\n").splitlines()
-    return block + [END]
+def _markers(kind: str) -> tuple[str, str]:
+    return (BEGIN, END) if kind == "decode" else (EXTEND_BEGIN, EXTEND_END)
 
 
-def write_tuned_yaml(path: str, sizes: Sequence[int], header: Sequence[str], tuned_for: dict[str, Any],
-                     extra: dict[str, Any] | None = None) -> str:
-    """Write the tuned sizes to `path`: in place into an existing YAML (only the tuner's block and the two
-    keys change), or as a new file. Returns the text written; raises if the result would not load back."""
+def tuned_block(values: dict[str, Any], header: Sequence[str], extra: dict[str, Any] | None = None,
+                kind: str = "decode") -> list[str]:
+    begin, end = _markers(kind)
+    block = [begin, *_comment(header)]
+    block += yaml.safe_dump({**values, **(extra or {})}, sort_keys=False, default_flow_style=None).rstrip("\n").splitlines()
+    return block + [end]
+
+
+def decode_values(sizes: Sequence[int]) -> dict[str, Any]:
+    """The keys a decode tuning writes: the sizes and the largest (EngineConfig.resolve reads both)."""
+    return {"capture_sizes": sorted(int(s) for s in sizes), "max_capture_size": int(max(sizes))}
+
+
+def write_tuned_yaml(path: str, values: dict[str, Any], header: Sequence[str], tuned_for: dict[str, Any],
+                     extra: dict[str, Any] | None = None, kind: str = "decode") -> str:
+    """Write the tuned keys (`values`) to `path`: in place into an existing YAML (only this kind's block and
+    those keys change, so a decode and an extend tuning live side by side), or as a new file. Returns the
+    text written; raises if the result would not load back with those values."""
+    begin, end = _markers(kind)
     if os.path.exists(path):
         with open(path, encoding="utf-8") as handle:
             old = handle.read().splitlines()
@@ -90,24 +104,24 @@ def write_tuned_yaml(path: str, sizes: Sequence[int], header: Sequence[str], tun
         kept: list[str] = []
         insert_at = None
         for line in old:
-            if line.strip() == BEGIN:
+            if line.strip() == begin:
                 in_block, insert_at = True, len(kept) if insert_at is None else insert_at
                 continue
             if in_block:
-                in_block = line.strip() != END
+                in_block = line.strip() != end
                 continue
-            if re.match(rf"^({'|'.join(TUNED_KEYS)}):", line):
+            if re.match(rf"^({'|'.join(values)}):", line):
                 insert_at = len(kept) if insert_at is None else insert_at
                 continue
             kept.append(line)
         at = len(kept) if insert_at is None else insert_at
-        lines = kept[:at] + tuned_block(sizes, header, extra) + kept[at:]
+        lines = kept[:at] + tuned_block(values, header, extra, kind) + kept[at:]
     else:
-        lines = tuned_block(sizes, header, {"tuned_for": tuned_for, **(extra or {})})
+        lines = tuned_block(values, header, {"tuned_for": tuned_for, **(extra or {})}, kind)
     text = "\n".join(lines) + "\n"
     loaded = yaml.safe_load(text) or {}
-    if [int(s) for s in loaded.get("capture_sizes") or []] != sorted(sizes) or loaded.get("max_capture_size") != max(sizes):
-        raise ValueError(f"{path}: the tuned file would not load back as capture_sizes {sorted(sizes)}")
+    if any(loaded.get(key) != value for key, value in values.items()):
+        raise ValueError(f"{path}: the tuned file would not load back as {values}")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(text)
@@ -121,15 +135,20 @@ def write_json(path: str, report: dict[str, Any]) -> None:
 
 
 def print_tables(measured: Sequence[dict[str, Any]], probability: dict[int, float], tuned: Evaluation,
-                 default: Evaluation, others: Sequence[tuple[str, Evaluation]] = ()) -> None:
-    """Per candidate: its figures, the share of steps it would serve, and whether tuned/default capture it."""
+                 default: Evaluation, others: Sequence[tuple[str, Evaluation]] = (),
+                 size_label: str = "size", uncaptured: str = "eager", default_label: str = "default",
+                 unit: str = "rows") -> None:
+    """Per candidate: its figures, the share of steps it would serve, and whether tuned/default capture it.
+    The labels say what a size is, what a step past the largest graph runs as, what the baseline set is
+    called and what padding counts (decode sizes by default)."""
+    eager_label = f"{uncaptured} ms"
     served: dict[int, float] = {}
     for batch, p in probability.items():
         size = next((s for s in tuned.sizes if s >= batch), None)
         if size is not None:
             served[size] = served.get(size, 0.0) + p
-    head = (f"{'size':>6} {'eager ms':>10} {'replay ms':>10} {'x eager':>8} {'capture s':>10} {'memory MiB':>11} "
-            f"{'p(b<=size)':>11} {'served':>7} {'tuned':>6} {'default':>8}")
+    head = (f"{size_label:>6} {eager_label:>13} {'replay ms':>10} {'speedup':>8} {'capture s':>10} {'memory MiB':>11} "
+            f"{'p(<=size)':>11} {'served':>7} {'tuned':>6} {default_label:>8}")
     print(head + "\n" + "-" * len(head))
     cumulative = 0.0
     sizes = sorted(m["size"] for m in measured)
@@ -138,16 +157,16 @@ def print_tables(measured: Sequence[dict[str, Any]], probability: dict[int, floa
         previous = sizes[sizes.index(size) - 1] if sizes.index(size) else 0
         cumulative += sum(p for b, p in probability.items() if previous < b <= size)
         speedup = row["eager_ms"] / row["replay_ms"] if row["replay_ms"] else float("nan")
-        print(f"{size:>6} {row['eager_ms']:>10.3f} {row['replay_ms']:>10.3f} {speedup:>8.2f} {row['capture_s']:>10.2f} "
+        print(f"{size:>6} {row['eager_ms']:>13.3f} {row['replay_ms']:>10.3f} {speedup:>8.2f} {row['capture_s']:>10.2f} "
               f"{row['memory_mib']:>11.1f} {cumulative:>11.3f} {100 * served.get(size, 0.0):>6.1f}% "
               f"{'x' if size in tuned.sizes else '':>6} {'x' if size in default.sizes else '':>8}")
     print()
-    rows = [("tuned", tuned), ("default", default), *others]
-    head = (f"{'set':<10} {'ms/step':>9} {'padding ms':>11} {'pad rows':>9} {'pad %':>7} {'eager %':>8} {'graphs':>7} "
+    rows = [("tuned", tuned), (default_label, default), *others]
+    head = (f"{'set':<10} {'ms/step':>9} {'padding ms':>11} {'pad ' + unit:>10} {'pad %':>7} {uncaptured[:6] + ' %':>8} {'graphs':>7} "
             f"{'MiB':>8} {'capture s':>10}  sizes")
     print(head + "\n" + "-" * len(head))
     for name, e in rows:
         note = " (interpolated: " + ",".join(map(str, e.interpolated)) + ")" if e.interpolated else ""
-        print(f"{name:<10} {e.expected_ms:>9.3f} {e.padding_ms:>11.3f} {e.padding_rows:>9.2f} {100 * e.padded_fraction:>6.1f}% "
+        print(f"{name:<10} {e.expected_ms:>9.3f} {e.padding_ms:>11.3f} {e.padding_rows:>10.2f} {100 * e.padded_fraction:>6.1f}% "
               f"{100 * e.eager_fraction:>7.1f}% {e.graphs:>7} {e.memory_mib:>8.1f} {e.capture_s:>10.2f}  "
               f"{list(e.sizes)}{note}")

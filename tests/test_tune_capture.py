@@ -31,7 +31,7 @@ from graphs.tune_distribution import (
     load_distribution_file,
     parse_spec,
 )
-from graphs.tune_output import BEGIN, END, write_tuned_yaml
+from graphs.tune_output import BEGIN, END, decode_values, write_tuned_yaml
 from graphs.tune_select import Budget, CostModel, SizeCost, evaluate, select_sizes
 
 CUDA_LIKE_DEFAULTS = [1, 2, 4, 8, 16, 24, 32, 48, 64]
@@ -463,8 +463,8 @@ def test_write_into_a_device_yaml_changes_only_the_tuned_block(tmp_path: pytest.
     shutil.copy(os.path.join(REPO_ROOT, "configs", "cpu.yaml"), path)
     with open(path, encoding="utf-8") as handle:
         original = yaml.safe_load(handle)
-    write_tuned_yaml(path, [1, 3, 6], ["first run"], {"device": "cpu"})
-    write_tuned_yaml(path, [1, 2, 5, 9], ["second run", "a longer header line " * 10], {"device": "cpu"})
+    write_tuned_yaml(path, decode_values([1, 3, 6]), ["first run"], {"device": "cpu"})
+    write_tuned_yaml(path, decode_values([1, 2, 5, 9]), ["second run", "a longer header line " * 10], {"device": "cpu"})
     with open(path, encoding="utf-8") as handle:
         text = handle.read()
     loaded = yaml.safe_load(text)
@@ -499,10 +499,10 @@ def test_tune_capture_end_to_end_writes_sizes_the_engine_captures(tmp_path: pyte
     assert [m["size"] for m in measured] == [1, 2]
     assert all(m["replay_ms"] > 0 and m["eager_ms"] > 0 and m["capture_s"] > 0 for m in measured)
     assert set(report["measurements"]["eager_points"]) == {"1", "2", "3"}
-    from graphs.tune import _cost_model
+    from graphs.tune import cost_model
     from graphs.tune_measure import MeasureReport
 
-    model = _cost_model(MeasureReport.from_dict(report["measurements"]))
+    model = cost_model(MeasureReport.from_dict(report["measurements"]))
     dist = parse_spec("1:0.6,2:0.3,3:0.1")
     best = min((evaluate(s, dist, model) for s in ([1], [2], [1, 2])), key=lambda e: e.expected_ms)
     assert report["tuned"]["expected_ms"] == pytest.approx(best.expected_ms)
