@@ -217,7 +217,7 @@ def _header(info: dict[str, Any], tuned: Evaluation, default: Evaluation) -> lis
     lines = [
         f"Extend-graph token buckets tuned by `engine tune-capture --extend` on {info['date']} for {info['model']} "
         f"({info['dtype']}, page size {info['page_size']}) on {info['device']}: {info['machine']}.",
-        f"Measured at candidate buckets {info['candidates']}: {step} unbucketed, graph replay (median of "
+        f"{info['source']} at candidate buckets {info['candidates']}: {step} unbucketed, graph replay (median of "
         f"{info['iters']} back-to-back steps over prompts of {info['prompt_len']} tokens), capture seconds and graph "
         "memory (free device memory before/after, each bucket in a pool of its own).",
         f"Distribution of tokens per extend/mixed step: {info['distribution']}.",
@@ -272,7 +272,8 @@ def tune_extend(args: argparse.Namespace, config: "EngineConfig", platform: Any)
     verified = _verify(engine, compiled, {"tuned": list(tuned.sizes), "current": defaults}) \
         if engine is not None and args.verify else {}
     info = run_summary(args, config, platform.name, report, distribution, budget, tuned, default_eval, verified, [], candidates)
-    info.update(compiled=compiled, prompt_len=report.context, distribution=distribution.summary("tokens"))
+    info.update(compiled=compiled, prompt_len=report.context, distribution=distribution.summary("tokens"),
+                source=f"Figures from the cost table {args.cost_table}, measured" if args.cost_table else "Measured")
     output = args.output or os.path.join("configs", "tuned", f"{platform.name}-extend.yaml")
     tuned_for = {"model": args.model or "embedded SmolLM2-135M-Instruct", "device": platform.name,
                  "dtype": config.dtype, "page_size": int(config.page_size), "date": info["date"]}
