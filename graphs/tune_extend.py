@@ -120,15 +120,15 @@ def _runner(engine: "Engine", step: "StepFn", buckets: Sequence[int]) -> Any:
 
 
 def _release(runner: Any) -> None:
-    """A measured runner's graphs and pool go before the next one is captured."""
+    """A measured runner's graphs and their outputs go, and the pool's memory returns to the device, before
+    the next one is captured (its static buffers go with the caller's last reference)."""
     runner.graphs.clear()
     runner.outputs.clear()
-    del runner
     gc.collect()
     torch.cuda.empty_cache()
 
 
-def measure_extend_buckets(engine: "Engine", candidates: Sequence[int], probe_tokens: Sequence[int], compiled: bool,
+def measure_extend_buckets(engine: "Engine", step: "StepFn", candidates: Sequence[int], probe_tokens: Sequence[int],
                            prompt_len: int, iters: int) -> MeasureReport:
     """Unbucketed step, capture seconds, graph memory and replay for each candidate (module docstring)."""
     if engine.platform.capture_settings().kind != "cuda_graph":
@@ -138,7 +138,6 @@ def measure_extend_buckets(engine: "Engine", candidates: Sequence[int], probe_to
     sync = engine.platform.synchronize
     buckets = sorted(set(int(c) for c in candidates))
     probes = sorted(set(int(t) for t in probe_tokens) | set(buckets))
-    step = extend_step_fn(engine, compiled)
     bar = tqdm(total=len(probes) + 2 * len(buckets), desc="tune-capture --extend", unit="step")
     unbucketed: dict[int, float] = {}
     with torch.no_grad():
@@ -182,10 +181,10 @@ def _measurement_engine(args: argparse.Namespace, max_tokens: int, prompt_len: i
     return Engine(config)
 
 
-def _verify(engine: "Engine", compiled: bool, sets: dict[str, list[int]]) -> dict[str, dict[str, float]]:
-    """Each non-empty set captured as the engine captures it (one runner, one pool): real seconds and memory."""
+def _verify(engine: "Engine", step: "StepFn", sets: dict[str, list[int]]) -> dict[str, dict[str, float]]:
+    """Each non-empty set captured as the engine captures it (one runner, one pool): real seconds and memory.
+    `step` is the measured one, already compiled."""
     figures = {}
-    step = extend_step_fn(engine, compiled)
     for name, buckets in sets.items():
         if not buckets:
             continue
@@ -247,7 +246,7 @@ def tune_extend(args: argparse.Namespace, config: "EngineConfig", platform: Any)
     compiled = bool(config.compile_extend)
     logger.info("extend buckets now %s (a step holds at most %d tokens); distribution %s",
                 defaults or "none", max_tokens, distribution.summary("tokens"))
-    engine = None
+    engine = step = None
     if args.cost_table:
         with open(args.cost_table, encoding="utf-8") as handle:
             saved = json.load(handle)
@@ -262,15 +261,16 @@ def tune_extend(args: argparse.Namespace, config: "EngineConfig", platform: Any)
         engine = _measurement_engine(args, max(max(candidates), distribution.max_size), args.prompt_len)
         logger.info("measuring %d candidate token buckets %s over %s", len(candidates), candidates,
                     "compiled extend steps" if compiled else "eager extend steps")
-        report = measure_extend_buckets(engine, candidates, [distribution.max_size], compiled, args.prompt_len, args.iters)
+        step = extend_step_fn(engine, compiled)
+        report = measure_extend_buckets(engine, step, candidates, [distribution.max_size], args.prompt_len, args.iters)
         config.dtype = engine.config.dtype
     model = cost_model(report)
     default_eval = evaluate(defaults, distribution, model)
     budget = _budget(args, default_eval)
     tuned = select_sizes(distribution, model, budget)
     unbucketed = evaluate([], distribution, model)
-    verified = _verify(engine, compiled, {"tuned": list(tuned.sizes), "current": defaults}) \
-        if engine is not None and args.verify else {}
+    verified = _verify(engine, step, {"tuned": list(tuned.sizes), "current": defaults}) \
+        if engine is not None and step is not None and args.verify else {}
     info = run_summary(args, config, platform.name, report, distribution, budget, tuned, default_eval, verified, [], candidates)
     info.update(compiled=compiled, prompt_len=report.context, distribution=distribution.summary("tokens"),
                 source=f"Figures from the cost table {args.cost_table}, measured" if args.cost_table else "Measured")

@@ -182,14 +182,17 @@ def _tune_ctx(args: argparse.Namespace, config: "EngineConfig", current: HpuBuck
     limit = args.max_prompt_ctx_buckets or current.max_prompt_ctx_buckets
     warmup = float(table.get("warmup_s_per_prompt_bucket", 0.0))
 
-    def evaluate(ctx_range: BucketRange | None, ctx: list[int] | None = None) -> CtxEvaluation:
-        ctx = make_buckets(ctx_range, strategy) if ctx is None and ctx_range is not None else ctx or []
-        return evaluate_ctx(ctx_range, ctx, bs, seq, page, max_model_len, current.max_num_batched_tokens, limit, steps,
+    def evaluate_buckets(label: BucketRange | None, ctx: list[int]) -> CtxEvaluation:
+        return evaluate_ctx(label, ctx, bs, seq, page, max_model_len, current.max_num_batched_tokens, limit, steps,
                             cost, warmup)
 
+    def evaluate(ctx_range: BucketRange) -> CtxEvaluation:
+        return evaluate_buckets(ctx_range, make_buckets(ctx_range, strategy))
+
+    # The buckets in force are the engine's own list (config and environment); the range only labels them.
     configured = (config.device_config.get("hpu") or {}).get("prompt_ctx_bucket") or {"min": 1, "step": 4, "max": 0}
     now_range, _ = read_bucket_range("prompt_ctx", configured, os.environ)
-    now = evaluate(now_range if current.prompt_ctx else None, current.prompt_ctx)
+    now = evaluate_buckets(now_range if current.prompt_ctx else None, current.prompt_ctx)
     proposal = propose_ctx_buckets(steps, now, evaluate, parse_sizes(args.hpu_ctx_steps))
     print(ctx_table(proposal) + "\n")
     c, r, cur = proposal.chosen, proposal.chosen.ctx_range, proposal.current

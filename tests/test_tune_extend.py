@@ -11,7 +11,6 @@ import itertools
 import json
 
 import pytest
-import torch
 import yaml
 
 from engine.config import EngineConfig
@@ -127,8 +126,6 @@ def test_tune_capture_extend_measures_and_the_engine_captures_exactly_its_bucket
     from engine.sampling_params import SamplingParams
     from tests.test_cuda import ENGINE_DEVICE, _tiny_llama
 
-    if not torch.cuda.is_available():
-        pytest.skip("no GPU")
     model = _tiny_llama(tmp_path / "model")
     output = str(tmp_path / "extend.yaml")
     common = ["--model", model, "--device", ENGINE_DEVICE, "--dtype", "float32", "--max-num-seqs", "8",
