@@ -142,8 +142,8 @@ class Engine:
             on_row_released=self.decode_state.release_row,
         )
         self.kv_manager.on_release = self.step_builder.release
-        graph_runner = self._graph_runner()
-        extend_step = self._extend_step()
+        extend_step = self._extend_step()  # first: the CUDA decode graphs compile its layer graph for both
+        graph_runner = self._graph_runner(extend_step)
         runner_args = (self.model, self.kv_pool, self.device, self.platform.slot_index_dtype, graph_runner,
                        self.decode_state, extend_step, self._extend_graphs(extend_step, graph_runner, max_pages),
                        self._prefill_runner())
@@ -331,9 +331,10 @@ class Engine:
             return True
         return False
 
-    def graph_runner_options(self) -> dict[str, object]:
+    def graph_runner_options(self, extend_step: "CompiledExtendStep | None" = None) -> dict[str, object]:
         """The platform-specific keyword arguments of this engine's decode graph runner (the tuner builds
-        runners with them too)."""
+        runners with them too). extend_step: the compiled extend step whose layer graph a CUDA runner's
+        compiled decode step shares (one compile for both)."""
         kind = self.platform.capture_settings().kind
         if self.platform.name == "hpu":
             # HPU's own default (hpu.strict / ENGINE_HPU_STRICT, on) holds in every graph mode; --strict-graphs forces it.
@@ -342,15 +343,16 @@ class Engine:
             return {"strict": self.config.strict_graphs}
         if kind == "cuda_graph":
             return {"compile_step": bool(self.config.compile_decode),
-                    "precompile": self.platform.kernel_precompiler(self.model, self.kv_pool.caches)}
+                    "precompile": self.platform.kernel_precompiler(self.model, self.kv_pool.caches),
+                    "layer_fn": extend_step.layer_fn if extend_step is not None else None}
         return {}
 
-    def _graph_runner(self):  # noqa: ANN202
+    def _graph_runner(self, extend_step: "CompiledExtendStep | None"):  # noqa: ANN202
         if self.config.disable_graphs or self._graphs_unsupported():
             return None
         runner_cls = self.platform.graph_runner_class()
         max_pages = (self.max_model_len + self.kv_pool.page_size - 1) // self.kv_pool.page_size
-        kwargs = self.graph_runner_options()
+        kwargs = self.graph_runner_options(extend_step)
         runner = runner_cls(
             self.model,
             self.kv_pool.caches,

@@ -12,7 +12,8 @@ from __future__ import annotations
 import itertools
 import logging
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 
 from engine.layers.attention import AttentionMetadata, step_context
 from engine.models.interface import CausalLM
+from graphs.opaque_attention import attention_context
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -114,6 +116,21 @@ def private_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
+def compile_piece(fn: Callable[..., Any], backend: str = "inductor", dynamic: bool | None = None,
+                  options: dict[str, Any] | None = None) -> Callable[..., torch.Tensor]:
+    """`fn` torch.compile'd (whole graph) under a private code object: compiled entries of its own."""
+    compile_kwargs: dict[str, Any] = {"dynamic": dynamic, "fullgraph": True, "backend": backend}
+    if options:
+        compile_kwargs["options"] = options
+    return torch.compile(private_copy(fn), **compile_kwargs)
+
+
+def compiled_layer_step(backend: str = "inductor", dynamic: bool | None = None,
+                        options: dict[str, Any] | None = None) -> Callable[..., torch.Tensor]:
+    """One decoder layer's step (every layer of a kind runs the same compiled graph)."""
+    return compile_piece(_layer_step, backend, dynamic, options)
+
+
 class CompiledDecodeStep:
     """model forward + logits for one decode batch, through the compiled pieces."""
 
@@ -126,33 +143,64 @@ class CompiledDecodeStep:
         options: dict[str, Any] | None = None,
         max_entries: int = 8,
         dynamic_batch: bool = False,
+        opaque_attention: bool = False,
+        layer_fn: Callable[..., torch.Tensor] | None = None,
+        compile_head: bool = True,
     ) -> None:
         """dynamic_batch (with dynamic=None): mark the batch dimension dynamic from the first call, so the
         first (largest) capture size compiles the graph every size above 1 shares. Left to dynamo's automatic
         dynamic shapes, the first size compiled a static graph, the second a dynamic one, and size 1 its own:
         three compiles of each piece instead of two. maybe_mark_dynamic: where something in a layer did
-        need a fixed batch, dynamo specialises as before instead of failing."""
+        need a fixed batch, dynamo specialises as before instead of failing.
+        opaque_attention: the layers call attention as engine::step_attention (graphs/opaque_attention.py),
+        so the layer graph takes nothing of the step's metadata and may be shared with the extend step:
+        layer_fn, its compiled layer step (callers of one function must agree on this). compile_head:
+        False runs the final norm and LM head eagerly (`logits`), one compile fewer."""
         self.model = model
         self.kv_caches = kv_caches
         self.dynamic_batch = dynamic_batch and dynamic is None
         self.max_entries = max_entries  # compiled entries per piece this step may hold (one per capture size)
-        compile_kwargs: dict[str, Any] = {"dynamic": dynamic, "fullgraph": True, "backend": backend}
-        if options:
-            compile_kwargs["options"] = options
-        self.layer_fn: Callable[..., torch.Tensor] = torch.compile(private_copy(_layer_step), **compile_kwargs)
-        self.head_fn: Callable[..., torch.Tensor] = torch.compile(private_copy(_head_step), **compile_kwargs)
+        self.opaque_attention = opaque_attention
+        self.layer_fn: Callable[..., torch.Tensor] = layer_fn or compiled_layer_step(backend, dynamic, options)
+        self.head_fn: Callable[..., torch.Tensor] | None = (
+            compile_piece(_head_step, backend, dynamic, options) if compile_head else None)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids, positions, meta))
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The last decoder layer's output for every row."""
         hidden = self.model.embed(input_ids)
+        if self.opaque_attention and positions.storage_offset() != 0:
+            # dynamo guards on a dynamic tensor's storage offset (0 and 1 are specialised): the static
+            # buffers' positions (a row of their staging buffer) would not pass the extend step's guards,
+            # nor its positions these. The copy is one small kernel in a captured graph.
+            positions = positions.clone()
         mark = self.dynamic_batch and input_ids.shape[0] > 1  # size 1 is dynamo's own specialisation anyway
+        # Sharing the extend step's layer graph means marking as it does: dynamo guards on which kind of mark
+        # a tensor carries, and a graph compiled from weak marks would compile again for the extend step.
+        mark_dynamic = torch._dynamo.mark_dynamic if self.opaque_attention else torch._dynamo.maybe_mark_dynamic
         if mark:
-            for tensor in (positions, meta.slot_indices, meta.page_table, meta.seq_lens):
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        with compile_limits(self.max_entries), step_context(self.model.attention_backend, meta):
+            graph_inputs = (positions,) if self.opaque_attention else (positions, meta.slot_indices, meta.page_table,
+                                                                       meta.seq_lens)
+            for tensor in graph_inputs:
+                mark_dynamic(tensor, 0)
+        backend = self.model.attention_backend
+        if self.opaque_attention:
+            meta = replace(meta, opaque_attention=True)
+        with compile_limits(self.max_entries), step_context(backend, meta), \
+                attention_context(backend, meta) if self.opaque_attention else nullcontext():
             for layer, (k_cache, v_cache) in zip(self.model.decoder_layers(), self.kv_caches):
                 if mark:
-                    torch._dynamo.maybe_mark_dynamic(hidden, 0)
+                    mark_dynamic(hidden, 0)
                 hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, meta)
-        if mark:
+        if mark and self.head_fn is not None:
             torch._dynamo.maybe_mark_dynamic(hidden, 0)
-        return self.head_fn(self.model, hidden)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm + LM head: compiled, or eager into `out` when given (compile_head=False)."""
+        if self.head_fn is None:
+            return self.model.compute_logits(hidden, out)
+        logits = self.head_fn(self.model, hidden)
+        return logits if out is None else out.copy_(logits)

@@ -9,8 +9,11 @@ With `compile_step` the captured step is first compiled piecewise by
 torch.compile (graphs/compiled_step.py), which fuses the norms, rotary and
 activations into a few kernels per layer: a graph of 32 layers launches
 ~10 kernels a layer instead of ~45. The batch dimension is marked dynamic from
-the first (largest) size, so all sizes share one compiled layer graph: one
-compile of each piece, where dynamo's automatic dynamic shapes made three.
+the first (largest) size, so all sizes share one compiled layer graph, where
+dynamo's automatic dynamic shapes made three; its attention is the opaque
+engine::step_attention, so the extend step runs the same compiled function
+(`layer_fn`: one compile for both, graphs/opaque_attention.py). The final norm
+and LM head run eagerly inside the graph, into the one logits buffer.
 Batch 1 is captured over two rows, the second a padding row, because dynamo
 specialises size 1 and would compile every piece again (~3 s of a cold
 capture of Llama-3-8B); the linears compute the live row alone through the
@@ -70,15 +73,19 @@ def frozen_gc() -> Iterator[None]:
 
 class CudaGraphRunner(DecodeGraphRunner):
     def __init__(self, *args: Any, compile_step: bool = False, precompile: Callable[[list], Callable[[], None]] | None = None,
-                 **kwargs: Any) -> None:
+                 layer_fn: Callable[..., torch.Tensor] | None = None, **kwargs: Any) -> None:
         """precompile: the platform's kernel_precompiler (its kernels compile in the background while the
-        first size compiles; the function it returns waits for them before the first capture)."""
+        first size compiles; the function it returns waits for them before the first capture).
+        layer_fn: the extend step's compiled layer step, to compile once for both (graphs/opaque_attention.py)."""
         super().__init__(*args, **kwargs)
         self.precompile = precompile
         self.compiled_step: CompiledDecodeStep | None = None
         if compile_step:
+            # The head runs eagerly, writing into the logits buffer: a compile fewer (~0.5 s of a cold capture),
+            # and no float32 logits of the largest size left in the pool (263 MiB at 512 rows of a 128k vocabulary).
             self.compiled_step = CompiledDecodeStep(self.model, self.kv_caches, dynamic=None, max_entries=16,
-                                                    dynamic_batch=True)
+                                                    dynamic_batch=True, opaque_attention=True, layer_fn=layer_fn,
+                                                    compile_head=False)
         # Captured sizes whose graphs read more rows than the size (the rest are padding rows).
         self.padded_graph_rows: dict[int, int] = {}
         if self.compiled_step is not None and self.max_batch_size >= 2 and batch1_in_two_rows(self.model):
@@ -126,7 +133,7 @@ class CudaGraphRunner(DecodeGraphRunner):
                     del warm_logits
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                        self.logits[:bs].copy_(self._captured_step(bs))
+                        self._captured_step(bs, out=self.logits[:bs])
                     self.outputs[bs] = self.logits[:bs]
                     self.graphs[bs] = graph
                     self.hooks.after_capture(self.buffers, bs, graph)
@@ -144,13 +151,16 @@ class CudaGraphRunner(DecodeGraphRunner):
     def graph_rows(self, bs: int) -> int:
         return self.padded_graph_rows.get(bs, bs)
 
-    def _captured_step(self, bs: int) -> torch.Tensor:
+    def _captured_step(self, bs: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The step a graph of `bs` rows captures: its float32 logits, written into `out` when given."""
         if self.compiled_step is None:
-            return self.step_eager(bs)
+            logits = self.step_eager(bs)
+            return logits if out is None else out.copy_(logits)
         buffers, rows = self.buffers, self.graph_rows(bs)
         with only_first_rows_live(bs) if rows > bs else nullcontext():
-            logits = self.compiled_step(buffers.input_ids[:rows], buffers.positions[:rows], self.capture_metadata(rows))
-        return logits[:bs]
+            hidden = self.compiled_step.hidden_states(buffers.input_ids[:rows], buffers.positions[:rows],
+                                                      self.capture_metadata(rows))
+            return self.compiled_step.logits(hidden[:bs], out)
 
     def _replay(self, bs: int) -> torch.Tensor:
         self.hooks.before_replay(self.buffers, bs, self.graphs[bs])

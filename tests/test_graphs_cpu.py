@@ -195,3 +195,41 @@ def test_a_dynamic_batch_compiles_each_piece_twice_not_three_times(tiny_llama: s
     assert compile_count() - before == (4 if dynamic_batch else 6)
     for bs, logits in outputs.items():
         torch.testing.assert_close(logits, outputs[8][:bs])  # the same dummy rows give the same logits
+
+
+def test_decode_with_opaque_attention_shares_the_extend_steps_layer_graph(tiny_llama: str) -> None:
+    """The CUDA runner's compiled decode step (opaque attention, eager head) runs the extend step's compiled
+    layer function: decode sizes 8, 4, 2 compile it once, an extend step of 24 tokens after them compiles
+    nothing, and both give what the uncompiled model gives. Counted with dynamo's eager backend."""
+    from engine.layers.attention import step_context
+    from graphs.compiled_extend import CompiledExtendStep
+    from graphs.compiled_step import CompiledDecodeStep, compile_count
+    from graphs.static_buffers import StaticDecodeBuffers
+    from graphs.tune_extend import prompt_batch
+
+    engine = track(Engine(model=tiny_llama, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256,
+                          warmup=False))
+    extend = CompiledExtendStep(engine.model, engine.kv_pool.caches, backend="eager")
+    decode = CompiledDecodeStep(engine.model, engine.kv_pool.caches, dynamic=None, backend="eager", max_entries=16,
+                                dynamic_batch=True, opaque_attention=True, layer_fn=extend.layer_fn, compile_head=False)
+    reference = CompiledDecodeStep(engine.model, engine.kv_pool.caches, dynamic=None, backend="eager", max_entries=16,
+                                   dynamic_batch=True)
+    buffers = StaticDecodeBuffers.allocate(8, 4, engine.kv_pool.page_size, torch.device("cpu"), torch.int64)
+    buffers.input_ids.copy_(torch.arange(3, 11))
+    sizes = (8, 4, 2)  # largest first, as capture runs
+    with torch.no_grad():
+        expected_logits = {bs: reference(buffers.input_ids[:bs], buffers.positions[:bs], buffers.metadata(bs)) for bs in sizes}
+        before = compile_count()
+        for bs in sizes:
+            out = torch.full((bs, engine.model_config.vocab_size), float("nan"))
+            logits = decode.logits(decode.hidden_states(buffers.input_ids[:bs], buffers.positions[:bs],
+                                                        buffers.metadata(bs)), out)
+            assert logits is out
+            torch.testing.assert_close(out, expected_logits[bs])
+        assert compile_count() - before == 1  # one layer graph; the head ran eagerly
+        batch = prompt_batch(engine, 24, 10)
+        hidden = extend(batch.input_ids, batch.positions, batch.meta)
+        assert compile_count() - before == 1 and extend.compiled
+        with step_context(engine.model.attention_backend, batch.meta):
+            expected = engine.model(batch.input_ids, batch.positions, engine.kv_pool.caches, batch.meta)
+    torch.testing.assert_close(hidden, expected)

@@ -174,7 +174,15 @@ def test_engine_passes_strict_to_hpu_only_when_forced() -> None:
     assert options("cpu", "compile", strict_graphs=False)["strict"] is False
     # CUDA graphs: the platform's kernel precompiler over this engine's model and KV caches.
     assert options("cuda", "cuda_graph", strict_graphs=False) == {"compile_step": False,
-                                                                  "precompile": ("precompiler", "model", "caches")}
+                                                                  "precompile": ("precompiler", "model", "caches"),
+                                                                  "layer_fn": None}
+    # A compiled extend step's layer graph is shared with the CUDA decode graphs (graphs/opaque_attention.py).
+    this_extend_step = types.SimpleNamespace(layer_fn="the extend step's compiled layer")
+    assert Engine.graph_runner_options(types.SimpleNamespace(  # type: ignore[arg-type]
+        config=types.SimpleNamespace(strict_graphs=False, compile_decode=True),
+        platform=types.SimpleNamespace(name="cuda", capture_settings=lambda: types.SimpleNamespace(kind="cuda_graph"),
+                                       kernel_precompiler=lambda model, caches: None),
+        model="model", kv_pool=types.SimpleNamespace(caches="caches")), this_extend_step)["layer_fn"] == this_extend_step.layer_fn
 
 
 def test_lazy_prefill_ends_with_a_mark_step(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -113,3 +113,35 @@ def test_gemv_precompile_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None
         layer.method = GEMV  # the fourth stays dense: not precompiled
     assert precompile_gemv(layers) == 2
     assert sorted(shapes) == [((64, 96), True, 16, 512), ((96, 64), False, 16, 512)]
+
+
+def test_compile_workers_build_each_kernels_launcher_before_handing_it_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor Triton's AsyncCompileMode gets (BackgroundCompiles) runs each compile and then builds that
+    kernel's C launcher in the same worker thread, before the future resolves: the first launch, on the main
+    thread, then only loads it. A launcher that fails to build leaves the compiled kernel usable."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from backends.cuda import triton_build
+
+    built: list[tuple[str, str]] = []
+    monkeypatch.setattr(triton_build, "build_launcher",
+                        lambda kernel: built.append((kernel, threading.current_thread().name)))
+    with ThreadPoolExecutor(2, thread_name_prefix="compile-test") as pool:
+        executor = triton_build._LauncherBuildingExecutor(pool)
+        futures = [executor.submit(lambda name=name: name) for name in ("decode", "ragged")]
+        assert [future.result() for future in futures] == ["decode", "ragged"]
+    assert sorted(kernel for kernel, _ in built) == ["decode", "ragged"]
+    assert all(thread.startswith("compile-test") for _, thread in built)
+    monkeypatch.undo()
+    triton_build.build_launcher(object())  # no driver on this machine (or no such kernel): logged, not raised
+
+
+def test_runtime_warm_up_starts_nothing_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from backends.cuda import triton_build
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_build, "_runtime_warm_up", None)
+    triton_build.start_runtime_warm_up()
+    assert triton_build._runtime_warm_up is None
+    triton_build.wait_for_runtime_warm_up()  # nothing to wait for

@@ -450,18 +450,18 @@ def test_fp8_kv_scale_keeps_values_past_448(page_size: int, scaled: bool) -> Non
         assert stored_k.abs().max() == 448.0  # saturated
 
 
-@pytest.mark.parametrize("path", ["decode", "extend", "compiled_extend_op"])
+@pytest.mark.parametrize("path", ["decode", "extend", "compiled_decode_op", "compiled_extend_op"])
 def test_attention_layer_hands_its_kv_scales_to_the_backend(path: str) -> None:
     """The Attention layer's loaded scales reach the Triton kernels on every path a step takes: the
-    decode op, the eager extend, and engine::extend_attention (the compiled extend step's opaque op).
+    decode op, the eager extend, and engine::step_attention (the compiled steps' opaque op) at decode and extend.
     k/v reach +-2000, so a path that dropped the scales saturates them and fails the comparison."""
     from backends.cuda.triton_attention import TritonAttentionBackend
     from engine.layers.attention import Attention
-    from graphs.compiled_extend import extend_context
+    from graphs.opaque_attention import attention_context
 
     k_scale, v_scale = 8.0, 6.0
     with kernel_mode():
-        if path == "decode":
+        if path in ("decode", "compiled_decode_op"):
             case = decode_case(8, 2, 64, 16, [3, 17, 40], torch.float32)
         else:
             case = ragged_case(8, 2, 64, 16, [9, 1, 20], [0, 12, 5], torch.float32)
@@ -478,15 +478,15 @@ def test_attention_layer_hands_its_kv_scales_to_the_backend(path: str) -> None:
                           case.seq_lens, case.query_lens, case.page_size)
         starts = case.query_start_loc
         meta = AttentionMetadata(
-            is_decode=path == "decode", slot_indices=slots, page_table=case.page_table,
+            is_decode=path in ("decode", "compiled_decode_op"), slot_indices=slots, page_table=case.page_table,
             seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE), page_size=case.page_size,
             query_start_loc=starts, seq_lens_cpu=case.seq_lens,
             query_starts=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-            opaque_extend=path == "compiled_extend_op",
+            opaque_attention=path.startswith("compiled"),
         )
         layer = Attention(8, 2, 64)
         layer.backend = TritonAttentionBackend()
         layer.set_kv_scales(k_scale, v_scale, torch.device(DEVICE))
-        with extend_context(layer.backend, meta):
+        with attention_context(layer.backend, meta):
             got = layer(twin.q, k_new, v_new, (k_cache, v_cache), meta)
     torch.testing.assert_close(got.float().cpu(), twin.reference().cpu(), atol=2e-3, rtol=2e-3)

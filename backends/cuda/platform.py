@@ -66,7 +66,11 @@ class CudaPlatform(Platform):
     def start_compile_workers(self) -> None:
         """Inductor compiles its Triton kernels in a pool of worker processes, which it starts at the first
         compile; until they are up (each imports torch: seconds) the kernels compile one by one in this
-        process. Started here, while the model loads, the pool is ready when the decode step compiles."""
+        process. Started here, while the model loads, the pool is ready when the decode step compiles;
+        so is Triton's runtime, readied in a thread (triton_build.start_runtime_warm_up)."""
+        from backends.cuda.triton_build import start_runtime_warm_up
+
+        start_runtime_warm_up()
         try:
             from torch._inductor.async_compile import maybe_warm_pool
         except ImportError:  # a torch without inductor's pool: it compiles in-process, nothing to start

@@ -13,6 +13,8 @@ import functools
 import importlib
 import logging
 import os
+import threading
+import time
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Iterator
@@ -48,7 +50,69 @@ class KernelHandle:
 @functools.lru_cache(maxsize=None)
 def load_kernel(module_name: str, name: str) -> KernelHandle:
     """The kernel `name` of a module under backends/cuda/kernels/, imported on first use."""
+    wait_for_runtime_warm_up()  # one driver: never two threads creating Triton's at once
     return KernelHandle(getattr(importlib.import_module(module_name), name))
+
+
+_runtime_warm_up: threading.Thread | None = None
+
+
+def start_runtime_warm_up() -> None:
+    """Ready Triton's runtime in a thread while the model loads: its driver, whose C utilities gcc compiles
+    on a cold cache, and the hash of its own sources that every kernel's cache key starts with (~1.3 s
+    together of a cold capture's main thread, on the H200). Idempotent; nothing under the interpreter."""
+    global _runtime_warm_up
+    if _runtime_warm_up is not None or interpreted():
+        return
+
+    def warm_up() -> None:
+        started = time.perf_counter()
+        try:
+            from triton.runtime import driver
+            from triton.runtime.cache import triton_key
+
+            driver.active.get_current_target()
+            triton_key()
+        except Exception as exc:  # noqa: BLE001 - ahead of time only: the first launch does the same and raises there
+            logger.warning("Triton runtime not readied ahead (%s: %s)", type(exc).__name__, exc)
+            return
+        logger.info("Triton runtime ready (driver and cache key) in %.2f s, in the background", time.perf_counter() - started)
+
+    _runtime_warm_up = threading.Thread(target=warm_up, name="triton-runtime-warm-up", daemon=True)
+    _runtime_warm_up.start()
+
+
+def wait_for_runtime_warm_up() -> None:
+    if _runtime_warm_up is not None:
+        _runtime_warm_up.join()
+
+
+def build_launcher(kernel: Any) -> None:
+    """Compile a compiled kernel's C launcher (gcc, ~0.2-0.5 s on a cold cache, one per kernel signature)
+    into Triton's cache. Triton builds it at the kernel's first launch, on the launching thread; built
+    here by a compile worker, that launch only loads it."""
+    try:
+        from triton.runtime import driver
+
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception as exc:  # noqa: BLE001 - ahead of time only: the first launch builds it and raises there
+        logger.debug("launcher of %s not built ahead: %s", getattr(kernel, "name", kernel), exc)
+
+
+def _compile_with_launcher(compile_fn: Any) -> Any:
+    kernel = compile_fn()
+    build_launcher(kernel)
+    return kernel
+
+
+class _LauncherBuildingExecutor:
+    """The executor Triton's AsyncCompileMode submits compiles to: each compile, then its launcher."""
+
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+
+    def submit(self, compile_fn: Any) -> Any:
+        return self.executor.submit(_compile_with_launcher, compile_fn)
 
 
 @contextmanager
@@ -69,8 +133,10 @@ class BackgroundCompiles:
     a real launch of a kernel still compiling waits for it. Compiling runs mostly outside the GIL
     (MLIR, LLVM, ptxas), so the engine's kernels compile while dynamo and inductor compile the step on
     the main thread: each took 1-2 s of a cold capture, one after another. `finish()` waits for the
-    rest and must come before a CUDA graph is captured. Without AsyncCompileMode (Triton < 3.4),
-    or under the interpreter, nothing is started and kernels compile at their first launch as before.
+    rest and must come before a CUDA graph is captured. Each worker also builds its kernel's C launcher
+    (build_launcher), which Triton would build at the first launch, on the main thread. Without
+    AsyncCompileMode (Triton < 3.4), or under the interpreter, nothing is started and kernels compile at
+    their first launch as before.
     """
 
     def __init__(self, workers: int | None = None) -> None:
@@ -84,9 +150,10 @@ class BackgroundCompiles:
             return
         from concurrent.futures import ThreadPoolExecutor
 
+        wait_for_runtime_warm_up()
         self._executor = ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1), thread_name_prefix="triton-compile")
         # ignore_errors: a kernel that fails here is compiled again at its launch, which raises there.
-        self._mode = AsyncCompileMode(self._executor, ignore_errors=True)
+        self._mode = AsyncCompileMode(_LauncherBuildingExecutor(self._executor), ignore_errors=True)
         self._mode.__enter__()
 
     @property

@@ -31,9 +31,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] | None = None  # extend only
     query_starts: torch.Tensor | None = None  # extend only: query_start_loc on the device, int32
     num_decodes: int = 0  # extend only: leading requests with one new token each (a mixed step's decodes)
-    # A compiled extend step (graphs/compiled_extend.py): attention runs as the opaque
-    # engine::extend_attention op, which finds this metadata in its step context.
-    opaque_extend: bool = False
+    # A compiled step whose layer graph takes no metadata (graphs/opaque_attention.py): attention runs as
+    # the opaque engine::step_attention op, which finds this metadata in its context.
+    opaque_attention: bool = False
     # Backend-specific extras a graph runner prepares (e.g. HPU's flat block list + mapping).
     platform_metadata: Any = None
 
@@ -110,14 +110,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
         assert self.backend is not None, "attention backend not set; load the model through engine.loader"
-        if not (getattr(self.backend, "takes_strided_kv", False) and not meta.opaque_extend):
+        if not getattr(self.backend, "takes_strided_kv", False):
             # k, v arrive as views of a fused projection (rows strided). A backend that reads them through
             # their strides (takes_strided_kv) saves the copy: one kernel a layer in every compiled step.
             k, v = k.contiguous(), v.contiguous()
         window = self.sliding_window or 0
         k_scale, v_scale = self.kv_scales_for(kv_cache[0])
-        if meta.opaque_extend:
-            return torch.ops.engine.extend_attention(q, k, v, kv_cache[0], kv_cache[1], self.scale, window, self.softcap,
+        if meta.opaque_attention:
+            return torch.ops.engine.step_attention(q, k, v, kv_cache[0], kv_cache[1], self.scale, window, self.softcap,
                                                      k_scale, v_scale)
         return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                     **attention_extras(window, self.softcap, k_scale, v_scale))

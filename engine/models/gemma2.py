@@ -123,7 +123,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         # (this runs inside CUDA graph capture).
         return hidden * _rounded(self.embed_scale, hidden.dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().compute_logits(hidden, out)
         cap = self.config.family_config.final_logit_softcapping
-        return logits if not cap else torch.tanh(logits / cap) * cap
+        if not cap:
+            return logits
+        return torch.tanh(logits / cap) * cap if out is None else logits.div_(cap).tanh_().mul_(cap)

@@ -29,8 +29,9 @@ class CausalLM(Protocol):
         """The layers, each called as layer(positions, hidden, kv_cache, meta) -> hidden; compiled steps
         compile one graph per distinct layer kind (dynamo guards on a layer's own attributes)."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [rows, vocab] of the rows that sample."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits [rows, vocab] of the rows that sample; written into `out` when given (the CUDA
+        decode graphs' one logits buffer: no float32 copy of them is left in the graphs' pool)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from (checkpoint name, tensor) pairs, or raise ModelLoadError naming both."""

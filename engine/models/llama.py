@@ -162,9 +162,10 @@ class LlamaForCausalLM(nn.Module):
     def supports_device_graphs(self, platform: str) -> bool:
         return True
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head, in float32 for sampling."""
-        return self.lm_head(self.model.norm(hidden)).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm + LM head, in float32 for sampling (into `out` when given)."""
+        logits = self.lm_head(self.model.norm(hidden))
+        return logits.float() if out is None else out.copy_(logits)
 
     def set_layer_windows(self, windows: Sequence[int | None]) -> None:
         """Layer i's attention sees each query's last windows[i] positions (None: all of them): every
