@@ -372,7 +372,8 @@ class Engine:
             return None
         from graphs.compiled_extend import CompiledExtendStep
 
-        logger.info("extend steps: torch.compile'd layers, token count dynamic (compiled on the first prefill)")
+        logger.info("extend steps: torch.compile'd layers, token count dynamic (compiled by the CUDA decode capture "
+                    "where it shares them, else on the first prefill)")
         return CompiledExtendStep(self.model, self.kv_pool.caches, strict=bool(self.config.strict_graphs))
 
     def _prefill_runner(self) -> "PrefillRunner | None":
