@@ -2,9 +2,10 @@
 
     PYTHONPATH=. python benchmarks/cold_capture.py --model llama-3-8b --load-format dummy --runs 3 \
         [--extend-capture-tokens 16,32,64,128,256,512] --output docs/results/h200_cold_capture.json
+    PYTHONPATH=. python benchmarks/cold_capture.py --device cpu --runs 2   # the embedded SmolLM2, CPU graphs
 
-A run builds the engine (`--device cuda`, KV pool of --kv-cache-tokens) and reports: the decode capture's
-seconds (`CudaGraphRunner._capture_all`, timed around the call) and graph memory, the engine build and the
+A run builds the engine (KV pool of --kv-cache-tokens) and reports: the decode capture's seconds
+(`DecodeGraphRunner.capture`, timed around the call) and graph memory, the engine build and the
 whole process, dynamo/inductor's own timing table (every entry over 50 ms), and what the main thread was
 doing during the capture: its innermost Python frame sampled every 5 ms (a sampler thread, so it sees the
 main thread only when it can take the GIL). The process's log (extend graphs, the warm-up request's
@@ -34,7 +35,7 @@ def _profile_one_run(args: argparse.Namespace) -> dict[str, Any]:
 
     started = time.perf_counter()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f %(name)s: %(message)s")
-    import graphs.cuda_graph_runner as cuda_graph_runner
+    import graphs.runner
     from engine.config import EngineConfig
     from engine.engine import Engine
 
@@ -50,23 +51,23 @@ def _profile_one_run(args: argparse.Namespace) -> dict[str, Any]:
 
     threading.Thread(target=sample, daemon=True).start()
     spans: dict[str, float] = {}
-    capture_all = cuda_graph_runner.CudaGraphRunner._capture_all
+    capture = graphs.runner.DecodeGraphRunner.capture
 
-    def timed_capture(runner: Any, sizes: list[int]) -> None:
+    def timed_capture(runner: Any) -> None:
         sampling.set()
         began = time.perf_counter()
         try:
-            capture_all(runner, sizes)
+            capture(runner)
         finally:
             spans["decode_capture_s"] = time.perf_counter() - began
             sampling.clear()
 
-    cuda_graph_runner.CudaGraphRunner._capture_all = timed_capture
+    graphs.runner.DecodeGraphRunner.capture = timed_capture
     options: dict[str, Any] = {}
     if args.extend_capture_tokens:
         options["extend_capture_tokens"] = args.extend_capture_tokens
     began = time.perf_counter()
-    engine = Engine(EngineConfig(model=args.model, device="cuda", load_format=args.load_format,
+    engine = Engine(EngineConfig(model=args.model, device=args.device, load_format=args.load_format,
                                  kv_cache_tokens=args.kv_cache_tokens, **options))
     spans["engine_build_s"] = time.perf_counter() - began
     spans["process_s"] = time.perf_counter() - started
@@ -90,8 +91,8 @@ def _run_fresh(args: argparse.Namespace, index: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="inductor-") as inductor, tempfile.TemporaryDirectory(prefix="triton-") as triton:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor, "TRITON_CACHE_DIR": triton}
         with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
-            command = [sys.executable, __file__, "--child-output", result.name, "--model", args.model,
-                       "--load-format", args.load_format, "--kv-cache-tokens", str(args.kv_cache_tokens),
+            command = [sys.executable, __file__, "--child-output", result.name, "--device", args.device,
+                       *(["--model", args.model] if args.model else []), "--load-format", args.load_format, "--kv-cache-tokens", str(args.kv_cache_tokens),
                        "--extend-capture-tokens", args.extend_capture_tokens]
             child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout_s)
             if child.returncode != 0:
@@ -104,8 +105,9 @@ def _run_fresh(args: argparse.Namespace, index: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama-3-8b")
-    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default=None, help="a path or preset (default: the embedded SmolLM2)")
+    parser.add_argument("--load-format", default="auto")
     parser.add_argument("--kv-cache-tokens", type=int, default=65536)
     parser.add_argument("--extend-capture-tokens", default="", help="token buckets captured as well (default: the config's)")
     parser.add_argument("--runs", type=int, default=3)
@@ -127,7 +129,7 @@ def main() -> None:
     import torch
 
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
-    json.dump({"torch": torch.__version__, "model": args.model, "load_format": args.load_format,
+    json.dump({"torch": torch.__version__, "device": args.device, "model": args.model, "load_format": args.load_format,
                "extend_capture_tokens": args.extend_capture_tokens, "median_decode_capture_s": median,
                "budget": {"seconds": 10.0, "graph_memory_gib": 1.0}, "runs": runs}, open(args.output, "w"), indent=1)
 
