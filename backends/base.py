@@ -112,6 +112,10 @@ class Platform(abc.ABC):
         """Called before the model loads when a step will be torch.compile'd: start what the compiler needs
         (its worker processes) so that it is ready by the first compile. Nothing by default."""
 
+    def wait_for_compile_workers(self) -> None:
+        """Called once the weights are loaded, before anything compiles: wait for what start_compile_workers
+        started that must not run beside a compile (a thread importing the compiler). Nothing by default."""
+
     def kernel_precompiler(self, model: torch.nn.Module, kv_caches: list) -> "Callable[[list], Callable[[], None]] | None":
         """A function the decode graph runner calls before its first compile: given the capture metadata
         of some sizes, it starts compiling the platform's own kernels in the background and returns the

@@ -88,7 +88,8 @@ class Engine:
         """Everything after the config and the ranks: model, KV pool, scheduler, runner, graphs, warm-up."""
         if config.dtype == "auto" and (preferred := self.platform.dtype_for_checkpoint(source.kind, self.config.quantization)):
             self.config.dtype = preferred
-        if not self.config.disable_graphs and (self.config.compile_decode or self.config.compile_extend):
+        compiles = not self.config.disable_graphs and bool(self.config.compile_decode or self.config.compile_extend)
+        if compiles:
             self.platform.start_compile_workers()  # up by the time the step compiles, after the weights load
         with building_for(self.tp):
             self.model, self.model_config = load_model(source, self.config.torch_dtype, self.device,
@@ -142,6 +143,8 @@ class Engine:
             on_row_released=self.decode_state.release_row,
         )
         self.kv_manager.on_release = self.step_builder.release
+        if compiles:
+            self.platform.wait_for_compile_workers()  # its compiler imports done before the main thread compiles
         extend_step = self._extend_step()  # first: the CUDA decode graphs compile its layer graph for both
         graph_runner = self._graph_runner(extend_step)
         runner_args = (self.model, self.kv_pool, self.device, self.platform.slot_index_dtype, graph_runner,

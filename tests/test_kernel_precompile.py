@@ -145,3 +145,24 @@ def test_runtime_warm_up_starts_nothing_under_the_interpreter(monkeypatch: pytes
     triton_build.start_runtime_warm_up()
     assert triton_build._runtime_warm_up is None
     triton_build.wait_for_runtime_warm_up()  # nothing to wait for
+
+
+def test_import_ahead_imports_what_it_can_and_logs_the_rest(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    import sys
+
+    from backends.cuda import triton_build
+
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    seconds = triton_build.import_ahead(("engine_no_such_module", "colorsys"))
+    assert "colorsys" in sys.modules and seconds >= 0
+    assert "engine_no_such_module not imported ahead (ModuleNotFoundError" in caplog.text
+
+
+def test_the_compiler_modules_imported_ahead_exist_in_this_torch() -> None:
+    """A torch that renamed one would only log a warning at start-up; here it fails."""
+    import importlib.util
+
+    from backends.cuda.platform import COMPILER_MODULES
+
+    assert [name for name in COMPILER_MODULES if importlib.util.find_spec(name) is None] == []

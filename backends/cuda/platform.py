@@ -12,6 +12,18 @@ from backends.base import CaptureSettings, MemoryInfo, Platform
 
 logger = logging.getLogger(__name__)
 
+# What inductor's first compile imports (torch 2.11-2.13: compile_fx alone brings ~500 modules; 3.25 s on the
+# H200's host with a cold page cache), imported in the warm-up thread while the model loads instead of on the
+# main thread inside the capture (which then imported 334 modules; 159-163 with this).
+# Only inductor's own modules: nothing the model load imports too (transformers, torch.distributed), so the
+# two threads never import one package at once.
+COMPILER_MODULES = (
+    "torch._inductor.compile_fx",
+    "torch._inductor.codegen.cuda_combined_scheduling",
+    "torch._inductor.codegen.wrapper_fxir",
+    "torch._dynamo.backends.inductor",
+)
+
 
 class CudaPlatform(Platform):
     name = "cuda"
@@ -67,17 +79,25 @@ class CudaPlatform(Platform):
         """Inductor compiles its Triton kernels in a pool of worker processes, which it starts at the first
         compile; until they are up (each imports torch: seconds) the kernels compile one by one in this
         process. Started here, while the model loads, the pool is ready when the decode step compiles;
-        so is Triton's runtime, readied in a thread (triton_build.start_runtime_warm_up)."""
+        so is Triton's runtime, readied in a thread (triton_build.start_runtime_warm_up), which then imports
+        inductor's compiler (COMPILER_MODULES). The thread starts once this thread's own imports here are
+        done (dynamo, the pool, triton), so the two never import one module at once."""
         from backends.cuda.triton_build import start_runtime_warm_up
 
-        start_runtime_warm_up()
         try:
             from torch._inductor.async_compile import maybe_warm_pool
         except ImportError:  # a torch without inductor's pool: it compiles in-process, nothing to start
-            return
-        started = time.perf_counter()
-        maybe_warm_pool()
-        logger.info("inductor compile workers starting in the background (%.2f s to launch)", time.perf_counter() - started)
+            maybe_warm_pool = None
+        if maybe_warm_pool is not None:
+            started = time.perf_counter()
+            maybe_warm_pool()
+            logger.info("inductor compile workers starting in the background (%.2f s to launch)", time.perf_counter() - started)
+        start_runtime_warm_up(also_import=COMPILER_MODULES)
+
+    def wait_for_compile_workers(self) -> None:
+        from backends.cuda.triton_build import wait_for_runtime_warm_up
+
+        wait_for_runtime_warm_up()
 
     def kernel_precompiler(self, model: torch.nn.Module, kv_caches: list) -> Any:
         """The attention kernels and the one-row GEMVs compile in worker threads while dynamo and inductor

@@ -57,10 +57,24 @@ def load_kernel(module_name: str, name: str) -> KernelHandle:
 _runtime_warm_up: threading.Thread | None = None
 
 
-def start_runtime_warm_up() -> None:
+def import_ahead(modules: tuple[str, ...]) -> float:
+    """Import `modules` (what a first compile would import on the main thread); returns the seconds taken.
+    A module that fails to import is logged and skipped: whoever needs it imports it again and raises there."""
+    started = time.perf_counter()
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - ahead of time only
+            logger.warning("%s not imported ahead (%s: %s)", name, type(exc).__name__, exc)
+    return time.perf_counter() - started
+
+
+def start_runtime_warm_up(also_import: tuple[str, ...] = ()) -> None:
     """Ready Triton's runtime in a thread while the model loads: its driver, whose C utilities gcc compiles
     on a cold cache, and the hash of its own sources that every kernel's cache key starts with (~1.3 s
-    together of a cold capture's main thread, on the H200). Idempotent; nothing under the interpreter."""
+    together of a cold capture's main thread, on the H200); then import `also_import` (inductor's compiler:
+    seconds of imports the first compile would make on the main thread). One thread for both, so no two warm-up threads import
+    the same packages at once. Idempotent; nothing under the interpreter."""
     global _runtime_warm_up
     if _runtime_warm_up is not None or interpreted():
         return
@@ -75,14 +89,18 @@ def start_runtime_warm_up() -> None:
             triton_key()
         except Exception as exc:  # noqa: BLE001 - ahead of time only: the first launch does the same and raises there
             logger.warning("Triton runtime not readied ahead (%s: %s)", type(exc).__name__, exc)
-            return
-        logger.info("Triton runtime ready (driver and cache key) in %.2f s, in the background", time.perf_counter() - started)
+        else:
+            logger.info("Triton runtime ready (driver and cache key) in %.2f s, in the background", time.perf_counter() - started)
+        if also_import:
+            seconds = import_ahead(also_import)
+            logger.info("compiler modules imported in %.2f s, in the background (%s)", seconds, ", ".join(also_import))
 
     _runtime_warm_up = threading.Thread(target=warm_up, name="triton-runtime-warm-up", daemon=True)
     _runtime_warm_up.start()
 
 
 def wait_for_runtime_warm_up() -> None:
+    """Join the warm-up thread: before this thread creates Triton's driver, or imports what it imports."""
     if _runtime_warm_up is not None:
         _runtime_warm_up.join()
 
