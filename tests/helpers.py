@@ -84,6 +84,7 @@ class StepRecorder:
         self.engine = engine
         self.steps: list[tuple[bool, int]] = []
         self.num_decodes: list[int] = []
+        self.num_tokens: list[int] = []  # tokens each step runs (a decode row is one)
 
     @property
     def extend_sizes(self) -> list[int]:
@@ -103,6 +104,7 @@ class StepRecorder:
             if step is not None:
                 self.steps.append((step.is_decode, len(step.requests)))
                 self.num_decodes.append(step.num_decodes)
+                self.num_tokens.append(step.num_decodes + sum(step.extend_lens))
             return step
 
         scheduler.schedule = schedule  # type: ignore[method-assign]

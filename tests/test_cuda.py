@@ -199,6 +199,37 @@ def test_extend_graphs_give_the_tokens_of_compiled_and_eager_extend_steps(tmp_pa
     assert results["graphs"] == results["eager_graphs"] == results["compiled"] == results["eager"]
 
 
+def test_strict_mode_never_recompiles_over_a_long_mixed_workload_on_cuda_graphs(tmp_path) -> None:
+    """The CUDA defaults (decode graphs of the compiled step, whose layer graph the compiled extend step
+    shares; extend-graph buckets; overlap; mixed steps) in strict mode: over ~500 steps of staggered
+    arrivals (every batch size, prompt length and chunk split, steps inside and above the buckets),
+    dynamo compiles nothing after warm-up, and strict mode would raise if it did."""
+    import random
+
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+    from graphs.compiled_step import compile_count
+    from tests.helpers import run_staggered
+
+    engine = Engine(model=_tiny_llama(tmp_path, max_positions=4096), device=ENGINE_DEVICE, page_size=16,
+                    capture_sizes="1,2,4,8", max_num_seqs=8, kv_cache_tokens=16384, chunked_prefill_size=1024,
+                    strict_graphs=True)
+    assert engine.config.extend_capture_tokens and engine.config.compile_extend and engine.config.mixed_steps
+    rng = random.Random(7)
+    arrivals = sorted(rng.randrange(0, 530) for _ in range(80))
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 1500))] for _ in arrivals]
+    params = [SamplingParams(max_tokens=rng.randint(2, 40), temperature=0.0, ignore_eos=True) for _ in prompts]
+    compiled_before = compile_count()
+    run = run_staggered(engine, prompts, params, arrivals, max_steps=700)
+    assert len(run.recorder.steps) >= 480  # 510 on the CPU with the same workload
+    assert compile_count() == compiled_before
+    extend_tokens = [tokens for (is_decode, _), tokens in zip(run.recorder.steps, run.recorder.num_tokens) if not is_decode]
+    largest_bucket = max(engine.runner.extend_graphs.graphs)
+    assert min(extend_tokens) <= largest_bucket < max(extend_tokens)  # steps inside the buckets and above them
+    assert engine.runner.extend_graphs.replays > 0 and engine.runner.extend_step.compiles_after_first == 0
+    assert engine.kv_pages_in_use() == 0
+
+
 def test_moe_model_replays_cuda_graphs_with_the_fused_experts(tmp_path) -> None:
     """Mixtral (tiny, random) on CUDA: the fused Triton experts inside captured decode graphs and compiled
     extend steps give the tokens of eager steps, and of the torch experts op."""
