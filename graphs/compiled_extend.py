@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -65,7 +64,6 @@ class CompiledExtendStep:
             self.eager_steps += 1
             with step_context(backend, meta):
                 return self.model(input_ids, positions, self.kv_caches, meta)
-        meta = replace(meta, opaque_attention=True)  # the layers call engine::step_attention
         hidden = self.model.embed(input_ids)
         # The token count is dynamic from the first call on: no step size ever compiles again.
         torch._dynamo.mark_dynamic(hidden, 0)
@@ -73,10 +71,10 @@ class CompiledExtendStep:
         before = compile_count()
         # One entry per layer kind (full / sliding attention, dense / MoE MLP), plus room for dynamo.
         with compile_limits(8), self.guard.watch(f"extend step of {input_ids.shape[0]} tokens"), \
-                step_context(backend, meta), attention_context(backend, meta), \
+                step_context(backend, meta), attention_context(backend, meta) as layer_meta, \
                 (compile_report() if not self.guard.warm else nullcontext()) as compiled:
             for layer, (k_cache, v_cache) in zip(self.model.decoder_layers(), self.kv_caches):
-                hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, meta)
+                hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, layer_meta)
         if not self.guard.warm:
             graphs = compile_count() - before
             if graphs:

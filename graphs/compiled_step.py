@@ -13,7 +13,6 @@ import itertools
 import logging
 import types
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -186,14 +185,12 @@ class CompiledDecodeStep:
             for tensor in graph_inputs:
                 mark_dynamic(tensor, 0)
         backend = self.model.attention_backend
-        if self.opaque_attention:
-            meta = replace(meta, opaque_attention=True)
         with compile_limits(self.max_entries), step_context(backend, meta), \
-                attention_context(backend, meta) if self.opaque_attention else nullcontext():
+                attention_context(backend, meta) if self.opaque_attention else nullcontext(meta) as layer_meta:
             for layer, (k_cache, v_cache) in zip(self.model.decoder_layers(), self.kv_caches):
                 if mark:
                     mark_dynamic(hidden, 0)
-                hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, meta)
+                hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, layer_meta)
         if mark and self.head_fn is not None:
             torch._dynamo.maybe_mark_dynamic(hidden, 0)
         return hidden

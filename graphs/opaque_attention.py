@@ -29,12 +29,13 @@ _context = threading.local()  # per thread: two engines in two threads never see
 
 
 @contextmanager
-def attention_context(backend: Any, meta: AttentionMetadata) -> Iterator[None]:
-    """Make this step's backend and metadata visible to every layer's step_attention call."""
+def attention_context(backend: Any, meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
+    """Make this step's backend and metadata visible to every layer's step_attention call; yields the
+    metadata the layers get, marked so that they call the op (engine.layers.attention.Attention)."""
     previous = getattr(_context, "current", None)
     _context.current = (backend, meta)
     try:
-        yield
+        yield replace(meta, opaque_attention=True)
     finally:
         _context.current = previous
 
@@ -46,8 +47,7 @@ def _step_attention(
     current = getattr(_context, "current", None)
     if current is None:
         raise RuntimeError("engine::step_attention called outside attention_context (no step metadata)")
-    backend, meta = current
-    meta = replace(meta, opaque_attention=False)
+    backend, meta = current  # the step's own metadata, unmarked: the backend runs attention itself
     return backend.forward(q, k, v, k_cache, v_cache, meta, scale, **attention_extras(window, softcap, k_scale, v_scale))
 
 

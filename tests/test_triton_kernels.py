@@ -482,11 +482,12 @@ def test_attention_layer_hands_its_kv_scales_to_the_backend(path: str) -> None:
             seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE), page_size=case.page_size,
             query_start_loc=starts, seq_lens_cpu=case.seq_lens,
             query_starts=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-            opaque_attention=path.startswith("compiled"),
         )
         layer = Attention(8, 2, 64)
         layer.backend = TritonAttentionBackend()
         layer.set_kv_scales(k_scale, v_scale, torch.device(DEVICE))
-        with attention_context(layer.backend, meta):
-            got = layer(twin.q, k_new, v_new, (k_cache, v_cache), meta)
+        # The compiled steps' way: the layer gets the metadata marked opaque, the op finds the step's own.
+        with attention_context(layer.backend, meta) if path.startswith("compiled") else nullcontext(meta) as layer_meta:
+            assert layer_meta.opaque_attention == path.startswith("compiled")
+            got = layer(twin.q, k_new, v_new, (k_cache, v_cache), layer_meta)
     torch.testing.assert_close(got.float().cpu(), twin.reference().cpu(), atol=2e-3, rtol=2e-3)
