@@ -86,7 +86,10 @@ class ModelRunner:
             batch = self._extend_batch(step, message)
         if not step.is_decode and self.extend_graphs is not None and self.extend_graphs.can_run(batch):
             hidden = self.extend_graphs.run(batch)
-        elif not step.is_decode and self.extend_step is not None:
+        elif self.extend_step is not None:
+            # A decode step too large for the graphs runs the compiled layers without a graph (vLLM's
+            # piecewise mode past its capture sizes): the layer graph is token-count dynamic and attention
+            # opaque, so it compiles nothing new.
             hidden = self.extend_step(batch.input_ids, batch.positions, batch.meta)
         else:
             self.eager_steps += 1

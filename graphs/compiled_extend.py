@@ -65,6 +65,10 @@ class CompiledExtendStep:
             with step_context(backend, meta):
                 return self.model(input_ids, positions, self.kv_caches, meta)
         hidden = self.model.embed(input_ids)
+        if positions.storage_offset() != 0:
+            # A decode step's positions are a row of its stacked inputs; dynamo guards on a dynamic tensor's
+            # storage offset, so such a view would compile the layer graph again.
+            positions = positions.clone()
         # The token count is dynamic from the first call on: no step size ever compiles again.
         torch._dynamo.mark_dynamic(hidden, 0)
         torch._dynamo.mark_dynamic(positions, 0)

@@ -230,6 +230,40 @@ def test_strict_mode_never_recompiles_over_a_long_mixed_workload_on_cuda_graphs(
     assert engine.kv_pages_in_use() == 0
 
 
+def test_decode_steps_above_the_graphs_run_the_compiled_layers_on_cuda(tmp_path) -> None:
+    """max_num_seqs above the largest capture size (a tuned config's sizes, or --max-num-seqs past them): the larger
+    decode steps run the layer graph the decode capture compiled, without a graph; strict mode, overlap and
+    mixed steps on; the tokens of eager steps (float32)."""
+    import random
+
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+    from graphs.compiled_step import compile_count
+    from tests.helpers import run_staggered
+
+    model = _tiny_llama(tmp_path)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(2, 200))] for _ in range(24)]
+    params = [SamplingParams(max_tokens=rng.randint(8, 30), temperature=0.0, ignore_eos=True) for _ in prompts]
+    arrivals = [i // 3 for i in range(len(prompts))]
+    results = {}
+    for mode in ("graphs", "eager"):
+        engine = Engine(model=model, device=ENGINE_DEVICE, dtype="float32", page_size=16, capture_sizes="1,2,4",
+                        max_num_seqs=16, kv_cache_tokens=8192, chunked_prefill_size=256, debug_kv_invariant=True,
+                        strict_graphs=mode == "graphs", disable_graphs=mode == "eager")
+        compiled_before = compile_count()
+        run = run_staggered(engine, prompts, params, arrivals)
+        results[mode] = run.token_ids
+        assert engine.kv_pages_in_use() == 0
+        if mode == "graphs":
+            assert compile_count() == compiled_before
+            assert max(run.decode_sizes) > 4
+            runner = engine.runner
+            assert runner.eager_steps == 0 and runner.extend_step.compiles_after_first == 0
+            assert runner.graph_steps == sum(1 for size in run.decode_sizes if size <= 4)
+    assert results["graphs"] == results["eager"]
+
+
 def test_moe_model_replays_cuda_graphs_with_the_fused_experts(tmp_path) -> None:
     """Mixtral (tiny, random) on CUDA: the fused Triton experts inside captured decode graphs and compiled
     extend steps give the tokens of eager steps, and of the torch experts op."""

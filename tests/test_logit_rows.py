@@ -67,3 +67,26 @@ def test_padded_lm_head_gives_the_same_tokens_at_ladder_sizes_only(tiny_checkpoi
     assert set(padded_rows) <= {1, 2, 4, 8, 12}
     assert set(plain_rows) - {1, 2, 4, 8, 12}, "the workload never gave the LM head a row count off the ladder"
     assert padded.kv_pages_in_use() == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_logits_written_into_a_buffer_in_row_chunks_match_the_plain_head(tiny_checkpoints: dict[str, str],
+                                                                         name: str) -> None:
+    """The CUDA decode graphs' head writes into their float32 logits buffer HEAD_ROWS_INTO_OUT rows at a time
+    (engine/models/llama.py): the same logits as the head over all rows at once, Gemma 2's soft cap included,
+    for a row count that ends inside a chunk."""
+    from engine.models.llama import HEAD_ROWS_INTO_OUT
+
+    engine = track(Engine(model=tiny_checkpoints[name], device="cpu", dtype="float32", disable_graphs=True,
+                          kv_cache_tokens=512, max_num_seqs=2))
+    model, rows = engine.model, 2 * HEAD_ROWS_INTO_OUT + 37
+    hidden = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    head_rows = _head_rows(engine)
+    with torch.no_grad():
+        want = model.compute_logits(hidden)
+        assert head_rows == [rows]
+        head_rows.clear()
+        out = torch.full_like(want, float("nan"))
+        got = model.compute_logits(hidden, out)
+    assert got is out and head_rows == [HEAD_ROWS_INTO_OUT, HEAD_ROWS_INTO_OUT, 37]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -121,3 +121,28 @@ def test_strict_mode_never_recompiles_over_a_long_mixed_workload(tiny_checkpoint
     assert engine.runner.graph_runner.compiles_after_warmup == 0
     extend = engine.runner.extend_step
     assert extend.compiled and extend.compiles_after_first == 0
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_decode_steps_above_the_graphs_run_the_compiled_step(tiny_checkpoints: dict[str, str], mixed: bool) -> None:
+    """max_num_seqs above the largest capture size (a tuned config's sizes, or --max-num-seqs past them):
+    the larger decode steps run the compiled layers without a graph, never eagerly, with the tokens of eager
+    steps, and in strict mode nothing compiles for them."""
+    path = tiny_checkpoints["llama"]
+    options = dict(mixed_steps=mixed, chunked_prefill_size=48, max_num_seqs=6)
+    eager = tiny(path, **options)
+    compiled = tiny(path, **options, compile_extend=True, disable_graphs=False, strict_graphs=True,
+                    capture_sizes=[1, 2])
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(2, 60))] for _ in range(10)]
+    params = [SamplingParams(max_tokens=rng.randint(6, 20), temperature=0.0, ignore_eos=True) for _ in prompts]
+    arrivals = [0, 0, 0, 1, 1, 2, 3, 9, 12, 15]
+    want = run_staggered(eager, prompts, params, arrivals)
+    got = run_staggered(compiled, prompts, params, arrivals)
+    assert got.token_ids == want.token_ids
+    assert max(got.decode_sizes) > 2  # decode steps the graphs cannot hold ran
+    runner = compiled.runner
+    assert runner.eager_steps == 0
+    assert runner.graph_steps == sum(1 for size in got.decode_sizes if size <= 2)
+    assert runner.extend_step.compiled and runner.extend_step.compiles_after_first == 0
+    assert runner.graph_runner.compiles_after_warmup == 0
