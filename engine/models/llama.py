@@ -28,9 +28,9 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 # The CUDA decode graphs write the head's output into their one float32 logits buffer this many rows at a
 # time, so that only one chunk of model-dtype logits is left in the graphs' pool: a 1,024-row graph's bf16
 # logits over a 128k vocabulary would hold 250 MiB of it, a 256-row chunk holds 63. At 256 rows the head's
-# GEMM is compute-bound: 857-row decode steps took 41.83 ms chunked, 41.88 unchunked (H200, docs/cuda.md).
+# GEMM is compute-bound: 857-row decode steps took 41.83 ms chunked, 41.88 unchunked
+# (two H200s, docs/cuda.md 2026-12-04).
 HEAD_ROWS_INTO_OUT = 256
-
 
 
 def _rows(heads: Shard, head_dim: int) -> Shard:
