@@ -408,7 +408,7 @@ class Engine:
             step, buckets, int(self.config.max_num_seqs), max_pages, self.kv_pool.page_size, self.device,
             self.platform.slot_index_dtype,
         )
-        runner.capture(pool=getattr(decode_graphs, "pool", None))
+        runner.capture(pool=getattr(decode_graphs, "pool", None), stream=getattr(decode_graphs, "capture_stream", None))
         return runner
 
     # ---- requests ---------------------------------------------------------------------

@@ -98,6 +98,9 @@ class CudaGraphRunner(DecodeGraphRunner):
         self.logits: torch.Tensor | None = None
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        # The stream the graphs were captured on: the extend buckets capture on it too (Engine._extend_graphs),
+        # since the caching allocator hands a pool's freed blocks only to allocations on the stream that freed them.
+        self.capture_stream: torch.cuda.Stream | None = None
         # Benchmarks set a list here to get (start, end) CUDA events around every replay: the device
         # time of each step's graph, read after the run (benchmarks/offline_throughput.py).
         self.replay_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
@@ -106,7 +109,7 @@ class CudaGraphRunner(DecodeGraphRunner):
     def _capture_all(self, sizes_largest_first: list[int]) -> None:
         free_before = free_device_memory()
         self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+        stream = self.capture_stream = torch.cuda.Stream()
         warmup_s: dict[int, float] = {}  # per size: the eager run before capture (compiles and kernel JIT land here)
         capture_s = 0.0
         compiles_before = compile_count()

@@ -110,11 +110,15 @@ class ExtendGraphRunner:
         self.page_table.zero_()
 
     @torch.no_grad()
-    def capture(self, pool: object | None = None) -> None:
+    def capture(self, pool: object | None = None, stream: torch.cuda.Stream | None = None) -> None:
+        """Capture every bucket, largest first, into `pool` (a new one when None) on `stream`. Pass the
+        decode graphs' pool and capture stream together: the caching allocator reuses a pool's freed blocks
+        only for allocations on the stream that freed them, so on a stream of their own the buckets' graphs
+        took memory of their own (102-120 MiB for 16-512 tokens on Llama-3-8B)."""
         free_before = free_device_memory()
         start = time.perf_counter()
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+        stream = stream if stream is not None else torch.cuda.Stream()
         with frozen_gc():
             for tokens in tqdm(sorted(self.buckets, reverse=True), desc="Capturing extend graphs", unit="graph", disable=None):
                 self._fill_dummy(tokens)
