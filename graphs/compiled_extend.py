@@ -27,7 +27,9 @@ import torch
 from engine.layers.attention import AttentionMetadata, step_context
 from engine.models.interface import CausalLM
 from graphs.compile_report import compile_report
-from graphs.compiled_step import CompileGuard, KVCaches, compile_count, compile_limits, compiled_layer_step
+from graphs.compiled_step import (
+    CompileGuard, KVCaches, at_offset_zero, compile_count, compile_limits, compiled_layer_step,
+)
 from graphs.opaque_attention import attention_context
 
 logger = logging.getLogger(__name__)
@@ -65,10 +67,7 @@ class CompiledExtendStep:
             with step_context(backend, meta):
                 return self.model(input_ids, positions, self.kv_caches, meta)
         hidden = self.model.embed(input_ids)
-        if positions.storage_offset() != 0:
-            # A decode step's positions are a row of its stacked inputs; dynamo guards on a dynamic tensor's
-            # storage offset, so such a view would compile the layer graph again.
-            positions = positions.clone()
+        positions = at_offset_zero(positions)  # a decode step's positions are a row of its stacked inputs
         # The token count is dynamic from the first call on: no step size ever compiles again.
         torch._dynamo.mark_dynamic(hidden, 0)
         torch._dynamo.mark_dynamic(positions, 0)

@@ -27,6 +27,13 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 logger = logging.getLogger(__name__)
 
 
+def at_offset_zero(positions: torch.Tensor) -> torch.Tensor:
+    """`positions`, copied when it is a view at a storage offset. Dynamo guards on a dynamic tensor's
+    storage offset (0 and 1 are specialised), so the decode graphs and the extend step, which share one
+    compiled layer graph, must both pass it tensors at offset 0 or compile it again."""
+    return positions.clone() if positions.storage_offset() != 0 else positions
+
+
 class RecompileError(RuntimeError):
     """Something compiled after warm-up: a shape reached the graph that no compiled entry covers."""
 
@@ -170,11 +177,9 @@ class CompiledDecodeStep:
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The last decoder layer's output for every row."""
         hidden = self.model.embed(input_ids)
-        if self.opaque_attention and positions.storage_offset() != 0:
-            # dynamo guards on a dynamic tensor's storage offset (0 and 1 are specialised): the static
-            # buffers' positions (a row of their staging buffer) would not pass the extend step's guards,
-            # nor its positions these. The copy is one small kernel in a captured graph.
-            positions = positions.clone()
+        if self.opaque_attention:
+            # The static buffers' positions are a row of their staging buffer (one small copy in a captured graph).
+            positions = at_offset_zero(positions)
         mark = self.dynamic_batch and input_ids.shape[0] > 1  # size 1 is dynamo's own specialisation anyway
         # Sharing the extend step's layer graph means marking as it does: dynamo guards on which kind of mark
         # a tensor carries, and a graph compiled from weak marks would compile again for the extend step.
