@@ -109,8 +109,9 @@ class Platform(abc.ABC):
         """Which capture mechanism this platform uses and its options."""
 
     def start_compile_workers(self) -> None:
-        """Called before the model loads when a step will be torch.compile'd: start what the compiler needs
-        (its worker processes) so that it is ready by the first compile. Nothing by default."""
+        """Called as soon as the engine's config says a step will be torch.compile'd, before the device is set up
+        and the model loads: start what the compiler needs (its worker processes) so that it is ready by the
+        first compile. Nothing by default."""
 
     def wait_for_compile_workers(self) -> None:
         """Called once the weights are loaded, before anything compiles: wait for what start_compile_workers

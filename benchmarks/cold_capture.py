@@ -8,8 +8,9 @@ A run builds the engine (KV pool of --kv-cache-tokens) and reports: the decode c
 (`DecodeGraphRunner.capture`, timed around the call) and graph memory, the extend graphs' capture
 (`ExtendGraphRunner.capture`) and memory, both together, the engine build and the whole process, how many
 modules the captures imported, dynamo/inductor's own timing table (every entry over 50 ms), and what the main thread was
-doing during the capture: its innermost Python frame sampled every 5 ms (a sampler thread, so it sees the
-main thread only when it can take the GIL). The process's log (extend graphs, the warm-up request's
+doing during the capture: its innermost Python frame and its innermost 14 frames sampled every 5 ms (a sampler
+thread, so it sees the main thread only when it can take the GIL), and when inductor's compile workers answered
+their first job (before that, inductor compiles its kernels on the main thread). The process's log (extend graphs, the warm-up request's
 extend step) is kept in the JSON too. Prints a table and writes JSON.
 
 --drop-page-cache stands in for the first process on a fresh machine: before each run it asks the kernel to
@@ -34,6 +35,7 @@ import time
 from typing import Any
 
 SAMPLE_S = 0.005
+STACK_DEPTH = 14
 
 
 def _profile_one_run(args: argparse.Namespace) -> dict[str, Any]:
@@ -47,14 +49,18 @@ def _profile_one_run(args: argparse.Namespace) -> dict[str, Any]:
     from engine.engine import Engine
 
     frames: collections.Counter = collections.Counter()
+    stacks: collections.Counter = collections.Counter()
+    pool: dict[str, Any] = {}
     main_thread, sampling, done = threading.get_ident(), threading.Event(), threading.Event()
 
     def sample() -> None:
         while not done.is_set():
             time.sleep(SAMPLE_S)
+            _note_pool_ready(pool, started)
             frame = sys._current_frames().get(main_thread) if sampling.is_set() else None
             if frame is not None:
-                frames[f"{frame.f_code.co_filename.rsplit('/', 2)[-1]}:{frame.f_code.co_name}"] += 1
+                frames[_frame_name(frame)] += 1
+                stacks[_stack(frame)] += 1
 
     threading.Thread(target=sample, daemon=True).start()
     spans: dict[str, float] = {"decode_capture_s": 0.0, "extend_capture_s": 0.0}
@@ -63,6 +69,7 @@ def _profile_one_run(args: argparse.Namespace) -> dict[str, Any]:
     def timed(span: str, capture: Any) -> Any:
         def timed_capture(runner: Any, *args: Any, **kwargs: Any) -> None:
             sampling.set()
+            pool.setdefault("ready_at_first_capture", bool(pool.get("ready_after_s")))
             modules = set(sys.modules)
             began = time.perf_counter()
             try:
@@ -100,7 +107,44 @@ def _profile_one_run(args: argparse.Namespace) -> dict[str, Any]:
         "modules_imported_in_captures": len(imported),
         "packages_imported_in_captures": dict(collections.Counter(".".join(name.split(".")[:3]) for name in imported).most_common(15)),
         "main_thread_frames_s": {name: round(count * SAMPLE_S, 2) for name, count in frames.most_common(20)},
+        "main_thread_stacks_s": {name: round(count * SAMPLE_S, 2) for name, count in stacks.most_common(40)},
+        "inductor_pool": pool,
+        "inductor_counters": _inductor_counters(),
     }
+
+
+def _frame_name(frame: Any) -> str:
+    return f"{frame.f_code.co_filename.rsplit('/', 2)[-1]}:{frame.f_code.co_name}"
+
+
+def _stack(frame: Any, depth: int = STACK_DEPTH) -> str:
+    """The innermost `depth` frames of a stack, outermost first, ';'-joined (flame-graph order)."""
+    names = []
+    while frame is not None and len(names) < depth:
+        names.append(_frame_name(frame))
+        frame = frame.f_back
+    return ";".join(reversed(names))
+
+
+def _note_pool_ready(pool: dict[str, Any], started: float) -> None:
+    """When inductor's compile workers answered their first job: until then inductor compiles its Triton
+    kernels one by one on the main thread (`async_compile.precompile` in the timing table)."""
+    if "ready_after_s" in pool or "torch._inductor.async_compile" not in sys.modules:
+        return
+    from torch._inductor import config
+    from torch._inductor.async_compile import AsyncCompile
+
+    pool.setdefault("compile_threads", config.compile_threads)
+    pool.setdefault("worker_start_method", config.worker_start_method)
+    future = AsyncCompile._ready_future
+    if future is not None and future.done():
+        pool["ready_after_s"] = round(time.perf_counter() - started, 2)
+
+
+def _inductor_counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {name: int(value) for name, value in counters["inductor"].items() if "compile" in name}
 
 
 def _library_dirs() -> list[str]:

@@ -63,6 +63,11 @@ class Engine:
             config = EngineConfig(**{**config.__dict__, **overrides})
         self.platform = get_platform(config.device)
         self.config = config.resolve(self.platform)
+        if self._compiles():
+            # First of all: inductor's worker pool took ~8 s to come up on the H200's host (a process that imports
+            # torch and initialises CUDA), longer than the rest of a dummy-weight build before the first compile;
+            # a kernel inductor generates before the pool is up compiles on the main thread, one by one.
+            self.platform.start_compile_workers()
         self.device = self.platform.device
         self.platform.set_seed(self.config.seed)
 
@@ -88,9 +93,6 @@ class Engine:
         """Everything after the config and the ranks: model, KV pool, scheduler, runner, graphs, warm-up."""
         if config.dtype == "auto" and (preferred := self.platform.dtype_for_checkpoint(source.kind, self.config.quantization)):
             self.config.dtype = preferred
-        compiles = not self.config.disable_graphs and bool(self.config.compile_decode or self.config.compile_extend)
-        if compiles:
-            self.platform.start_compile_workers()  # up by the time the step compiles, after the weights load
         with building_for(self.tp):
             self.model, self.model_config = load_model(source, self.config.torch_dtype, self.device,
                                                          self.config.load_format, self.config.quantization,
@@ -143,7 +145,7 @@ class Engine:
             on_row_released=self.decode_state.release_row,
         )
         self.kv_manager.on_release = self.step_builder.release
-        if compiles:
+        if self._compiles():
             self.platform.wait_for_compile_workers()  # its compiler imports done before the main thread compiles
         extend_step = self._extend_step()  # first: the CUDA decode graphs compile its layer graph for both
         graph_runner = self._graph_runner(extend_step)
@@ -175,6 +177,10 @@ class Engine:
         if self.config.warmup:
             self._warm_up()
         self.froze_gc = bool(self.config.freeze_gc) and freeze_start_up_objects() > 0
+
+    def _compiles(self) -> bool:
+        """Whether this engine torch.compiles a step (decode or extend)."""
+        return not self.config.disable_graphs and bool(self.config.compile_decode or self.config.compile_extend)
 
     def _pad_logit_rows(self) -> None:
         """Where the platform asks (engine/logit_rows.py): the eager LM head's rows padded to the decode capture

@@ -166,3 +166,28 @@ def test_the_compiler_modules_imported_ahead_exist_in_this_torch() -> None:
     from backends.cuda.platform import COMPILER_MODULES
 
     assert [name for name in COMPILER_MODULES if importlib.util.find_spec(name) is None] == []
+
+
+def test_the_engine_starts_compile_workers_before_it_sets_up_the_device_and_loads_the_model(
+        monkeypatch: pytest.MonkeyPatch, tiny_llama: str) -> None:
+    """Inductor's worker pool takes seconds to come up (~8 s on the H200's host): the engine starts it first,
+    before the seed, the model source and the weights, and joins the warm-up thread only after the load."""
+    import engine.engine as engine_module
+    from backends import platform_class
+    from engine.engine import Engine
+
+    order: list[str] = []
+    platform = platform_class("cpu")
+    monkeypatch.setattr(platform, "start_compile_workers", lambda self: order.append("start workers"))
+    monkeypatch.setattr(platform, "wait_for_compile_workers", lambda self: order.append("wait for workers"))
+    monkeypatch.setattr(platform, "set_seed", lambda self, seed: order.append("seed"))
+    load_model = engine_module.load_model
+    monkeypatch.setattr(engine_module, "load_model", lambda *args, **kwargs: order.append("load") or load_model(*args, **kwargs))
+    engine = Engine(model=tiny_llama, device="cpu", compile_extend=True, capture_sizes="1", warmup=False)
+    assert order == ["start workers", "seed", "load", "wait for workers"]
+    engine.shutdown()
+
+    order.clear()
+    engine = Engine(model=tiny_llama, device="cpu", disable_graphs=True, warmup=False)
+    assert order == ["seed", "load"]  # nothing compiles: nothing started or waited for
+    engine.shutdown()

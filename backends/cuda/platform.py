@@ -25,6 +25,17 @@ COMPILER_MODULES = (
 )
 
 
+def inductor_pool_ready() -> bool | None:
+    """Whether inductor's compile workers have answered their first job; None where no pool was started (one
+    compile thread). Until they have, inductor compiles each kernel it generates on the calling thread."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+    except ImportError:
+        return None
+    future = AsyncCompile._ready_future
+    return None if future is None else future.done()
+
+
 class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
@@ -77,11 +88,12 @@ class CudaPlatform(Platform):
 
     def start_compile_workers(self) -> None:
         """Inductor compiles its Triton kernels in a pool of worker processes, which it starts at the first
-        compile; until they are up (each imports torch: seconds) the kernels compile one by one in this
-        process. Started here, while the model loads, the pool is ready when the decode step compiles;
-        so is Triton's runtime, readied in a thread (triton_build.start_runtime_warm_up), which then imports
-        inductor's compiler (COMPILER_MODULES). The thread starts once this thread's own imports here are
-        done (dynamo, the pool, triton), so the two never import one module at once."""
+        compile; until they are up (a process that imports torch and initialises CUDA, then forks the workers:
+        ~8 s on the H200's host with a cold page cache) the kernels compile one by one in this process.
+        Started here, before the engine sets up the device and loads the model, the pool is ready when the
+        decode step compiles; so is Triton's runtime, readied in a thread (triton_build.start_runtime_warm_up),
+        which then imports inductor's compiler (COMPILER_MODULES). The thread starts once this thread's own
+        imports here are done (dynamo, the pool, triton), so the two never import one module at once."""
         from backends.cuda.triton_build import start_runtime_warm_up
 
         try:
@@ -95,9 +107,14 @@ class CudaPlatform(Platform):
         start_runtime_warm_up(also_import=COMPILER_MODULES)
 
     def wait_for_compile_workers(self) -> None:
+        """Join the warm-up thread; say whether inductor's worker pool is up (it is not waited for: the kernels
+        it would compile in parallel cost ~1 s more on this thread, and its start-up ~8 s on the H200's host)."""
         from backends.cuda.triton_build import wait_for_runtime_warm_up
 
         wait_for_runtime_warm_up()
+        if (ready := inductor_pool_ready()) is not None:
+            logger.info("inductor compile workers %s", "ready" if ready else
+                        "still starting: inductor compiles its first kernels on this thread, one by one")
 
     def kernel_precompiler(self, model: torch.nn.Module, kv_caches: list) -> Any:
         """The attention kernels and the one-row GEMVs compile in worker threads while dynamo and inductor
