@@ -127,17 +127,18 @@ def _stack(frame: Any, depth: int = STACK_DEPTH) -> str:
 
 
 def _note_pool_ready(pool: dict[str, Any], started: float) -> None:
-    """When inductor's compile workers answered their first job: until then inductor compiles its Triton
-    kernels one by one on the main thread (`async_compile.precompile` in the timing table)."""
+    """When inductor's compile workers answered their first job (backends.cuda.platform.inductor_pool_ready):
+    until then inductor compiles its Triton kernels one by one on the main thread (`async_compile.precompile`
+    in the timing table)."""
     if "ready_after_s" in pool or "torch._inductor.async_compile" not in sys.modules:
         return
     from torch._inductor import config
-    from torch._inductor.async_compile import AsyncCompile
+
+    from backends.cuda.platform import inductor_pool_ready
 
     pool.setdefault("compile_threads", config.compile_threads)
     pool.setdefault("worker_start_method", config.worker_start_method)
-    future = AsyncCompile._ready_future
-    if future is not None and future.done():
+    if inductor_pool_ready():
         pool["ready_after_s"] = round(time.perf_counter() - started, 2)
 
 

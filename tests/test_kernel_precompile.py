@@ -5,6 +5,7 @@ Under Triton's interpreter (these CPU tests) a compile-only launch is recorded i
 
 from __future__ import annotations
 
+import pathlib
 from collections import Counter
 
 import pytest
@@ -191,3 +192,35 @@ def test_the_engine_starts_compile_workers_before_it_sets_up_the_device_and_load
     engine = Engine(model=tiny_llama, device="cpu", disable_graphs=True, warmup=False)
     assert order == ["seed", "load"]  # nothing compiles: nothing started or waited for
     engine.shutdown()
+
+
+def test_the_cuda_platform_starts_inductors_pool_and_sees_it_come_up(tmp_path: pathlib.Path) -> None:
+    """start_compile_workers launches inductor's real worker pool (two workers, in a fresh process, since this
+    one runs with one compile thread), inductor_pool_ready() reads torch's own readiness (False while it starts,
+    then True: a torch that renamed what it reads would give None and fail here), and the engine's log at the
+    first compile says so."""
+    import os
+    import subprocess
+    import sys
+
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "pool.py"
+    script.write_text(
+        "import logging, sys, time\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
+        "from backends.cuda.platform import CudaPlatform, inductor_pool_ready\n"
+        "assert inductor_pool_ready() is None, 'a pool before any was started'\n"
+        "CudaPlatform().start_compile_workers()\n"
+        "states = [inductor_pool_ready()]\n"
+        "deadline = time.monotonic() + 120\n"
+        "while not states[-1] and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "    states.append(inductor_pool_ready())\n"
+        "CudaPlatform().wait_for_compile_workers()\n"
+        "print('states', states[0], states[-1])\n")
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "2", "PYTHONPATH": repo_root}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "states False True" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "inductor compile workers starting in the background" in result.stdout
+    assert "inductor compile workers ready" in result.stdout
