@@ -14,7 +14,7 @@ _PLATFORMS: dict[str, tuple[str, str]] = {
     "hpu": ("backends.hpu.platform", "HpuPlatform"),
     "npu": ("backends.npu.platform", "NpuPlatform"),
 }
-DEVICE_NAMES = tuple(_PLATFORMS) + ("auto",)
+DEVICE_NAMES = (*tuple(_PLATFORMS), "auto")
 # Preference of `--device auto`: the first available wins.
 _AUTO_ORDER = ("cuda", "rocm", "hpu", "npu", "cpu")
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -75,7 +76,7 @@ class Platform(abc.ABC):
 
     # ---- attention and KV ----------------------------------------------------------
     @abc.abstractmethod
-    def attention_backend(self) -> "Any":
+    def attention_backend(self) -> Any:
         """The AttentionBackend object (engine.layers.attention_backend) used on this device."""
 
     def store_kv(
@@ -98,7 +99,7 @@ class Platform(abc.ABC):
     def prepare_model(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
         """Device-specific weight preparation after loading (CPU: oneDNN-packed linears)."""
 
-    def fp8_linear_method(self) -> "Any":
+    def fp8_linear_method(self) -> Any:
         """The engine.layers.linear.LinearMethod FP8 linears run here; None: this platform has no FP8
         matmul kernel, and FP8 weights are dequantized once at load."""
         return None
@@ -117,7 +118,9 @@ class Platform(abc.ABC):
         """Called once the weights are loaded, before anything compiles: wait for what start_compile_workers
         started that must not run beside a compile (a thread importing the compiler). Nothing by default."""
 
-    def kernel_precompiler(self, model: torch.nn.Module, kv_caches: list) -> "Callable[[list], Callable[[], None]] | None":
+    def kernel_precompiler(
+        self, model: torch.nn.Module, kv_caches: list
+    ) -> Callable[[list], Callable[[], None]] | None:
         """A function the decode graph runner calls before its first compile: given the capture metadata
         of some sizes, it starts compiling the platform's own kernels in the background and returns the
         function that waits for them (called before the first graph is captured). None: nothing to do."""
@@ -127,7 +130,7 @@ class Platform(abc.ABC):
         """The graphs.* runner class that captures decode steps on this platform."""
         raise DeviceUnavailableError(f"platform '{self.name}' has no graph runner")
 
-    def prefill_runner_class(self) -> "Callable[..., Any] | None":
+    def prefill_runner_class(self) -> Callable[..., Any] | None:
         """A factory of this platform's prefill runner (graphs/runner.py PrefillRunner), called as
         ``factory(model, kv_caches, page_size, max_model_len, device, slot_dtype)``; None (the default):
         extend steps run through the engine's own eager, compiled or graphed extend path."""

@@ -27,7 +27,7 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
 def parse_tiles(text: str) -> list[DecodeTile]:
-    """"64x4x3,128x8x2": block_n x num_warps x num_stages (0 stages: Triton's default)."""
+    """ "64x4x3,128x8x2": block_n x num_warps x num_stages (0 stages: Triton's default)."""
     tiles = []
     for item in text.split(","):
         block_n, warps, stages = (int(x) for x in item.split("x"))
@@ -35,22 +35,27 @@ def parse_tiles(text: str) -> list[DecodeTile]:
     return tiles
 
 
-def decode_case(batch: int, context: int, page_size: int, tiles: list[DecodeTile], splits: int | None,
-                verbose: bool = False) -> dict[str, Any]:
+def decode_case(
+    batch: int, context: int, page_size: int, tiles: list[DecodeTile], splits: int | None, verbose: bool = False
+) -> dict[str, Any]:
     from triton.runtime.errors import OutOfResources
 
     device = torch.device("cuda")
     pages_per_seq = -(-context // page_size)
     pages = batch * pages_per_seq + 1
     generator = torch.Generator(device=device).manual_seed(batch * 100_003 + context)
-    k_cache = torch.randn(pages * page_size, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device, generator=generator)
+    k_cache = torch.randn(
+        pages * page_size, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device, generator=generator
+    )
     v_cache = torch.randn_like(k_cache)
     # Pages scattered over the pool (page 0 is the engine's dummy page, never handed out).
-    page_table = (torch.randperm(pages - 1, device=device, generator=generator)[: batch * pages_per_seq] + 1)
+    page_table = torch.randperm(pages - 1, device=device, generator=generator)[: batch * pages_per_seq] + 1
     page_table = page_table.view(batch, pages_per_seq).to(torch.int32)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     positions = seq_lens.long() - 1
-    slots = page_table.gather(1, (positions // page_size).view(-1, 1)).view(-1).long() * page_size + positions % page_size
+    slots = (
+        page_table.gather(1, (positions // page_size).view(-1, 1)).view(-1).long() * page_size + positions % page_size
+    )
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device, generator=generator)
     k_new = torch.randn(batch, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device, generator=generator)
     v_new = torch.randn_like(k_new)
@@ -58,9 +63,21 @@ def decode_case(batch: int, context: int, page_size: int, tiles: list[DecodeTile
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
     rows = []
     for tile in tiles:
+
         def call(tile: DecodeTile = tile) -> None:
-            paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, HEAD_DIM**-0.5,
-                                          splits=chosen_splits, new_kv=(k_new, v_new, slots), tile=tile)
+            paged_decode_attention_triton(
+                q,
+                k_cache,
+                v_cache,
+                page_table,
+                seq_lens,
+                page_size,
+                HEAD_DIM**-0.5,
+                splits=chosen_splits,
+                new_kv=(k_new, v_new, slots),
+                tile=tile,
+            )
+
         if verbose:
             print(f"  batch {batch} context {context}: {vars(tile)}", flush=True)  # a crash names its tile
         try:
@@ -71,8 +88,14 @@ def decode_case(batch: int, context: int, page_size: int, tiles: list[DecodeTile
         rows.append({"tile": vars(tile), "us": us, "tb_s": kv_bytes / (us * 1e-6) / 1e12})
     del k_cache, v_cache
     torch.cuda.empty_cache()
-    return {"batch": batch, "context": context, "page_size": page_size, "splits": chosen_splits,
-            "kv_bytes": kv_bytes, "tiles": rows}
+    return {
+        "batch": batch,
+        "context": context,
+        "page_size": page_size,
+        "splits": chosen_splits,
+        "kv_bytes": kv_bytes,
+        "tiles": rows,
+    }
 
 
 def main() -> None:
@@ -80,8 +103,11 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,32,128,256,512")
     parser.add_argument("--contexts", default="512,1024,7000")
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--tiles", default="64x4x0,64x4x2,64x4x4,64x8x3,128x4x3,128x8x3,32x4x3,32x2x3,64x2x3",
-                        help="block_n x warps x stages, comma separated; the default tile is always run first")
+    parser.add_argument(
+        "--tiles",
+        default="64x4x0,64x4x2,64x4x4,64x8x3,128x4x3,128x8x3,32x4x3,32x2x3,64x2x3",
+        help="block_n x warps x stages, comma separated; the default tile is always run first",
+    )
     parser.add_argument("--splits", type=int, default=None, help="fixed split count (default: the engine's choice)")
     parser.add_argument("--verbose", action="store_true", help="print each tile before it runs")
     parser.add_argument("--output", default="bench_results/attention_sweep.json")
@@ -98,12 +124,23 @@ def main() -> None:
             results.append(case)
             timed = [row for row in case["tiles"] if "us" in row]
             first, best = case["tiles"][0], min(timed, key=lambda row: row["us"])
-            print(f"{batch:>6}{context:>8}{case['splits']:>7}{first.get('us', float('nan')):>11.1f}"
-                  f"{first.get('tb_s', float('nan')):>6.2f}{best['us']:>9.1f}{best['tb_s']:>6.2f}  {best['tile']}", flush=True)
+            print(
+                f"{batch:>6}{context:>8}{case['splits']:>7}{first.get('us', float('nan')):>11.1f}"
+                f"{first.get('tb_s', float('nan')):>6.2f}{best['us']:>9.1f}{best['tb_s']:>6.2f}  {best['tile']}",
+                flush=True,
+            )
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as handle:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tb_s": ceiling,
-                   "results": results}, handle, indent=1)
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "copy_tb_s": ceiling,
+                "results": results,
+            },
+            handle,
+            indent=1,
+        )
     print(f"wrote {args.output}")
 
 

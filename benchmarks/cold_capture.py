@@ -78,6 +78,7 @@ def _profile_one_run(args: argparse.Namespace) -> dict[str, Any]:
                 spans[span] = time.perf_counter() - began
                 sampling.clear()
                 imported.extend(sorted(set(sys.modules) - modules))
+
         return timed_capture
 
     from graphs.extend_graph_runner import ExtendGraphRunner
@@ -88,8 +89,15 @@ def _profile_one_run(args: argparse.Namespace) -> dict[str, Any]:
     if args.extend_capture_tokens:
         options["extend_capture_tokens"] = args.extend_capture_tokens
     began = time.perf_counter()
-    engine = Engine(EngineConfig(model=args.model, device=args.device, load_format=args.load_format,
-                                 kv_cache_tokens=args.kv_cache_tokens, **options))
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            load_format=args.load_format,
+            kv_cache_tokens=args.kv_cache_tokens,
+            **options,
+        )
+    )
     spans["engine_build_s"] = time.perf_counter() - began
     spans["all_captures_s"] = spans["decode_capture_s"] + spans["extend_capture_s"]
     spans["process_s"] = time.perf_counter() - started
@@ -102,10 +110,13 @@ def _profile_one_run(args: argparse.Namespace) -> dict[str, Any]:
         "spans": spans,
         "decode_graph_memory_mib": graphs.graph_memory_bytes / 2**20 if graphs is not None else None,
         "extend_graph_memory_mib": extend_graphs.graph_memory_bytes / 2**20 if extend_graphs is not None else None,
-        "compile_times_s": {name: round(sum(values), 3) for name, values in compilation_time_metrics.items()
-                            if sum(values) > 0.05},
+        "compile_times_s": {
+            name: round(sum(values), 3) for name, values in compilation_time_metrics.items() if sum(values) > 0.05
+        },
         "modules_imported_in_captures": len(imported),
-        "packages_imported_in_captures": dict(collections.Counter(".".join(name.split(".")[:3]) for name in imported).most_common(15)),
+        "packages_imported_in_captures": dict(
+            collections.Counter(".".join(name.split(".")[:3]) for name in imported).most_common(15)
+        ),
         "main_thread_frames_s": {name: round(count * SAMPLE_S, 2) for name, count in frames.most_common(20)},
         "main_thread_stacks_s": {name: round(count * SAMPLE_S, 2) for name, count in stacks.most_common(40)},
         "inductor_pool": pool,
@@ -178,19 +189,37 @@ def drop_page_cache() -> int:
 def _run_fresh(args: argparse.Namespace, index: int) -> dict[str, Any]:
     """One run in a child process with empty cache directories of its own."""
     dropped = drop_page_cache() if args.drop_page_cache else 0
-    with tempfile.TemporaryDirectory(prefix="inductor-") as inductor, tempfile.TemporaryDirectory(prefix="triton-") as triton:
+    with (
+        tempfile.TemporaryDirectory(prefix="inductor-") as inductor,
+        tempfile.TemporaryDirectory(prefix="triton-") as triton,
+    ):
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor, "TRITON_CACHE_DIR": triton}
         with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
-            command = [sys.executable, __file__, "--child-output", result.name, "--device", args.device,
-                       *(["--model", args.model] if args.model else []), "--load-format", args.load_format, "--kv-cache-tokens", str(args.kv_cache_tokens),
-                       "--extend-capture-tokens", args.extend_capture_tokens]
+            command = [
+                sys.executable,
+                __file__,
+                "--child-output",
+                result.name,
+                "--device",
+                args.device,
+                *(["--model", args.model] if args.model else []),
+                "--load-format",
+                args.load_format,
+                "--kv-cache-tokens",
+                str(args.kv_cache_tokens),
+                "--extend-capture-tokens",
+                args.extend_capture_tokens,
+            ]
             child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout_s)
             if child.returncode != 0:
                 raise RuntimeError(f"run {index} failed ({child.returncode}):\n{child.stderr[-4000:]}")
             run = json.load(open(result.name))
     run["page_cache_dropped_files"] = dropped
-    run["log"] = [line for line in child.stderr.splitlines()
-                  if any(f" {package}." in line for package in ("engine", "graphs", "backends"))]
+    run["log"] = [
+        line
+        for line in child.stderr.splitlines()
+        if any(f" {package}." in line for package in ("engine", "graphs", "backends"))
+    ]
     return run
 
 
@@ -200,10 +229,15 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a path or preset (default: the embedded SmolLM2)")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--kv-cache-tokens", type=int, default=65536)
-    parser.add_argument("--extend-capture-tokens", default="", help="token buckets captured as well (default: the config's)")
+    parser.add_argument(
+        "--extend-capture-tokens", default="", help="token buckets captured as well (default: the config's)"
+    )
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--drop-page-cache", action="store_true",
-                        help="before each run, drop the page cache of Python's, torch's and the driver's files")
+    parser.add_argument(
+        "--drop-page-cache",
+        action="store_true",
+        help="before each run, drop the page cache of Python's, torch's and the driver's files",
+    )
     parser.add_argument("--timeout-s", type=int, default=300)
     parser.add_argument("--output", default="bench_results/cold_capture.json")
     parser.add_argument("--child-output", default=None, help=argparse.SUPPRESS)
@@ -212,25 +246,45 @@ def main() -> None:
         json.dump(_profile_one_run(args), open(args.child_output, "w"))
         return
     runs = [_run_fresh(args, i) for i in range(args.runs)]
-    print(f"{'run':>3} {'decode s':>8} {'extend s':>8} {'all s':>6} {'graph MiB':>9} {'extend MiB':>10} "
-          f"{'dynamo s':>8} {'imports':>7} {'build s':>7}")
+    print(
+        f"{'run':>3} {'decode s':>8} {'extend s':>8} {'all s':>6} {'graph MiB':>9} {'extend MiB':>10} "
+        f"{'dynamo s':>8} {'imports':>7} {'build s':>7}"
+    )
     for i, run in enumerate(runs):
         spans = run["spans"]
-        print(f"{i:>3} {spans['decode_capture_s']:>8.2f} {spans['extend_capture_s']:>8.2f} {spans['all_captures_s']:>6.2f} "
-              f"{run['decode_graph_memory_mib'] or 0:>9.0f} {run['extend_graph_memory_mib'] or 0:>10.0f} "
-              f"{run['compile_times_s'].get('_compile.compile_inner', 0):>8.2f} {run['modules_imported_in_captures']:>7} "
-              f"{spans['engine_build_s']:>7.2f}")
+        print(
+            f"{i:>3} {spans['decode_capture_s']:>8.2f} {spans['extend_capture_s']:>8.2f} {spans['all_captures_s']:>6.2f} "
+            f"{run['decode_graph_memory_mib'] or 0:>9.0f} {run['extend_graph_memory_mib'] or 0:>10.0f} "
+            f"{run['compile_times_s'].get('_compile.compile_inner', 0):>8.2f} {run['modules_imported_in_captures']:>7} "
+            f"{spans['engine_build_s']:>7.2f}"
+        )
     median = statistics.median(run["spans"]["all_captures_s"] for run in runs)
-    memory = statistics.median((run["decode_graph_memory_mib"] or 0) + (run["extend_graph_memory_mib"] or 0) for run in runs)
-    print(f"median capture of all graphs {median:.2f} s, {memory:.0f} MiB over {len(runs)} cold runs"
-          f"{' (page cache dropped)' if args.drop_page_cache else ''}; the issue's budget: 10 s, 1 GiB")
+    memory = statistics.median(
+        (run["decode_graph_memory_mib"] or 0) + (run["extend_graph_memory_mib"] or 0) for run in runs
+    )
+    print(
+        f"median capture of all graphs {median:.2f} s, {memory:.0f} MiB over {len(runs)} cold runs"
+        f"{' (page cache dropped)' if args.drop_page_cache else ''}; the issue's budget: 10 s, 1 GiB"
+    )
     import torch
 
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
-    json.dump({"torch": torch.__version__, "device": args.device, "model": args.model, "load_format": args.load_format,
-               "extend_capture_tokens": args.extend_capture_tokens, "drop_page_cache": args.drop_page_cache,
-               "median_all_captures_s": median, "median_graph_memory_mib": memory,
-               "budget": {"seconds": 10.0, "graph_memory_gib": 1.0}, "runs": runs}, open(args.output, "w"), indent=1)
+    json.dump(
+        {
+            "torch": torch.__version__,
+            "device": args.device,
+            "model": args.model,
+            "load_format": args.load_format,
+            "extend_capture_tokens": args.extend_capture_tokens,
+            "drop_page_cache": args.drop_page_cache,
+            "median_all_captures_s": median,
+            "median_graph_memory_mib": memory,
+            "budget": {"seconds": 10.0, "graph_memory_gib": 1.0},
+            "runs": runs,
+        },
+        open(args.output, "w"),
+        indent=1,
+    )
 
 
 if __name__ == "__main__":

@@ -32,9 +32,14 @@ ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free"
 
 def analyse(prof: profile, gap_us: float, slow_op_us: float) -> dict[str, Any]:
     events = prof.events()
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
-    host = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    host = [
+        (e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == torch.autograd.DeviceType.CPU
+    ]
     runtime: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     for start, end, name in host:
         if name.startswith("cu"):
@@ -57,12 +62,19 @@ def analyse(prof: profile, gap_us: float, slow_op_us: float) -> dict[str, Any]:
             if start >= outer_end:
                 outer_end = end
                 if end - start > slow_op_us:
-                    slow_ops.append({"step": index, "op": name[:80], "at_ms": (start - step_start) / 1e3,
-                                     "ms": (end - start) / 1e3})
+                    slow_ops.append(
+                        {"step": index, "op": name[:80], "at_ms": (start - step_start) / 1e3, "ms": (end - start) / 1e3}
+                    )
     span = (kernels[-1][1] - kernels[0][0]) / 1e3 if kernels else 0.0
-    return {"kernel_span_ms": span, "kernels": len(kernels), "gaps": gaps, "gap_total_ms": sum(g["ms"] for g in gaps),
-            "step_host_ms": [(e - s) / 1e3 for s, e in steps], "slow_host_ops": slow_ops,
-            "runtime_calls": sorted(([n, c, ms] for n, (c, ms) in runtime.items()), key=lambda r: -r[2])[:12]}
+    return {
+        "kernel_span_ms": span,
+        "kernels": len(kernels),
+        "gaps": gaps,
+        "gap_total_ms": sum(g["ms"] for g in gaps),
+        "step_host_ms": [(e - s) / 1e3 for s, e in steps],
+        "slow_host_ops": slow_ops,
+        "runtime_calls": sorted(([n, c, ms] for n, (c, ms) in runtime.items()), key=lambda r: -r[2])[:12],
+    }
 
 
 def main() -> None:
@@ -78,7 +90,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA or ROCm GPU (the trace's device side)")
     engine = Engine(engine_config_from_args(args))
-    for prompt, output_len in make_requests(args.num_requests, (256, 768), (128, 384), engine.model_config.vocab_size, 0):
+    for prompt, output_len in make_requests(
+        args.num_requests, (256, 768), (128, 384), engine.model_config.vocab_size, 0
+    ):
         engine.add_request(prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
     for _ in range(args.skip_steps):
         engine.step()
@@ -97,12 +111,20 @@ def main() -> None:
                 engine.step()
         torch.cuda.synchronize()
     report = analyse(prof, args.gap_ms * 1e3, args.slow_op_ms * 1e3)
-    report.update({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-                   "unprofiled_step_host_ms": unprofiled,
-                   "allocator": {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR_COUNTERS}})
+    report.update(
+        {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "model": args.model,
+            "unprofiled_step_host_ms": unprofiled,
+            "allocator": {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR_COUNTERS},
+        }
+    )
     print(f"unprofiled steps, host ms: {[round(x, 1) for x in unprofiled]}; allocator over them: {report['allocator']}")
-    print(f"profiled steps, host ms: {[round(x, 1) for x in report['step_host_ms']]}; kernels span "
-          f"{report['kernel_span_ms']:.1f} ms")
+    print(
+        f"profiled steps, host ms: {[round(x, 1) for x in report['step_host_ms']]}; kernels span "
+        f"{report['kernel_span_ms']:.1f} ms"
+    )
     print(f"device idle gaps > {args.gap_ms} ms: {len(report['gaps'])}, {report['gap_total_ms']:.1f} ms in all")
     for gap in report["gaps"][:20]:
         print(f"  {gap['ms']:7.2f} ms before {gap['next_kernel'][:40]:40s} host in: {' > '.join(gap['host_in'])}")

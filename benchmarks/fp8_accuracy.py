@@ -51,9 +51,8 @@ PROMPTS = [
 
 def bf16_checkpoint(gguf_path: str, folder: str) -> str:
     """The GGUF's weights dequantized to bf16, with its tokenizer, as an HF folder (transformers reads GGUF)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = os.path.split(gguf_path)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.bfloat16)
@@ -143,8 +142,13 @@ def measure(device: str, new_tokens: int, prompts: list[str], variants: dict[str
         continuations = [out.token_ids for out in reference.generate(encoded, greedy)]
         want = [teacher_forced_logits(reference, p, c) for p, c in zip(encoded, continuations)]
         del reference
-        report: dict[str, Any] = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to bf16)", "device": device,
-                                  "torch": torch.__version__, "positions": sum(len(c) for c in continuations), "variants": {}}
+        report: dict[str, Any] = {
+            "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to bf16)",
+            "device": device,
+            "torch": torch.__version__,
+            "positions": sum(len(c) for c in continuations),
+            "variants": {},
+        }
         for name, options in variants.items():
             with forced_w8a8(device) if name == W8A8 else contextlib.nullcontext():
                 engine = Engine(model=folder, **options, **common)
@@ -156,11 +160,16 @@ def measure(device: str, new_tokens: int, prompts: list[str], variants: dict[str
                     kls += k
                 free = [out.token_ids for out in engine.generate(encoded, greedy)]
                 del engine
-            same_prefix = [next((i for i, (x, y) in enumerate(zip(f, c)) if x != y), len(c)) for f, c in zip(free, continuations)]
+            same_prefix = [
+                next((i for i, (x, y) in enumerate(zip(f, c)) if x != y), len(c)) for f, c in zip(free, continuations)
+            ]
             kls_sorted = sorted(kls)
             report["variants"][name] = {
-                **options, "top1_agreement": sum(agree) / len(agree), "kl_mean": statistics.fmean(kls),
-                "kl_p99": kls_sorted[min(len(kls) - 1, math.ceil(0.99 * len(kls)) - 1)], "kl_max": kls_sorted[-1],
+                **options,
+                "top1_agreement": sum(agree) / len(agree),
+                "kl_mean": statistics.fmean(kls),
+                "kl_p99": kls_sorted[min(len(kls) - 1, math.ceil(0.99 * len(kls)) - 1)],
+                "kl_max": kls_sorted[-1],
                 "greedy_tokens_before_first_difference": same_prefix,
             }
     return report
@@ -174,11 +183,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     report = measure(args.device, args.new_tokens, PROMPTS, VARIANTS)
-    print(f"{report['positions']} teacher-forced positions over {len(PROMPTS)} prompts; reference: float32 over bf16 weights")
-    print(f"{'variant':8} {'top-1 agree':>12} {'KL mean':>10} {'KL p99':>10} {'KL max':>10}  greedy tokens before the first difference")
+    print(
+        f"{report['positions']} teacher-forced positions over {len(PROMPTS)} prompts; reference: float32 over bf16 weights"
+    )
+    print(
+        f"{'variant':8} {'top-1 agree':>12} {'KL mean':>10} {'KL p99':>10} {'KL max':>10}  greedy tokens before the first difference"
+    )
     for name, row in report["variants"].items():
-        print(f"{name:8} {row['top1_agreement']:>12.4f} {row['kl_mean']:>10.2e} {row['kl_p99']:>10.2e} {row['kl_max']:>10.2e}  "
-              f"{row['greedy_tokens_before_first_difference']}")
+        print(
+            f"{name:8} {row['top1_agreement']:>12.4f} {row['kl_mean']:>10.2e} {row['kl_p99']:>10.2e} {row['kl_max']:>10.2e}  "
+            f"{row['greedy_tokens_before_first_difference']}"
+        )
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=1)

@@ -16,7 +16,8 @@ import argparse
 import itertools
 import json
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +43,11 @@ def graph_us(fn: Callable[[], Any], replays: int = 10) -> float:
 
 def sweep_configs(rows: int) -> list[KernelConfig]:
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    return [KernelConfig(block_m, bn, bk, sk, nw, ns)
-            for bn, bk, sk, nw, ns in itertools.product((16, 32, 64, 128), (128, 256, 512), (1, 2, 4), (4, 8), (3, 4))
-            if not (bn >= 128 and bk >= 512)]
+    return [
+        KernelConfig(block_m, bn, bk, sk, nw, ns)
+        for bn, bk, sk, nw, ns in itertools.product((16, 32, 64, 128), (128, 256, 512), (1, 2, 4), (4, 8), (3, 4))
+        if not (bn >= 128 and bk >= 512)
+    ]
 
 
 def main() -> None:
@@ -65,22 +68,36 @@ def main() -> None:
     copy_us = graph_us(lambda: copy_dst.copy_(copy_src))
     # A copy reads and writes every byte: its bandwidth is 2 x bytes / time.
     copy_bandwidth = 2 * layer_bf16_bytes / copy_us / 1e3
-    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "copy_GBps": copy_bandwidth, "rows": {}}
-    print(f"{torch.cuda.get_device_name()}; device copy {copy_bandwidth:.0f} GB/s; one Llama-3-8B layer: "
-          f"{layer_bf16_bytes / 2**20:.0f} MiB bf16, {layer_bf16_bytes / 2 / 2**20:.0f} MiB FP8")
-    print(f"{'rows':>5} {'bf16 us':>9} {'GB/s':>6} {'fp8 chosen us':>14} {'GB/s':>6} {'scaled_mm us':>13} "
-          f"{'triton us':>10} {'best sweep us':>14}  error vs reference")
+    report: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "copy_GBps": copy_bandwidth,
+        "rows": {},
+    }
+    print(
+        f"{torch.cuda.get_device_name()}; device copy {copy_bandwidth:.0f} GB/s; one Llama-3-8B layer: "
+        f"{layer_bf16_bytes / 2**20:.0f} MiB bf16, {layer_bf16_bytes / 2 / 2**20:.0f} MiB FP8"
+    )
+    print(
+        f"{'rows':>5} {'bf16 us':>9} {'GB/s':>6} {'fp8 chosen us':>14} {'GB/s':>6} {'scaled_mm us':>13} "
+        f"{'triton us':>10} {'best sweep us':>14}  error vs reference"
+    )
     for rows in [int(r) for r in args.rows.split(",")]:
         x = torch.randn(rows, 4096, device=device, dtype=torch.bfloat16)
-        inputs = {name: (x if name != "down" else torch.randn(rows, 14336, device=device, dtype=torch.bfloat16))
-                  for name in LLAMA3_8B_LAYER}
+        inputs = {
+            name: (x if name != "down" else torch.randn(rows, 14336, device=device, dtype=torch.bfloat16))
+            for name in LLAMA3_8B_LAYER
+        }
         entry: dict[str, Any] = {}
         entry["bf16_us"] = sum(graph_us(lambda n=name: F.linear(inputs[n], weights[n][0])) for name in LLAMA3_8B_LAYER)
-        entry["scaled_mm_us"] = sum(graph_us(lambda n=name: fp8_scaled_mm(inputs[n], weights[n][1], weights[n][2], None))
-                                    for name in LLAMA3_8B_LAYER)
-        entry["triton_us"] = sum(graph_us(lambda n=name: fp8_weight_only_matmul(inputs[n], weights[n][1], weights[n][2], None))
-                                 for name in LLAMA3_8B_LAYER)
+        entry["scaled_mm_us"] = sum(
+            graph_us(lambda n=name: fp8_scaled_mm(inputs[n], weights[n][1], weights[n][2], None))
+            for name in LLAMA3_8B_LAYER
+        )
+        entry["triton_us"] = sum(
+            graph_us(lambda n=name: fp8_weight_only_matmul(inputs[n], weights[n][1], weights[n][2], None))
+            for name in LLAMA3_8B_LAYER
+        )
         entry["configs"] = {name: vars(choose_config(rows, *LLAMA3_8B_LAYER[name], device)) for name in LLAMA3_8B_LAYER}
         entry["chosen_us"] = entry["triton_us"] if rows <= WEIGHT_ONLY_MAX_ROWS else entry["scaled_mm_us"]
         errors = {}
@@ -95,7 +112,12 @@ def main() -> None:
                 timed = []
                 for config in sweep_configs(rows):
                     try:
-                        us = graph_us(lambda n=name, c=config: fp8_weight_only_matmul(inputs[n], weights[n][1], weights[n][2], None, c), replays=5)
+                        us = graph_us(
+                            lambda n=name, c=config: fp8_weight_only_matmul(
+                                inputs[n], weights[n][1], weights[n][2], None, c
+                            ),
+                            replays=5,
+                        )
                     except Exception as exc:  # a config a shape cannot take (resources): skipped, named
                         timed.append((float("inf"), vars(config), type(exc).__name__))
                         continue
@@ -106,10 +128,12 @@ def main() -> None:
             entry["sweep_best_us"] = sum(b["us"] for b in best.values())
         report["rows"][rows] = entry
         fp8_bytes = layer_bf16_bytes / 2
-        print(f"{rows:>5} {entry['bf16_us']:>9.1f} {layer_bf16_bytes / entry['bf16_us'] / 1e3:>6.0f} "
-              f"{entry['chosen_us']:>14.1f} {fp8_bytes / entry['chosen_us'] / 1e3:>6.0f} {entry['scaled_mm_us']:>13.1f} "
-              f"{entry['triton_us']:>10.1f} {entry.get('sweep_best_us', float('nan')):>14.1f}  "
-              f"{max(errors.values()):.1e}")
+        print(
+            f"{rows:>5} {entry['bf16_us']:>9.1f} {layer_bf16_bytes / entry['bf16_us'] / 1e3:>6.0f} "
+            f"{entry['chosen_us']:>14.1f} {fp8_bytes / entry['chosen_us'] / 1e3:>6.0f} {entry['scaled_mm_us']:>13.1f} "
+            f"{entry['triton_us']:>10.1f} {entry.get('sweep_best_us', float('nan')):>14.1f}  "
+            f"{max(errors.values()):.1e}"
+        )
         if args.sweep:
             for name, b in entry["sweep_best"].items():
                 print(f"      {name:>8}: best {b['us']:.1f} us with {b['config']}")

@@ -21,8 +21,13 @@ import torch
 from backends.cuda.gemv import GemvConfig, choose_config, gemv
 from benchmarks.gpu_timing import copy_rate_bytes_per_s, graph_us, preset_config
 
-SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336),
-          "lm_head": (128256, 4096)}
+SHAPES = {
+    "qkv_proj": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up_proj": (28672, 4096),
+    "down_proj": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
 COPIES = 8
 
 
@@ -33,8 +38,13 @@ def preset_shapes(name: str) -> dict[str, tuple[int, int]]:
     head_dim = config.get("head_dim") or hidden // heads
     q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
     inter = config["intermediate_size"]
-    return {"qkv_proj": (q + 2 * kv, hidden), "o_proj": (hidden, q), "gate_up_proj": (2 * inter, hidden),
-            "down_proj": (hidden, inter), "lm_head": (config["vocab_size"], hidden)}
+    return {
+        "qkv_proj": (q + 2 * kv, hidden),
+        "o_proj": (hidden, q),
+        "gate_up_proj": (2 * inter, hidden),
+        "down_proj": (hidden, inter),
+        "lm_head": (config["vocab_size"], hidden),
+    }
 
 
 def main() -> None:
@@ -44,14 +54,21 @@ def main() -> None:
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="1,3")
     parser.add_argument("--dtypes", default="bf16,fp8")
-    parser.add_argument("--rows", type=int, default=1, help="activation rows: 1, or 2 (the two-row GEMV measured in docs/cuda.md, session (e))")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=1,
+        help="activation rows: 1, or 2 (the two-row GEMV measured in docs/cuda.md, session (e))",
+    )
     parser.add_argument("--model", default=None, help="a preset under configs/models/ (default: Llama-3-8B's shapes)")
     parser.add_argument("--output", default="bench_results/gemv_sweep.json")
     args = parser.parse_args()
     shapes = preset_shapes(args.model) if args.model else SHAPES
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
-    configs = [GemvConfig(*c) for c in itertools.product(ints(args.block_n), ints(args.block_k), ints(args.warps),
-                                                         ints(args.stages))]
+    configs = [
+        GemvConfig(*c)
+        for c in itertools.product(ints(args.block_n), ints(args.block_k), ints(args.warps), ints(args.stages))
+    ]
     ceiling = copy_rate_bytes_per_s() / 1e12
     print(f"device copy: {ceiling:.2f} TB/s")
     results: list[dict[str, Any]] = []
@@ -70,17 +87,23 @@ def main() -> None:
                 del weights
                 bytes_per_call = n * k
                 row["baseline"] = "triton fp8_weight_only_matmul"
-                row["baseline_us"] = graph_us([lambda q=q: fp8_weight_only_matmul(xk, q[0], q[1], None) for q in quantized])
+                row["baseline_us"] = graph_us(
+                    [lambda q=q: fp8_weight_only_matmul(xk, q[0], q[1], None) for q in quantized]
+                )
                 chosen = choose_config(n, k, 1)
-                candidates = {c: [lambda q=q, c=c: gemv(xk, q[0], None, q[1], c) for q in quantized]
-                              for c in dict.fromkeys([*configs, chosen])}
+                candidates = {
+                    c: [lambda q=q, c=c: gemv(xk, q[0], None, q[1], c) for q in quantized]
+                    for c in dict.fromkeys([*configs, chosen])
+                }
             else:
                 bytes_per_call = 2 * n * k
                 row["baseline"] = "cublas F.linear"
                 row["baseline_us"] = graph_us([lambda w=w: torch.nn.functional.linear(xk, w) for w in weights])
                 chosen = choose_config(n, k, 2)
-                candidates = {c: [lambda w=w, c=c: gemv(xk, w, None, None, c) for w in weights]
-                              for c in dict.fromkeys([*configs, chosen])}
+                candidates = {
+                    c: [lambda w=w, c=c: gemv(xk, w, None, None, c) for w in weights]
+                    for c in dict.fromkeys([*configs, chosen])
+                }
             timings = []
             for config, calls in candidates.items():
                 try:
@@ -89,18 +112,34 @@ def main() -> None:
                     print(f"  {config}: {type(exc).__name__}")
             best_us, best = min(timings, key=lambda t: t[0])
             chosen_us = next((us for us, c in timings if c == chosen), float("nan"))
-            row.update(best_us=best_us, best=best.__dict__, chosen=chosen.__dict__, chosen_us=chosen_us, baseline_tbs=bytes_per_call / row["baseline_us"] / 1e6,
-                       best_tbs=bytes_per_call / best_us / 1e6,
-                       all=[{"us": us, **c.__dict__} for us, c in sorted(timings, key=lambda t: t[0])])
+            row.update(
+                best_us=best_us,
+                best=best.__dict__,
+                chosen=chosen.__dict__,
+                chosen_us=chosen_us,
+                baseline_tbs=bytes_per_call / row["baseline_us"] / 1e6,
+                best_tbs=bytes_per_call / best_us / 1e6,
+                all=[{"us": us, **c.__dict__} for us, c in sorted(timings, key=lambda t: t[0])],
+            )
             results.append(row)
-            print(f"{dtype_name:5} {name:13} {row['baseline']:32} {row['baseline_us']:8.1f} us ({row['baseline_tbs']:.2f} TB/s)"
-                  f" | GEMV best {best_us:8.1f} us ({row['best_tbs']:.2f} TB/s) {best} | engine's tile {chosen_us:8.1f} us")
+            print(
+                f"{dtype_name:5} {name:13} {row['baseline']:32} {row['baseline_us']:8.1f} us ({row['baseline_tbs']:.2f} TB/s)"
+                f" | GEMV best {best_us:8.1f} us ({row['best_tbs']:.2f} TB/s) {best} | engine's tile {chosen_us:8.1f} us"
+            )
             del candidates
             torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
     with open(args.output, "w") as handle:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbs": ceiling,
-                   "results": results}, handle, indent=1)
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "copy_tbs": ceiling,
+                "results": results,
+            },
+            handle,
+            indent=1,
+        )
     print(f"wrote {args.output}")
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

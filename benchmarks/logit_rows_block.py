@@ -45,7 +45,7 @@ def main() -> None:
     torch.cuda.synchronize()
     gemms = max(1, round(args.queue_ms / ((time.perf_counter() - start) * 1e3 / 20)))
 
-    def host_ms(call) -> float:  # noqa: ANN001
+    def host_ms(call) -> float:
         for _ in range(gemms):
             F.linear(a, b)
         began = time.perf_counter()
@@ -66,14 +66,27 @@ def main() -> None:
     print(f"{'rows':>6}{'first use':>11}{'again':>9}{'ladder':>8}{'padded rows - 1, warmed':>25}")
     for r in rows:
         print(f"{r:>6}{first[r]:>11.2f}{again[r]:>9.2f}{ladder.padded_rows(r - 1):>8}{padded[r]:>25.2f}")
-    summary = {name: statistics.median(values.values()) for name, values in
-               (("first_use_ms", first), ("again_ms", again), ("padded_warmed_ms", padded))}
+    summary = {
+        name: statistics.median(values.values())
+        for name, values in (("first_use_ms", first), ("again_ms", again), ("padded_warmed_ms", padded))
+    }
     print("medians:", {k: round(v, 2) for k, v in summary.items()})
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                       "queue_ms": args.queue_ms, "first_use_ms": first, "again_ms": again,
-                       "padded_warmed_ms": padded, "medians": summary}, f, indent=1)
+            json.dump(
+                {
+                    "gpu": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "cuda": torch.version.cuda,
+                    "queue_ms": args.queue_ms,
+                    "first_use_ms": first,
+                    "again_ms": again,
+                    "padded_warmed_ms": padded,
+                    "medians": summary,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

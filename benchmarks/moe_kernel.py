@@ -24,21 +24,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from backends.cuda.triton_moe import MoeTile, fused_moe, moe_tile
-from engine.layers.moe import moe_experts
 from benchmarks.gpu_timing import copy_rate_bytes_per_s, graph_us, preset_config
+from engine.layers.moe import moe_experts
 from graphs.tune_measure import steady_ms
 
 SWEEP_TILES = (
     [MoeTile(16, n, k, num_warps=4, num_stages=s) for n in (32, 64) for k in (64, 128) for s in (3, 4)]
     + [MoeTile(64, 64, 64, num_warps=4, num_stages=3), MoeTile(64, 128, 64, num_warps=8, num_stages=3)]
-    + [MoeTile(1, n, k, num_warps=w, num_stages=2, per_slot=True) for n in (8, 16, 32, 64) for k in (128, 256, 512)
-       for w in (4, 8) if n * k <= 16384]
+    + [
+        MoeTile(1, n, k, num_warps=w, num_stages=2, per_slot=True)
+        for n in (8, 16, 32, 64)
+        for k in (128, 256, 512)
+        for w in (4, 8)
+        if n * k <= 16384
+    ]
 )
 
 
@@ -62,7 +68,9 @@ def measure(name: str, tokens: int, layers: int, sweep: bool, rate: float) -> di
     experts, top_k, hidden, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["inter"]
     generator = torch.Generator(device="cuda").manual_seed(tokens)
     to = {"device": "cuda", "dtype": torch.bfloat16}
-    gate_ups = [torch.randn(experts, 2 * inter, hidden, generator=generator, **to) * hidden**-0.5 for _ in range(layers)]
+    gate_ups = [
+        torch.randn(experts, 2 * inter, hidden, generator=generator, **to) * hidden**-0.5 for _ in range(layers)
+    ]
     downs = [torch.randn(experts, hidden, inter, generator=generator, **to) * inter**-0.5 for _ in range(layers)]
     x = torch.randn(tokens, hidden, generator=generator, **to)
     logits = torch.randn(tokens, experts, generator=generator, device="cuda")
@@ -76,19 +84,31 @@ def measure(name: str, tokens: int, layers: int, sweep: bool, rate: float) -> di
 
     want = moe_experts(x.float(), gate_ups[0].float(), downs[0].float(), expert_ids, weights.float())
     default = moe_tile(tokens, top_k, experts, torch.bfloat16)
-    row: dict[str, Any] = {"model": name, "tokens": tokens, **shape, "distinct_experts": distinct,
-                           "floor_ms": floor_ms, "default_tile": asdict(default)}
+    row: dict[str, Any] = {
+        "model": name,
+        "tokens": tokens,
+        **shape,
+        "distinct_experts": distinct,
+        "floor_ms": floor_ms,
+        "default_tile": asdict(default),
+    }
     row["fused_ms"] = graph_ms_per_layer(run(default), layers)
-    row["fused_max_abs_err"] = float((fused_moe(x, gate_ups[0], downs[0], expert_ids, weights).float() - want).abs().max())
+    row["fused_max_abs_err"] = float(
+        (fused_moe(x, gate_ups[0], downs[0], expert_ids, weights).float() - want).abs().max()
+    )
     torch_call = lambda: [moe_experts(x, gate_ups[layer], downs[layer], expert_ids, weights) for layer in range(layers)]  # noqa: E731
     row["torch_ms"] = steady_ms(torch.cuda.synchronize, torch_call, 10) / layers
     if sweep:
         row["sweep"] = []
         for tile in SWEEP_TILES:
             try:
-                err = float((fused_moe(x, gate_ups[0], downs[0], expert_ids, weights, tile=tile).float() - want).abs().max())
-                row["sweep"].append({"tile": asdict(tile), "ms": graph_ms_per_layer(run(tile), layers), "max_abs_err": err})
-            except Exception as error:  # noqa: BLE001 - a tile a GPU cannot compile (shared memory) is reported, not fatal
+                err = float(
+                    (fused_moe(x, gate_ups[0], downs[0], expert_ids, weights, tile=tile).float() - want).abs().max()
+                )
+                row["sweep"].append(
+                    {"tile": asdict(tile), "ms": graph_ms_per_layer(run(tile), layers), "max_abs_err": err}
+                )
+            except Exception as error:
                 row["sweep"].append({"tile": asdict(tile), "error": f"{type(error).__name__}: {str(error)[:200]}"})
     return row
 
@@ -109,7 +129,9 @@ def main() -> None:
     rate = copy_rate_bytes_per_s()
     print(f"{torch.cuda.get_device_name()}: copy rate {rate / 1e12:.2f} TB/s (read + write)")
     rows = []
-    print(f"{'model':>15} {'T':>5} {'experts':>7} {'floor':>7} {'fused':>7} {'torch':>7} {'fused/floor':>11}  best tile (ms)")
+    print(
+        f"{'model':>15} {'T':>5} {'experts':>7} {'floor':>7} {'fused':>7} {'torch':>7} {'fused/floor':>11}  best tile (ms)"
+    )
     for name in args.models.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
             row = measure(name, tokens, args.layers, args.sweep, rate)
@@ -118,12 +140,24 @@ def main() -> None:
             timed = [s for s in row.get("sweep", []) if "ms" in s]
             best = min(timed, key=lambda s: s["ms"]) if timed else None
             best_text = f"{tile_text(best['tile'])} ({best['ms']:.4f})" if best else ""
-            print(f"{name:>15} {tokens:5d} {row['distinct_experts']:7d} {row['floor_ms']:7.4f} {row['fused_ms']:7.4f} "
-                  f"{row['torch_ms']:7.4f} {row['fused_ms'] / row['floor_ms']:11.2f}  {best_text}", flush=True)
+            print(
+                f"{name:>15} {tokens:5d} {row['distinct_experts']:7d} {row['floor_ms']:7.4f} {row['fused_ms']:7.4f} "
+                f"{row['torch_ms']:7.4f} {row['fused_ms'] / row['floor_ms']:11.2f}  {best_text}",
+                flush=True,
+            )
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
     with open(args.output, "w") as handle:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_rate_bytes_per_s": rate,
-                   "layers": args.layers, "rows": rows}, handle, indent=1)
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "copy_rate_bytes_per_s": rate,
+                "layers": args.layers,
+                "rows": rows,
+            },
+            handle,
+            indent=1,
+        )
     print(f"wrote {args.output}")
 
 

@@ -30,8 +30,13 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         generator = torch.Generator().manual_seed(batch)
-        ids = [engine.add_request(torch.randint(0, vocab, (args.context,), generator=generator).tolist(),
-                                  SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)) for _ in range(batch)]
+        ids = [
+            engine.add_request(
+                torch.randint(0, vocab, (args.context,), generator=generator).tolist(),
+                SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True),
+            )
+            for _ in range(batch)
+        ]
         while len(engine.scheduler.running) < batch:
             engine.step()
         for _ in range(5):

@@ -30,8 +30,10 @@ def kernel_table(engine: Engine, batch: int, context: int, replays: int) -> dict
     vocab = engine.model_config.vocab_size
     generator = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(torch.randint(0, vocab, (context,), generator=generator).tolist(), params)
-           for _ in range(batch)]
+    ids = [
+        engine.add_request(torch.randint(0, vocab, (context,), generator=generator).tolist(), params)
+        for _ in range(batch)
+    ]
     while len(engine.scheduler.running) < batch:
         engine.step()
     engine.step()
@@ -49,9 +51,15 @@ def kernel_table(engine: Engine, batch: int, context: int, replays: int) -> dict
     for request_id in ids:
         engine.abort(request_id)
     kernels_us = sum(us for _, _, us in rows)
-    return {"batch_size": batch, "padded": padded, "context": context, "replay_ms": replay_ms,
-            "kernel_us_sum": kernels_us, "launches": sum(n for _, n, _ in rows),
-            "kernels": [{"name": name, "launches": n, "us": us} for name, n, us in rows]}
+    return {
+        "batch_size": batch,
+        "padded": padded,
+        "context": context,
+        "replay_ms": replay_ms,
+        "kernel_us_sum": kernels_us,
+        "launches": sum(n for _, n, _ in rows),
+        "kernels": [{"name": name, "launches": n, "us": us} for name, n, us in rows],
+    }
 
 
 def main() -> None:
@@ -68,15 +76,24 @@ def main() -> None:
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         table = kernel_table(engine, batch, args.context, args.replays)
         results.append(table)
-        print(f"\n==== batch {batch} (graph {table['padded']}), context {args.context}: replay {table['replay_ms']:.3f} ms, "
-              f"kernels {table['kernel_us_sum'] / 1e3:.3f} ms in {table['launches']:.0f} launches")
+        print(
+            f"\n==== batch {batch} (graph {table['padded']}), context {args.context}: replay {table['replay_ms']:.3f} ms, "
+            f"kernels {table['kernel_us_sum'] / 1e3:.3f} ms in {table['launches']:.0f} launches"
+        )
         print(f"{'us/replay':>10} {'launches':>9}  kernel")
         for row in table["kernels"][: args.top]:
             print(f"{row['us']:10.1f} {row['launches']:9.1f}  {row['name'][:110]}")
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
     with open(args.output, "w") as handle:
-        json.dump({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                   "torch": torch.__version__, "results": results}, handle, indent=1)
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "torch": torch.__version__,
+                "results": results,
+            },
+            handle,
+            indent=1,
+        )
     print(f"wrote {args.output}")
 
 

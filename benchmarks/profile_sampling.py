@@ -72,9 +72,14 @@ def main() -> None:
             sync()
             samples.append((time.perf_counter() - start) * 1e3 / (args.iters // 5))
         report["ms"][name] = statistics.median(samples)
-        print(f"{name:<22} {report['ms'][name]:.3f} ms per call (incl. a {args.batch_size}x{args.vocab} clone)", flush=True)
+        print(
+            f"{name:<22} {report['ms'][name]:.3f} ms per call (incl. a {args.batch_size}x{args.vocab} clone)",
+            flush=True,
+        )
         if name == "top_k_top_p_penalty" and device.type == "cuda":
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+            ) as prof:
                 for _ in range(5):
                     call()
                 sync()

@@ -47,10 +47,20 @@ def _wait_for_health(url: str, server: subprocess.Popen, timeout: float) -> None
     raise TimeoutError(f"the server was not ready within {timeout:.0f} s")
 
 
-def serve_and_bench(engine_args: list[str], concurrencies: list[int], bench: argparse.Namespace, port: int,
-                    ready_timeout: float) -> list[dict[str, Any]]:
-    command = [sys.executable, "-m", "engine.cli", "serve", *engine_args, "--port", str(port),
-               "--max-pending-requests", str(max(1024, bench.num_prompts))]
+def serve_and_bench(
+    engine_args: list[str], concurrencies: list[int], bench: argparse.Namespace, port: int, ready_timeout: float
+) -> list[dict[str, Any]]:
+    command = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "serve",
+        *engine_args,
+        "--port",
+        str(port),
+        "--max-pending-requests",
+        str(max(1024, bench.num_prompts)),
+    ]
     print("starting:", shlex.join(command), flush=True)
     path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
     server = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": path})
@@ -62,8 +72,11 @@ def serve_and_bench(engine_args: list[str], concurrencies: list[int], bench: arg
             bench.base_url, bench.concurrency = url, concurrency
             summary = asyncio.run(run_benchmark(bench))
             summary.pop("requests")
-            print(f"server, concurrency {concurrency}: {summary['output_throughput']:.0f} output tok/s, "
-                  f"{summary['completed']} completed, {summary['failed']} failed {summary['errors']}", flush=True)
+            print(
+                f"server, concurrency {concurrency}: {summary['output_throughput']:.0f} output tok/s, "
+                f"{summary['completed']} completed, {summary['failed']} failed {summary['errors']}",
+                flush=True,
+            )
             results.append(summary)
         return results
     finally:
@@ -98,39 +111,68 @@ def offline(engine: Engine, workload: list[tuple[list[int], int]], concurrency: 
                     live += 1
     engine.platform.synchronize()
     wall = time.perf_counter() - start
-    return {"concurrency": concurrency, "wall_s": wall, "output_tokens": generated, "output_throughput": generated / wall}
+    return {
+        "concurrency": concurrency,
+        "wall_s": wall,
+        "output_tokens": generated,
+        "output_throughput": generated / wall,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine-args", default="", help="engine flags, for the server and the in-process engine alike")
+    parser.add_argument(
+        "--engine-args", default="", help="engine flags, for the server and the in-process engine alike"
+    )
     parser.add_argument("--port", type=int, default=30123)
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--skip-server", action="store_true", help="only the in-process figures")
-    parser.add_argument("--server-variants", default="",
-                        help="';'-separated sets of server-only flags, one server run each (e.g. "
-                        "'--engine-process;--no-engine-process'); default: one run with the defaults")
+    parser.add_argument(
+        "--server-variants",
+        default="",
+        help="';'-separated sets of server-only flags, one server run each (e.g. "
+        "'--engine-process;--no-engine-process'); default: one run with the defaults",
+    )
     add_bench_serving_args(parser)
-    parser.set_defaults(concurrency=None, num_prompts=512, input_len="512", output_len="256", token_ids=True,
-                        output="bench_results/serving_vs_offline.json")
+    parser.set_defaults(
+        concurrency=None,
+        num_prompts=512,
+        input_len="512",
+        output_len="256",
+        token_ids=True,
+        output="bench_results/serving_vs_offline.json",
+    )
     parser.add_argument("--concurrencies", default="64,256", help="comma list of concurrencies")
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrencies.split(",")]
     engine_args = shlex.split(args.engine_args)
-    report: dict[str, Any] = {"engine_args": engine_args, "num_prompts": args.num_prompts, "input_len": args.input_len,
-                              "output_len": args.output_len}
+    report: dict[str, Any] = {
+        "engine_args": engine_args,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+    }
     variants = [shlex.split(v) for v in args.server_variants.split(";")] if args.server_variants else [[]]
-    report["servers"] = [] if args.skip_server else [
-        {"server_args": extra, "results": serve_and_bench(engine_args + extra, concurrencies, args, args.port, args.ready_timeout)}
-        for extra in variants
-    ]
+    report["servers"] = (
+        []
+        if args.skip_server
+        else [
+            {
+                "server_args": extra,
+                "results": serve_and_bench(engine_args + extra, concurrencies, args, args.port, args.ready_timeout),
+            }
+            for extra in variants
+        ]
+    )
     engine_parser = argparse.ArgumentParser()
     add_engine_args(engine_parser)
     engine = Engine(engine_config_from_args(engine_parser.parse_args(engine_args)))
     workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.seed, args.vocab_size)
     report["offline"] = [offline(engine, workload, c) for c in concurrencies]  # type: ignore[arg-type]
-    print(f"{'server flags':>22} {'concurrency':>11} {'server tok/s':>13} {'in-process tok/s':>17} {'ratio':>6} "
-          f"{'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15}")
+    print(
+        f"{'server flags':>22} {'concurrency':>11} {'server tok/s':>13} {'in-process tok/s':>17} {'ratio':>6} "
+        f"{'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15}"
+    )
     for index, concurrency in enumerate(concurrencies):
         local = report["offline"][index]["output_throughput"]
         if not report["servers"]:
@@ -139,9 +181,11 @@ def main() -> None:
             s = variant["results"][index]
             ratio = s["output_throughput"] / local
             s["ratio_to_in_process"] = ratio
-            print(f"{' '.join(variant['server_args']) or 'defaults':>22} {concurrency:>11} {s['output_throughput']:>13.0f} "
-                  f"{local:>17.0f} {ratio:>6.2f} {1e3 * s['ttft_s']['median']:>7.0f}/{1e3 * s['ttft_s']['p99']:<8.0f} "
-                  f"{1e3 * s['itl_s']['median']:>6.1f}/{1e3 * s['itl_s']['p99']:<8.1f}")
+            print(
+                f"{' '.join(variant['server_args']) or 'defaults':>22} {concurrency:>11} {s['output_throughput']:>13.0f} "
+                f"{local:>17.0f} {ratio:>6.2f} {1e3 * s['ttft_s']['median']:>7.0f}/{1e3 * s['ttft_s']['p99']:<8.0f} "
+                f"{1e3 * s['itl_s']['median']:>6.1f}/{1e3 * s['itl_s']['p99']:<8.1f}"
+            )
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=2)

@@ -57,9 +57,15 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> di
             parsed += 1
         except json.JSONDecodeError:
             pass
-    return {"requests": len(finals), "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
-            "decode_step_ms_median": 1000 * statistics.median(steps) if steps else None,
-            "finished_stop": sum(o.finish_reason == "stop" for o in finals), "parsed_json": parsed}
+    return {
+        "requests": len(finals),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tok_s": tokens / wall,
+        "decode_step_ms_median": 1000 * statistics.median(steps) if steps else None,
+        "finished_stop": sum(o.finish_reason == "stop" for o in finals),
+        "parsed_json": parsed,
+    }
 
 
 def main() -> None:
@@ -80,22 +86,33 @@ def main() -> None:
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, grammar=GrammarSpec.json_schema(SCHEMA))
     _run(engine, prompts, free)  # warm both paths (a first shape compiles, the grammar compiles) once
     _run(engine, prompts, constrained)
-    report = {"engine_args": args.engine_args, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
-              "max_tokens": args.max_tokens, "runs": {}}
+    report = {
+        "engine_args": args.engine_args,
+        "num_requests": args.num_requests,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "runs": {},
+    }
     for name, params in (("unconstrained", free), ("json_schema", constrained), ("unconstrained_again", free)):
         report["runs"][name] = _run(engine, prompts, params)
     print(f"{'run':>20} {'out tok/s':>10} {'decode step ms':>15} {'stopped':>8} {'parsed JSON':>12}")
     for name, run in report["runs"].items():
         step = run["decode_step_ms_median"]
-        print(f"{name:>20} {run['output_tok_s']:>10.0f} {step if step is None else round(step, 2):>15} "
-              f"{run['finished_stop']:>8} {run['parsed_json']:>5}/{run['requests']}")
+        print(
+            f"{name:>20} {run['output_tok_s']:>10.0f} {step if step is None else round(step, 2):>15} "
+            f"{run['finished_stop']:>8} {run['parsed_json']:>5}/{run['requests']}"
+        )
     runs = report["runs"]
     base = statistics.mean([runs[n]["output_tok_s"] for n in ("unconstrained", "unconstrained_again")])
-    base_step = statistics.mean([runs[n]["decode_step_ms_median"] or 0.0 for n in ("unconstrained", "unconstrained_again")])
+    base_step = statistics.mean(
+        [runs[n]["decode_step_ms_median"] or 0.0 for n in ("unconstrained", "unconstrained_again")]
+    )
     report["json_schema_vs_unconstrained"] = runs["json_schema"]["output_tok_s"] / base
     report["json_schema_decode_step_ms_added"] = (runs["json_schema"]["decode_step_ms_median"] or 0.0) - base_step
-    print(f"json_schema / unconstrained output tok/s: {report['json_schema_vs_unconstrained']:.2f}; "
-          f"decode step +{report['json_schema_decode_step_ms_added']:.2f} ms")
+    print(
+        f"json_schema / unconstrained output tok/s: {report['json_schema_vs_unconstrained']:.2f}; "
+        f"decode step +{report['json_schema_decode_step_ms_added']:.2f} ms"
+    )
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=1)

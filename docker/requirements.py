@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # The distributions a vendor's torch comes with; what the image has of them is kept as it is.
 TRITONS = ("triton", "pytorch-triton-rocm")
-VENDOR = ("torch",) + TRITONS
+VENDOR = ("torch", *TRITONS)
 
 
 def canonical(name: str) -> str:
@@ -67,7 +67,9 @@ def constraints(constraints_txt: Path = ROOT / "scripts" / "constraints.txt") ->
     versions = {name: version for name in VENDOR if (version := installed(name))}
     if "torch" not in versions:
         raise SystemExit("torch is not installed: the image installs its torch build before this runs")
-    pins = [line for line in _lines(constraints_txt.read_text(encoding="utf-8")) if requirement_name(line) not in versions]
+    pins = [
+        line for line in _lines(constraints_txt.read_text(encoding="utf-8")) if requirement_name(line) not in versions
+    ]
     return pins + [f"{name}=={version}" for name, version in sorted(versions.items())]
 
 

@@ -17,7 +17,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # noqa: ANN202
+def __getattr__(name: str):
     # Engine pulls in torch models and backends; import it lazily so `import engine` stays light.
     if name == "Engine":
         from engine.engine import Engine

@@ -27,8 +27,9 @@ from engine.transfer import to_device
 
 
 class DecodeBatchState:
-    def __init__(self, max_rows: int, max_pages: int, page_size: int, device: torch.device,
-                 slot_dtype: torch.dtype) -> None:
+    def __init__(
+        self, max_rows: int, max_pages: int, page_size: int, device: torch.device, slot_dtype: torch.dtype
+    ) -> None:
         self.page_table = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
         self.last_tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)  # each row's last sampled token
         self.max_pages = max_pages
@@ -67,8 +68,14 @@ class DecodeBatchState:
             seq_lens=(positions + 1).to(torch.int32),
             page_size=self.page_size,
         )
-        return ForwardBatch(input_ids=self.input_tokens(inputs[0], rows), positions=positions, meta=meta,
-                            logits_indices=None, requests=requests, decode_rows=rows)
+        return ForwardBatch(
+            input_ids=self.input_tokens(inputs[0], rows),
+            positions=positions,
+            meta=meta,
+            logits_indices=None,
+            requests=requests,
+            decode_rows=rows,
+        )
 
 
 class PenaltyState:

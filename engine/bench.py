@@ -20,7 +20,7 @@ import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
@@ -53,22 +53,37 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--include-eager", action="store_true", help="also time the engine with graphs disabled")
     group.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's own)")
     group.add_argument("--skip-hf", action="store_true", help="do not time HF transformers")
-    group.add_argument("--with-int8-activations", action="store_true",
-                       help="also time the engine with --gguf-activations int8 (GGUF blocks kept on the CPU)")
-    group.add_argument("--with-gguf-activations", default="",
-                       help="comma-separated --gguf-activations values to time beside the engine's own (e.g. float32,int8)")
-    group.add_argument("--llama-cpp", action="store_true",
-                       help="also time llama.cpp (llama-cpp-python) on the same GGUF file, at batch size 1")
-    group.add_argument("--llama-cpp-extra-buffers", default="auto", choices=["auto", "on", "off"],
-                       help="llama.cpp's extra CPU buffer types (AMX, repacked weights); auto: off on a CPU with "
-                       "AMX-INT8, where ggml's AMX matmul faulted (SIGSEGV in ldtilecfg) on the 2026-12-02 VM")
+    group.add_argument(
+        "--with-int8-activations",
+        action="store_true",
+        help="also time the engine with --gguf-activations int8 (GGUF blocks kept on the CPU)",
+    )
+    group.add_argument(
+        "--with-gguf-activations",
+        default="",
+        help="comma-separated --gguf-activations values to time beside the engine's own (e.g. float32,int8)",
+    )
+    group.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="also time llama.cpp (llama-cpp-python) on the same GGUF file, at batch size 1",
+    )
+    group.add_argument(
+        "--llama-cpp-extra-buffers",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="llama.cpp's extra CPU buffer types (AMX, repacked weights); auto: off on a CPU with "
+        "AMX-INT8, where ggml's AMX matmul faulted (SIGSEGV in ldtilecfg) on the 2026-12-02 VM",
+    )
     group.add_argument("--output", default="bench_results/cpu_bench.json", help="JSON file for results and raw samples")
 
 
 def build_prompts(tokenizer: Any | None, batch_size: int, input_len: int, vocab_size: int) -> list[list[int]]:
     """`batch_size` different windows of exactly `input_len` real-text token ids."""
     if tokenizer is None:  # dummy weights / presets have no tokenizer: fixed pseudo-random ids instead
-        return torch.randint(1, vocab_size, (batch_size, input_len), generator=torch.Generator().manual_seed(0)).tolist()
+        return torch.randint(
+            1, vocab_size, (batch_size, input_len), generator=torch.Generator().manual_seed(0)
+        ).tolist()
     ids = list(tokenizer.encode(SOURCE_TEXT, add_special_tokens=False))
     stride = max(1, min(input_len // 4, (len(ids) - input_len) // max(1, batch_size - 1)))
     need = (batch_size - 1) * stride + input_len
@@ -138,8 +153,16 @@ def load_llama_cpp(model_arg: str | None, threads: int, context: int, extra_buff
 
     bindings.llama_model_default_params = model_params
     try:
-        return Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=context, n_batch=512,
-                     n_gpu_layers=0, verbose=False, seed=0)
+        return Llama(
+            model_path=path,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_ctx=context,
+            n_batch=512,
+            n_gpu_layers=0,
+            verbose=False,
+            seed=0,
+        )
     finally:
         bindings.llama_model_default_params = defaults
 
@@ -182,10 +205,15 @@ def _hf_generate(
     clock = _StepClock()
     start = time.perf_counter()
     out = model.generate(
-        input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]),
+        input_ids=input_ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=pad_id,
+        logits_processor=LogitsProcessorList([clock]),
     )
-    return time.perf_counter() - start, clock.stamps, out[:, input_ids.shape[1]:]
+    return time.perf_counter() - start, clock.stamps, out[:, input_ids.shape[1] :]
 
 
 def time_hf(
@@ -276,9 +304,14 @@ def machine_info() -> dict[str, Any]:
     import transformers
 
     return {
-        "cpu_model": cpu, "cpu_count": os.cpu_count(), "torch_num_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-        "python": sys.version.split()[0], "platform": platform.platform(), "load_average_start": os.getloadavg(),
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "load_average_start": os.getloadavg(),
     }
 
 
@@ -286,8 +319,13 @@ def _row(system: str, dtype: str, bs: int, samples: list[dict[str, float]], outp
     tok_s = statistics.median(s["tok_s"] for s in samples)
     ms_step = statistics.median(s["seconds"] * 1000 / (output_len - 1) for s in samples)
     row: dict[str, Any] = {
-        "system": system, "dtype": dtype, "batch_size": bs, "tok_s": tok_s, "ms_per_step": ms_step,
-        "best_tok_s": max(s["tok_s"] for s in samples), "cpu_share": statistics.median(s["cpu_share"] for s in samples),
+        "system": system,
+        "dtype": dtype,
+        "batch_size": bs,
+        "tok_s": tok_s,
+        "ms_per_step": ms_step,
+        "best_tok_s": max(s["tok_s"] for s in samples),
+        "cpu_share": statistics.median(s["cpu_share"] for s in samples),
         "samples": samples,
     }
     for key in ("cpu_pressure", "io_pressure"):
@@ -316,9 +354,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['ms_per_step']:>9.1f}{(f'{ratio:.2f}x' if ratio else '-'):>8}{(f'{best:.2f}x' if best else '-'):>12}"
             f"{(f'{versus:.2f}x' if versus else '-'):>14}{r['cpu_share']:>11.2f}{clean:>7}"
         )
-    print("tok/s, ms/step: medians over repeats; best: fastest sample; vs best HF: against the faster HF dtype at that\n"
-          "batch size; cpu share: median CPU time granted / (wall x threads); clean: samples with a share >= "
-          f"{CLEAN_SHARE}.\nFewer clean samples than repeats: other processes took the cores; rerun on a quiet box.")
+    print(
+        "tok/s, ms/step: medians over repeats; best: fastest sample; vs best HF: against the faster HF dtype at that\n"
+        "batch size; cpu share: median CPU time granted / (wall x threads); clean: samples with a share >= "
+        f"{CLEAN_SHARE}.\nFewer clean samples than repeats: other processes took the cores; rerun on a quiet box."
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -337,24 +377,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
     capture = args.capture_sizes or ",".join(str(b) for b in batch_sizes)
     max_seqs = args.max_num_seqs or max(batch_sizes)
     variants: list[tuple[str, dict[str, Any]]] = [
-        ("engine-eager" if args.disable_graphs else "engine", {"disable_graphs": args.disable_graphs})]
+        ("engine-eager" if args.disable_graphs else "engine", {"disable_graphs": args.disable_graphs})
+    ]
     if args.include_eager and not args.disable_graphs:
         variants.append(("engine-eager", {"disable_graphs": True}))
     extra = [a.strip() for a in args.with_gguf_activations.split(",") if a.strip()]
     for activations in extra + (["int8"] if args.with_int8_activations and "int8" not in extra else []):
-        variants.append((f"engine-{activations}act", {"disable_graphs": args.disable_graphs,
-                                                        "gguf_activations": activations}))
+        variants.append(
+            (f"engine-{activations}act", {"disable_graphs": args.disable_graphs, "gguf_activations": activations})
+        )
     if len(variants) > 1 and args.tensor_parallel_size > 1:
-        raise ValueError("--include-eager / --with-int8-activations / --with-gguf-activations build several engines at "
-                         "once; a process runs one tensor-parallel engine at a time")
+        raise ValueError(
+            "--include-eager / --with-int8-activations / --with-gguf-activations build several engines at "
+            "once; a process runs one tensor-parallel engine at a time"
+        )
     results: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join((["engine"] if os.path.basename(sys.argv[0]) == "engine" else sys.argv[:1]) + sys.argv[1:]),
         "machine": machine_info(),
         "settings": {
-            "model": args.model or "embedded SmolLM2-135M-Instruct GGUF", "batch_sizes": batch_sizes, "dtypes": dtypes,
-            "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
-            "capture_sizes": capture, "max_num_seqs": max_seqs, "greedy": True, "ignore_eos": True,
+            "model": args.model or "embedded SmolLM2-135M-Instruct GGUF",
+            "batch_sizes": batch_sizes,
+            "dtypes": dtypes,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "repeats": args.repeats,
+            "capture_sizes": capture,
+            "max_num_seqs": max_seqs,
+            "greedy": True,
+            "ignore_eos": True,
             "decode_timing": "from the step giving every row its first token (prefill) to the last token; engine: "
             "Engine.stream timestamps; hf: no-op logits processor timestamps (subtraction_*: generate(N) - generate(1))",
         },
@@ -382,17 +433,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
             }
         if args.llama_cpp:
             extra = llama_cpp_extra_buffers(args.llama_cpp_extra_buffers)
-            systems["llama.cpp"] = load_llama_cpp(args.model, torch.get_num_threads(), args.input_len + args.output_len + 8,
-                                                  extra)
+            systems["llama.cpp"] = load_llama_cpp(
+                args.model, torch.get_num_threads(), args.input_len + args.output_len + 8, extra
+            )
             results["llama_cpp_version"] = __import__("llama_cpp").__version__
             results["llama_cpp_extra_buffers"] = extra
         candidates = (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
         pad_id = next((i for i in candidates if i is not None), 0)  # prompts are equal-length: never read
+
         def runs_at(name: str, bs: int) -> bool:
             return name != "llama.cpp" or bs == 1  # one sequence at a time: batch 1 is its fair case
 
         samples: dict[tuple[str, int], list[dict[str, float]]] = {
-            (s, b): [] for s in systems for b in batch_sizes if runs_at(s, b)}
+            (s, b): [] for s in systems for b in batch_sizes if runs_at(s, b)
+        }
         last_ids: dict[tuple[str, int], list[list[int]]] = {}
         bar = tqdm(total=len(samples) * args.repeats, desc=f"bench {dtype}", unit="run")
         for bs in batch_sizes:
@@ -421,8 +475,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if isinstance(system, Engine):
                 system.shutdown()  # tensor parallelism: its ranks go before the next dtype's engine starts
         del systems, hf_model
-    order = {"engine": 0, "engine-float32act": 1, "engine-int8x2act": 1, "engine-int8act": 1, "engine-eager": 2,
-             "llama.cpp": 3, "hf": 4}
+    order = {
+        "engine": 0,
+        "engine-float32act": 1,
+        "engine-int8x2act": 1,
+        "engine-int8act": 1,
+        "engine-eager": 2,
+        "llama.cpp": 3,
+        "hf": 4,
+    }
     rows.sort(key=lambda r: (dtypes.index(r["dtype"]), r["batch_size"], order.get(r["system"], 3)))
     results["machine"]["load_average_end"] = os.getloadavg()
     print_table(rows)

@@ -36,11 +36,16 @@ def add_bench_latency_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("bench latency")
     group.add_argument("--batch-size", type=int, default=8)
     group.add_argument("--input-len", type=int, default=1024, help="new prompt tokens per request")
-    group.add_argument("--prefix-len", type=int, default=0, help="a shared prefix prefilled and cached before the timed batch")
-    group.add_argument("--output-len", type=int, default=16, help="tokens per request (>= 2: one from prefill, the rest decode)")
+    group.add_argument(
+        "--prefix-len", type=int, default=0, help="a shared prefix prefilled and cached before the timed batch"
+    )
+    group.add_argument(
+        "--output-len", type=int, default=16, help="tokens per request (>= 2: one from prefill, the rest decode)"
+    )
     group.add_argument("--repeats", type=int, default=3, help="timed batches; medians are reported")
     group.add_argument(
-        "--cases", default=None,
+        "--cases",
+        default=None,
         help="several batches in one run, BATCHxINPUT[+PREFIX] comma-separated (e.g. 8x2048,1x8192,1x4096+4096); "
         "overrides --batch-size/--input-len/--prefix-len",
     )
@@ -133,30 +138,47 @@ def cmd_bench_latency(args: argparse.Namespace) -> None:
     cases = parse_cases(args)
     too_long = [c for c in cases if c[1] + c[2] + args.output_len > engine.max_model_len]
     if too_long:
-        raise ValueError(f"cases {too_long} need more than the context length {engine.max_model_len} (input + prefix + output)")
+        raise ValueError(
+            f"cases {too_long} need more than the context length {engine.max_model_len} (input + prefix + output)"
+        )
     reports = []
     for case in cases:
         reports.append(run_case(engine, args, *case, peak=peak))
         print(f"case {case}: prefill {reports[-1]['prefill_s'] * 1e3:.1f} ms", flush=True)
-    print(f"{'batch':>6}{'input':>7}{'prefix':>7}{'prefill ms':>11}{'prefill tok/s':>14}{'TFLOP/s':>9}{'of peak':>8}"
-          f"{'decode ms/step':>15}")
+    print(
+        f"{'batch':>6}{'input':>7}{'prefix':>7}{'prefill ms':>11}{'prefill tok/s':>14}{'TFLOP/s':>9}{'of peak':>8}"
+        f"{'decode ms/step':>15}"
+    )
     for r in reports:
         share = f"{r['prefill_share_of_peak']:.0%}" if peak else "-"
         decode_ms = f"{r['decode_ms_per_step']:.2f}" if r["decode_ms_per_step"] else "-"
-        print(f"{r['batch_size']:>6}{r['input_len']:>7}{r['prefix_len']:>7}{r['prefill_s'] * 1e3:>11.1f}"
-              f"{r['prefill_tok_s']:>14.0f}{r['prefill_tflops']:>9.1f}{share:>8}{decode_ms:>15}")
+        print(
+            f"{r['batch_size']:>6}{r['input_len']:>7}{r['prefix_len']:>7}{r['prefill_s'] * 1e3:>11.1f}"
+            f"{r['prefill_tok_s']:>14.0f}{r['prefill_tflops']:>9.1f}{share:>8}{decode_ms:>15}"
+        )
     if peak:
         print(f"dense {engine.config.dtype} matmul on this GPU in the same run: {peak:.0f} TFLOP/s")
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as handle:
-        json.dump({"device": str(engine.device), "gpu": torch.cuda.get_device_name() if engine.device.type == "cuda" else None,
-                   "torch": torch.__version__, "model": args.model, "dtype": engine.config.dtype,
-                   "tensor_parallel_size": engine.tp.world_size,
-                   "matmul_peak_tflops": peak, "cases": reports}, handle, indent=2)
+        json.dump(
+            {
+                "device": str(engine.device),
+                "gpu": torch.cuda.get_device_name() if engine.device.type == "cuda" else None,
+                "torch": torch.__version__,
+                "model": args.model,
+                "dtype": engine.config.dtype,
+                "tensor_parallel_size": engine.tp.world_size,
+                "matmul_peak_tflops": peak,
+                "cases": reports,
+            },
+            handle,
+            indent=2,
+        )
 
 
-def run_case(engine: Engine, args: argparse.Namespace, batch: int, input_len: int, prefix_len: int,
-             peak: float | None) -> dict[str, Any]:
+def run_case(
+    engine: Engine, args: argparse.Namespace, batch: int, input_len: int, prefix_len: int, peak: float | None
+) -> dict[str, Any]:
     # A stream of its own per case: cases drawing the same stream share prompt prefixes, and the prefix
     # cache then serves part of a later case (a first version of this benchmark overstated 64 x 256 so).
     rng = random.Random(f"{args.seed}:{batch}x{input_len}+{prefix_len}")
@@ -167,7 +189,7 @@ def run_case(engine: Engine, args: argparse.Namespace, batch: int, input_len: in
         if prefix_len:
             # A new prefix per batch, cached by one request before the timed batch reuses it.
             prefix = [rng.randrange(vocab) for _ in range(prefix_len)]
-            engine.generate([prefix + [rng.randrange(vocab)]], SamplingParams(max_tokens=1, ignore_eos=True))
+            engine.generate([[*prefix, rng.randrange(vocab)]], SamplingParams(max_tokens=1, ignore_eos=True))
         prompts = [prefix + [rng.randrange(vocab) for _ in range(input_len)] for _ in range(batch)]
         prefill_s, steps = run_batch(engine, prompts, args.output_len)
         if repeat:

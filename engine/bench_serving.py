@@ -23,11 +23,46 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-WORDS = (
-    "graph engine token batch cache page kernel tensor latency throughput scheduler request model "
-    "layer attention decode prefill stream server client sample logits vocabulary prompt answer "
-    "river mountain city garden window music paper story question morning evening winter summer"
-).split()
+WORDS = [
+    "graph",
+    "engine",
+    "token",
+    "batch",
+    "cache",
+    "page",
+    "kernel",
+    "tensor",
+    "latency",
+    "throughput",
+    "scheduler",
+    "request",
+    "model",
+    "layer",
+    "attention",
+    "decode",
+    "prefill",
+    "stream",
+    "server",
+    "client",
+    "sample",
+    "logits",
+    "vocabulary",
+    "prompt",
+    "answer",
+    "river",
+    "mountain",
+    "city",
+    "garden",
+    "window",
+    "music",
+    "paper",
+    "story",
+    "question",
+    "morning",
+    "evening",
+    "winter",
+    "summer",
+]
 
 
 @dataclass
@@ -47,13 +82,22 @@ def add_bench_serving_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=None, help="requests in flight at once")
-    parser.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)")
+    parser.add_argument(
+        "--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)"
+    )
     parser.add_argument("--input-len", default="16,128", help="prompt length range in words, MIN,MAX")
     parser.add_argument("--output-len", default="32,128", help="completion length range in tokens, MIN,MAX")
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="send ignore_eos so completions have exactly the requested length")
-    parser.add_argument("--token-ids", action="store_true",
-                        help="prompts of random token ids (--input-len in tokens); chunks counted by their token ids")
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send ignore_eos so completions have exactly the requested length",
+    )
+    parser.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="prompts of random token ids (--input-len in tokens); chunks counted by their token ids",
+    )
     parser.add_argument("--vocab-size", type=int, default=32000, help="--token-ids: ids are drawn below this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0)
@@ -82,7 +126,7 @@ def make_workload(
     return workload
 
 
-async def _one(client, url: str, body: dict, headers: dict, prompt_words: int) -> RequestResult:  # noqa: ANN001
+async def _one(client, url: str, body: dict, headers: dict, prompt_words: int) -> RequestResult:
     result = RequestResult(ok=False, prompt_words=prompt_words)
     start = time.perf_counter()
     last = None
@@ -104,7 +148,9 @@ async def _one(client, url: str, body: dict, headers: dict, prompt_words: int) -
                     return result
                 if event.get("usage"):
                     result.output_tokens = int(event["usage"].get("completion_tokens") or 0)
-                if not event.get("choices") or not (event["choices"][0].get("text") or event["choices"][0].get("token_ids")):
+                if not event.get("choices") or not (
+                    event["choices"][0].get("text") or event["choices"][0].get("token_ids")
+                ):
                     continue
                 now = time.perf_counter()
                 if last is None:
@@ -116,7 +162,7 @@ async def _one(client, url: str, body: dict, headers: dict, prompt_words: int) -
         result.latency = time.perf_counter() - start
         result.output_tokens = result.output_tokens or chunks  # servers without usage: one token per chunk
         result.ok = last is not None
-    except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
+    except Exception as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
 
@@ -125,7 +171,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "median": 0.0, "p99": 0.0}
     ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
     return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered), "p99": p99}
 
 
@@ -141,14 +187,21 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
             listing = await client.get(f"{base}/v1/models", headers=headers)
             listing.raise_for_status()
             model = listing.json()["data"][0]["id"]
-        workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.seed,
-                                 args.vocab_size if args.token_ids else None)
+        workload = make_workload(
+            args.num_prompts, args.input_len, args.output_len, args.seed, args.vocab_size if args.token_ids else None
+        )
         gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
         rng = random.Random(args.seed + 1)
 
         async def send(prompt: str | list[int], max_tokens: int) -> RequestResult:
-            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                    "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             if args.ignore_eos:
                 body["ignore_eos"] = True
             if args.token_ids:
@@ -203,7 +256,9 @@ def format_table(s: dict) -> str:
         ("E2E latency median / p99 (s)", f"{s['e2e_latency_s']['median']:.2f} / {s['e2e_latency_s']['p99']:.2f}"),
     ]
     if "load_avg_1m" in s:
-        rows.append(("load average 1m before / after", f"{s['load_avg_1m']['before']:.2f} / {s['load_avg_1m']['after']:.2f}"))
+        rows.append(
+            ("load average 1m before / after", f"{s['load_avg_1m']['before']:.2f} / {s['load_avg_1m']['after']:.2f}")
+        )
     width = max(len(k) for k, _ in rows)
     lines = [f"serving benchmark: {s['model']} at {s['base_url']}"] + [f"  {k:<{width}}  {v}" for k, v in rows]
     if s["errors"]:

@@ -33,15 +33,18 @@ from engine.profiling import time_by_name
 from engine.sampling_params import SamplingParams
 
 
-def make_requests(count: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int) -> list[tuple[list[int], int]]:
+def make_requests(
+    count: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [
-        ([rng.randrange(vocab) for _ in range(rng.randint(*input_len))], rng.randint(*output_len))
-        for _ in range(count)
+        ([rng.randrange(vocab) for _ in range(rng.randint(*input_len))], rng.randint(*output_len)) for _ in range(count)
     ]
 
 
-def run_engine(engine: Engine, requests: list[tuple[list[int], int]], profile_steps: tuple[int, int] | None = None) -> dict[str, Any]:
+def run_engine(
+    engine: Engine, requests: list[tuple[list[int], int]], profile_steps: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """profile_steps (first, count): torch.profiler over those steps, their kernels grouped by name."""
     sync = engine.platform.synchronize
     graphs = engine.runner.graph_runner
@@ -128,8 +131,10 @@ class _StepProfiler:
     def stop(self) -> None:
         self.sync()
         self.profile.__exit__(None, None, None)
-        self.kernels = [{"name": name, "launches": count, "ms": us / 1e3}
-                        for name, count, us in time_by_name(self.profile, self.on_gpu)]
+        self.kernels = [
+            {"name": name, "launches": count, "ms": us / 1e3}
+            for name, count, us in time_by_name(self.profile, self.on_gpu)
+        ]
 
 
 class _DeviceTimeline:
@@ -141,7 +146,7 @@ class _DeviceTimeline:
         self.origin = torch.cuda.Event(enable_timing=True)
         launch = engine.runner.launch
 
-        def timed_launch(step, message, *args):  # noqa: ANN001, ANN002, ANN202
+        def timed_launch(step, message, *args):
             sampled = launch(step, message, *args)
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -190,12 +195,20 @@ def step_classes(steps: list[tuple[str, int, int, float]], flops_per_token: floa
     for (kind, size_class), members in sorted(classes.items()):
         total_ms = sum(ms for _, _, ms in members)
         tokens = sum(d + e for d, e, _ in members)
-        table.append({"kind": kind, "tokens_up_to": size_class, "steps": len(members),
-                      "mean_decode_rows": statistics.mean(d for d, _, _ in members),
-                      "mean_prefill_tokens": statistics.mean(e for _, e, _ in members),
-                      "mean_ms": total_ms / len(members), "median_ms": statistics.median(ms for _, _, ms in members),
-                      "max_ms": max(ms for _, _, ms in members), "total_s": total_ms / 1e3,
-                      "matmul_tflops": tokens * flops_per_token / (total_ms / 1e3) / 1e12 if total_ms else 0.0})
+        table.append(
+            {
+                "kind": kind,
+                "tokens_up_to": size_class,
+                "steps": len(members),
+                "mean_decode_rows": statistics.mean(d for d, _, _ in members),
+                "mean_prefill_tokens": statistics.mean(e for _, e, _ in members),
+                "mean_ms": total_ms / len(members),
+                "median_ms": statistics.median(ms for _, _, ms in members),
+                "max_ms": max(ms for _, _, ms in members),
+                "total_s": total_ms / 1e3,
+                "matmul_tflops": tokens * flops_per_token / (total_ms / 1e3) / 1e12 if total_ms else 0.0,
+            }
+        )
     return table
 
 
@@ -210,11 +223,14 @@ class _SyncReport:
         self.sites: collections.Counter = collections.Counter()
         self._previous = warnings.showwarning
 
-        def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
+        def record(message, category, filename, lineno, file=None, line=None):
             if "synchronizing CUDA operation" not in str(message):
                 return self._previous(message, category, filename, lineno, file, line)
-            ours = [f"{os.path.relpath(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_stack()
-                    if "/torch/" not in f.filename and "warnings" not in f.filename][-3:]
+            ours = [
+                f"{os.path.relpath(f.filename)}:{f.lineno} {f.name}"
+                for f in traceback.extract_stack()
+                if "/torch/" not in f.filename and "warnings" not in f.filename
+            ][-3:]
             self.sites[" <- ".join(reversed(ours))] += 1
 
         warnings.showwarning = record
@@ -229,7 +245,9 @@ class _SyncReport:
         return dict(self.sites.most_common())
 
 
-def run_hf(model_name: str, load_format: str, dtype: str, device: str, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+def run_hf(
+    model_name: str, load_format: str, dtype: str, device: str, requests: list[tuple[list[int], int]]
+) -> dict[str, Any]:
     """HF transformers' continuous batching on the same prompts; max_new_tokens = their mean output length."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -242,7 +260,9 @@ def run_hf(model_name: str, load_format: str, dtype: str, device: str, requests:
         # Random weights initialised on the device: on the host, 8B parameters took minutes (the reason
         # an earlier HF run never reached generate_batch within the call).
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch_dtype, attn_implementation="paged|sdpa")
+            model = AutoModelForCausalLM.from_config(
+                source.hf_config, dtype=torch_dtype, attn_implementation="paged|sdpa"
+            )
     else:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype, attn_implementation="paged|sdpa")
     model = model.to(device).eval()
@@ -259,8 +279,13 @@ def run_hf(model_name: str, load_format: str, dtype: str, device: str, requests:
     generated = sum(len(o.generated_tokens) for o in outputs.values())
     del model
     gc.collect()
-    return {"requests": len(inputs), "max_new_tokens": new_tokens, "wall_s": wall, "output_tokens": generated,
-            "output_tok_s": generated / wall}
+    return {
+        "requests": len(inputs),
+        "max_new_tokens": new_tokens,
+        "wall_s": wall,
+        "output_tokens": generated,
+        "output_tok_s": generated / wall,
+    }
 
 
 def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
@@ -268,10 +293,16 @@ def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-requests", type=int, default=1000)
     group.add_argument("--input-len", default="256,768", help="prompt lengths: N, or MIN,MAX drawn uniformly")
     group.add_argument("--output-len", default="128,384", help="output lengths: N, or MIN,MAX drawn uniformly")
-    group.add_argument("--hf-requests", type=int, default=300, help="HF generate_batch on the first N requests (0: skip)")
+    group.add_argument(
+        "--hf-requests", type=int, default=300, help="HF generate_batch on the first N requests (0: skip)"
+    )
     group.add_argument("--sync-report", action="store_true", help="CUDA: list where the engine waited for the device")
-    group.add_argument("--profile-steps", default=None, metavar="FIRST,COUNT",
-                       help="CUDA: torch.profiler over COUNT steps from step FIRST; prints the top kernels")
+    group.add_argument(
+        "--profile-steps",
+        default=None,
+        metavar="FIRST,COUNT",
+        help="CUDA: torch.profiler over COUNT steps from step FIRST; prints the top kernels",
+    )
     group.add_argument("--output", default="bench_results/offline_throughput.json")
 
 
@@ -291,11 +322,18 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     input_len, output_len = _length_range(args.input_len), _length_range(args.output_len)
     engine = Engine(engine_config_from_args(args, freeze_gc=args.freeze_gc is not False))  # shutdown() unfreezes
     dtype = engine.config.dtype
-    requests = make_requests(args.num_requests, input_len, output_len, engine.model_config.vocab_size, args.seed)  # --seed: the engine's flag
-    report: dict[str, Any] = {"torch": torch.__version__, "device": args.device, "model": args.model,
-                              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                              "input_len": input_len, "output_len": output_len,
-                              "tensor_parallel_size": engine.tp.world_size}
+    requests = make_requests(
+        args.num_requests, input_len, output_len, engine.model_config.vocab_size, args.seed
+    )  # --seed: the engine's flag
+    report: dict[str, Any] = {
+        "torch": torch.__version__,
+        "device": args.device,
+        "model": args.model,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "input_len": input_len,
+        "output_len": output_len,
+        "tensor_parallel_size": engine.tp.world_size,
+    }
     syncs = _SyncReport() if args.sync_report and torch.cuda.is_available() else None
     profile_steps = tuple(int(x) for x in args.profile_steps.split(",")) if args.profile_steps else None
     report["engine"] = run_engine(engine, requests, profile_steps)
@@ -310,30 +348,42 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     _write(args.output, report)  # the engine's figures survive a peer that runs out of time
     e = report["engine"]
-    print(f"engine: {e['output_tok_s']:.0f} output tok/s, {e['total_tok_s']:.0f} total tok/s in {e['wall_s']:.1f} s; "
-          f"prefill steps {e['prefill_steps_s']:.1f} s, decode steps {e['decode_steps_s']:.1f} s, "
-          f"mixed steps {e['mixed_steps_s']:.1f} s "
-          f"({e['decode_steps']} steps, mean batch {e['mean_decode_batch']:.0f}; graph replays "
-          f"{e['decode_graph_replay_s'] or float('nan'):.1f} s, steps/replays {e['decode_steps_over_replay'] or float('nan'):.2f})",
-          flush=True)
+    print(
+        f"engine: {e['output_tok_s']:.0f} output tok/s, {e['total_tok_s']:.0f} total tok/s in {e['wall_s']:.1f} s; "
+        f"prefill steps {e['prefill_steps_s']:.1f} s, decode steps {e['decode_steps_s']:.1f} s, "
+        f"mixed steps {e['mixed_steps_s']:.1f} s "
+        f"({e['decode_steps']} steps, mean batch {e['mean_decode_batch']:.0f}; graph replays "
+        f"{e['decode_graph_replay_s'] or float('nan'):.1f} s, steps/replays {e['decode_steps_over_replay'] or float('nan'):.2f})",
+        flush=True,
+    )
     if e["step_classes"]:
-        print(f"{'step':<8}{'tokens <=':>10}{'steps':>7}{'decode rows':>12}{'prefill tok':>12}{'mean ms':>9}"
-              f"{'median ms':>10}{'max ms':>9}{'total s':>9}{'matmul TFLOP/s':>15}")
+        print(
+            f"{'step':<8}{'tokens <=':>10}{'steps':>7}{'decode rows':>12}{'prefill tok':>12}{'mean ms':>9}"
+            f"{'median ms':>10}{'max ms':>9}{'total s':>9}{'matmul TFLOP/s':>15}"
+        )
         for row in e["step_classes"]:
-            print(f"{row['kind']:<8}{row['tokens_up_to']:>10}{row['steps']:>7}{row['mean_decode_rows']:>12.0f}"
-                  f"{row['mean_prefill_tokens']:>12.0f}{row['mean_ms']:>9.2f}{row['median_ms']:>10.2f}{row['max_ms']:>9.1f}"
-                  f"{row['total_s']:>9.2f}{row['matmul_tflops']:>15.0f}")
+            print(
+                f"{row['kind']:<8}{row['tokens_up_to']:>10}{row['steps']:>7}{row['mean_decode_rows']:>12.0f}"
+                f"{row['mean_prefill_tokens']:>12.0f}{row['mean_ms']:>9.2f}{row['median_ms']:>10.2f}{row['max_ms']:>9.1f}"
+                f"{row['total_s']:>9.2f}{row['matmul_tflops']:>15.0f}"
+            )
     if e["profile"]:
         print(f"kernels of steps {e['profile']['steps'][0]}..+{e['profile']['steps'][1]} (device ms, launches):")
         for row in e["profile"]["kernels"][:30]:
             print(f"{row['ms']:10.2f} {row['launches']:7d}  {row['name'][:120]}")
     if args.hf_requests:
-        report["hf_generate_batch"] = run_hf(args.model, args.load_format, dtype, str(engine_device), requests[: args.hf_requests])
+        report["hf_generate_batch"] = run_hf(
+            args.model, args.load_format, dtype, str(engine_device), requests[: args.hf_requests]
+        )
     e = report["engine"]
-    print(f"{'':<32}{'requests':>9}{'wall s':>9}{'out tok/s':>11}{'total tok/s':>12}{'prefill s':>10}{'decode s':>10}"
-          f"{'mixed s':>9}")
-    print(f"{'engine':<32}{e['requests']:>9}{e['wall_s']:>9.1f}{e['output_tok_s']:>11.0f}{e['total_tok_s']:>12.0f}"
-          f"{e['prefill_steps_s']:>10.1f}{e['decode_steps_s']:>10.1f}{e['mixed_steps_s']:>9.1f}")
+    print(
+        f"{'':<32}{'requests':>9}{'wall s':>9}{'out tok/s':>11}{'total tok/s':>12}{'prefill s':>10}{'decode s':>10}"
+        f"{'mixed s':>9}"
+    )
+    print(
+        f"{'engine':<32}{e['requests']:>9}{e['wall_s']:>9.1f}{e['output_tok_s']:>11.0f}{e['total_tok_s']:>12.0f}"
+        f"{e['prefill_steps_s']:>10.1f}{e['decode_steps_s']:>10.1f}{e['mixed_steps_s']:>9.1f}"
+    )
     if "hf_generate_batch" in report:
         h = report["hf_generate_batch"]
         print(f"{'HF generate_batch (paged|sdpa)':<32}{h['requests']:>9}{h['wall_s']:>9.1f}{h['output_tok_s']:>11.0f}")

@@ -17,18 +17,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     from backends import DEVICE_NAMES
 
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="HF folder, .gguf file, or preset name (default: embedded SmolLM2-135M-Instruct)")
+    group.add_argument(
+        "--model", default=None, help="HF folder, .gguf file, or preset name (default: embedded SmolLM2-135M-Instruct)"
+    )
     group.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICE_NAMES)}")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     group.add_argument(
-        "--quantization", default="auto", choices=["auto", "fp8", "gguf", "none"],
+        "--quantization",
+        default="auto",
+        choices=["auto", "fp8", "gguf", "none"],
         help="auto: the checkpoint's own (FP8 checkpoints in FP8; GGUF blocks kept on the CPU); fp8: also quantize a "
         "bf16/fp16 checkpoint's linears to FP8 at load (CUDA kernels); gguf: insist on the CPU's GGUF blocks; none: "
         "dequantize at load; docs/quantization.md",
     )
     group.add_argument(
-        "--gguf-activations", default="auto", choices=["auto", "float32", "int8x2", "int8"],
+        "--gguf-activations",
+        default="auto",
+        choices=["auto", "float32", "int8x2", "int8"],
         help="kept GGUF blocks, decode rows: auto (int8x2), float32 (exact), int8x2 (each block of 32 activations as "
         "two int8 levels, ~16 bits, integer dot products) or int8 (one level: llama.cpp's numerics, each activation "
         "rounded to 1/254 of its block's largest); docs/quantization.md",
@@ -37,71 +43,107 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=None)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--kv-cache-tokens", type=int, default=None)
-    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3"],
-                       help="the KV cache's dtype (auto: the model's; fp8 / fp8_e4m3: half the bytes of bf16, cuda's Triton "
-                       "attention only, scaled by the checkpoint's k/v scales where it has them; docs/quantization.md)")
-    group.add_argument("--capture-sizes", default=None, help="comma-separated decode batch sizes to capture, e.g. 1,2,4,8")
-    group.add_argument("--capture-config", default=None,
-                       help="YAML of tuned capture sizes (written by `engine tune-capture`); --capture-sizes wins over it")
+    group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3"],
+        help="the KV cache's dtype (auto: the model's; fp8 / fp8_e4m3: half the bytes of bf16, cuda's Triton "
+        "attention only, scaled by the checkpoint's k/v scales where it has them; docs/quantization.md)",
+    )
+    group.add_argument(
+        "--capture-sizes", default=None, help="comma-separated decode batch sizes to capture, e.g. 1,2,4,8"
+    )
+    group.add_argument(
+        "--capture-config",
+        default=None,
+        help="YAML of tuned capture sizes (written by `engine tune-capture`); --capture-sizes wins over it",
+    )
     group.add_argument("--max-capture-size", type=int, default=None)
     group.add_argument("--disable-graphs", action="store_true", help="run every step eagerly")
     group.add_argument("--strict-graphs", action="store_true", help="fail if anything compiles after warm-up")
     group.add_argument(
-        "--compile-decode", action=argparse.BooleanOptionalAction, default=None,
+        "--compile-decode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="cuda/rocm: torch.compile the decode step before capturing graphs (default from configs/<device>.yaml)",
     )
     group.add_argument(
-        "--compile-extend", action=argparse.BooleanOptionalAction, default=None,
+        "--compile-extend",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="torch.compile prefill, chunk and mixed steps, token count dynamic (default from configs/<device>.yaml: "
         "on for cuda)",
     )
     group.add_argument(
-        "--extend-capture-tokens", default=None,
+        "--extend-capture-tokens",
+        default=None,
         help="cuda: token counts to capture extend/mixed-step CUDA graphs for, e.g. 16,64,256 ('' for none; default "
         "from configs/<device>.yaml)",
     )
     group.add_argument(
-        "--disable-prefix-caching", "--disable-radix-cache", dest="disable_prefix_caching", action="store_true",
+        "--disable-prefix-caching",
+        "--disable-radix-cache",
+        dest="disable_prefix_caching",
+        action="store_true",
         help="do not reuse the KV of cached prompt prefixes",
     )
     group.add_argument(
-        "--chunked-prefill-size", type=int, default=None,
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
         help="prefill at most this many prompt tokens per step (<= 0: off; default from configs/<device>.yaml)",
     )
     group.add_argument(
-        "--max-extend-step-ms", type=float, default=None,
+        "--max-extend-step-ms",
+        type=float,
+        default=None,
         help="cap the prompt tokens of an extend step so it takes at most this long, by its measured speed "
         "(<= 0: off; default from configs/<device>.yaml)",
     )
     group.add_argument(
-        "--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
+        "--overlap-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="schedule and prepare the next step while the device runs this one (default from "
         "configs/<device>.yaml: on for cuda/rocm); --no-overlap-schedule to debug",
     )
     group.add_argument(
-        "--mixed-steps", action=argparse.BooleanOptionalAction, default=None,
+        "--mixed-steps",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="run decodes and prefill chunks in one ragged step (default from configs/<device>.yaml: on for "
         "cuda/rocm); --no-mixed-steps keeps separate prefill and decode steps",
     )
     group.add_argument("--debug-kv-invariant", action="store_true", help="check the KV pool invariant after every step")
     group.add_argument(
-        "--freeze-gc", action=argparse.BooleanOptionalAction, default=None,
+        "--freeze-gc",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="after start-up, move its Python objects out of the cyclic garbage collector's scans until shutdown, "
         "as vLLM does (default: on for serve and bench throughput, which hold one engine for the process's life)",
     )
     group.add_argument(
-        "--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int, default=1, metavar="N",
+        "--tensor-parallel-size",
+        "--tp",
+        dest="tensor_parallel_size",
+        type=int,
+        default=1,
+        metavar="N",
         help="split the model over N ranks, one process each (NCCL on CUDA, gloo on CPU); docs/tensor_parallel.md",
     )
     group.add_argument(
-        "--dist-timeout", dest="dist_timeout_s", type=float, default=600.0, metavar="SECONDS",
+        "--dist-timeout",
+        dest="dist_timeout_s",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
         help="tensor parallelism: how long a collective waits for the other ranks before the engine fails naming "
         "the rank that did not respond",
     )
     group.add_argument("--seed", type=int, default=0)
 
 
-def engine_config_from_args(args: argparse.Namespace, **overrides: object):  # noqa: ANN201
+def engine_config_from_args(args: argparse.Namespace, **overrides: object):
     from engine.config import EngineConfig
 
     values = dict(
@@ -154,7 +196,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
 
 
-def sampling_params_from_args(args: argparse.Namespace):  # noqa: ANN201
+def sampling_params_from_args(args: argparse.Namespace):
     from engine.sampling_params import SamplingParams
 
     return SamplingParams(
@@ -233,7 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_throughput_args(throughput)
     throughput.set_defaults(func=cmd_bench_throughput)
-    tune = sub.add_parser("tune-capture", help="measure capture sizes and write the best set for a batch-size distribution")
+    tune = sub.add_parser(
+        "tune-capture", help="measure capture sizes and write the best set for a batch-size distribution"
+    )
     add_engine_args(tune)
     from graphs.tune import add_tune_args, cmd_tune_capture
 
@@ -251,7 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     try:
         return int(args.func(args) or 0)
     except (EngineError, DeviceUnavailableError, ValueError, OSError) as exc:

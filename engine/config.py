@@ -21,7 +21,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 KV_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
 
 
-
 def _with_capture_config(defaults: dict[str, Any], path: str, device: str, model: str | None) -> dict[str, Any]:
     """The device YAML with a tuned file's sizes over it (its device sections merged key by key): decode
     capture sizes (`engine tune-capture`) and/or extend-graph token buckets (`engine tune-capture --extend`)."""
@@ -56,6 +55,7 @@ def _with_capture_config(defaults: dict[str, Any], path: str, device: str, model
 
 QUANTIZATIONS = ("auto", "fp8", "gguf", "none")
 GGUF_ACTIVATIONS = ("auto", "float32", "int8x2", "int8")
+
 
 @dataclass
 class EngineConfig:
@@ -115,7 +115,7 @@ class EngineConfig:
     seed: int = 0
     device_config: dict[str, Any] = field(default_factory=dict)  # the YAML, as read
 
-    def resolve(self, platform: Platform) -> "EngineConfig":
+    def resolve(self, platform: Platform) -> EngineConfig:
         """Fill every unset value from the device's YAML; validate."""
         defaults = load_yaml_config(platform.default_config())
         if self.capture_config:
@@ -140,21 +140,30 @@ class EngineConfig:
         if resolved.freeze_gc is None:
             resolved.freeze_gc = os.environ.get("ENGINE_FREEZE_GC", "0") not in ("0", "false", "off", "")
         if resolved.dtype == "auto":
-            max_batch = min(int(resolved.max_num_seqs or 1), int(resolved.max_capture_size or resolved.max_num_seqs or 1))
+            max_batch = min(
+                int(resolved.max_num_seqs or 1), int(resolved.max_capture_size or resolved.max_num_seqs or 1)
+            )
             resolved.dtype = defaults.get("dtype") or str(platform.default_dtype(max_batch)).replace("torch.", "")
         if resolved.dtype not in DTYPES:
             raise EngineError(f"unknown dtype {resolved.dtype!r}; choose one of {', '.join(DTYPES)} or auto")
         if resolved.kv_cache_dtype == "auto":
             resolved.kv_cache_dtype = defaults.get("kv_cache_dtype") or resolved.dtype
         if resolved.quantization not in QUANTIZATIONS:
-            raise EngineError(f"unknown quantization {resolved.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+            raise EngineError(
+                f"unknown quantization {resolved.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
+            )
         if resolved.gguf_activations not in GGUF_ACTIVATIONS:
-            raise EngineError(f"unknown GGUF activations {resolved.gguf_activations!r}; choose one of "
-                              f"{', '.join(GGUF_ACTIVATIONS)}")
+            raise EngineError(
+                f"unknown GGUF activations {resolved.gguf_activations!r}; choose one of {', '.join(GGUF_ACTIVATIONS)}"
+            )
         if resolved.quantization == "gguf" and platform.name != "cpu":
-            raise EngineError(f"--quantization gguf runs on the cpu only (its kernels); on {platform.name} use auto or none")
+            raise EngineError(
+                f"--quantization gguf runs on the cpu only (its kernels); on {platform.name} use auto or none"
+            )
         if resolved.kv_cache_dtype not in KV_DTYPES:
-            raise EngineError(f"unknown kv_cache_dtype {resolved.kv_cache_dtype!r}; choose one of {', '.join(KV_DTYPES)} or auto")
+            raise EngineError(
+                f"unknown kv_cache_dtype {resolved.kv_cache_dtype!r}; choose one of {', '.join(KV_DTYPES)} or auto"
+            )
         for name in ("page_size", "max_num_seqs", "max_model_len", "max_prefill_tokens"):
             value = getattr(resolved, name)
             if value is None or int(value) < 1:

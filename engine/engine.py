@@ -6,14 +6,14 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from backends import get_platform
 from engine.batch_state import DecodeBatchState, PenaltyState
-from engine.step_message import StepBuilder
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.collectives import min_over_ranks
@@ -26,11 +26,11 @@ from engine.errors import (
     RequestFailedError,
     UnsupportedArchitectureError,
 )
+from engine.gc_freeze import freeze_start_up_objects, unfreeze_gc
 from engine.kv_cache import KVPool
 from engine.kv_manager import KVCacheManager, PrefixCacheStats
 from engine.layers.attention import Attention
 from engine.loader import ModelSource, load_model, resolve_model_source
-from engine.gc_freeze import freeze_start_up_objects, unfreeze_gc
 from engine.logit_rows import LogitRowLadder
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput
@@ -38,6 +38,7 @@ from engine.sampler import SampledTokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import INIT_NEW_TOKEN_RATIO, MIN_TIMED_EXTEND, ScheduledStep, Scheduler
 from engine.stats import EngineStats, StatsLogger
+from engine.step_message import StepBuilder
 from engine.structured.waitlist import GrammarWaitlist
 from engine.tokenizer import encode_prompt, load_tokenizer
 from graphs.buckets import parse_sizes
@@ -91,12 +92,19 @@ class Engine:
 
     def _build(self, config: EngineConfig, source: ModelSource) -> None:
         """Everything after the config and the ranks: model, KV pool, scheduler, runner, graphs, warm-up."""
-        if config.dtype == "auto" and (preferred := self.platform.dtype_for_checkpoint(source.kind, self.config.quantization)):
+        if config.dtype == "auto" and (
+            preferred := self.platform.dtype_for_checkpoint(source.kind, self.config.quantization)
+        ):
             self.config.dtype = preferred
         with building_for(self.tp):
-            self.model, self.model_config = load_model(source, self.config.torch_dtype, self.device,
-                                                         self.config.load_format, self.config.quantization,
-                                                         self.config.kv_torch_dtype)
+            self.model, self.model_config = load_model(
+                source,
+                self.config.torch_dtype,
+                self.device,
+                self.config.load_format,
+                self.config.quantization,
+                self.config.kv_torch_dtype,
+            )
         # Rank 0 owns the tokenizer (and the scheduler's requests); the other ranks only run steps.
         self.tokenizer = load_tokenizer(source.tokenizer_dir) if self.tp.is_driver else None
         self.max_model_len = min(int(self.config.max_model_len), self.model_config.max_position_embeddings)
@@ -112,18 +120,28 @@ class Engine:
 
         backend = self.platform.attention_backend()
         if self.config.kv_torch_dtype == torch.float8_e4m3fn and not getattr(backend, "supports_fp8_kv", False):
-            raise EngineError(f"--kv-cache-dtype {self.config.kv_cache_dtype}: the {self.platform.name} attention backend reads "
-                              "float caches only (an FP8 KV cache runs on cuda's Triton attention)")
+            raise EngineError(
+                f"--kv-cache-dtype {self.config.kv_cache_dtype}: the {self.platform.name} attention backend reads "
+                "float caches only (an FP8 KV cache runs on cuda's Triton attention)"
+            )
         if hasattr(backend, "dtype"):
             backend.dtype = self.config.kv_torch_dtype
         self.model.set_attention_backend(backend)
         self._check_softcap(backend)
         self._apply_sliding_window(backend)
         self._choose_fp8_method()
-        self.platform.prepare_model(self.model, {**self.config.device_config, **self.config.__dict__,
-                                                 "gguf_path": source.path if source.kind == "gguf" else None})
+        self.platform.prepare_model(
+            self.model,
+            {
+                **self.config.device_config,
+                **self.config.__dict__,
+                "gguf_path": source.path if source.kind == "gguf" else None,
+            },
+        )
         self.kv_pool = self._allocate_kv_pool()
-        self.kv_manager = KVCacheManager(self.kv_pool.allocator, self.kv_pool.page_size, self.config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(
+            self.kv_pool.allocator, self.kv_pool.page_size, self.config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.kv_manager,
             int(self.config.max_num_seqs),
@@ -135,12 +153,21 @@ class Engine:
         )
         max_pages = -(-self.max_model_len // self.kv_pool.page_size)
         self.decode_state = DecodeBatchState(
-            int(self.config.max_num_seqs), max_pages, self.kv_pool.page_size, self.device, self.platform.slot_index_dtype,
+            int(self.config.max_num_seqs),
+            max_pages,
+            self.kv_pool.page_size,
+            self.device,
+            self.platform.slot_index_dtype,
         )
-        self.decode_state.penalties = PenaltyState(int(self.config.max_num_seqs), int(self.model_config.vocab_size), self.device)
+        self.decode_state.penalties = PenaltyState(
+            int(self.config.max_num_seqs), int(self.model_config.vocab_size), self.device
+        )
         # The host side of the decode rows, and the builder of every step's message (engine/step_message.py).
         self.step_builder = StepBuilder(
-            int(self.config.max_num_seqs), max_pages, self.kv_pool.page_size, self.device,
+            int(self.config.max_num_seqs),
+            max_pages,
+            self.kv_pool.page_size,
+            self.device,
             lambda request: (request.shared_pages, self.kv_pool.allocator.pages_of(request.request_id)),
             on_row_released=self.decode_state.release_row,
         )
@@ -149,9 +176,17 @@ class Engine:
             self.platform.wait_for_compile_workers()  # its compiler imports done before the main thread compiles
         extend_step = self._extend_step()  # first: the CUDA decode graphs compile its layer graph for both
         graph_runner = self._graph_runner(extend_step)
-        runner_args = (self.model, self.kv_pool, self.device, self.platform.slot_index_dtype, graph_runner,
-                       self.decode_state, extend_step, self._extend_graphs(extend_step, graph_runner, max_pages),
-                       self._prefill_runner())
+        runner_args = (
+            self.model,
+            self.kv_pool,
+            self.device,
+            self.platform.slot_index_dtype,
+            graph_runner,
+            self.decode_state,
+            extend_step,
+            self._extend_graphs(extend_step, graph_runner, max_pages),
+            self._prefill_runner(),
+        )
         if self.tp_ranks is not None:
             from engine.distributed.runner import TensorParallelRunner
 
@@ -170,8 +205,11 @@ class Engine:
         self._settled_early: list[RequestOutput] = []  # outputs of a step read back before sampling the next
         # Structured output: requests whose grammar is compiling wait here, not in the scheduler.
         self.grammar_waitlist = GrammarWaitlist(self.tokenizer, int(self.model_config.vocab_size), self.eos_token_ids)
-        logger.info("overlap scheduling %s; %s", "on" if self.overlap else "off",
-                    "mixed prefill+decode steps" if self.scheduler.mixed_steps else "separate prefill and decode steps")
+        logger.info(
+            "overlap scheduling %s; %s",
+            "on" if self.overlap else "off",
+            "mixed prefill+decode steps" if self.scheduler.mixed_steps else "separate prefill and decode steps",
+        )
         if self.tp_ranks is not None:
             self.tp_ranks.wait_ready()
         if self.config.warmup:
@@ -191,8 +229,13 @@ class Engine:
         ladder = LogitRowLadder(parse_sizes(self.config.capture_sizes), int(self.config.max_num_seqs))
         self.runner.logit_rows = ladder
         if self.tp_ranks is None and not self.tp.enabled:
-            ladder.warm(self.model.compute_logits, int(self.model_config.hidden_size), self.config.torch_dtype,
-                        self.device, self.platform.synchronize)
+            ladder.warm(
+                self.model.compute_logits,
+                int(self.model_config.hidden_size),
+                self.config.torch_dtype,
+                self.device,
+                self.platform.synchronize,
+            )
 
     def _join_tensor_parallel(self, source: ModelSource) -> TensorParallelState:
         """This engine's rank: rank 0 of 1 (no tensor parallelism), a worker's (its group joined by
@@ -203,8 +246,10 @@ class Engine:
             return SINGLE
         if current.enabled:
             if current.is_driver or current.world_size != world:
-                raise EngineError("a tensor-parallel engine is running in this process already (one at a time: "
-                                  "Engine.shutdown() it first)")
+                raise EngineError(
+                    "a tensor-parallel engine is running in this process already (one at a time: "
+                    "Engine.shutdown() it first)"
+                )
             return current  # a worker rank
         from engine.distributed.launcher import RankGroup
         from engine.distributed.preflight import check_launch
@@ -245,7 +290,9 @@ class Engine:
             return
         start = time.perf_counter()
         request_id = "engine-warm-up"
-        self.add_request([0] * prompt_len, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), request_id=request_id)
+        self.add_request(
+            [0] * prompt_len, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), request_id=request_id
+        )
         while self.has_unfinished():
             self.step()
         self._requests.pop(request_id, None)
@@ -254,7 +301,9 @@ class Engine:
         self.scheduler.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.runner.graph_steps = self.runner.eager_steps = 0
         self.stats_logger.step_sizes.reset()
-        logger.info("warm-up request (%d-token prefill, 1 decode step) took %.2f s", prompt_len, time.perf_counter() - start)
+        logger.info(
+            "warm-up request (%d-token prefill, 1 decode step) took %.2f s", prompt_len, time.perf_counter() - start
+        )
 
     # ---- construction -------------------------------------------------------------
     def _choose_fp8_method(self) -> None:
@@ -268,8 +317,12 @@ class Engine:
         method = self.platform.fp8_linear_method()
         if method is None:
             dequantize_fp8_linears(self.model, self.config.torch_dtype)
-            logger.warning("FP8: %s has no FP8 matmul kernel; %d FP8 layers dequantized to %s once (no memory or speed "
-                           "gain here)", self.platform.name, len(layers), self.config.torch_dtype)
+            logger.warning(
+                "FP8: %s has no FP8 matmul kernel; %d FP8 layers dequantized to %s once (no memory or speed gain here)",
+                self.platform.name,
+                len(layers),
+                self.config.torch_dtype,
+            )
             return
         for layer in layers:
             layer.method = method
@@ -296,12 +349,21 @@ class Engine:
         windows = self.model_config.layer_windows
         if getattr(backend, "supports_sliding_window", False):
             self.model.set_layer_windows(windows)
-            logger.info("sliding-window attention: %d tokens in %d of %d layers", window,
-                        sum(w is not None for w in windows), len(windows))
+            logger.info(
+                "sliding-window attention: %d tokens in %d of %d layers",
+                window,
+                sum(w is not None for w in windows),
+                len(windows),
+            )
             return
         why = f"not implemented by the {self.platform.name} attention backend"
-        logger.warning("the model's %d-token sliding window is %s: context length lowered from %d to %d",
-                       window, why, self.max_model_len, window)
+        logger.warning(
+            "the model's %d-token sliding window is %s: context length lowered from %d to %d",
+            window,
+            why,
+            self.max_model_len,
+            window,
+        )
         self.max_model_len = window
         self.context_limit_reason = f" (the model's {window}-token sliding window, {why})"
 
@@ -327,7 +389,9 @@ class Engine:
             logger.warning("KV pool holds %d tokens: context length lowered from %d", capacity, self.max_model_len)
             self.max_model_len = capacity
             self.context_limit_reason = f" (lowered to the KV pool's {capacity} tokens)"
-        pool = KVPool(mc.num_hidden_layers, num_pages, page_size, kv_heads, mc.head_dim, cfg.kv_torch_dtype, self.device)
+        pool = KVPool(
+            mc.num_hidden_layers, num_pages, page_size, kv_heads, mc.head_dim, cfg.kv_torch_dtype, self.device
+        )
         logger.info("KV pool: %d pages x %d tokens (%.1f MiB)", num_pages - 1, page_size, pool.nbytes() / 2**20)
         return pool
 
@@ -335,12 +399,15 @@ class Engine:
         """The model says its steps cannot be captured on this platform (MoE's data-dependent experts op
         outside the CPU: MoEForCausalLM.supports_device_graphs)."""
         if not self.model.supports_device_graphs(self.platform.name):
-            logger.warning("%s: %s graphs off for this model (its steps run eagerly)", self.model_config.model_type,
-                           self.platform.name)
+            logger.warning(
+                "%s: %s graphs off for this model (its steps run eagerly)",
+                self.model_config.model_type,
+                self.platform.name,
+            )
             return True
         return False
 
-    def graph_runner_options(self, extend_step: "CompiledExtendStep | None" = None) -> dict[str, object]:
+    def graph_runner_options(self, extend_step: CompiledExtendStep | None = None) -> dict[str, object]:
         """The platform-specific keyword arguments of this engine's decode graph runner (the tuner builds
         runners with them too). extend_step: the compiled extend step whose layer graph a CUDA runner's
         compiled decode step shares (one compile for both)."""
@@ -351,12 +418,14 @@ class Engine:
         if kind == "compile":
             return {"strict": self.config.strict_graphs}
         if kind == "cuda_graph":
-            return {"compile_step": bool(self.config.compile_decode),
-                    "precompile": self.platform.kernel_precompiler(self.model, self.kv_pool.caches),
-                    "layer_fn": extend_step.layer_fn if extend_step is not None else None}
+            return {
+                "compile_step": bool(self.config.compile_decode),
+                "precompile": self.platform.kernel_precompiler(self.model, self.kv_pool.caches),
+                "layer_fn": extend_step.layer_fn if extend_step is not None else None,
+            }
         return {}
 
-    def _graph_runner(self, extend_step: "CompiledExtendStep | None"):  # noqa: ANN202
+    def _graph_runner(self, extend_step: CompiledExtendStep | None):
         if self.config.disable_graphs or self._graphs_unsupported():
             return None
         runner_cls = self.platform.graph_runner_class()
@@ -375,34 +444,46 @@ class Engine:
         runner.capture()
         return runner
 
-    def _extend_step(self) -> "CompiledExtendStep | None":
+    def _extend_step(self) -> CompiledExtendStep | None:
         """Prefill, chunk and mixed steps through compiled layers (compile_extend), or None: eager."""
         if self.config.disable_graphs or not self.config.compile_extend:
             return None
         from graphs.compiled_extend import CompiledExtendStep
 
-        logger.info("extend steps: torch.compile'd layers, token count dynamic (compiled by the CUDA decode capture "
-                    "where it shares them, else on the first prefill)")
+        logger.info(
+            "extend steps: torch.compile'd layers, token count dynamic (compiled by the CUDA decode capture "
+            "where it shares them, else on the first prefill)"
+        )
         return CompiledExtendStep(self.model, self.kv_pool.caches, strict=bool(self.config.strict_graphs))
 
-    def _prefill_runner(self) -> "PrefillRunner | None":
+    def _prefill_runner(self) -> PrefillRunner | None:
         """The platform's own prefill runner (HPU: extend steps padded to prompt buckets), warmed up; None where
         the platform has none, or with graphs off (then every extend step takes the paths above)."""
         factory = self.platform.prefill_runner_class()
         if factory is None or self.config.disable_graphs or self._graphs_unsupported():
             return None
-        runner = factory(self.model, self.kv_pool.caches, self.kv_pool.page_size, self.max_model_len, self.device,
-                         self.platform.slot_index_dtype)  # fmt: skip
+        runner = factory(
+            self.model,
+            self.kv_pool.caches,
+            self.kv_pool.page_size,
+            self.max_model_len,
+            self.device,
+            self.platform.slot_index_dtype,
+        )
         runner.capture()
         return runner
 
     def _extend_graphs(
-        self, extend_step: "CompiledExtendStep | None", decode_graphs: object, max_pages: int
-    ) -> "ExtendGraphRunner | None":
+        self, extend_step: CompiledExtendStep | None, decode_graphs: object, max_pages: int
+    ) -> ExtendGraphRunner | None:
         """CUDA graphs of extend and mixed steps per token bucket (extend_capture_tokens), or None."""
         buckets = parse_sizes(self.config.extend_capture_tokens) if self.config.extend_capture_tokens else []
-        if self.config.disable_graphs or not buckets or self.platform.capture_settings().kind != "cuda_graph" \
-                or self._graphs_unsupported():
+        if (
+            self.config.disable_graphs
+            or not buckets
+            or self.platform.capture_settings().kind != "cuda_graph"
+            or self._graphs_unsupported()
+        ):
             return None
         # No bucket above what one step can hold (the prompt-token budget, plus the decodes of a mixed step).
         step_tokens = self.scheduler.max_step_tokens()
@@ -411,7 +492,12 @@ class Engine:
 
         step = extend_step if extend_step is not None else eager_extend_step(self.model, self.kv_pool.caches)
         runner = ExtendGraphRunner(
-            step, buckets, int(self.config.max_num_seqs), max_pages, self.kv_pool.page_size, self.device,
+            step,
+            buckets,
+            int(self.config.max_num_seqs),
+            max_pages,
+            self.kv_pool.page_size,
+            self.device,
             self.platform.slot_index_dtype,
         )
         runner.capture(pool=getattr(decode_graphs, "pool", None), stream=getattr(decode_graphs, "capture_stream", None))
@@ -425,7 +511,9 @@ class Engine:
         params.validate()
         token_ids = encode_prompt(self.tokenizer, prompt, chat=chat)
         if max(token_ids) >= self.model_config.vocab_size:
-            raise InvalidRequestError(f"token id {max(token_ids)} is outside the vocabulary ({self.model_config.vocab_size})")
+            raise InvalidRequestError(
+                f"token id {max(token_ids)} is outside the vocabulary ({self.model_config.vocab_size})"
+            )
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(token_ids)} tokens; the context length is {self.max_model_len}"
@@ -438,14 +526,22 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if params.allowed_token_ids and max(params.allowed_token_ids) >= self.model_config.vocab_size:
-            raise InvalidRequestError(f"allowed_token_ids: token id {max(params.allowed_token_ids)} is outside the "
-                                      f"vocabulary ({self.model_config.vocab_size})")
+            raise InvalidRequestError(
+                f"allowed_token_ids: token id {max(params.allowed_token_ids)} is outside the "
+                f"vocabulary ({self.model_config.vocab_size})"
+            )
         if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
-            raise InvalidRequestError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
-                                      f"({self.model_config.vocab_size})")
-        request = Request(request_id, token_ids, params, prompt if isinstance(prompt, str) else None, generator=generator)
+            raise InvalidRequestError(
+                f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
+                f"({self.model_config.vocab_size})"
+            )
+        request = Request(
+            request_id, token_ids, params, prompt if isinstance(prompt, str) else None, generator=generator
+        )
         if params.min_tokens:
-            request.early_stop_ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
+            request.early_stop_ids = sorted(
+                set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            )
         if params.grammar is not None:
             self.grammar_waitlist.add(request)  # scheduled once its grammar has compiled (step())
         else:
@@ -517,7 +613,7 @@ class Engine:
             outputs.append(_output(request, "error", error=str(error)))
         return outputs
 
-    def _launch(self, step: ScheduledStep | None) -> "_LaunchedStep | None":
+    def _launch(self, step: ScheduledStep | None) -> _LaunchedStep | None:
         """Put the step on the device; the scheduler advances its requests as if it had run."""
         if step is None:
             return None
@@ -529,7 +625,7 @@ class Engine:
             failed: list[tuple[Request, Exception]] = []
         except EngineStoppedError:
             raise  # a tensor-parallel rank is gone (or the ranks were shut down): no re-run can help
-        except Exception as exc:  # noqa: BLE001 - isolated below: only the culprit fails
+        except Exception as exc:
             parts, failed = self._isolate_failure(step, exc, rewind)
         for part, sampled in parts:
             self.scheduler.on_step_launched(part)
@@ -542,7 +638,7 @@ class Engine:
         constrained = any(r.grammar is not None for r in step.sampled_requests)
         return _LaunchedStep(step.is_decode, parts, failed, start, constrained)
 
-    def _complete(self, launched: "_LaunchedStep") -> list[RequestOutput]:
+    def _complete(self, launched: _LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens back (waiting for the device if need be) and hand them out.
 
         A request that finished or was aborted after the step was launched drops its token: a stop
@@ -563,7 +659,9 @@ class Engine:
         if not launched.is_decode:
             lens = [(r, n) for part, _ in launched.parts for r, n in zip(part.extend_requests, part.extend_lens)]
             logprob_tokens = sum(n for r, n in lens if r.params.prompt_logprobs is not None)
-            self.scheduler.record_extend_time(sum(n for _, n in lens), time.perf_counter() - launched.started, logprob_tokens)
+            self.scheduler.record_extend_time(
+                sum(n for _, n in lens), time.perf_counter() - launched.started, logprob_tokens
+            )
         for request, error in launched.failed:
             outputs.append(_output(request, "error", error=f"generation failed: {type(error).__name__}: {error}"))
         self.last_step_was_decode = launched.is_decode  # benchmarks split time into prefill and decode steps
@@ -581,12 +679,21 @@ class Engine:
         if step.is_mixed:
             parts = step.parts()  # its decode part and its extend part apart first, halved from there
         elif len(step.requests) == 1:
-            logger.error("request %s failed its step: %s: %s", step.requests[0].request_id, type(error).__name__, error,
-                         exc_info=error)
+            logger.error(
+                "request %s failed its step: %s: %s",
+                step.requests[0].request_id,
+                type(error).__name__,
+                error,
+                exc_info=error,
+            )
             return [], [(step.requests[0], error)]
         else:
-            logger.warning("a step of %d requests failed (%s: %s): re-running it in parts to find the culprit",
-                           len(step.requests), type(error).__name__, error)
+            logger.warning(
+                "a step of %d requests failed (%s: %s): re-running it in parts to find the culprit",
+                len(step.requests),
+                type(error).__name__,
+                error,
+            )
             half = len(step.requests) // 2
             parts = [
                 ScheduledStep(step.is_decode, step.requests[part], step.extend_lens[part], step.sample_mask[part])
@@ -600,7 +707,7 @@ class Engine:
                 done.append((sub, self.runner.launch(sub, self.step_builder.build(sub), self._settle_constrained)))
             except EngineStoppedError:
                 raise
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 sub_done, sub_failed = self._isolate_failure(sub, exc, rewind)
                 done += sub_done
                 failed += sub_failed
@@ -619,13 +726,19 @@ class Engine:
             # Only a broken row (non-finite logits: the sampler's argmax fallback) can get here.
             self.scheduler.finish(request, "abort")
             self._requests.pop(request.request_id, None)
-            return _output(request, "error", error=f"token {token} does not match the request's {params.grammar.describe()}")
+            return _output(
+                request, "error", error=f"token {token} does not match the request's {params.grammar.describe()}"
+            )
         early = len(request.output_token_ids) < params.min_tokens  # no stop of any kind before min_tokens
         if request.grammar is not None and request.grammar.is_terminated():
             reason = "stop"  # the grammar is complete (it took its stop token): nothing may follow
         elif not early and (token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)):
             reason = "stop"
-        elif not early and params.stop and (cut := _first_stop(request.output_text, params.stop, request.num_text_sent)) is not None:
+        elif (
+            not early
+            and params.stop
+            and (cut := _first_stop(request.output_text, params.stop, request.num_text_sent)) is not None
+        ):
             request.output_text = request.output_text[:cut]
             reason = "stop"
         elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
@@ -672,13 +785,19 @@ class Engine:
 
     # ---- batch APIs -------------------------------------------------------------------
     def stream(
-        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None, chat: bool = False
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat: bool = False,
     ) -> Iterator[RequestOutput]:
         """Yield each new token's output (with its delta) as it is produced."""
         return self._drive(self._add_all(prompts, params, chat))
 
     def generate(
-        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None, chat: bool = False
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat: bool = False,
     ) -> list[RequestOutput]:
         """Complete outputs, in prompt order."""
         ids = self._add_all(prompts, params, chat)
@@ -700,7 +819,9 @@ class Engine:
             for request_id in pending:
                 self.abort(request_id)
 
-    def _add_all(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None, chat: bool) -> list[str]:
+    def _add_all(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None, chat: bool
+    ) -> list[str]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if isinstance(params, (list, tuple)):

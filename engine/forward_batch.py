@@ -18,7 +18,9 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [tokens]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor | None  # [sampled] rows of the hidden states that are sampled; None: every row (decode)
+    logits_indices: (
+        torch.Tensor | None
+    )  # [sampled] rows of the hidden states that are sampled; None: every row (decode)
     requests: list[Request]
     # Decode steps from the persistent state: each request's decode row (device), where its sampled
     # token is kept for the next step and its penalty state lives.
@@ -32,8 +34,13 @@ class ForwardBatch:
         return len(starts) - 1 if starts is not None else int(self.meta.seq_lens.shape[0])
 
 
-def extend_forward_batch(message: ExtendMessage, requests: list[Request], page_size: int, device: torch.device,
-                         slot_dtype: torch.dtype = torch.int64) -> ForwardBatch:
+def extend_forward_batch(
+    message: ExtendMessage,
+    requests: list[Request],
+    page_size: int,
+    device: torch.device,
+    slot_dtype: torch.dtype = torch.int64,
+) -> ForwardBatch:
     """An extend message on the device: one transfer per tensor."""
 
     def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:

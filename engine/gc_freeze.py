@@ -26,8 +26,11 @@ def freeze_start_up_objects() -> int:
     collect_ms = (time.perf_counter() - start) * 1e3
     gc.freeze()
     frozen = gc.get_freeze_count()
-    logger.info("gc: %d start-up objects frozen (a full collection over them took %.0f ms; it no longer scans them)",
-                frozen, collect_ms)
+    logger.info(
+        "gc: %d start-up objects frozen (a full collection over them took %.0f ms; it no longer scans them)",
+        frozen,
+        collect_ms,
+    )
     return frozen
 
 

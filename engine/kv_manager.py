@@ -13,8 +13,8 @@ Pool invariant: free + evictable + protected + in use == total pages.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from engine.kv_cache import PageAllocator
 from engine.radix_cache import RadixCache
@@ -100,7 +100,11 @@ class KVCacheManager:
 
     def allocate(self, request: Request, num_tokens: int) -> bool:
         """Grow the request's table to hold num_tokens tokens, evicting cached pages if needed."""
-        need = pages_needed(num_tokens, self.page_size) - len(request.shared_pages) - len(self.allocator.pages_of(request.request_id))
+        need = (
+            pages_needed(num_tokens, self.page_size)
+            - len(request.shared_pages)
+            - len(self.allocator.pages_of(request.request_id))
+        )
         if need <= 0:
             return True
         if need > self.available_pages:

@@ -7,7 +7,7 @@ per-row launches), and both are skipped entirely when no request in the batch as
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -39,8 +39,9 @@ def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     if not rows:
         return
     index = to_device([rows, tokens], torch.int64, logits.device)
-    logits.index_put_((index[0], index[1]), to_device(biases, torch.float32, logits.device).to(logits.dtype),
-                      accumulate=True)
+    logits.index_put_(
+        (index[0], index[1]), to_device(biases, torch.float32, logits.device).to(logits.dtype), accumulate=True
+    )
 
 
 def keep_allowed_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +47,14 @@ class LogitRowLadder:
             return compute_logits(hidden)
         return compute_logits(F.pad(hidden, (0, 0, 0, padding)))[:rows]
 
-    def warm(self, compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden_size: int, dtype: torch.dtype,
-             device: torch.device, synchronize: Callable[[], None]) -> float:
+    def warm(
+        self,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        synchronize: Callable[[], None],
+    ) -> float:
         """Run the LM head once at every size (largest first); seconds taken."""
         start = time.perf_counter()
         with torch.no_grad():
@@ -56,6 +62,12 @@ class LogitRowLadder:
                 compute_logits(torch.zeros(rows, hidden_size, dtype=dtype, device=device))
         synchronize()
         seconds = time.perf_counter() - start
-        logger.info("LM head warmed at %d row counts (%d..%d) in %.2f s: extend and mixed steps pad their sampled "
-                    "rows to these", len(self.sizes), self.sizes[0], self.sizes[-1], seconds)
+        logger.info(
+            "LM head warmed at %d row counts (%d..%d) in %.2f s: extend and mixed steps pad their sampled "
+            "rows to these",
+            len(self.sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            seconds,
+        )
         return seconds

@@ -50,7 +50,7 @@ class ModelConfig:
         return float(self.rope_parameters.get("rope_theta", 10000.0))
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
         model_type = getattr(hf_config, "model_type", None)
         archs = getattr(hf_config, "architectures", None)
         model_class = model_class_for_type(model_type, archs)
@@ -76,7 +76,8 @@ class ModelConfig:
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama-family configs say so with attention_bias.
-            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+            attention_bias=model_type == "qwen2"
+            or bool(getattr(hf_config, "attention_bias", False))
             or bool(getattr(hf_config, "qkv_bias", False)),  # Qwen2-MoE's name for it
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             hidden_act=getattr(hf_config, "hidden_act", "silu"),
@@ -105,7 +106,9 @@ def _context_limit(hf_config: Any) -> tuple[int, str] | None:
     rope = _rope_parameters(hf_config)
     if rope.get("rope_type") != "longrope":
         return None
-    original = rope.get("original_max_position_embeddings") or getattr(hf_config, "original_max_position_embeddings", None)
+    original = rope.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None
+    )
     if not original:
         return None
     return int(original), "LongRoPE's long-context factors are not implemented"

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,8 +43,8 @@ class ModelRunner:
         slot_dtype: torch.dtype,
         graph_runner: DecodeRunner | None,
         decode_state: DecodeBatchState,
-        extend_step: "CompiledExtendStep | None" = None,
-        extend_graphs: "ExtendGraphRunner | None" = None,
+        extend_step: CompiledExtendStep | None = None,
+        extend_graphs: ExtendGraphRunner | None = None,
         prefill_runner: PrefillRunner | None = None,
     ) -> None:
         self.model = model
@@ -78,8 +79,12 @@ class ModelRunner:
                 self.graph_steps += 1
                 return runner.run_decode(message.decode, state)
             batch = state.decode_batch(message.decode, step.requests)
-        elif (prefill := self.prefill_runner) is not None and not step.is_mixed and message.extend is not None \
-                and prefill.can_run(message.extend):
+        elif (
+            (prefill := self.prefill_runner) is not None
+            and not step.is_mixed
+            and message.extend is not None
+            and prefill.can_run(message.extend)
+        ):
             # Decided from the message alone (no Request objects), as every tensor-parallel rank decides it.
             return prefill.run_prefill(message.extend), None
         else:
@@ -108,8 +113,9 @@ class ModelRunner:
     def _extend_batch(self, step: ScheduledStep, message: StepMessage) -> ForwardBatch:
         """An extend step's batch; a mixed step's decode rows come from the persistent state, first."""
         assert message.extend is not None
-        extend = extend_forward_batch(message.extend, step.extend_requests, self.kv_pool.page_size, self.device,
-                                      self.slot_dtype)
+        extend = extend_forward_batch(
+            message.extend, step.extend_requests, self.kv_pool.page_size, self.device, self.slot_dtype
+        )
         if not step.is_mixed:
             return extend
         assert message.decode is not None

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 
 @dataclass(eq=False)
 class RadixNode:
     key: tuple[int, ...]  # this edge's tokens, a multiple of page_size long
     pages: list[int]  # one page id per page_size tokens of key
-    parent: "RadixNode | None"
-    children: dict[tuple[int, ...], "RadixNode"] = field(default_factory=dict)  # by first page of key
+    parent: RadixNode | None
+    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)  # by first page of key
     lock_ref: int = 0
     last_access: int = 0
 
@@ -186,7 +186,9 @@ class RadixCache:
         cut = num_pages * self.page_size
         parent = node.parent
         assert parent is not None and 0 < num_pages < len(node.pages)
-        upper = RadixNode(node.key[:cut], node.pages[:num_pages], parent, lock_ref=node.lock_ref, last_access=node.last_access)
+        upper = RadixNode(
+            node.key[:cut], node.pages[:num_pages], parent, lock_ref=node.lock_ref, last_access=node.last_access
+        )
         parent.children[self._page_key(node.key, 0)] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], upper
         upper.children[self._page_key(node.key, 0)] = node

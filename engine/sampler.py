@@ -13,8 +13,8 @@ import torch
 
 from backends.cuda.triton_penalties import apply_penalties_
 from engine.batch_state import PenaltyState
-from engine.request import Request, TokenLogprob
 from engine.logit_processors import edit_logits
+from engine.request import Request, TokenLogprob
 from engine.transfer import HostCopy, to_device
 
 
@@ -40,16 +40,31 @@ def _apply_penalties(
     penalty_rows = rows if index is None else rows.index_select(0, index)
     penalties.fill_new_rows(penalized)
     assert penalties.seen is not None and penalties.counts is not None
-    values = to_device(
-        [[r.params.repetition_penalty for r in penalized], [r.params.frequency_penalty for r in penalized],
-         [r.params.presence_penalty for r in penalized]], torch.float32, device,
-    ).to(logits.dtype).unsqueeze(2)
+    values = (
+        to_device(
+            [
+                [r.params.repetition_penalty for r in penalized],
+                [r.params.frequency_penalty for r in penalized],
+                [r.params.presence_penalty for r in penalized],
+            ],
+            torch.float32,
+            device,
+        )
+        .to(logits.dtype)
+        .unsqueeze(2)
+    )
     repetition, frequency, presence = values[0], values[1], values[2]
     has_counts = any(r.params.frequency_penalty or r.params.presence_penalty for r in penalized)
     if logits.is_cuda and logits.dtype == torch.float32:
         batch_positions = torch.arange(len(requests), device=device) if index is None else index
-        apply_penalties_(logits, batch_positions, penalty_rows, penalties.seen, penalties.counts if has_counts else None,
-                         *values.float().squeeze(2))
+        apply_penalties_(
+            logits,
+            batch_positions,
+            penalty_rows,
+            penalties.seen,
+            penalties.counts if has_counts else None,
+            *values.float().squeeze(2),
+        )
         return logits, (penalty_rows, index)
     scores = logits if index is None else logits.index_select(0, index)
     if any(r.params.repetition_penalty != 1.0 for r in penalized):
@@ -66,8 +81,9 @@ def _apply_penalties(
 TOPK_PATH_MAX_K = 4096  # when every random row has a top_k at most this, candidates come from topk, not a full sort
 
 
-def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                   vocab: int) -> torch.Tensor:
+def _filter_sorted(
+    sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, vocab: int
+) -> torch.Tensor:
     """Candidates [R, K] sorted best first -> the same with the dropped ones at -inf (top-k, top-p, min-p)."""
     width = sorted_logits.shape[1]
     ranks = torch.arange(width, device=sorted_logits.device).unsqueeze(0)
@@ -107,7 +123,7 @@ class SampledTokens:
     _copy: HostCopy | None = None
     _resolved: tuple[list[int], list[TokenLogprob | None]] | None = None
 
-    def start_copy(self) -> "SampledTokens":
+    def start_copy(self) -> SampledTokens:
         tensors = [self.token_ids]
         for group in self.logprob_groups:
             tensors.append(group.chosen)
@@ -138,7 +154,10 @@ class SampledTokens:
 
 
 def sample(
-    logits: torch.Tensor, requests: list[Request], penalties: PenaltyState | None = None, rows: torch.Tensor | None = None
+    logits: torch.Tensor,
+    requests: list[Request],
+    penalties: PenaltyState | None = None,
+    rows: torch.Tensor | None = None,
 ) -> SampledTokens:
     """logits [batch, vocab] float32 -> one token id per request, on the device (no host sync).
 
@@ -226,7 +245,8 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     # One host-to-device copy for every per-row value: row index, temperature, top-k, top-p, min-p.
     columns = to_device(
         [random_rows, [p.temperature for p in params], top_ks, [p.top_p for p in params], [p.min_p for p in params]],
-        torch.float32, device,  # exact: row indices and top-k values stay far below 2**24
+        torch.float32,
+        device,  # exact: row indices and top-k values stay far below 2**24
     )
     rows = columns[0].long()
     subset = logits if everyone else logits.index_select(0, rows)
@@ -271,7 +291,9 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         # vocabulary, from the request's generator), without its validity check: that is an .item(),
         # a host sync per seeded row. So a seed gives the tokens it gave before, and a broken row a
         # garbage pick that the where() below discards.
-        full = torch.zeros(vocab, dtype=probs.dtype, device=device).scatter_(0, candidate_ids[position], probs[position])
+        full = torch.zeros(vocab, dtype=probs.dtype, device=device).scatter_(
+            0, candidate_ids[position], probs[position]
+        )
         noise = torch.empty_like(full).exponential_(generator=requests[random_rows[position]].generator)
         picks[position] = full.div_(noise).argmax()
     chosen = torch.where(broken, best, picks)

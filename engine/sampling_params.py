@@ -98,12 +98,16 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
                 problems.append(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers")
-            elif any(not _is_int(t) or t < 0 or not _is_finite_number(b) or not -100 <= b <= 100
-                     for t, b in self.logit_bias.items()):
+            elif any(
+                not _is_int(t) or t < 0 or not _is_finite_number(b) or not -100 <= b <= 100
+                for t, b in self.logit_bias.items()
+            ):
                 problems.append("logit_bias maps non-negative token ids to numbers in [-100, 100]")
         if self.allowed_token_ids is not None and (
-                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
-                or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            not isinstance(self.allowed_token_ids, list)
+            or not self.allowed_token_ids
+            or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)
+        ):
             problems.append("allowed_token_ids must be a non-empty list of non-negative token ids")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             problems.append(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")

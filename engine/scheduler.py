@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from os.path import commonprefix
+from os.path import commonpath
 from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
@@ -49,8 +49,9 @@ MIN_TIMED_EXTEND = 128  # extend steps this long or longer measure the prefill s
 PROMPT_LOGPROB_TOKEN_WEIGHT = 4.0
 
 
-def max_step_tokens(max_num_seqs: int, max_prefill_tokens: int, chunked_prefill_size: int | None,
-                    mixed_steps: bool) -> int:
+def max_step_tokens(
+    max_num_seqs: int, max_prefill_tokens: int, chunked_prefill_size: int | None, mixed_steps: bool
+) -> int:
     """The most tokens one step can run: the prompt-token budget (a mixed step's decodes are taken from
     it, down to MIN_EXTEND_BUDGET left for prefill) or a full decode batch."""
     chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
@@ -60,10 +61,11 @@ def max_step_tokens(max_num_seqs: int, max_prefill_tokens: int, chunked_prefill_
     return max(budget, max_num_seqs)
 
 
-def max_step_tokens_for(config: "EngineConfig") -> int:
+def max_step_tokens_for(config: EngineConfig) -> int:
     """max_step_tokens of the scheduler a resolved config builds."""
-    return max_step_tokens(int(config.max_num_seqs), int(config.max_prefill_tokens), config.chunked_prefill_size,
-                           bool(config.mixed_steps))
+    return max_step_tokens(
+        int(config.max_num_seqs), int(config.max_prefill_tokens), config.chunked_prefill_size, bool(config.mixed_steps)
+    )
 
 
 @dataclass
@@ -99,7 +101,7 @@ class ScheduledStep:
     def sampled_requests(self) -> list[Request]:
         return [r for r, sampled in zip(self.requests, self.sample_mask) if sampled]
 
-    def parts(self) -> list["ScheduledStep"]:
+    def parts(self) -> list[ScheduledStep]:
         """A mixed step as its decode step and its extend step (failure isolation re-runs them apart)."""
         if not self.is_mixed:
             return [self]
@@ -367,7 +369,7 @@ class Scheduler:
         tokens = request.all_token_ids
         matchable = len(tokens) - 1  # a match always leaves one token to run
         for other, n in zip(admitted, lens):
-            common = min(len(commonprefix([tokens, other.all_token_ids])), matchable, other.num_cached_tokens + n)
+            common = min(len(commonpath([tokens, other.all_token_ids])), matchable, other.num_cached_tokens + n)
             if common // self.page_size > request.num_cached_tokens // self.page_size:
                 return True
         return False

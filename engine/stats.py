@@ -5,8 +5,9 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -30,12 +31,44 @@ def _decode_batch_bounds() -> tuple[int, ...]:
 DECODE_BATCH_BOUNDS = _decode_batch_bounds()
 # Tokens of an extend or mixed step (prefill chunks + the decode rows riding along): the shapes that
 # extend_capture_tokens buckets would serve.
-STEP_TOKEN_BOUNDS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
-                     6144, 8192, 12288, 16384, 24576, 32768)
+STEP_TOKEN_BOUNDS = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    192,
+    256,
+    384,
+    512,
+    768,
+    1024,
+    1536,
+    2048,
+    3072,
+    4096,
+    6144,
+    8192,
+    12288,
+    16384,
+    24576,
+    32768,
+)
 # Tokens of each prompt: 32-token steps to 1,024 and coarser beyond, fine enough for `engine tune-capture
 # --device hpu` to place prompt buckets (its sequence steps are 32 to 256 tokens).
-PROMPT_TOKEN_BOUNDS = tuple(list(range(32, 1025, 32)) + list(range(1088, 2049, 64)) + list(range(2176, 4097, 128))
-                            + list(range(4352, 8193, 256)) + [12288, 16384, 24576, 32768, 65536, 131072])
+PROMPT_TOKEN_BOUNDS = tuple(
+    list(range(32, 1025, 32))
+    + list(range(1088, 2049, 64))
+    + list(range(2176, 4097, 128))
+    + list(range(4352, 8193, 256))
+    + [12288, 16384, 24576, 32768, 65536, 131072]
+)
 
 
 @dataclass(frozen=True)
@@ -81,7 +114,7 @@ class StepSizeCounts:
         self.step_tokens = SizeHistogram(STEP_TOKEN_BOUNDS)
         self.prompt_tokens = SizeHistogram(PROMPT_TOKEN_BOUNDS)
 
-    def record(self, step: "ScheduledStep") -> None:
+    def record(self, step: ScheduledStep) -> None:
         if step.is_decode:
             self.decode_batch.observe(len(step.requests))
         else:
@@ -121,7 +154,7 @@ class EngineStats:
     prompt_tokens: HistogramSnapshot = field(default=_EMPTY_PROMPTS)
 
     @classmethod
-    def collect(cls, engine: "Engine") -> "EngineStats":
+    def collect(cls, engine: Engine) -> EngineStats:
         kv, scheduler = engine.kv_manager, engine.scheduler
         return cls(
             num_running=len(scheduler.running),
@@ -149,7 +182,7 @@ class EngineStats:
 class StatsLogger:
     """One INFO line every LOG_INTERVAL_S while the engine works (vLLM's periodic stats line)."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._last = time.monotonic()
         self.step_sizes = StepSizeCounts()  # fed by Engine._launch, one record per launched step
@@ -163,7 +196,15 @@ class StatsLogger:
         logger.info(
             "running %d, waiting %d | KV pages: %d in use, %d cached, %d free of %d | prefix cache hit rate %.1f%% "
             "(%d of %d prompt tokens), %d pages evicted | %d retractions",
-            s.num_running, s.num_waiting, s.kv_pages_in_use, s.kv_pages_cached, s.kv_pages_free, s.kv_pages_total,
-            100 * s.prefix_cache_hit_rate, s.prefix_cache_hit_tokens, s.prefix_cache_query_tokens, s.evicted_pages,
+            s.num_running,
+            s.num_waiting,
+            s.kv_pages_in_use,
+            s.kv_pages_cached,
+            s.kv_pages_free,
+            s.kv_pages_total,
+            100 * s.prefix_cache_hit_rate,
+            s.prefix_cache_hit_tokens,
+            s.prefix_cache_query_tokens,
+            s.evicted_pages,
             s.num_retractions,
         )

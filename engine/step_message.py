@@ -19,8 +19,8 @@ grows with a request's context per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -88,8 +88,11 @@ def slot_of(pages: list[int], position: int, page_size: int) -> int:
 
 
 def extend_message(
-    requests: list[Request], pages_of: dict[str, list[int]], page_size: int,
-    extend_lens: list[int] | None = None, sample_mask: list[bool] | None = None,
+    requests: list[Request],
+    pages_of: dict[str, list[int]],
+    page_size: int,
+    extend_lens: list[int] | None = None,
+    sample_mask: list[bool] | None = None,
 ) -> ExtendMessage:
     """Request i runs extend_lens[i] tokens from its first uncached one (a chunk, or all of them);
     only requests in sample_mask get a row in logits_indices."""
@@ -118,7 +121,11 @@ class StepBuilder:
     pages the device rows hold; builds each step's message."""
 
     def __init__(
-        self, max_rows: int, max_pages: int, page_size: int, device: torch.device,
+        self,
+        max_rows: int,
+        max_pages: int,
+        page_size: int,
+        device: torch.device,
         pages_of: Callable[[Request], tuple[list[int], list[int]]],
         on_row_released: Callable[[int], None] = lambda row: None,
     ) -> None:

@@ -12,7 +12,7 @@ waited on only when the values are needed.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

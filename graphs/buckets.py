@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 def parse_sizes(spec: str | Sequence[int] | None) -> list[int] | None:

@@ -50,7 +50,7 @@ class CaptureHooks(Protocol):
         ...
 
     def prepare_for_replay(
-        self, state: Any, message: "DecodeMessage", batch_state: "DecodeBatchState", padded_bs: int
+        self, state: Any, message: DecodeMessage, batch_state: DecodeBatchState, padded_bs: int
     ) -> torch.Tensor:
         """Fill `state` from the step's message and the persistent decode state, rows n..padded_bs as
         padding; returns the decode rows [n] on the device."""
@@ -82,7 +82,7 @@ class StaticBufferCaptureHooks:
         return None
 
     def prepare_for_replay(
-        self, state: StaticDecodeBuffers, message: "DecodeMessage", batch_state: "DecodeBatchState", padded_bs: int
+        self, state: StaticDecodeBuffers, message: DecodeMessage, batch_state: DecodeBatchState, padded_bs: int
     ) -> torch.Tensor:
         if state.staging is not None:
             return state.fill_from_rows(message.inputs, batch_state, padded_bs)
@@ -96,8 +96,14 @@ class StaticBufferCaptureHooks:
 
 
 DEFAULT_HOOKS = StaticBufferCaptureHooks()
-HOOK_NAMES = ("init_capture_state", "capture_metadata", "prepare_for_capture", "after_capture",
-              "prepare_for_replay", "before_replay")
+HOOK_NAMES = (
+    "init_capture_state",
+    "capture_metadata",
+    "prepare_for_capture",
+    "after_capture",
+    "prepare_for_replay",
+    "before_replay",
+)
 
 
 def capture_hooks_for(backend: object) -> CaptureHooks:

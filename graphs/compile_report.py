@@ -10,9 +10,10 @@ launch, and Triton's compilation listener times each one.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 
 def compile_phase_seconds() -> dict[str, float]:
@@ -27,12 +28,24 @@ def compile_phase_seconds() -> dict[str, float]:
 # The entries of dynamo's table that say where a compile went, outermost first: all of dynamo's compile,
 # its tracing, the backend (AOT autograd + inductor), inductor's lowering and code generation, the
 # wait for inductor's Triton kernels (compiled by its worker processes) and loading compiled modules.
-PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler", "compile_fx_inner",
-          "GraphLowering.codegen", "async_compile.wait", "PyCodeCache.load_by_key_path")
-PHASE_LABELS = {"_compile.compile_inner": "dynamo in all", "bytecode_tracing": "tracing",
-                "OutputGraph.call_user_compiler": "backend", "compile_fx_inner": "inductor",
-                "GraphLowering.codegen": "codegen", "async_compile.wait": "kernel wait",
-                "PyCodeCache.load_by_key_path": "module load"}
+PHASES = (
+    "_compile.compile_inner",
+    "bytecode_tracing",
+    "OutputGraph.call_user_compiler",
+    "compile_fx_inner",
+    "GraphLowering.codegen",
+    "async_compile.wait",
+    "PyCodeCache.load_by_key_path",
+)
+PHASE_LABELS = {
+    "_compile.compile_inner": "dynamo in all",
+    "bytecode_tracing": "tracing",
+    "OutputGraph.call_user_compiler": "backend",
+    "compile_fx_inner": "inductor",
+    "GraphLowering.codegen": "codegen",
+    "async_compile.wait": "kernel wait",
+    "PyCodeCache.load_by_key_path": "module load",
+}
 
 
 @dataclass
@@ -49,9 +62,11 @@ class CompileReport:
     def summary(self, top: int = 3) -> str:
         phases = [(PHASE_LABELS[n], self.phases_s[n]) for n in PHASES if self.phases_s.get(n, 0.0) >= 0.05]
         kernels = sorted(((s, n) for n, s in self.triton_kernels.items()), reverse=True)[:top]
-        return (f"dynamo/inductor: {', '.join(f'{n} {s:.1f} s' for n, s in phases) or 'nothing'}; "
-                f"Triton JIT here: {self.triton_compiles} kernels in {self.triton_compile_s:.1f} s "
-                f"({', '.join(f'{n} {s:.1f} s' for s, n in kernels) or 'none'}), {self.triton_cache_hits} from its cache")
+        return (
+            f"dynamo/inductor: {', '.join(f'{n} {s:.1f} s' for n, s in phases) or 'nothing'}; "
+            f"Triton JIT here: {self.triton_compiles} kernels in {self.triton_compile_s:.1f} s "
+            f"({', '.join(f'{n} {s:.1f} s' for s, n in kernels) or 'none'}), {self.triton_cache_hits} from its cache"
+        )
 
 
 @contextmanager

@@ -19,8 +19,8 @@ compiled at the largest decode size): the first extend step compiles nothing.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable
 
 import torch
 
@@ -28,7 +28,12 @@ from engine.layers.attention import AttentionMetadata, step_context
 from engine.models.interface import CausalLM
 from graphs.compile_report import compile_report
 from graphs.compiled_step import (
-    CompileGuard, KVCaches, at_offset_zero, compile_count, compile_limits, compiled_layer_step,
+    CompileGuard,
+    KVCaches,
+    at_offset_zero,
+    compile_count,
+    compile_limits,
+    compiled_layer_step,
 )
 from graphs.opaque_attention import attention_context
 
@@ -73,18 +78,29 @@ class CompiledExtendStep:
         torch._dynamo.mark_dynamic(positions, 0)
         before = compile_count()
         # One entry per layer kind (full / sliding attention, dense / MoE MLP), plus room for dynamo.
-        with compile_limits(8), self.guard.watch(f"extend step of {input_ids.shape[0]} tokens"), \
-                step_context(backend, meta), attention_context(backend, meta) as layer_meta, \
-                (compile_report() if not self.guard.warm else nullcontext()) as compiled:
+        with (
+            compile_limits(8),
+            self.guard.watch(f"extend step of {input_ids.shape[0]} tokens"),
+            step_context(backend, meta),
+            attention_context(backend, meta) as layer_meta,
+            compile_report() if not self.guard.warm else nullcontext() as compiled,
+        ):
             for layer, (k_cache, v_cache) in zip(self.model.decoder_layers(), self.kv_caches):
                 hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, layer_meta)
         if not self.guard.warm:
             graphs = compile_count() - before
             if graphs:
-                logger.info("compiled the extend step's layer graph (token count dynamic, %d graphs) on a %d-token step; %s",
-                            graphs, input_ids.shape[0], compiled.summary())
+                logger.info(
+                    "compiled the extend step's layer graph (token count dynamic, %d graphs) on a %d-token step; %s",
+                    graphs,
+                    input_ids.shape[0],
+                    compiled.summary(),
+                )
             else:
-                logger.info("extend steps run the layer graph compiled for the decode graphs (nothing compiled on the "
-                            "first, %d-token step)", input_ids.shape[0])
+                logger.info(
+                    "extend steps run the layer graph compiled for the decode graphs (nothing compiled on the "
+                    "first, %d-token step)",
+                    input_ids.shape[0],
+                )
             self.guard.warm = True
         return hidden

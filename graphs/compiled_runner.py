@@ -37,7 +37,11 @@ class CompiledDecodeRunner(DecodeGraphRunner):
         backend = options.pop("backend", "inductor")
         # One entry per size in each piece (layer, head), plus slack.
         self.step = CompiledDecodeStep(
-            self.model, self.kv_caches, dynamic=False, backend=backend, options=options,
+            self.model,
+            self.kv_caches,
+            dynamic=False,
+            backend=backend,
+            options=options,
             max_entries=2 * len(self.capture_sizes) + 8,
         )
         self.skip_guards = skip_guards

@@ -12,8 +12,9 @@ from __future__ import annotations
 import itertools
 import logging
 import types
-from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, ContextManager, Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,7 +88,7 @@ def compile_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def compile_limits(entries: int) -> ContextManager[Any]:
+def compile_limits(entries: int) -> AbstractContextManager[Any]:
     """dynamo's recompile limits raised to at least `entries` inside the block, restored after it.
 
     Each capture size is its own compiled entry and dynamo's default limit (8)
@@ -100,7 +101,10 @@ def compile_limits(entries: int) -> ContextManager[Any]:
     config: Any = torch._dynamo.config
     names = set(config.get_config_copy())
     changes: dict[str, int] = {}
-    for canonical, old in (("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit", "accumulated_cache_size_limit")):
+    for canonical, old in (
+        ("recompile_limit", "cache_size_limit"),
+        ("accumulated_recompile_limit", "accumulated_cache_size_limit"),
+    ):
         name = canonical if canonical in names else old
         if name in names:
             wanted = entries if "accumulated" not in name else 8 * entries
@@ -122,8 +126,12 @@ def private_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-def compile_piece(fn: Callable[..., Any], backend: str = "inductor", dynamic: bool | None = None,
-                  options: dict[str, Any] | None = None) -> Callable[..., torch.Tensor]:
+def compile_piece(
+    fn: Callable[..., Any],
+    backend: str = "inductor",
+    dynamic: bool | None = None,
+    options: dict[str, Any] | None = None,
+) -> Callable[..., torch.Tensor]:
     """`fn` torch.compile'd (whole graph) under a private code object: compiled entries of its own."""
     compile_kwargs: dict[str, Any] = {"dynamic": dynamic, "fullgraph": True, "backend": backend}
     if options:
@@ -131,8 +139,9 @@ def compile_piece(fn: Callable[..., Any], backend: str = "inductor", dynamic: bo
     return torch.compile(private_copy(fn), **compile_kwargs)
 
 
-def compiled_layer_step(backend: str = "inductor", dynamic: bool | None = None,
-                        options: dict[str, Any] | None = None) -> Callable[..., torch.Tensor]:
+def compiled_layer_step(
+    backend: str = "inductor", dynamic: bool | None = None, options: dict[str, Any] | None = None
+) -> Callable[..., torch.Tensor]:
     """One decoder layer's step (every layer of a kind runs the same compiled graph)."""
     return compile_piece(_layer_step, backend, dynamic, options)
 
@@ -169,7 +178,8 @@ class CompiledDecodeStep:
         self.opaque_attention = opaque_attention
         self.layer_fn: Callable[..., torch.Tensor] = layer_fn or compiled_layer_step(backend, dynamic, options)
         self.head_fn: Callable[..., torch.Tensor] | None = (
-            compile_piece(_head_step, backend, dynamic, options) if compile_head else None)
+            compile_piece(_head_step, backend, dynamic, options) if compile_head else None
+        )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.logits(self.hidden_states(input_ids, positions, meta))
@@ -185,13 +195,19 @@ class CompiledDecodeStep:
         # a tensor carries, and a graph compiled from weak marks would compile again for the extend step.
         mark_dynamic = torch._dynamo.mark_dynamic if self.opaque_attention else torch._dynamo.maybe_mark_dynamic
         if mark:
-            graph_inputs = (positions,) if self.opaque_attention else (positions, meta.slot_indices, meta.page_table,
-                                                                       meta.seq_lens)
+            graph_inputs = (
+                (positions,)
+                if self.opaque_attention
+                else (positions, meta.slot_indices, meta.page_table, meta.seq_lens)
+            )
             for tensor in graph_inputs:
                 mark_dynamic(tensor, 0)
         backend = self.model.attention_backend
-        with compile_limits(self.max_entries), step_context(backend, meta), \
-                attention_context(backend, meta) if self.opaque_attention else nullcontext(meta) as layer_meta:
+        with (
+            compile_limits(self.max_entries),
+            step_context(backend, meta),
+            attention_context(backend, meta) if self.opaque_attention else nullcontext(meta) as layer_meta,
+        ):
             for layer, (k_cache, v_cache) in zip(self.model.decoder_layers(), self.kv_caches):
                 if mark:
                     mark_dynamic(hidden, 0)

@@ -28,8 +28,9 @@ import gc
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -72,8 +73,14 @@ def frozen_gc() -> Iterator[None]:
 
 
 class CudaGraphRunner(DecodeGraphRunner):
-    def __init__(self, *args: Any, compile_step: bool = False, precompile: Callable[[list], Callable[[], None]] | None = None,
-                 layer_fn: Callable[..., torch.Tensor] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        compile_step: bool = False,
+        precompile: Callable[[list], Callable[[], None]] | None = None,
+        layer_fn: Callable[..., torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> None:
         """precompile: the platform's kernel_precompiler (its kernels compile in the background while the
         first size compiles; the function it returns waits for them before the first capture).
         layer_fn: the extend step's compiled layer step, to compile once for both (graphs/opaque_attention.py)."""
@@ -83,9 +90,16 @@ class CudaGraphRunner(DecodeGraphRunner):
         if compile_step:
             # The head runs eagerly, writing into the logits buffer: a compile fewer (~0.5 s of a cold capture),
             # and no float32 logits of the largest size left in the pool (263 MiB at 512 rows of a 128k vocabulary).
-            self.compiled_step = CompiledDecodeStep(self.model, self.kv_caches, dynamic=None, max_entries=16,
-                                                    dynamic_batch=True, opaque_attention=True, layer_fn=layer_fn,
-                                                    compile_head=False)
+            self.compiled_step = CompiledDecodeStep(
+                self.model,
+                self.kv_caches,
+                dynamic=None,
+                max_entries=16,
+                dynamic_batch=True,
+                opaque_attention=True,
+                layer_fn=layer_fn,
+                compile_head=False,
+            )
         # Captured sizes whose graphs read more rows than the size (the rest are padding rows).
         self.padded_graph_rows: dict[int, int] = {}
         if self.compiled_step is not None and self.max_batch_size >= 2 and batch1_in_two_rows(self.model):
@@ -115,9 +129,16 @@ class CudaGraphRunner(DecodeGraphRunner):
         compiles_before = compile_count()
         with frozen_gc(), compile_report() as compiled:
             # Kernels compiled ahead for the largest size (one pass) and the smallest (split-K decode).
-            wait_for_precompile = self.precompile(
-                [self.capture_metadata(self.graph_rows(bs)) for bs in (sizes_largest_first[0], sizes_largest_first[-1])]
-            ) if self.precompile is not None else None
+            wait_for_precompile = (
+                self.precompile(
+                    [
+                        self.capture_metadata(self.graph_rows(bs))
+                        for bs in (sizes_largest_first[0], sizes_largest_first[-1])
+                    ]
+                )
+                if self.precompile is not None
+                else None
+            )
             try:
                 for bs in tqdm(sizes_largest_first, desc="Capturing CUDA graphs", unit="graph", disable=None):
                     started = time.perf_counter()
@@ -147,9 +168,14 @@ class CudaGraphRunner(DecodeGraphRunner):
                     wait_for_precompile()
         self.graph_memory_bytes = max(0, free_before - free_device_memory())
         slowest = sorted(warmup_s.items(), key=lambda item: -item[1])[:3]
-        logger.info("decode capture: warm-up runs %.1f s (slowest: %s), graph captures %.1f s; %d dynamo graphs compiled; %s",
-                    sum(warmup_s.values()), ", ".join(f"size {bs} {s:.1f} s" for bs, s in slowest), capture_s,
-                    compile_count() - compiles_before, compiled.summary())
+        logger.info(
+            "decode capture: warm-up runs %.1f s (slowest: %s), graph captures %.1f s; %d dynamo graphs compiled; %s",
+            sum(warmup_s.values()),
+            ", ".join(f"size {bs} {s:.1f} s" for bs, s in slowest),
+            capture_s,
+            compile_count() - compiles_before,
+            compiled.summary(),
+        )
 
     def graph_rows(self, bs: int) -> int:
         return self.padded_graph_rows.get(bs, bs)
@@ -161,8 +187,9 @@ class CudaGraphRunner(DecodeGraphRunner):
             return logits if out is None else out.copy_(logits)
         buffers, rows = self.buffers, self.graph_rows(bs)
         with only_first_rows_live(bs) if rows > bs else nullcontext():
-            hidden = self.compiled_step.hidden_states(buffers.input_ids[:rows], buffers.positions[:rows],
-                                                      self.capture_metadata(rows))
+            hidden = self.compiled_step.hidden_states(
+                buffers.input_ids[:rows], buffers.positions[:rows], self.capture_metadata(rows)
+            )
             return self.compiled_step.logits(hidden[:bs], out)
 
     def _replay(self, bs: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
@@ -120,7 +120,9 @@ class ExtendGraphRunner:
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = stream if stream is not None else torch.cuda.Stream()
         with frozen_gc():
-            for tokens in tqdm(sorted(self.buckets, reverse=True), desc="Capturing extend graphs", unit="graph", disable=None):
+            for tokens in tqdm(
+                sorted(self.buckets, reverse=True), desc="Capturing extend graphs", unit="graph", disable=None
+            ):
                 self._fill_dummy(tokens)
                 with torch.cuda.stream(stream):
                     for _ in range(WARMUP_RUNS):
@@ -128,13 +130,19 @@ class ExtendGraphRunner:
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.outputs[tokens] = self.step_fn(self.input_ids[:tokens], self.positions[:tokens], self._meta(tokens))
+                    self.outputs[tokens] = self.step_fn(
+                        self.input_ids[:tokens], self.positions[:tokens], self._meta(tokens)
+                    )
                 self.graphs[tokens] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.graph_memory_bytes = max(0, free_before - free_device_memory())
-        logger.info("captured extend graphs for token counts %s in %.1f s, graph memory %.1f MiB",
-                    self.buckets, self.capture_seconds, self.graph_memory_bytes / 2**20)
+        logger.info(
+            "captured extend graphs for token counts %s in %.1f s, graph memory %.1f MiB",
+            self.buckets,
+            self.capture_seconds,
+            self.graph_memory_bytes / 2**20,
+        )
 
     def fill(self, batch: ForwardBatch, tokens: int) -> None:
         """The batch's n tokens and r requests into the buffers; tokens n..bucket become the padding

@@ -16,9 +16,10 @@ kernels it launched then, reading the static buffers it was given.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -41,17 +42,27 @@ def attention_context(backend: Any, meta: AttentionMetadata) -> Iterator[Attenti
 
 
 def _step_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-    window: int = 0, softcap: float = 0.0, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     current = getattr(_context, "current", None)
     if current is None:
         raise RuntimeError("engine::step_attention called outside attention_context (no step metadata)")
     backend, meta = current  # the step's own metadata, unmarked: the backend runs attention itself
-    return backend.forward(q, k, v, k_cache, v_cache, meta, scale, **attention_extras(window, softcap, k_scale, v_scale))
+    return backend.forward(
+        q, k, v, k_cache, v_cache, meta, scale, **attention_extras(window, softcap, k_scale, v_scale)
+    )
 
 
-def _step_attention_fake(q, k, v, k_cache, v_cache, scale, window=0, softcap=0.0, k_scale=None, v_scale=None):  # noqa: ANN001, ANN202
+def _step_attention_fake(q, k, v, k_cache, v_cache, scale, window=0, softcap=0.0, k_scale=None, v_scale=None):
     return torch.empty_like(q)
 
 

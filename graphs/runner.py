@@ -30,7 +30,7 @@ class DecodeRunner(Protocol):
     def capture(self) -> None:
         """Capture (or compile and warm up) every size once, before serving."""
 
-    def run_decode(self, message: "DecodeMessage", state: "DecodeBatchState") -> tuple[torch.Tensor, torch.Tensor]:
+    def run_decode(self, message: DecodeMessage, state: DecodeBatchState) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [n, vocab] float32, the decode rows [n] on the device) of the message's n rows."""
         ...
 
@@ -42,9 +42,9 @@ class PrefillRunner(Protocol):
     def capture(self) -> None:
         """Compile (warm up) every shape once, before serving."""
 
-    def can_run(self, message: "ExtendMessage") -> bool: ...
+    def can_run(self, message: ExtendMessage) -> bool: ...
 
-    def run_prefill(self, message: "ExtendMessage") -> torch.Tensor | None:
+    def run_prefill(self, message: ExtendMessage) -> torch.Tensor | None:
         """Logits [sampled, vocab] of the message's sampled requests in its order (its logits_indices), after
         every token's k/v is stored; None when no request samples."""
         ...
@@ -74,8 +74,9 @@ class DecodeGraphRunner(abc.ABC):
         self.device = device
         self.hooks: CaptureHooks = capture_hooks_for(getattr(model, "attention_backend", None))
         # The static state every captured size reads (StaticDecodeBuffers with the default hooks).
-        self.buffers = self.hooks.init_capture_state(self.max_batch_size, max_pages_per_seq, page_size, device,
-                                                     slot_dtype)
+        self.buffers = self.hooks.init_capture_state(
+            self.max_batch_size, max_pages_per_seq, page_size, device, slot_dtype
+        )
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
 
@@ -100,10 +101,13 @@ class DecodeGraphRunner(abc.ABC):
         self.capture_seconds = time.perf_counter() - start
         logger.info(
             "%s captured decode sizes %s in %.1f s, graph memory %.1f MiB",
-            type(self).__name__, self.capture_sizes, self.capture_seconds, self.graph_memory_bytes / 2**20,
+            type(self).__name__,
+            self.capture_sizes,
+            self.capture_seconds,
+            self.graph_memory_bytes / 2**20,
         )
 
-    def run_decode(self, message: "DecodeMessage", state: "DecodeBatchState") -> tuple[torch.Tensor, torch.Tensor]:
+    def run_decode(self, message: DecodeMessage, state: DecodeBatchState) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [n, vocab], decode rows [n]) of the message's rows: the backend's prepare_for_replay
         fills the static state (with the default hooks: straight from the persistent rows with int64
         slots, one copy and a few gathers; otherwise from the rows' device batch)."""

@@ -30,9 +30,14 @@ class StaticDecodeBuffers:
 
     @classmethod
     def allocate(
-        cls, max_bs: int, max_pages: int, page_size: int, device: torch.device | str, slot_dtype: torch.dtype,
+        cls,
+        max_bs: int,
+        max_pages: int,
+        page_size: int,
+        device: torch.device | str,
+        slot_dtype: torch.dtype,
         host_lengths: bool = False,
-    ) -> "StaticDecodeBuffers":
+    ) -> StaticDecodeBuffers:
         page_table = torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device)
         seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         seq_lens_host = torch.zeros(max_bs, dtype=torch.int32) if host_lengths else None
@@ -52,10 +57,15 @@ class StaticDecodeBuffers:
     def views(self, bs: int) -> tuple[torch.Tensor, ...]:
         """(input_ids, positions, slot_indices, page_table, seq_lens) of the first bs rows: a step
         callable's positional arguments for the graph of size bs."""
-        return (self.input_ids[:bs], self.positions[:bs], self.slot_indices[:bs], self.page_table[:bs],
-                self.seq_lens[:bs])
+        return (
+            self.input_ids[:bs],
+            self.positions[:bs],
+            self.slot_indices[:bs],
+            self.page_table[:bs],
+            self.seq_lens[:bs],
+        )
 
-    def fill_from_rows(self, host_inputs: torch.Tensor, state: "DecodeBatchState", padded_bs: int) -> torch.Tensor:
+    def fill_from_rows(self, host_inputs: torch.Tensor, state: DecodeBatchState, padded_bs: int) -> torch.Tensor:
         """Fill from the persistent decode state: host_inputs [4, n] int64 = (tokens, positions, slots,
         rows) on the host; the page table rows and pending input tokens come from `state` on the
         device. One copy and a few gathers. Returns the decode rows (a view of the staging buffer)."""
@@ -63,7 +73,9 @@ class StaticDecodeBuffers:
         n = host_inputs.shape[1]
         rows_table = state.page_table
         if rows_table.shape[1] != self.page_table.shape[1]:
-            raise ValueError(f"decode rows hold {rows_table.shape[1]} pages; the graphs were captured for {self.page_table.shape[1]}")
+            raise ValueError(
+                f"decode rows hold {rows_table.shape[1]} pages; the graphs were captured for {self.page_table.shape[1]}"
+            )
         self.staging[:, :n].copy_(host_inputs, non_blocking=True)
         rows = self.staging[3, :n]
         self.input_ids[:n].copy_(state.input_tokens(self.input_ids[:n], rows))

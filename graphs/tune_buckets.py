@@ -17,8 +17,8 @@ tuner passes it as Budget.max_graphs, so the runner never has to sample the tune
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -40,7 +40,7 @@ class PlaneCost:
     c: float
 
     @classmethod
-    def fit(cls, points: Sequence[tuple[int, int, float]]) -> "PlaneCost":
+    def fit(cls, points: Sequence[tuple[int, int, float]]) -> PlaneCost:
         if len(points) < 3:
             raise ValueError("need at least three (batch, blocks, ms) points to fit a step-time plane")
         x = np.array([[1.0, bs, blocks] for bs, blocks, _ in points])
@@ -73,17 +73,26 @@ class HpuProposal:
     def config(self) -> dict[str, object]:
         """The keys configs/hpu.yaml takes: batch buckets as capture_sizes, blocks as a range."""
         r = self.block_range
-        return {"capture_sizes": list(self.batch_buckets), "max_capture_size": max(self.batch_buckets),
-                "hpu": {"bucketing": self.strategy, "decode_block_bucket": {"min": r.min, "step": r.step, "max": r.max}}}
+        return {
+            "capture_sizes": list(self.batch_buckets),
+            "max_capture_size": max(self.batch_buckets),
+            "hpu": {"bucketing": self.strategy, "decode_block_bucket": {"min": r.min, "step": r.step, "max": r.max}},
+        }
 
 
 def _block_bucket(pairs_of_bs: Sequence[int], need: int) -> int | None:
     return next((b for b in pairs_of_bs if b >= need), None)
 
 
-def evaluate_hpu(batch_buckets: Sequence[int], block_buckets: Sequence[int], steps: StepDistribution,
-                 step_ms: PlaneCost, eager_ms: PlaneCost, max_blocks_per_seq: int,
-                 max_blocks_total: int | None) -> tuple[float, float, float, int]:
+def evaluate_hpu(
+    batch_buckets: Sequence[int],
+    block_buckets: Sequence[int],
+    steps: StepDistribution,
+    step_ms: PlaneCost,
+    eager_ms: PlaneCost,
+    max_blocks_per_seq: int,
+    max_blocks_total: int | None,
+) -> tuple[float, float, float, int]:
     """(expected ms, padded rows, padded blocks, buckets) of a bucket configuration over the steps."""
     pairs = decode_buckets(sorted(batch_buckets), sorted(block_buckets), max_blocks_per_seq, max_blocks_total)
     by_bs: dict[int, list[int]] = {}
@@ -126,11 +135,23 @@ def propose_hpu_buckets(
         for step in sorted(set(block_steps)):
             block_range = BucketRange(min=min(step, top_blocks), step=step, max=max(top_blocks, step))
             block_buckets = make_buckets(block_range, strategy)
-            proposal = _best_batch_buckets(steps, step_ms, eager_ms, batch_candidates, block_buckets, block_range,
-                                           strategy, max_blocks_per_seq, max_blocks_total, max_buckets,
-                                           warmup_s_per_bucket, warmup_budget_s)
-            if proposal is not None and (best is None or (proposal.expected_ms, proposal.buckets)
-                                         < (best.expected_ms, best.buckets)):
+            proposal = _best_batch_buckets(
+                steps,
+                step_ms,
+                eager_ms,
+                batch_candidates,
+                block_buckets,
+                block_range,
+                strategy,
+                max_blocks_per_seq,
+                max_blocks_total,
+                max_buckets,
+                warmup_s_per_bucket,
+                warmup_budget_s,
+            )
+            if proposal is not None and (
+                best is None or (proposal.expected_ms, proposal.buckets) < (best.expected_ms, best.buckets)
+            ):
                 best = proposal
     if best is None:
         raise ValueError("no bucket configuration fits the warm-up budget")
@@ -138,9 +159,18 @@ def propose_hpu_buckets(
 
 
 def _best_batch_buckets(
-    steps: StepDistribution, step_ms: PlaneCost, eager_ms: PlaneCost, candidates: list[int],
-    block_buckets: list[int], block_range: BucketRange, strategy: str, max_blocks_per_seq: int,
-    max_blocks_total: int | None, max_buckets: int | None, warmup_s_per_bucket: float, warmup_budget_s: float | None,
+    steps: StepDistribution,
+    step_ms: PlaneCost,
+    eager_ms: PlaneCost,
+    candidates: list[int],
+    block_buckets: list[int],
+    block_range: BucketRange,
+    strategy: str,
+    max_blocks_per_seq: int,
+    max_blocks_total: int | None,
+    max_buckets: int | None,
+    warmup_s_per_bucket: float,
+    warmup_budget_s: float | None,
 ) -> HpuProposal | None:
     """For one block list: each batch bucket's cost for every batch it would serve, then the DP."""
     costs, per_bs = [], []
@@ -150,8 +180,8 @@ def _best_batch_buckets(
         costs.append(SizeCost(c, replay_ms=0.0, capture_s=len(blocks) * warmup_s_per_bucket, graphs=len(blocks)))
     rows_of = sorted({n for n, _ in steps})
     # served[i][n]: expected ms of the steps of n rows if batch bucket i serves them (eager where no block fits).
-    served = [{n: 0.0 for n in rows_of} for _ in candidates]
-    eager_by_n = {n: 0.0 for n in rows_of}
+    served = [dict.fromkeys(rows_of, 0.0) for _ in candidates]
+    eager_by_n = dict.fromkeys(rows_of, 0.0)
     for (n, k), p in steps.items():
         eager_by_n[n] += p * eager_ms(n, k)
         for i, c in enumerate(candidates):
@@ -177,9 +207,12 @@ def _best_batch_buckets(
     if not chosen:
         return None
     batch_buckets = [candidates[i] for i in chosen]
-    expected, rows, blocks, buckets = evaluate_hpu(batch_buckets, block_buckets, steps, step_ms, eager_ms,
-                                                   max_blocks_per_seq, max_blocks_total)
-    return HpuProposal(tuple(batch_buckets), block_range, strategy, tuple(block_buckets), buckets, expected, rows, blocks)
+    expected, rows, blocks, buckets = evaluate_hpu(
+        batch_buckets, block_buckets, steps, step_ms, eager_ms, max_blocks_per_seq, max_blocks_total
+    )
+    return HpuProposal(
+        tuple(batch_buckets), block_range, strategy, tuple(block_buckets), buckets, expected, rows, blocks
+    )
 
 
 def npu_max_graphs(num_layers: int, npu_config: Mapping[str, object]) -> int:
@@ -187,5 +220,6 @@ def npu_max_graphs(num_layers: int, npu_config: Mapping[str, object]) -> int:
     from backends.npu.graph_runner import npu_graph_budget
     from backends.npu.platform import MAX_ACLGRAPH_GRAPHS
 
-    return npu_graph_budget(num_layers, 0, bool(npu_config.get("hccl_aiv", False)),
-                            int(npu_config.get("max_graphs", MAX_ACLGRAPH_GRAPHS)))  # type: ignore[arg-type]
+    return npu_graph_budget(
+        num_layers, 0, bool(npu_config.get("hccl_aiv", False)), int(npu_config.get("max_graphs", MAX_ACLGRAPH_GRAPHS))
+    )  # type: ignore[arg-type]

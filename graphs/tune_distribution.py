@@ -14,8 +14,9 @@ import json
 import math
 import os
 import urllib.request
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 DECODE_HISTOGRAM = "engine:decode_batch_size"
 TOKENS_HISTOGRAM = "engine:extend_step_tokens"
@@ -30,7 +31,7 @@ class SizeDistribution:
     observations: float = 0.0  # steps counted (0: not observed, e.g. the default)
 
     @classmethod
-    def from_counts(cls, counts: Mapping[int, float], source: str) -> "SizeDistribution":
+    def from_counts(cls, counts: Mapping[int, float], source: str) -> SizeDistribution:
         clean: dict[int, float] = {}
         for size, count in counts.items():
             size, count = int(size), float(count)
@@ -56,14 +57,16 @@ class SizeDistribution:
     def mass_above(self, size: int) -> float:
         return sum(p for s, p in self.weights.items() if s > size)
 
-    def clipped(self, max_size: int) -> "SizeDistribution":
+    def clipped(self, max_size: int) -> SizeDistribution:
         """Sizes above max_size folded onto it (the scheduler never batches more than max_num_seqs)."""
         if self.max_size <= max_size:
             return self
         folded: dict[int, float] = {}
         for size, p in self.weights.items():
             folded[min(size, max_size)] = folded.get(min(size, max_size), 0.0) + p
-        return SizeDistribution(folded, f"{self.source} (sizes above {max_size} counted at {max_size})", self.observations)
+        return SizeDistribution(
+            folded, f"{self.source} (sizes above {max_size} counted at {max_size})", self.observations
+        )
 
     def summary(self, noun: str = "batch") -> str:
         """noun: what a size counts ("batch" for decode rows, "tokens" for extend steps)."""
@@ -78,8 +81,9 @@ def default_distribution(max_size: int) -> SizeDistribution:
     batch is equally likely. A uniform prior would put 99% of the mass above batch 8 at max_num_seqs 512,
     and the tuner would then drop the small sizes that a lightly loaded server runs all day."""
     total = sum(1.0 / s for s in range(1, max_size + 1))
-    return SizeDistribution({s: 1.0 / s / total for s in range(1, max_size + 1)},
-                            f"default: log-uniform over 1..{max_size} (p(b) ~ 1/b)")
+    return SizeDistribution(
+        {s: 1.0 / s / total for s in range(1, max_size + 1)}, f"default: log-uniform over 1..{max_size} (p(b) ~ 1/b)"
+    )
 
 
 def parse_spec(spec: str) -> SizeDistribution:
@@ -210,12 +214,15 @@ def fetch_metrics(url: str, api_key: str | None = None, timeout: float = 10.0) -
     key = api_key or os.environ.get("ENGINE_API_KEY")
     if key:
         request.add_header("Authorization", f"Bearer {key}")
-    with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - an operator-given URL
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         return response.read().decode("utf-8")
 
 
 def load_distribution(
-    distribution: str | None, metrics_url: str | None, max_size: int, api_key: str | None = None,
+    distribution: str | None,
+    metrics_url: str | None,
+    max_size: int,
+    api_key: str | None = None,
     histogram: str = DECODE_HISTOGRAM,
 ) -> SizeDistribution:
     """The tuner's distribution: --distribution (a file, or a spec like '33-40:0.6,70:0.4'), --metrics-url,

@@ -33,8 +33,9 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -75,7 +76,7 @@ def extend_candidates(defaults: Sequence[int], distribution: SizeDistribution, m
     return sorted(s for s in sizes if 1 <= s <= max_tokens)
 
 
-def prompt_batch(engine: "Engine", tokens: int, prompt_len: int, seed: int = 0) -> "ForwardBatch":
+def prompt_batch(engine: Engine, tokens: int, prompt_len: int, seed: int = 0) -> ForwardBatch:
     """An extend batch of `tokens` tokens: prompts of prompt_len (the last shorter) with no cached prefix,
     each on fresh pages of the engine's pool (page 0 is the padding page, never used)."""
     from engine.forward_batch import build_forward_batch
@@ -86,7 +87,9 @@ def prompt_batch(engine: "Engine", tokens: int, prompt_len: int, seed: int = 0) 
     lens = [prompt_len] * (tokens // prompt_len) + ([tokens % prompt_len] if tokens % prompt_len else [])
     pages_needed = sum(-(-n // page) for n in lens)
     if pages_needed >= engine.kv_manager.total_pages:
-        raise ValueError(f"a {tokens}-token batch needs {pages_needed} pages; the pool has {engine.kv_manager.total_pages}")
+        raise ValueError(
+            f"a {tokens}-token batch needs {pages_needed} pages; the pool has {engine.kv_manager.total_pages}"
+        )
     generator = torch.Generator().manual_seed(seed)
     vocab = int(engine.model_config.vocab_size)
     requests, pages_of, next_page = [], {}, 1
@@ -97,10 +100,12 @@ def prompt_batch(engine: "Engine", tokens: int, prompt_len: int, seed: int = 0) 
         pages_of[request.request_id] = list(range(next_page, next_page + count))
         next_page += count
         requests.append(request)
-    return build_forward_batch(requests, pages_of, page, engine.device, engine.platform.slot_index_dtype, extend_lens=lens)
+    return build_forward_batch(
+        requests, pages_of, page, engine.device, engine.platform.slot_index_dtype, extend_lens=lens
+    )
 
 
-def extend_step_fn(engine: "Engine", compiled: bool) -> "StepFn":
+def extend_step_fn(engine: Engine, compiled: bool) -> StepFn:
     """What Engine._extend_graphs captures: the compiled token-dynamic step, or the eager forward."""
     from graphs.extend_graph_runner import eager_extend_step
 
@@ -111,12 +116,19 @@ def extend_step_fn(engine: "Engine", compiled: bool) -> "StepFn":
     return eager_extend_step(engine.model, engine.kv_pool.caches)
 
 
-def _runner(engine: "Engine", step: "StepFn", buckets: Sequence[int]) -> Any:
+def _runner(engine: Engine, step: StepFn, buckets: Sequence[int]) -> Any:
     from graphs.extend_graph_runner import ExtendGraphRunner
 
     max_pages = -(-engine.max_model_len // engine.kv_pool.page_size)
-    return ExtendGraphRunner(step, list(buckets), int(engine.config.max_num_seqs), max_pages, engine.kv_pool.page_size,
-                             engine.device, engine.platform.slot_index_dtype)
+    return ExtendGraphRunner(
+        step,
+        list(buckets),
+        int(engine.config.max_num_seqs),
+        max_pages,
+        engine.kv_pool.page_size,
+        engine.device,
+        engine.platform.slot_index_dtype,
+    )
 
 
 def _release(runner: Any) -> None:
@@ -128,16 +140,24 @@ def _release(runner: Any) -> None:
     torch.cuda.empty_cache()
 
 
-def measure_extend_buckets(engine: "Engine", step: "StepFn", candidates: Sequence[int], probe_tokens: Sequence[int],
-                           prompt_len: int, iters: int) -> MeasureReport:
+def measure_extend_buckets(
+    engine: Engine,
+    step: StepFn,
+    candidates: Sequence[int],
+    probe_tokens: Sequence[int],
+    prompt_len: int,
+    iters: int,
+) -> MeasureReport:
     """Unbucketed step, capture seconds, graph memory and replay for each candidate (module docstring)."""
     if engine.platform.capture_settings().kind != "cuda_graph":
-        raise ValueError(f"extend graphs are CUDA/HIP graphs; {engine.platform.name} has none to measure "
-                         "(pass --cost-table with figures measured on a GPU)")
+        raise ValueError(
+            f"extend graphs are CUDA/HIP graphs; {engine.platform.name} has none to measure "
+            "(pass --cost-table with figures measured on a GPU)"
+        )
     start = time.perf_counter()
     sync = engine.platform.synchronize
-    buckets = sorted(set(int(c) for c in candidates))
-    probes = sorted(set(int(t) for t in probe_tokens) | set(buckets))
+    buckets = sorted({int(c) for c in candidates})
+    probes = sorted({int(t) for t in probe_tokens} | set(buckets))
     bar = tqdm(total=len(probes) + 2 * len(buckets), desc="tune-capture --extend", unit="step")
     unbucketed: dict[int, float] = {}
     with torch.no_grad():
@@ -156,22 +176,39 @@ def measure_extend_buckets(engine: "Engine", step: "StepFn", candidates: Sequenc
         batch = prompt_batch(engine, bucket, prompt_len)
         with torch.no_grad():
             replay = steady_ms(sync, lambda b=batch, r=runner: r.run(b), iters)
-        measured.append(SizeMeasurement(size=bucket, replay_ms=replay, eager_ms=unbucketed[bucket],
-                                        capture_s=runner.capture_seconds, first_capture_s=runner.capture_seconds,
-                                        memory_mib=runner.graph_memory_bytes / 2**20, memory_source="device"))
+        measured.append(
+            SizeMeasurement(
+                size=bucket,
+                replay_ms=replay,
+                eager_ms=unbucketed[bucket],
+                capture_s=runner.capture_seconds,
+                first_capture_s=runner.capture_seconds,
+                memory_mib=runner.graph_memory_bytes / 2**20,
+                memory_source="device",
+            )
+        )
         _release(runner)
         bar.update()
     bar.close()
-    return MeasureReport(sorted(measured, key=lambda m: m.size), unbucketed, 0.0, 0.0, 0.0, "cuda_graph", prompt_len,
-                         iters, machine_info(engine), time.perf_counter() - start)
+    return MeasureReport(
+        sorted(measured, key=lambda m: m.size),
+        unbucketed,
+        0.0,
+        0.0,
+        0.0,
+        "cuda_graph",
+        prompt_len,
+        iters,
+        machine_info(engine),
+        time.perf_counter() - start,
+    )
 
 
-def _measurement_engine(args: argparse.Namespace, max_tokens: int, prompt_len: int) -> "Engine":
+def _measurement_engine(args: argparse.Namespace, max_tokens: int, prompt_len: int) -> Engine:
     """A real engine with graphs off and a KV pool for the largest measured batch (and a full context)."""
+    from backends import get_platform
     from engine.cli import engine_config_from_args
     from engine.engine import Engine
-
-    from backends import get_platform
 
     config = engine_config_from_args(args, disable_graphs=True, warmup=False)
     resolved = config.resolve(get_platform(args.device))
@@ -181,7 +218,7 @@ def _measurement_engine(args: argparse.Namespace, max_tokens: int, prompt_len: i
     return Engine(config)
 
 
-def _verify(engine: "Engine", step: "StepFn", sets: dict[str, list[int]]) -> dict[str, dict[str, float]]:
+def _verify(engine: Engine, step: StepFn, sets: dict[str, list[int]]) -> dict[str, dict[str, float]]:
     """Each non-empty set captured as the engine captures it (one runner, one pool): real seconds and memory.
     `step` is the measured one, already compiled."""
     figures = {}
@@ -190,8 +227,11 @@ def _verify(engine: "Engine", step: "StepFn", sets: dict[str, list[int]]) -> dic
             continue
         runner = _runner(engine, step, buckets)
         runner.capture()
-        figures[name] = {"capture_s": runner.capture_seconds, "memory_mib": runner.graph_memory_bytes / 2**20,
-                         "memory_source": "device"}
+        figures[name] = {
+            "capture_s": runner.capture_seconds,
+            "memory_mib": runner.graph_memory_bytes / 2**20,
+            "memory_source": "device",
+        }
         _release(runner)
     return figures
 
@@ -203,9 +243,13 @@ def _budget(args: argparse.Namespace, default: Evaluation) -> Budget:
         value = given if given is not None else (current if default.sizes else math.inf)
         return None if math.isinf(value) else max(value, 1e-6)
 
-    return Budget(memory_mib=pick(args.memory_budget_mib, default.memory_mib),
-                  capture_s=pick(args.capture_time_budget_s, default.capture_s), max_graphs=args.max_graphs,
-                  cover=args.cover, allow_empty=True)
+    return Budget(
+        memory_mib=pick(args.memory_budget_mib, default.memory_mib),
+        capture_s=pick(args.capture_time_budget_s, default.capture_s),
+        max_graphs=args.max_graphs,
+        cover=args.cover,
+        allow_empty=True,
+    )
 
 
 def _header(info: dict[str, Any], tuned: Evaluation, default: Evaluation) -> list[str]:
@@ -230,7 +274,7 @@ def _header(info: dict[str, Any], tuned: Evaluation, default: Evaluation) -> lis
     return lines
 
 
-def tune_extend(args: argparse.Namespace, config: "EngineConfig", platform: Any) -> int:
+def tune_extend(args: argparse.Namespace, config: EngineConfig, platform: Any) -> int:
     """The --extend run: distribution, measurements (or --cost-table), selection, YAML + JSON + tables."""
     import json
 
@@ -244,8 +288,12 @@ def tune_extend(args: argparse.Namespace, config: "EngineConfig", platform: Any)
     defaults = sorted({min(b, max_tokens) for b in current})
     distribution = load_distribution(args.distribution, args.metrics_url, max_tokens, args.api_key, TOKENS_HISTOGRAM)
     compiled = bool(config.compile_extend)
-    logger.info("extend buckets now %s (a step holds at most %d tokens); distribution %s",
-                defaults or "none", max_tokens, distribution.summary("tokens"))
+    logger.info(
+        "extend buckets now %s (a step holds at most %d tokens); distribution %s",
+        defaults or "none",
+        max_tokens,
+        distribution.summary("tokens"),
+    )
     engine = step = None
     if args.cost_table:
         with open(args.cost_table, encoding="utf-8") as handle:
@@ -254,13 +302,19 @@ def tune_extend(args: argparse.Namespace, config: "EngineConfig", platform: Any)
         compiled = bool(saved.get("compile_extend", compiled))
         candidates = sorted(m.size for m in report.sizes)
     else:
-        candidates = parse_sizes(args.candidates) if args.candidates else extend_candidates(defaults, distribution, max_tokens)
+        candidates = (
+            parse_sizes(args.candidates) if args.candidates else extend_candidates(defaults, distribution, max_tokens)
+        )
         candidates = [c for c in candidates if 1 <= c <= max_tokens]
         if not candidates:
             raise ValueError(f"no candidate bucket <= {max_tokens} tokens (the largest step)")
         engine = _measurement_engine(args, max(max(candidates), distribution.max_size), args.prompt_len)
-        logger.info("measuring %d candidate token buckets %s over %s", len(candidates), candidates,
-                    "compiled extend steps" if compiled else "eager extend steps")
+        logger.info(
+            "measuring %d candidate token buckets %s over %s",
+            len(candidates),
+            candidates,
+            "compiled extend steps" if compiled else "eager extend steps",
+        )
         step = extend_step_fn(engine, compiled)
         report = measure_extend_buckets(engine, step, candidates, [distribution.max_size], args.prompt_len, args.iters)
         config.dtype = engine.config.dtype
@@ -269,28 +323,64 @@ def tune_extend(args: argparse.Namespace, config: "EngineConfig", platform: Any)
     budget = _budget(args, default_eval)
     tuned = select_sizes(distribution, model, budget)
     unbucketed = evaluate([], distribution, model)
-    verified = _verify(engine, step, {"tuned": list(tuned.sizes), "current": defaults}) \
-        if engine is not None and step is not None and args.verify else {}
-    info = run_summary(args, config, platform.name, report, distribution, budget, tuned, default_eval, verified, [], candidates)
-    info.update(compiled=compiled, prompt_len=report.context, distribution=distribution.summary("tokens"),
-                source=f"Figures from the cost table {args.cost_table}, measured" if args.cost_table else "Measured")
+    verified = (
+        _verify(engine, step, {"tuned": list(tuned.sizes), "current": defaults})
+        if engine is not None and step is not None and args.verify
+        else {}
+    )
+    info = run_summary(
+        args, config, platform.name, report, distribution, budget, tuned, default_eval, verified, [], candidates
+    )
+    info.update(
+        compiled=compiled,
+        prompt_len=report.context,
+        distribution=distribution.summary("tokens"),
+        source=f"Figures from the cost table {args.cost_table}, measured" if args.cost_table else "Measured",
+    )
     output = args.output or os.path.join("configs", "tuned", f"{platform.name}-extend.yaml")
-    tuned_for = {"model": args.model or "embedded SmolLM2-135M-Instruct", "device": platform.name,
-                 "dtype": config.dtype, "page_size": int(config.page_size), "date": info["date"]}
+    tuned_for = {
+        "model": args.model or "embedded SmolLM2-135M-Instruct",
+        "device": platform.name,
+        "dtype": config.dtype,
+        "page_size": int(config.page_size),
+        "date": info["date"],
+    }
     values = {"extend_capture_tokens": list(tuned.sizes), "compile_extend": compiled}
     write_tuned_yaml(output, values, _header(info, tuned, default_eval), tuned_for, kind="extend")
     json_path = args.json or os.path.splitext(output)[0] + ".json"
-    write_json(json_path, {
-        "date": info["date"], "command": info["command"], "machine": report.machine, "tuned_for": tuned_for,
-        "kind": "extend", "compile_extend": compiled, "max_step_tokens": max_tokens,
-        "distribution": {str(k): v for k, v in distribution.weights.items()}, "distribution_source": distribution.source,
-        "budget": asdict(budget), "current": default_eval.as_dict(), "tuned": tuned.as_dict(),
-        "unbucketed": unbucketed.as_dict(), "verified": verified, "measurements": report.as_dict(),
-        "seconds": time.perf_counter() - started,
-    })
+    write_json(
+        json_path,
+        {
+            "date": info["date"],
+            "command": info["command"],
+            "machine": report.machine,
+            "tuned_for": tuned_for,
+            "kind": "extend",
+            "compile_extend": compiled,
+            "max_step_tokens": max_tokens,
+            "distribution": {str(k): v for k, v in distribution.weights.items()},
+            "distribution_source": distribution.source,
+            "budget": asdict(budget),
+            "current": default_eval.as_dict(),
+            "tuned": tuned.as_dict(),
+            "unbucketed": unbucketed.as_dict(),
+            "verified": verified,
+            "measurements": report.as_dict(),
+            "seconds": time.perf_counter() - started,
+        },
+    )
     print()
-    print_tables([asdict(m) for m in report.sizes], distribution.weights, tuned, default_eval, [("unbucketed", unbucketed)],
-                 size_label="bucket", uncaptured="unbucketed", default_label="current", unit="tokens")
+    print_tables(
+        [asdict(m) for m in report.sizes],
+        distribution.weights,
+        tuned,
+        default_eval,
+        [("unbucketed", unbucketed)],
+        size_label="bucket",
+        uncaptured="unbucketed",
+        default_label="current",
+        unit="tokens",
+    )
     for name, figures in verified.items():
         print(f"{name} captured as the engine does: {figures['capture_s']:.2f} s, {figures['memory_mib']:.1f} MiB")
     print(f"\nwrote {output} and {json_path}; use it with: engine run|serve|bench --capture-config {output}")

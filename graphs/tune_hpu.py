@@ -22,7 +22,7 @@ import argparse
 import json
 import math
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from backends.hpu.bucketing import BucketRange, HpuBucketConfig, make_buckets, read_bucket_range, resolve_bucket_config
@@ -57,9 +57,11 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 
-def tune_hpu(args: argparse.Namespace, config: "EngineConfig", distribution: SizeDistribution) -> int:
+def tune_hpu(args: argparse.Namespace, config: EngineConfig, distribution: SizeDistribution) -> int:
     if not args.cost_table:
-        raise ValueError("--device hpu selects from measured figures: pass --cost-table (docs/tuning.md gives the form)")
+        raise ValueError(
+            "--device hpu selects from measured figures: pass --cost-table (docs/tuning.md gives the form)"
+        )
     with open(args.cost_table, encoding="utf-8") as handle:
         table = json.load(handle)["hpu_buckets"]
     # Checked before any work: a table with prompt points too few to fit is one error, not a half-written file.
@@ -69,22 +71,39 @@ def tune_hpu(args: argparse.Namespace, config: "EngineConfig", distribution: Siz
     eager_ms = PlaneCost.fit([tuple(p) for p in table["eager_points"]])
     warmup = float(table.get("warmup_s_per_bucket", 0.0))
     page_size = int(config.page_size)
-    settings = {**config.device_config, "capture_sizes": config.capture_sizes, "page_size": page_size,
-                "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs}
+    settings = {
+        **config.device_config,
+        "capture_sizes": config.capture_sizes,
+        "page_size": page_size,
+        "max_model_len": config.max_model_len,
+        "max_num_seqs": config.max_num_seqs,
+    }
     current = resolve_bucket_config(settings)
     max_blocks_per_seq = math.ceil(int(config.max_model_len) / page_size)
     max_blocks_total = int(config.max_num_seqs) * max_blocks_per_seq
     steps = step_distribution(distribution, args.context, page_size)
-    default = evaluate_hpu(current.decode_bs, current.decode_block, steps, step_ms, eager_ms, max_blocks_per_seq,
-                           max_blocks_total)
+    default = evaluate_hpu(
+        current.decode_bs, current.decode_block, steps, step_ms, eager_ms, max_blocks_per_seq, max_blocks_total
+    )
     max_buckets = args.max_graphs or default[3]
     budget_s = args.capture_time_budget_s if args.capture_time_budget_s is not None else default[3] * warmup or None
-    candidates = parse_sizes(args.candidates) or candidate_sizes(current.decode_bs, distribution, int(config.max_num_seqs))
-    proposal = propose_hpu_buckets(steps, step_ms, eager_ms, candidates, parse_sizes(args.hpu_block_steps) or [128],
-                                   max_blocks_per_seq, max_blocks_total, max_buckets, warmup,
-                                   None if budget_s is None or math.isinf(budget_s) else budget_s)
+    candidates = parse_sizes(args.candidates) or candidate_sizes(
+        current.decode_bs, distribution, int(config.max_num_seqs)
+    )
+    proposal = propose_hpu_buckets(
+        steps,
+        step_ms,
+        eager_ms,
+        candidates,
+        parse_sizes(args.hpu_block_steps) or [128],
+        max_blocks_per_seq,
+        max_blocks_total,
+        max_buckets,
+        warmup,
+        None if budget_s is None or math.isinf(budget_s) else budget_s,
+    )
     r = proposal.block_range
-    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     header = [
         f"HPU decode buckets proposed by `engine tune-capture --device hpu` on {date} from the cost table "
         f"{args.cost_table} (a plane fitted to {len(table['points'])} measured buckets). Never run on Gaudi hardware.",
@@ -115,23 +134,49 @@ def tune_hpu(args: argparse.Namespace, config: "EngineConfig", distribution: Siz
         if args.max_prompt_ctx_buckets:
             hpu_keys["max_prompt_ctx_buckets"] = args.max_prompt_ctx_buckets
     else:
-        header.append("Prefix (ctx) buckets not tuned: " + ("no --prefix-lengths." if ctx_ms is not None else
-                                                            "the cost table has no ctx_points."))
+        header.append(
+            "Prefix (ctx) buckets not tuned: "
+            + ("no --prefix-lengths." if ctx_ms is not None else "the cost table has no ctx_points.")
+        )
     output = args.output or os.path.join("configs", "tuned", "hpu-buckets.yaml")
-    write_tuned_yaml(output, decode_values(proposal.batch_buckets), header,
-                     {"model": args.model, "device": "hpu", "page_size": page_size, "date": date}, {"hpu": hpu_keys})
+    write_tuned_yaml(
+        output,
+        decode_values(proposal.batch_buckets),
+        header,
+        {"model": args.model, "device": "hpu", "page_size": page_size, "date": date},
+        {"hpu": hpu_keys},
+    )
     json_path = args.json or os.path.splitext(output)[0] + ".json"
-    write_json(json_path, {"date": date, "proposal": proposal.__dict__ | {"block_range": r.__dict__},
-                           "current": {"expected_ms": default[0], "padded_rows": default[1], "padded_blocks": default[2],
-                                       "buckets": default[3]}, "cost_table": table,
-                           "prompt": _prompt_json(prompt), "prompt_ctx": _ctx_json(ctx)})
+    write_json(
+        json_path,
+        {
+            "date": date,
+            "proposal": proposal.__dict__ | {"block_range": r.__dict__},
+            "current": {
+                "expected_ms": default[0],
+                "padded_rows": default[1],
+                "padded_blocks": default[2],
+                "buckets": default[3],
+            },
+            "cost_table": table,
+            "prompt": _prompt_json(prompt),
+            "prompt_ctx": _ctx_json(ctx),
+        },
+    )
     print("\n".join(header))
     print(f"\nwrote {output} and {json_path}")
     return 0
 
 
-def _tune_prompt(args: argparse.Namespace, config: "EngineConfig", settings: dict, current: HpuBucketConfig,
-                 strategy: str, cost: PromptCost, table: dict) -> tuple[PromptProposal, list[str]]:
+def _tune_prompt(
+    args: argparse.Namespace,
+    config: EngineConfig,
+    settings: dict,
+    current: HpuBucketConfig,
+    strategy: str,
+    cost: PromptCost,
+    table: dict,
+) -> tuple[PromptProposal, list[str]]:
     """The prompt ranges for --prompt-lengths under the prompt budget, printed as a table; and header lines."""
     max_len = _longest_bucketed_prompt(config, current)
     lengths = load_prompt_lengths(args.prompt_lengths, max_len, args.metrics_url, args.api_key)
@@ -144,8 +189,19 @@ def _tune_prompt(args: argparse.Namespace, config: "EngineConfig", settings: dic
     budget_s = args.prompt_warmup_budget_s
     budget_s = None if budget_s is None or math.isinf(budget_s) else budget_s
     max_rows = 1 << max(0, math.ceil(math.log2(args.prompts_per_step)))  # no more rows than a step brings
-    proposal = propose_prompt_buckets(lengths, steps, cost, now, strategy, parse_sizes(args.hpu_prompt_seq_steps),
-                                      max_rows, current.max_num_batched_tokens, warmup, max_buckets, budget_s)
+    proposal = propose_prompt_buckets(
+        lengths,
+        steps,
+        cost,
+        now,
+        strategy,
+        parse_sizes(args.hpu_prompt_seq_steps),
+        max_rows,
+        current.max_num_batched_tokens,
+        warmup,
+        max_buckets,
+        budget_s,
+    )
     print(prompt_table(proposal, max_buckets, budget_s) + "\n")
     c, bs, seq = proposal.chosen, proposal.chosen.bs_range, proposal.chosen.seq_range
     header = [
@@ -168,13 +224,21 @@ def _tune_prompt(args: argparse.Namespace, config: "EngineConfig", settings: dic
     return proposal, header
 
 
-def _tune_ctx(args: argparse.Namespace, config: "EngineConfig", current: HpuBucketConfig, strategy: str, cost: CtxCost,
-              table: dict, prompt: PromptProposal | None) -> tuple[CtxProposal, list[str]]:
+def _tune_ctx(
+    args: argparse.Namespace,
+    config: EngineConfig,
+    current: HpuBucketConfig,
+    strategy: str,
+    cost: CtxCost,
+    table: dict,
+    prompt: PromptProposal | None,
+) -> tuple[CtxProposal, list[str]]:
     """The context range for --prefix-lengths over the prompt buckets in force (the proposed ones when prompt
     buckets were tuned too), printed as a table; and header lines."""
     page, max_model_len = int(config.page_size), int(config.max_model_len)
-    new_tokens = load_prompt_lengths(args.prompt_lengths, _longest_bucketed_prompt(config, current), args.metrics_url,
-                                     args.api_key)
+    new_tokens = load_prompt_lengths(
+        args.prompt_lengths, _longest_bucketed_prompt(config, current), args.metrics_url, args.api_key
+    )
     prefixes = load_prefix_lengths(args.prefix_lengths, max_model_len - 1)
     steps = ctx_steps(new_tokens, prefixes, page, max_model_len)
     pairs = prompt.chosen.pairs if prompt is not None else current.prompt_pairs(max_model_len - 1)
@@ -183,8 +247,9 @@ def _tune_ctx(args: argparse.Namespace, config: "EngineConfig", current: HpuBuck
     warmup = float(table.get("warmup_s_per_prompt_bucket", 0.0))
 
     def evaluate_buckets(label: BucketRange | None, ctx: list[int]) -> CtxEvaluation:
-        return evaluate_ctx(label, ctx, bs, seq, page, max_model_len, current.max_num_batched_tokens, limit, steps,
-                            cost, warmup)
+        return evaluate_ctx(
+            label, ctx, bs, seq, page, max_model_len, current.max_num_batched_tokens, limit, steps, cost, warmup
+        )
 
     def evaluate(ctx_range: BucketRange) -> CtxEvaluation:
         return evaluate_buckets(ctx_range, make_buckets(ctx_range, strategy))
@@ -206,8 +271,11 @@ def _tune_ctx(args: argparse.Namespace, config: "EngineConfig", current: HpuBuck
         f"buckets (at most {limit}); expected {c.expected_ms:.3f} ms and {c.padded_tokens:.1f} padded tokens per "
         f"prefixed step.",
         f"Current: prompt_ctx {now_text} = {cur.buckets} prefix buckets; "
-        + (f"expected {cur.expected_ms:.3f} ms and {cur.padded_tokens:.1f} padded tokens per prefixed step." if cur.covers
-           else "some prefixed steps fit no bucket and would run unpadded (a new graph per shape)."),
+        + (
+            f"expected {cur.expected_ms:.3f} ms and {cur.padded_tokens:.1f} padded tokens per prefixed step."
+            if cur.covers
+            else "some prefixed steps fit no bucket and would run unpadded (a new graph per shape)."
+        ),
         f"The range reaches the HPU prefill runner through configs/hpu.yaml or ENGINE_PROMPT_CTX_BUCKET_MIN={r.min} "
         f"ENGINE_PROMPT_CTX_BUCKET_STEP={r.step} ENGINE_PROMPT_CTX_BUCKET_MAX={r.max}.",
     ]
@@ -219,21 +287,32 @@ def _ctx_json(proposal: CtxProposal | None) -> dict | None:
         return None
 
     def one(e: CtxEvaluation) -> dict:
-        return {"prompt_ctx_bucket": e.ctx_range.__dict__ if e.ctx_range else None, "buckets": e.buckets,
-                "expected_ms": e.expected_ms, "padded_tokens": e.padded_tokens, "warmup_s": e.warmup_s,
-                "covers": e.covers}
+        return {
+            "prompt_ctx_bucket": e.ctx_range.__dict__ if e.ctx_range else None,
+            "buckets": e.buckets,
+            "expected_ms": e.expected_ms,
+            "padded_tokens": e.padded_tokens,
+            "warmup_s": e.warmup_s,
+            "covers": e.covers,
+        }
 
-    return {"chosen": one(proposal.chosen), "current": one(proposal.current),
-            "candidates": [one(e) for e in proposal.candidates]}
+    return {
+        "chosen": one(proposal.chosen),
+        "current": one(proposal.current),
+        "candidates": [one(e) for e in proposal.candidates],
+    }
 
 
-def _longest_bucketed_prompt(config: "EngineConfig", current: HpuBucketConfig) -> int:
+def _longest_bucketed_prompt(config: EngineConfig, current: HpuBucketConfig) -> int:
     """Prompt lengths above this are counted at it: no prompt exceeds max_model_len - 1, a longer one is cut
     into chunks of chunked_prefill_size (only the first, which has no prefix, is bucketed), and no bucket
     holds more than max_num_batched_tokens."""
     limits = [int(config.max_model_len) - 1]
-    chunk = config.chunked_prefill_size if config.chunked_prefill_size is not None else \
-        config.device_config.get("chunked_prefill_size")
+    chunk = (
+        config.chunked_prefill_size
+        if config.chunked_prefill_size is not None
+        else config.device_config.get("chunked_prefill_size")
+    )
     if chunk is not None and int(chunk) > 0:
         limits.append(int(chunk))
     if current.max_num_batched_tokens is not None:
@@ -246,10 +325,12 @@ def _current_prompt_ranges(settings: dict) -> tuple[BucketRange, BucketRange]:
     resolve_bucket_config's fallbacks for a file that has none."""
     hpu = dict(settings.get("hpu") or {})
     page, max_len = int(settings["page_size"]), int(settings["max_model_len"])
-    bs, _ = read_bucket_range("prompt_bs", {"min": 1, "step": 1, "max": 1, **(hpu.get("prompt_bs_bucket") or {})},
-                              os.environ)
-    seq, _ = read_bucket_range("prompt_seq", {"min": page, "step": page, "max": max_len,
-                                              **(hpu.get("prompt_seq_bucket") or {})}, os.environ)
+    bs, _ = read_bucket_range(
+        "prompt_bs", {"min": 1, "step": 1, "max": 1, **(hpu.get("prompt_bs_bucket") or {})}, os.environ
+    )
+    seq, _ = read_bucket_range(
+        "prompt_seq", {"min": page, "step": page, "max": max_len, **(hpu.get("prompt_seq_bucket") or {})}, os.environ
+    )
     return bs, seq
 
 
@@ -258,9 +339,19 @@ def _prompt_json(proposal: PromptProposal | None) -> dict | None:
         return None
 
     def one(e: PromptEvaluation) -> dict:
-        return {"prompt_bs_bucket": e.bs_range.__dict__, "prompt_seq_bucket": e.seq_range.__dict__,
-                "buckets": e.buckets, "expected_ms": e.expected_ms, "padded_tokens": e.padded_tokens,
-                "warmup_s": e.warmup_s, "covers": e.covers, "pairs": [list(p) for p in e.pairs]}
+        return {
+            "prompt_bs_bucket": e.bs_range.__dict__,
+            "prompt_seq_bucket": e.seq_range.__dict__,
+            "buckets": e.buckets,
+            "expected_ms": e.expected_ms,
+            "padded_tokens": e.padded_tokens,
+            "warmup_s": e.warmup_s,
+            "covers": e.covers,
+            "pairs": [list(p) for p in e.pairs],
+        }
 
-    return {"chosen": one(proposal.chosen), "current": one(proposal.current),
-            "candidates": [one(e) for e in proposal.candidates]}
+    return {
+        "chosen": one(proposal.chosen),
+        "current": one(proposal.current),
+        "candidates": [one(e) for e in proposal.candidates],
+    }

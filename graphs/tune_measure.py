@@ -25,9 +25,10 @@ import logging
 import os
 import statistics
 import time
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -75,14 +76,14 @@ class MeasureReport:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "MeasureReport":
+    def from_dict(cls, data: dict[str, Any]) -> MeasureReport:
         values = dict(data)
         values["sizes"] = [SizeMeasurement(**s) for s in data["sizes"]]
         values["eager_points"] = {int(k): float(v) for k, v in data["eager_points"].items()}
         return cls(**values)
 
 
-def machine_info(engine: "Engine | None" = None) -> dict[str, Any]:
+def machine_info(engine: Engine | None = None) -> dict[str, Any]:
     """What the figures were measured on: engine.bench's CPU, torch and Python facts, plus the device."""
     from engine.bench import machine_info as host_info
 
@@ -96,11 +97,14 @@ def machine_info(engine: "Engine | None" = None) -> dict[str, Any]:
 
 
 def describe_machine(info: dict[str, Any]) -> str:
-    where = info.get("gpu") or f"{info.get('cpu_model')} ({info.get('cpu_count')} CPUs, {info.get('torch_num_threads')} threads)"
+    where = (
+        info.get("gpu")
+        or f"{info.get('cpu_model')} ({info.get('cpu_count')} CPUs, {info.get('torch_num_threads')} threads)"
+    )
     return f"{where}, torch {info.get('torch_version')}"
 
 
-def make_runner(engine: "Engine", sizes: Sequence[int]) -> "DecodeGraphRunner":
+def make_runner(engine: Engine, sizes: Sequence[int]) -> DecodeGraphRunner:
     """The runner Engine._graph_runner would build for these sizes, not yet captured."""
     platform = engine.platform
     kind = platform.capture_settings().kind
@@ -112,23 +116,35 @@ def make_runner(engine: "Engine", sizes: Sequence[int]) -> "DecodeGraphRunner":
     kwargs = engine.graph_runner_options()
     max_pages = -(-engine.max_model_len // engine.kv_pool.page_size)
     runner_cls = platform.graph_runner_class()
-    return runner_cls(engine.model, engine.kv_pool.caches, sorted(set(sizes)), max_pages, engine.kv_pool.page_size,
-                      engine.device, platform.slot_index_dtype, **kwargs)
+    return runner_cls(
+        engine.model,
+        engine.kv_pool.caches,
+        sorted(set(sizes)),
+        max_pages,
+        engine.kv_pool.page_size,
+        engine.device,
+        platform.slot_index_dtype,
+        **kwargs,
+    )
 
 
-def fill_rows(runner: "DecodeGraphRunner", rows: int, context: int, vocab_size: int, seed: int = 0) -> None:
+def fill_rows(runner: DecodeGraphRunner, rows: int, context: int, vocab_size: int, seed: int = 0) -> None:
     """Static buffers of `rows` decode rows, each `context` tokens long in pages of its own (wrapping around
     the pool if it is smaller), so replays read as much KV as a real batch at that context would."""
     from graphs.static_buffers import StaticDecodeBuffers
 
     buffers = runner.buffers
     if not isinstance(buffers, StaticDecodeBuffers):  # a backend with capture hooks of its own
-        raise ValueError(f"tune-capture fills StaticDecodeBuffers; this backend's capture state is {type(buffers).__name__}")
+        raise ValueError(
+            f"tune-capture fills StaticDecodeBuffers; this backend's capture state is {type(buffers).__name__}"
+        )
     page_size = buffers.page_size
     pages_per_row = -(-context // page_size)
     pool_pages = runner.kv_caches[0][0].shape[0] // page_size - 1  # page 0 is the padding page
     if pages_per_row > buffers.page_table.shape[1]:
-        raise ValueError(f"context {context} needs {pages_per_row} pages; the runner holds {buffers.page_table.shape[1]}")
+        raise ValueError(
+            f"context {context} needs {pages_per_row} pages; the runner holds {buffers.page_table.shape[1]}"
+        )
     generator = torch.Generator().manual_seed(seed)
     pages = 1 + (torch.arange(rows * pages_per_row) % max(pool_pages, 1)).reshape(rows, pages_per_row)
     table = torch.zeros(rows, buffers.page_table.shape[1], dtype=torch.int32)
@@ -181,14 +197,18 @@ def _prime_compiler() -> float:
 
 
 def measure_candidates(
-    engine: "Engine", candidates: Sequence[int], eager_sizes: Sequence[int], context: int, iters: int,
+    engine: Engine,
+    candidates: Sequence[int],
+    eager_sizes: Sequence[int],
+    context: int,
+    iters: int,
 ) -> MeasureReport:
     """Capture, replay and eager figures for every candidate size (see the module docstring)."""
     start = time.perf_counter()
     kind = engine.platform.capture_settings().kind
     sync = engine.platform.synchronize
-    sizes = sorted(set(int(c) for c in candidates))
-    eager_sizes = sorted(set(int(b) for b in eager_sizes) | set(sizes))
+    sizes = sorted({int(c) for c in candidates})
+    eager_sizes = sorted({int(b) for b in eager_sizes} | set(sizes))
     runner = make_runner(engine, sizes)
     two_pass = kind == "cuda_graph"
     bar = tqdm(total=len(sizes) * (3 if two_pass else 2) + len(eager_sizes), desc="tune-capture", unit="step")
@@ -221,8 +241,12 @@ def measure_candidates(
         fixed_capture = max(0.0, sum(first.values()) - sum(second.values()))
     fill_rows(runner, max(sizes), context, vocab)
 
-    def time_each(label: str, each: Sequence[int], step: Callable[[int], object],
-                  around: Callable[[int], ContextManager[None]] | None = None) -> dict[int, float]:
+    def time_each(
+        label: str,
+        each: Sequence[int],
+        step: Callable[[int], object],
+        around: Callable[[int], AbstractContextManager[None]] | None = None,
+    ) -> dict[int, float]:
         times: dict[int, float] = {}
         with torch.no_grad():
             for size in each:
@@ -255,10 +279,28 @@ def measure_candidates(
     bar.close()
     source = "device" if kind == "cuda_graph" else "rss"
     measured = [
-        SizeMeasurement(size=s, replay_ms=replay[s], eager_ms=eager[s], capture_s=(second if two_pass else first)[s],
-                        first_capture_s=first[s], memory_mib=memory[s], memory_source=source,
-                        fx_cache_hits=cache[s][0], fx_cache_misses=cache[s][1])
+        SizeMeasurement(
+            size=s,
+            replay_ms=replay[s],
+            eager_ms=eager[s],
+            capture_s=(second if two_pass else first)[s],
+            first_capture_s=first[s],
+            memory_mib=memory[s],
+            memory_source=source,
+            fx_cache_hits=cache[s][0],
+            fx_cache_misses=cache[s][1],
+        )
         for s in sizes
     ]
-    return MeasureReport(measured, eager, fixed_capture, 0.0, logits_per_row, kind, context, iters,
-                         machine_info(engine), time.perf_counter() - start)
+    return MeasureReport(
+        measured,
+        eager,
+        fixed_capture,
+        0.0,
+        logits_per_row,
+        kind,
+        context,
+        iters,
+        machine_info(engine),
+        time.perf_counter() - start,
+    )

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import yaml
 
@@ -31,9 +32,11 @@ def describe(evaluation: Evaluation, unit: str = "rows", uncaptured: str = "eage
     step past the largest graph runs as."""
     eager = f", {100 * evaluation.eager_fraction:.1f}% of steps {uncaptured}" if evaluation.eager_fraction else ""
     estimated = f"; interpolated costs for {list(evaluation.interpolated)}" if evaluation.interpolated else ""
-    return (f"{evaluation.expected_ms:.3f} ms/step (padding {evaluation.padding_ms:.3f} ms, {evaluation.padding_rows:.2f} "
-            f"{unit}/step = {100 * evaluation.padded_fraction:.1f}% of replayed {unit}{eager}); {evaluation.graphs} graphs, "
-            f"~{evaluation.memory_mib:.0f} MiB, ~{evaluation.capture_s:.1f} s capture{estimated}")
+    return (
+        f"{evaluation.expected_ms:.3f} ms/step (padding {evaluation.padding_ms:.3f} ms, {evaluation.padding_rows:.2f} "
+        f"{unit}/step = {100 * evaluation.padded_fraction:.1f}% of replayed {unit}{eager}); {evaluation.graphs} graphs, "
+        f"~{evaluation.memory_mib:.0f} MiB, ~{evaluation.capture_s:.1f} s capture{estimated}"
+    )
 
 
 def header_lines(info: dict[str, Any]) -> list[str]:
@@ -78,12 +81,15 @@ def _markers(kind: str) -> tuple[str, str]:
     return (BEGIN, END) if kind == "decode" else (EXTEND_BEGIN, EXTEND_END)
 
 
-def tuned_block(values: dict[str, Any], header: Sequence[str], extra: dict[str, Any] | None = None,
-                kind: str = "decode") -> list[str]:
+def tuned_block(
+    values: dict[str, Any], header: Sequence[str], extra: dict[str, Any] | None = None, kind: str = "decode"
+) -> list[str]:
     begin, end = _markers(kind)
     block = [begin, *_comment(header)]
-    block += yaml.safe_dump({**values, **(extra or {})}, sort_keys=False, default_flow_style=None).rstrip("\n").splitlines()
-    return block + [end]
+    block += (
+        yaml.safe_dump({**values, **(extra or {})}, sort_keys=False, default_flow_style=None).rstrip("\n").splitlines()
+    )
+    return [*block, end]
 
 
 def decode_values(sizes: Sequence[int]) -> dict[str, Any]:
@@ -91,8 +97,14 @@ def decode_values(sizes: Sequence[int]) -> dict[str, Any]:
     return {"capture_sizes": sorted(int(s) for s in sizes), "max_capture_size": int(max(sizes))}
 
 
-def write_tuned_yaml(path: str, values: dict[str, Any], header: Sequence[str], tuned_for: dict[str, Any],
-                     extra: dict[str, Any] | None = None, kind: str = "decode") -> str:
+def write_tuned_yaml(
+    path: str,
+    values: dict[str, Any],
+    header: Sequence[str],
+    tuned_for: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+    kind: str = "decode",
+) -> str:
     """Write the tuned keys (`values`) to `path`: in place into an existing YAML (only this kind's block and
     those keys change, so a decode and an extend tuning live side by side), or as a new file. Returns the
     text written; raises if the result would not load back with those values."""
@@ -134,10 +146,17 @@ def write_json(path: str, report: dict[str, Any]) -> None:
         json.dump(report, handle, indent=2, default=str)
 
 
-def print_tables(measured: Sequence[dict[str, Any]], probability: dict[int, float], tuned: Evaluation,
-                 default: Evaluation, others: Sequence[tuple[str, Evaluation]] = (),
-                 size_label: str = "size", uncaptured: str = "eager", default_label: str = "default",
-                 unit: str = "rows") -> None:
+def print_tables(
+    measured: Sequence[dict[str, Any]],
+    probability: dict[int, float],
+    tuned: Evaluation,
+    default: Evaluation,
+    others: Sequence[tuple[str, Evaluation]] = (),
+    size_label: str = "size",
+    uncaptured: str = "eager",
+    default_label: str = "default",
+    unit: str = "rows",
+) -> None:
     """Per candidate: its figures, the share of steps it would serve, and whether tuned/default capture it.
     The labels say what a size is, what a step past the largest graph runs as, what the baseline set is
     called and what padding counts (decode sizes by default)."""
@@ -147,8 +166,10 @@ def print_tables(measured: Sequence[dict[str, Any]], probability: dict[int, floa
         size = next((s for s in tuned.sizes if s >= batch), None)
         if size is not None:
             served[size] = served.get(size, 0.0) + p
-    head = (f"{size_label:>6} {eager_label:>13} {'replay ms':>10} {'speedup':>8} {'capture s':>10} {'memory MiB':>11} "
-            f"{'p(<=size)':>11} {'served':>7} {'tuned':>6} {default_label:>8}")
+    head = (
+        f"{size_label:>6} {eager_label:>13} {'replay ms':>10} {'speedup':>8} {'capture s':>10} {'memory MiB':>11} "
+        f"{'p(<=size)':>11} {'served':>7} {'tuned':>6} {default_label:>8}"
+    )
     print(head + "\n" + "-" * len(head))
     cumulative = 0.0
     sizes = sorted(m["size"] for m in measured)
@@ -157,16 +178,22 @@ def print_tables(measured: Sequence[dict[str, Any]], probability: dict[int, floa
         previous = sizes[sizes.index(size) - 1] if sizes.index(size) else 0
         cumulative += sum(p for b, p in probability.items() if previous < b <= size)
         speedup = row["eager_ms"] / row["replay_ms"] if row["replay_ms"] else float("nan")
-        print(f"{size:>6} {row['eager_ms']:>13.3f} {row['replay_ms']:>10.3f} {speedup:>8.2f} {row['capture_s']:>10.2f} "
-              f"{row['memory_mib']:>11.1f} {cumulative:>11.3f} {100 * served.get(size, 0.0):>6.1f}% "
-              f"{'x' if size in tuned.sizes else '':>6} {'x' if size in default.sizes else '':>8}")
+        print(
+            f"{size:>6} {row['eager_ms']:>13.3f} {row['replay_ms']:>10.3f} {speedup:>8.2f} {row['capture_s']:>10.2f} "
+            f"{row['memory_mib']:>11.1f} {cumulative:>11.3f} {100 * served.get(size, 0.0):>6.1f}% "
+            f"{'x' if size in tuned.sizes else '':>6} {'x' if size in default.sizes else '':>8}"
+        )
     print()
     rows = [("tuned", tuned), (default_label, default), *others]
-    head = (f"{'set':<10} {'ms/step':>9} {'padding ms':>11} {'pad ' + unit:>10} {'pad %':>7} {uncaptured[:6] + ' %':>8} {'graphs':>7} "
-            f"{'MiB':>8} {'capture s':>10}  sizes")
+    head = (
+        f"{'set':<10} {'ms/step':>9} {'padding ms':>11} {'pad ' + unit:>10} {'pad %':>7} {uncaptured[:6] + ' %':>8} {'graphs':>7} "
+        f"{'MiB':>8} {'capture s':>10}  sizes"
+    )
     print(head + "\n" + "-" * len(head))
     for name, e in rows:
         note = " (interpolated: " + ",".join(map(str, e.interpolated)) + ")" if e.interpolated else ""
-        print(f"{name:<10} {e.expected_ms:>9.3f} {e.padding_ms:>11.3f} {e.padding_rows:>10.2f} {100 * e.padded_fraction:>6.1f}% "
-              f"{100 * e.eager_fraction:>7.1f}% {e.graphs:>7} {e.memory_mib:>8.1f} {e.capture_s:>10.2f}  "
-              f"{list(e.sizes)}{note}")
+        print(
+            f"{name:<10} {e.expected_ms:>9.3f} {e.padding_ms:>11.3f} {e.padding_rows:>10.2f} {100 * e.padded_fraction:>6.1f}% "
+            f"{100 * e.eager_fraction:>7.1f}% {e.graphs:>7} {e.memory_mib:>8.1f} {e.capture_s:>10.2f}  "
+            f"{list(e.sizes)}{note}"
+        )

@@ -17,12 +17,12 @@ from __future__ import annotations
 import math
 import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-from backends.hpu.bucketing import BucketRange, BucketOverflowError, choose_prompt_bucket, make_buckets, prompt_buckets
+from backends.hpu.bucketing import BucketOverflowError, BucketRange, choose_prompt_bucket, make_buckets, prompt_buckets
 from graphs.tune_distribution import (
     SizeDistribution,
     fetch_metrics,
@@ -50,10 +50,12 @@ class PromptCost:
     c: float
 
     @classmethod
-    def fit(cls, points: Sequence[Sequence[float]]) -> "PromptCost":
+    def fit(cls, points: Sequence[Sequence[float]]) -> PromptCost:
         if len(points) < 3 or any(len(p) != 3 for p in points):
-            raise ValueError(f"the cost table needs at least three prompt_points [rows, tokens_per_row, ms] to fit "
-                             f"prefill time (got {len(points)}); docs/tuning.md gives the form")
+            raise ValueError(
+                f"the cost table needs at least three prompt_points [rows, tokens_per_row, ms] to fit "
+                f"prefill time (got {len(points)}); docs/tuning.md gives the form"
+            )
         x = np.array([[1.0, rows * seq, rows * seq * seq] for rows, seq, _ in points], dtype=float)
         y = np.array([ms for _, _, ms in points], dtype=float)
         a, b, c = np.linalg.lstsq(x, y, rcond=None)[0]
@@ -66,8 +68,9 @@ class PromptCost:
 PROMPT_HISTOGRAM = "engine:request_prompt_tokens"  # a server's prompt lengths (engine/stats.py PROMPT_TOKEN_BOUNDS)
 
 
-def load_prompt_lengths(source: str | None, max_len: int, metrics_url: str | None = None,
-                        api_key: str | None = None) -> SizeDistribution:
+def load_prompt_lengths(
+    source: str | None, max_len: int, metrics_url: str | None = None, api_key: str | None = None
+) -> SizeDistribution:
     """--prompt-lengths: a JSON/CSV file (a list of observed lengths or length -> weight, as --distribution
     takes) or a spec like '256-768' or '100-200:0.8,2000:0.2'; without it, a server's /metrics prompt-length
     histogram (--metrics-url, the same scrape as the batch sizes'), else the default (uniform 256..768).
@@ -77,12 +80,15 @@ def load_prompt_lengths(source: str | None, max_len: int, metrics_url: str | Non
     elif source:
         found = parse_spec(source)
     elif metrics_url:
-        found = from_prometheus_text(fetch_metrics(metrics_url, api_key), source=f"{metrics_url} prompt lengths",
-                                     name=PROMPT_HISTOGRAM)
+        found = from_prometheus_text(
+            fetch_metrics(metrics_url, api_key), source=f"{metrics_url} prompt lengths", name=PROMPT_HISTOGRAM
+        )
     else:
         low, high = DEFAULT_PROMPT_LENGTHS
-        found = SizeDistribution({n: 1.0 / (high - low + 1) for n in range(low, high + 1)},
-                                 f"default: uniform {low}..{high} tokens (the throughput benchmark's --input-len)")
+        found = SizeDistribution(
+            dict.fromkeys(range(low, high + 1), 1.0 / (high - low + 1)),
+            f"default: uniform {low}..{high} tokens (the throughput benchmark's --input-len)",
+        )
     return found.clipped(max_len)
 
 
@@ -101,8 +107,7 @@ def prompt_steps(lengths: SizeDistribution, prompts_per_step: int, seed: int = 0
         return [(p, (n,)) for n, p in lengths.weights.items()]
     rng = random.Random(seed)
     sizes, weights = list(lengths.weights), list(lengths.weights.values())
-    return [(1.0 / SAMPLED_STEPS, tuple(rng.choices(sizes, weights, k=prompts_per_step)))
-            for _ in range(SAMPLED_STEPS)]
+    return [(1.0 / SAMPLED_STEPS, tuple(rng.choices(sizes, weights, k=prompts_per_step))) for _ in range(SAMPLED_STEPS)]
 
 
 @dataclass(frozen=True)
@@ -121,8 +126,10 @@ class PromptEvaluation:
 
     def config(self) -> dict[str, dict[str, int]]:
         """The keys of configs/hpu.yaml's `hpu:` section."""
-        return {f"prompt_{name}_bucket": {"min": r.min, "step": r.step, "max": r.max}
-                for name, r in (("bs", self.bs_range), ("seq", self.seq_range))}
+        return {
+            f"prompt_{name}_bucket": {"min": r.min, "step": r.step, "max": r.max}
+            for name, r in (("bs", self.bs_range), ("seq", self.seq_range))
+        }
 
 
 def _group(lengths: tuple[int, ...], pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -150,8 +157,14 @@ def price_pairs(pairs: Sequence[tuple[int, int]], steps: Steps, cost: PromptCost
     return ms / prompts, padded / prompts
 
 
-def evaluate_pairs(bs_range: BucketRange, seq_range: BucketRange, pairs: Sequence[tuple[int, int]], steps: Steps,
-                   cost: PromptCost, warmup_s_per_bucket: float) -> PromptEvaluation:
+def evaluate_pairs(
+    bs_range: BucketRange,
+    seq_range: BucketRange,
+    pairs: Sequence[tuple[int, int]],
+    steps: Steps,
+    cost: PromptCost,
+    warmup_s_per_bucket: float,
+) -> PromptEvaluation:
     priced = price_pairs(pairs, steps, cost)
     warmup = len(pairs) * warmup_s_per_bucket
     if priced is None:
@@ -159,8 +172,15 @@ def evaluate_pairs(bs_range: BucketRange, seq_range: BucketRange, pairs: Sequenc
     return PromptEvaluation(bs_range, seq_range, tuple(pairs), priced[0], priced[1], warmup)
 
 
-def evaluate_prompt(bs_range: BucketRange, seq_range: BucketRange, strategy: str, max_num_batched_tokens: int | None,
-                    steps: Steps, cost: PromptCost, warmup_s_per_bucket: float) -> PromptEvaluation:
+def evaluate_prompt(
+    bs_range: BucketRange,
+    seq_range: BucketRange,
+    strategy: str,
+    max_num_batched_tokens: int | None,
+    steps: Steps,
+    cost: PromptCost,
+    warmup_s_per_bucket: float,
+) -> PromptEvaluation:
     """Expected prefill ms and padded tokens per prompt of the buckets these ranges generate."""
     pairs = prompt_buckets(make_buckets(bs_range, strategy), make_buckets(seq_range, strategy), max_num_batched_tokens)
     return evaluate_pairs(bs_range, seq_range, pairs, steps, cost, warmup_s_per_bucket)
@@ -172,8 +192,13 @@ def bs_range_up_to(top: int, strategy: str) -> BucketRange:
     return BucketRange(1, top if strategy == "linear" else 1, top)
 
 
-def candidate_ranges(lengths: SizeDistribution, seq_steps: Sequence[int], strategy: str, max_rows: int,
-                     max_num_batched_tokens: int | None) -> list[tuple[BucketRange, BucketRange]]:
+def candidate_ranges(
+    lengths: SizeDistribution,
+    seq_steps: Sequence[int],
+    strategy: str,
+    max_rows: int,
+    max_num_batched_tokens: int | None,
+) -> list[tuple[BucketRange, BucketRange]]:
     """(prompt_bs, prompt_seq) ranges to price. Sequence: for each step, the range ends at the longest prompt
     rounded up to the step (a shorter one leaves prompts unbucketed, a longer one warms buckets no prompt
     takes) and starts at the step or at a low quantile of the lengths (no bucket below the shortest prompts).
@@ -190,7 +215,9 @@ def candidate_ranges(lengths: SizeDistribution, seq_steps: Sequence[int], strate
             seq_ranges.add(BucketRange(min(low, high), step, high))
     pairs = []
     for seq_range in sorted(seq_ranges, key=lambda r: (r.step, r.min)):
-        rows_cap = max_rows if max_num_batched_tokens is None else min(max_rows, max_num_batched_tokens // seq_range.min)
+        rows_cap = (
+            max_rows if max_num_batched_tokens is None else min(max_rows, max_num_batched_tokens // seq_range.min)
+        )
         rows = 1
         while rows <= max(rows_cap, 1):
             pairs.append((bs_range_up_to(rows, strategy), seq_range))
@@ -215,45 +242,68 @@ class PromptProposal:
     candidates: tuple[PromptEvaluation, ...]  # every candidate priced, the chosen one among them
 
 
-def propose_prompt_buckets(lengths: SizeDistribution, steps: Steps, cost: PromptCost, current: PromptEvaluation,
-                           strategy: str, seq_steps: Sequence[int], max_rows: int,
-                           max_num_batched_tokens: int | None, warmup_s_per_bucket: float = 0.0,
-                           max_buckets: int | None = None, warmup_budget_s: float | None = None) -> PromptProposal:
+def propose_prompt_buckets(
+    lengths: SizeDistribution,
+    steps: Steps,
+    cost: PromptCost,
+    current: PromptEvaluation,
+    strategy: str,
+    seq_steps: Sequence[int],
+    max_rows: int,
+    max_num_batched_tokens: int | None,
+    warmup_s_per_bucket: float = 0.0,
+    max_buckets: int | None = None,
+    warmup_budget_s: float | None = None,
+) -> PromptProposal:
     """The prompt ranges of least expected prefill ms per prompt within the budget; fewer padded tokens, then
     fewer buckets, break ties (padding is already in the ms through the bucket's cost, so the ms leads)."""
-    priced = [evaluate_prompt(bs, seq, strategy, max_num_batched_tokens, steps, cost, warmup_s_per_bucket)
-              for bs, seq in candidate_ranges(lengths, seq_steps, strategy, max_rows, max_num_batched_tokens)]
+    priced = [
+        evaluate_prompt(bs, seq, strategy, max_num_batched_tokens, steps, cost, warmup_s_per_bucket)
+        for bs, seq in candidate_ranges(lengths, seq_steps, strategy, max_rows, max_num_batched_tokens)
+    ]
     fitting = [e for e in priced if e.covers and _within(e, max_buckets, warmup_budget_s)]
     if not fitting:
-        raise ValueError(f"no prompt bucket range covers the prompt lengths within {max_buckets} buckets / "
-                         f"{warmup_budget_s} s of warm-up; raise --max-prompt-buckets or add --hpu-prompt-seq-steps")
+        raise ValueError(
+            f"no prompt bucket range covers the prompt lengths within {max_buckets} buckets / "
+            f"{warmup_budget_s} s of warm-up; raise --max-prompt-buckets or add --hpu-prompt-seq-steps"
+        )
     chosen = min(fitting, key=lambda e: (e.expected_ms, e.padded_tokens, e.buckets))
     return PromptProposal(chosen, current, tuple(priced))
 
 
 def _within(e: PromptEvaluation, max_buckets: int | None, warmup_budget_s: float | None) -> bool:
-    return (max_buckets is None or e.buckets <= max_buckets) and (warmup_budget_s is None or e.warmup_s <= warmup_budget_s)
+    return (max_buckets is None or e.buckets <= max_buckets) and (
+        warmup_budget_s is None or e.warmup_s <= warmup_budget_s
+    )
 
 
 def _range_text(r: BucketRange) -> str:
     return f"{r.min}/{r.step}/{r.max}"
 
 
-def prompt_table(proposal: PromptProposal, max_buckets: int | None, warmup_budget_s: float | None,
-                 limit: int = 20) -> str:
+def prompt_table(
+    proposal: PromptProposal, max_buckets: int | None, warmup_budget_s: float | None, limit: int = 20
+) -> str:
     """The candidates by expected ms (the best `limit` of those within budget, then the current ranges), the
     chosen one marked '*', the current one 'current', over-budget ones 'budget', unbucketed ones 'uncovered'."""
-    head = (f"{'':<9} {'prompt_bs min/step/max':>23} {'prompt_seq min/step/max':>24} {'buckets':>8} "
-            f"{'pad tok/prompt':>15} {'ms/prompt':>10} {'warm-up s':>10}")
-    within = sorted((e for e in proposal.candidates if e.covers and _within(e, max_buckets, warmup_budget_s)),
-                    key=lambda e: (e.expected_ms, e.padded_tokens, e.buckets))[:limit]
+    head = (
+        f"{'':<9} {'prompt_bs min/step/max':>23} {'prompt_seq min/step/max':>24} {'buckets':>8} "
+        f"{'pad tok/prompt':>15} {'ms/prompt':>10} {'warm-up s':>10}"
+    )
+    within = sorted(
+        (e for e in proposal.candidates if e.covers and _within(e, max_buckets, warmup_budget_s)),
+        key=lambda e: (e.expected_ms, e.padded_tokens, e.buckets),
+    )[:limit]
     rest = [e for e in proposal.candidates if e not in within]
     shown = within + sorted(rest, key=lambda e: e.expected_ms)[: max(0, limit // 4)]
     lines = [head, "-" * len(head)]
-    for mark, e in [("current", proposal.current)] + [(_mark(e, proposal, max_buckets, warmup_budget_s), e)
-                                                      for e in shown]:
-        lines.append(f"{mark:<9} {_range_text(e.bs_range):>23} {_range_text(e.seq_range):>24} {e.buckets:>8} "
-                     f"{e.padded_tokens:>15.1f} {e.expected_ms:>10.3f} {e.warmup_s:>10.1f}")
+    for mark, e in [("current", proposal.current)] + [
+        (_mark(e, proposal, max_buckets, warmup_budget_s), e) for e in shown
+    ]:
+        lines.append(
+            f"{mark:<9} {_range_text(e.bs_range):>23} {_range_text(e.seq_range):>24} {e.buckets:>8} "
+            f"{e.padded_tokens:>15.1f} {e.expected_ms:>10.3f} {e.warmup_s:>10.1f}"
+        )
     return "\n".join(lines)
 
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -45,10 +45,12 @@ class CtxCost:
     page_size: int
 
     @classmethod
-    def fit(cls, points: Sequence[Sequence[float]], page_size: int) -> "CtxCost":
+    def fit(cls, points: Sequence[Sequence[float]], page_size: int) -> CtxCost:
         if len(points) < 4 or any(len(p) != 4 for p in points):
-            raise ValueError(f"the cost table needs at least four ctx_points [rows, tokens_per_row, ctx_pages, ms] to "
-                             f"fit prefill time with a prefix (got {len(points)}); docs/tuning.md gives the form")
+            raise ValueError(
+                f"the cost table needs at least four ctx_points [rows, tokens_per_row, ctx_pages, ms] to "
+                f"fit prefill time with a prefix (got {len(points)}); docs/tuning.md gives the form"
+            )
         x = np.array([[1.0, r * s, r * s * s, r * s * c * page_size] for r, s, c, _ in points], dtype=float)
         y = np.array([ms for *_, ms in points], dtype=float)
         a, b, c, d = np.linalg.lstsq(x, y, rcond=None)[0]
@@ -71,8 +73,12 @@ def ctx_steps(new_tokens: SizeDistribution, prefixes: SizeDistribution, page_siz
     pages: dict[int, float] = {}
     for length, p in prefixes.weights.items():
         pages[-(-length // page_size)] = pages.get(-(-length // page_size), 0.0) + p
-    pairs = [(pn * pc, n, k) for n, pn in new_tokens.weights.items() for k, pc in pages.items()
-             if n + (k - 1) * page_size < max_model_len]
+    pairs = [
+        (pn * pc, n, k)
+        for n, pn in new_tokens.weights.items()
+        for k, pc in pages.items()
+        if n + (k - 1) * page_size < max_model_len
+    ]
     total = sum(p for p, _, _ in pairs)
     if total <= 0:
         raise ValueError("no prompt and prefix length pair fits max_model_len: check --prefix-lengths")
@@ -98,14 +104,25 @@ class CtxEvaluation:
         return {"prompt_ctx_bucket": {"min": r.min, "step": r.step, "max": r.max}}
 
 
-def evaluate_ctx(ctx_range: BucketRange | None, ctx: Sequence[int], bs_buckets: Sequence[int], seq_buckets: Sequence[int],
-                 page_size: int, max_model_len: int, max_num_batched_tokens: int | None, limit: int | None,
-                 steps: CtxSteps, cost: CtxCost, warmup_s_per_bucket: float) -> CtxEvaluation:
+def evaluate_ctx(
+    ctx_range: BucketRange | None,
+    ctx: Sequence[int],
+    bs_buckets: Sequence[int],
+    seq_buckets: Sequence[int],
+    page_size: int,
+    max_model_len: int,
+    max_num_batched_tokens: int | None,
+    limit: int | None,
+    steps: CtxSteps,
+    cost: CtxCost,
+    warmup_s_per_bucket: float,
+) -> CtxEvaluation:
     """The triples the engine would warm for these context buckets (`ctx`, from `ctx_range`; prompt_ctx_buckets,
     cut to `limit`) and what the steps cost on them. A step that fits none would run unpadded (a new graph per
     shape on Gaudi), so buckets that leave one out do not cover."""
-    triples = tuple(prompt_ctx_buckets(bs_buckets, seq_buckets, ctx, page_size, max_model_len, max_num_batched_tokens,
-                                       limit))
+    triples = tuple(
+        prompt_ctx_buckets(bs_buckets, seq_buckets, ctx, page_size, max_model_len, max_num_batched_tokens, limit)
+    )
     warmup = len(triples) * warmup_s_per_bucket
     ms = padded = 0.0
     try:
@@ -149,28 +166,38 @@ class CtxProposal:
     candidates: tuple[CtxEvaluation, ...]
 
 
-def propose_ctx_buckets(steps: CtxSteps, current: CtxEvaluation, evaluate: Callable[[BucketRange], CtxEvaluation],
-                        ctx_steps_pages: Sequence[int]) -> CtxProposal:
+def propose_ctx_buckets(
+    steps: CtxSteps,
+    current: CtxEvaluation,
+    evaluate: Callable[[BucketRange], CtxEvaluation],
+    ctx_steps_pages: Sequence[int],
+) -> CtxProposal:
     """The context range of least expected ms per prefixed step that covers every step (the buckets warmed
     are bounded by max_prompt_ctx_buckets inside `evaluate`); fewer padded tokens, then fewer buckets, break
     ties. `evaluate(range) -> CtxEvaluation` prices one range with everything else fixed."""
     priced = [evaluate(r) for r in candidate_ctx_ranges(steps, ctx_steps_pages)]
     fitting = [e for e in priced if e.covers]
     if not fitting:
-        raise ValueError("no context bucket range covers the prefixes within hpu.max_prompt_ctx_buckets; raise "
-                         "--max-prompt-ctx-buckets or add --hpu-ctx-steps")
+        raise ValueError(
+            "no context bucket range covers the prefixes within hpu.max_prompt_ctx_buckets; raise "
+            "--max-prompt-ctx-buckets or add --hpu-ctx-steps"
+        )
     chosen = min(fitting, key=lambda e: (e.expected_ms, e.padded_tokens, e.buckets))
     return CtxProposal(chosen, current, tuple(priced))
 
 
 def ctx_table(proposal: CtxProposal, limit: int = 12) -> str:
-    head = f"{'':<9} {'prompt_ctx min/step/max':>24} {'buckets':>8} {'pad tok/step':>13} {'ms/step':>10} {'warm-up s':>10}"
+    head = (
+        f"{'':<9} {'prompt_ctx min/step/max':>24} {'buckets':>8} {'pad tok/step':>13} {'ms/step':>10} {'warm-up s':>10}"
+    )
     shown = sorted(proposal.candidates, key=lambda e: (not e.covers, e.expected_ms, e.padded_tokens, e.buckets))[:limit]
     lines = [head, "-" * len(head)]
-    for mark, e in [("current", proposal.current)] + [("*" if e == proposal.chosen else
-                                                       ("" if e.covers else "uncovered"), e) for e in shown]:
+    for mark, e in [("current", proposal.current)] + [
+        ("*" if e == proposal.chosen else ("" if e.covers else "uncovered"), e) for e in shown
+    ]:
         r = e.ctx_range
         text = f"{r.min}/{r.step}/{r.max}" if r is not None else "off"
-        lines.append(f"{mark:<9} {text:>24} {e.buckets:>8} {e.padded_tokens:>13.1f} {e.expected_ms:>10.3f} "
-                     f"{e.warmup_s:>10.1f}")
+        lines.append(
+            f"{mark:<9} {text:>24} {e.buckets:>8} {e.padded_tokens:>13.1f} {e.expected_ms:>10.3f} {e.warmup_s:>10.1f}"
+        )
     return "\n".join(lines)

@@ -18,14 +18,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from graphs.buckets import default_capture_sizes, smallest_bucket_at_least
 from graphs.tune_distribution import SizeDistribution
-
 
 DISTRIBUTION_QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
@@ -67,8 +66,11 @@ class Budget:
 
     def limits(self) -> tuple[float, float, float]:
         inf = math.inf
-        return (inf if self.memory_mib is None else self.memory_mib, inf if self.capture_s is None else self.capture_s,
-                inf if self.max_graphs is None else float(self.max_graphs))
+        return (
+            inf if self.memory_mib is None else self.memory_mib,
+            inf if self.capture_s is None else self.capture_s,
+            inf if self.max_graphs is None else float(self.max_graphs),
+        )
 
 
 def _interpolate(points: Sequence[tuple[int, float]], x: float) -> float:
@@ -176,7 +178,7 @@ class Evaluation:
 
 
 def evaluate(sizes: Sequence[int], distribution: SizeDistribution, model: CostModel) -> Evaluation:
-    chosen = sorted(set(int(s) for s in sizes))
+    chosen = sorted({int(s) for s in sizes})
     costs = [model.cost_of(s) for s in chosen]
     replay = {c.size: c.replay_ms for c in costs}
     expected = padding_ms = padding_rows = computed = eager_mass = 0.0
@@ -192,11 +194,16 @@ def evaluate(sizes: Sequence[int], distribution: SizeDistribution, model: CostMo
         computed += p * served
     anything = bool(chosen)
     return Evaluation(
-        sizes=tuple(chosen), expected_ms=expected, padding_ms=padding_ms, padding_rows=padding_rows,
-        padded_fraction=padding_rows / computed if computed else 0.0, eager_fraction=eager_mass,
+        sizes=tuple(chosen),
+        expected_ms=expected,
+        padding_ms=padding_ms,
+        padding_rows=padding_rows,
+        padded_fraction=padding_rows / computed if computed else 0.0,
+        eager_fraction=eager_mass,
         memory_mib=model.set_memory_mib(costs),
         capture_s=sum(c.capture_s for c in costs) + (model.fixed_capture_s if anything else 0.0),
-        graphs=sum(c.graphs for c in costs), interpolated=tuple(c.size for c in costs if not c.measured),
+        graphs=sum(c.graphs for c in costs),
+        interpolated=tuple(c.size for c in costs if not c.measured),
     )
 
 
@@ -211,7 +218,7 @@ class _Label:
     cost: float  # expected ms of the batches served so far (those <= this label's last size)
     resources: tuple[float, float, float]  # memory MiB, capture s, graphs
     index: int  # candidate index of the last chosen size (-1: none yet)
-    parent: "_Label | None"
+    parent: _Label | None
 
 
 def _prune(labels: list[_Label], tracked: list[int], grain: list[float]) -> list[_Label]:

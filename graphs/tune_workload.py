@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -48,8 +49,13 @@ def sample_steps(distribution: SizeDistribution, steps: int, seed: int, max_size
     drawn = Counter(rng.choices(sizes, weights=weights, k=steps))
     if len(drawn) > max_sizes:
         kept = dict(drawn.most_common(max_sizes))
-        logger.warning("workload: %d distinct batch sizes drawn; timing the %d most frequent (%d of %d steps)",
-                       len(drawn), max_sizes, sum(kept.values()), steps)
+        logger.warning(
+            "workload: %d distinct batch sizes drawn; timing the %d most frequent (%d of %d steps)",
+            len(drawn),
+            max_sizes,
+            sum(kept.values()),
+            steps,
+        )
         drawn = Counter(kept)
     return drawn
 
@@ -59,8 +65,9 @@ def workload_growth(levels: int, iters: int, sets: int) -> int:
     return levels * sets * (iters + 4) + 8
 
 
-def _grow_to(engine: "Engine", target: int, context: int, max_tokens: int, generator: torch.Generator,
-             ids: list[str]) -> None:
+def _grow_to(
+    engine: Engine, target: int, context: int, max_tokens: int, generator: torch.Generator, ids: list[str]
+) -> None:
     """Add requests until `target` run, and step until every one of them is decoding."""
     from engine.sampling_params import SamplingParams
 
@@ -76,13 +83,21 @@ def _grow_to(engine: "Engine", target: int, context: int, max_tokens: int, gener
         if len(scheduler.running) >= target and not scheduler.waiting and scheduler.chunked is None:
             return
         engine.step()  # prefill steps (and decodes of the requests already running)
-    raise RuntimeError(f"workload: {target} requests of {context} tokens never all ran ({len(scheduler.running)} "
-                       f"running, {len(scheduler.waiting)} waiting, {scheduler.num_retractions} retractions): KV pool too small")
+    raise RuntimeError(
+        f"workload: {target} requests of {context} tokens never all ran ({len(scheduler.running)} "
+        f"running, {len(scheduler.waiting)} waiting, {scheduler.num_retractions} retractions): KV pool too small"
+    )
 
 
 def replay_workload(
-    engine: "Engine", runners: Mapping[str, Any], distribution: SizeDistribution, steps: int, iters: int,
-    context: int, seed: int = 0, max_sizes: int = 64,
+    engine: Engine,
+    runners: Mapping[str, Any],
+    distribution: SizeDistribution,
+    steps: int,
+    iters: int,
+    context: int,
+    seed: int = 0,
+    max_sizes: int = 64,
 ) -> list[WorkloadResult]:
     """Each named runner's padding and mean engine step over the same drawn workload."""
     drawn = sample_steps(distribution, steps, seed, max_sizes)
@@ -106,8 +121,10 @@ def replay_workload(
                 retractions = engine.scheduler.num_retractions
                 step_ms[name][size] = steady_ms(sync, engine.step, iters)
                 if engine.scheduler.num_retractions != retractions or len(engine.scheduler.running) != size:
-                    raise RuntimeError(f"workload: the batch of {size} changed while timed (retractions: KV pool too "
-                                       "small); the timings would mix in prefill steps")
+                    raise RuntimeError(
+                        f"workload: the batch of {size} changed while timed (retractions: KV pool too "
+                        "small); the timings would mix in prefill steps"
+                    )
                 bar.update()
     finally:
         bar.close()
@@ -130,6 +147,16 @@ def replay_workload(
                 eager += count
         mean = sum(count * step_ms[name][size] for size, count in drawn.items()) / total
         sizes = list(getattr(runner, "capture_sizes", []) or [])
-        results.append(WorkloadResult(name, sizes, total, mean, padded / total, padded / computed if computed else 0.0,
-                                      eager, dict(sorted(step_ms[name].items()))))
+        results.append(
+            WorkloadResult(
+                name,
+                sizes,
+                total,
+                mean,
+                padded / total,
+                padded / computed if computed else 0.0,
+                eager,
+                dict(sorted(step_ms[name].items())),
+            )
+        )
     return results

@@ -13,7 +13,8 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 # Environment first: OMP_NUM_THREADS only takes effect if set before torch is imported.
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -314,7 +315,9 @@ def hf_tiny(tiny_checkpoints: dict[str, str]) -> Callable[[str], Any]:
         if name not in _HF_TINY:
             # Eager: the one HF attention with every feature in every transformers version (5.17's default
             # silently drops Gemma 2's soft-capping, which made the engine look wrong on the H200).
-            model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[name], dtype=torch.float32, attn_implementation="eager")
+            model = AutoModelForCausalLM.from_pretrained(
+                tiny_checkpoints[name], dtype=torch.float32, attn_implementation="eager"
+            )
             _HF_TINY[name] = model.eval()
         return _HF_TINY[name]
 
@@ -337,7 +340,9 @@ def smol_hf(smol_gguf_path: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(smol_gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model, tokenizer
 
@@ -363,8 +368,15 @@ def engine_cache() -> Callable[..., Engine]:
     """
 
     def get(model: str | None, **options: Any) -> Engine:
-        kwargs = dict(device="cpu", dtype="float32", page_size=16, kv_cache_tokens=2048, max_num_seqs=8, disable_graphs=True,
-                      max_extend_step_ms=0)
+        kwargs = dict(
+            device="cpu",
+            dtype="float32",
+            page_size=16,
+            kv_cache_tokens=2048,
+            max_num_seqs=8,
+            disable_graphs=True,
+            max_extend_step_ms=0,
+        )
         kwargs.update(options)
         key = _key(model, kwargs)
         if key not in _ENGINES:
@@ -439,7 +451,7 @@ def device_missing(device: str) -> str | None:
         return f"{module} is not installed"
     try:
         importlib.import_module("habana_frameworks.torch" if device == "hpu" else module)
-    except Exception as exc:  # noqa: BLE001  (without a card or driver the vendors raise RuntimeError)
+    except Exception as exc:
         return f"{module} failed to import: {exc}"
     api = getattr(torch, device, None)
     if api is None or not api.is_available() or api.device_count() < 1:
@@ -450,7 +462,7 @@ def device_missing(device: str) -> str | None:
 def selected_device() -> str | None:
     """ENGINE_TEST_DEVICE: the device this run is for ("cpu": none), or None to go by what is present."""
     value = os.environ.get(TEST_DEVICE_ENV, "").strip().lower()
-    if value and value not in ("cpu",) + DEVICES:
+    if value and value not in ("cpu", *DEVICES):
         raise pytest.UsageError(f"{TEST_DEVICE_ENV}={value!r}: choose one of cpu, {', '.join(DEVICES)}")
     return value or None
 
@@ -473,7 +485,9 @@ def device_skip_reason(item: pytest.Item, selected: str | None) -> str | None:
             return f"needs {needs}: " + "; ".join(f"{device}: {why}" for device, why in missing.items())
     for mark in item.iter_markers("absent"):
         if not mark.args or any(device not in DEVICES for device in mark.args):
-            raise pytest.UsageError(f"{item.nodeid}: absent() takes devices among {', '.join(DEVICES)}, not {mark.args}")
+            raise pytest.UsageError(
+                f"{item.nodeid}: absent() takes devices among {', '.join(DEVICES)}, not {mark.args}"
+            )
         for device in mark.args:
             if selected == device:
                 return f"asserts that {device} is absent; {TEST_DEVICE_ENV}={device}"
@@ -528,7 +542,9 @@ def _kv_guard(request: pytest.FixtureRequest) -> Iterator[None]:
     _TOUCHED.clear()
     yield
     # check_kv_invariant is a walk over a few hundred page ids: cheap enough to run on every engine.
-    engines = [v for v in request.node.funcargs.values() if isinstance(v, Engine)] + list(_TOUCHED) + list(_ENGINES.values())
+    engines = (
+        [v for v in request.node.funcargs.values() if isinstance(v, Engine)] + list(_TOUCHED) + list(_ENGINES.values())
+    )
     seen: set[int] = set()
     problems = []
     for engine in engines:

@@ -19,6 +19,7 @@ It says nothing about the real kernel's numerics, speed or exact support matrix:
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 from typing import Any
@@ -33,14 +34,32 @@ class FakeFusedSDPA:
     calls: list[dict[str, Any]] = []
 
     @staticmethod
-    def apply(  # noqa: ANN205
-        query, key, value, attn_mask, dropout_p, is_causal, scale, softmax_mode, recompute_mode,  # noqa: ANN001
-        valid_sequence_lengths, padding_side="left",  # noqa: ANN001
-    ):  # fmt: skip
-        FakeFusedSDPA.calls.append(dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                                        softmax_mode=softmax_mode, recompute_mode=recompute_mode,
-                                        valid_sequence_lengths=valid_sequence_lengths, padding_side=padding_side,
-                                        shapes=(tuple(query.shape), tuple(key.shape))))  # fmt: skip
+    def apply(
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        softmax_mode,
+        recompute_mode,
+        valid_sequence_lengths,
+        padding_side="left",
+    ):
+        FakeFusedSDPA.calls.append(
+            dict(
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                softmax_mode=softmax_mode,
+                recompute_mode=recompute_mode,
+                valid_sequence_lengths=valid_sequence_lengths,
+                padding_side=padding_side,
+                shapes=(tuple(query.shape), tuple(key.shape)),
+            )
+        )
         assert dropout_p == 0.0 and softmax_mode in ("fast", "fp32")
         heads, kv_heads = query.shape[1], key.shape[1]
         key = key.repeat_interleave(heads // kv_heads, dim=1)
@@ -54,7 +73,7 @@ class FakeFusedSDPA:
             keep &= torch.ones(s, length, dtype=torch.bool).tril()
         if valid_sequence_lengths is not None:
             assert padding_side == "right"
-            keep &= (torch.arange(length).view(1, 1, 1, -1) < valid_sequence_lengths.view(-1, 1, 1, 1))
+            keep &= torch.arange(length).view(1, 1, 1, -1) < valid_sequence_lengths.view(-1, 1, 1, 1)
         if attn_mask is not None:
             if attn_mask.dtype == torch.bool:
                 keep &= attn_mask
@@ -67,11 +86,15 @@ class FakeFusedSDPA:
 def install_fake_fused_sdpa(monkeypatch: pytest.MonkeyPatch) -> type[FakeFusedSDPA]:
     """Put the fake where `from habana_frameworks.torch.hpex.kernels import FusedSDPA` finds it (for this test
     only: monkeypatch restores sys.modules), with an empty call record."""
-    names = ["habana_frameworks", "habana_frameworks.torch", "habana_frameworks.torch.hpex",
-             "habana_frameworks.torch.hpex.kernels"]  # fmt: skip
+    names = [
+        "habana_frameworks",
+        "habana_frameworks.torch",
+        "habana_frameworks.torch.hpex",
+        "habana_frameworks.torch.hpex.kernels",
+    ]
     modules = {name: types.ModuleType(name) for name in names}
     modules["habana_frameworks.torch.hpex.kernels"].FusedSDPA = FakeFusedSDPA  # type: ignore[attr-defined]
-    for parent, child in zip(names, names[1:]):
+    for parent, child in itertools.pairwise(names):
         setattr(modules[parent], child.rsplit(".", 1)[1], modules[child])
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)

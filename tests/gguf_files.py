@@ -86,8 +86,10 @@ def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
     low = q & 0x0F
     ql = np.concatenate([low[..., 0, :] | (low[..., 2, :] << 4), low[..., 1, :] | (low[..., 3, :] << 4)], axis=-1)
     qh = (q[..., 0, :] >> 4) | ((q[..., 1, :] >> 4) << 2) | ((q[..., 2, :] >> 4) << 4) | ((q[..., 3, :] >> 4) << 6)
-    blocks = np.concatenate([ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64), sc.view(np.uint8),
-                             d.view(np.uint8).reshape(rows, -1, 2)], axis=-1)
+    blocks = np.concatenate(
+        [ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64), sc.view(np.uint8), d.view(np.uint8).reshape(rows, -1, 2)],
+        axis=-1,
+    )
     return blocks.reshape(rows, -1)
 
 
@@ -112,8 +114,13 @@ def quantize_q3_k(weight: np.ndarray) -> np.ndarray:
     qs = np.bitwise_or.reduce(low << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=-2).reshape(rows, -1, 64)
     u = (sc.astype(np.int16) + 32).astype(np.uint8)
     high = (u >> 4).reshape(rows, -1, 4, 4)
-    scales = np.concatenate([(u[..., 0:8] & 0x0F) | ((u[..., 8:16] & 0x0F) << 4),
-                             np.bitwise_or.reduce(high << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=-2)], axis=-1)
+    scales = np.concatenate(
+        [
+            (u[..., 0:8] & 0x0F) | ((u[..., 8:16] & 0x0F) << 4),
+            np.bitwise_or.reduce(high << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=-2),
+        ],
+        axis=-1,
+    )
     blocks = np.concatenate([hmask, qs, scales, d.view(np.uint8).reshape(rows, -1, 2)], axis=-1)
     return blocks.reshape(rows, -1)
 
@@ -134,8 +141,9 @@ def quantize_q2_k(weight: np.ndarray) -> np.ndarray:
     q = np.clip(np.rint((x + (dmin.astype(np.float32) * mn)[..., None]) / step[..., None]), 0, 3).astype(np.uint8)
     q = q.reshape(rows, -1, 2, 4, 32)
     qs = np.bitwise_or.reduce(q << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=-2).reshape(rows, -1, 64)
-    blocks = np.concatenate([sc | (mn << 4), qs, d.view(np.uint8).reshape(rows, -1, 2),
-                             dmin.view(np.uint8).reshape(rows, -1, 2)], axis=-1)
+    blocks = np.concatenate(
+        [sc | (mn << 4), qs, d.view(np.uint8).reshape(rows, -1, 2), dmin.view(np.uint8).reshape(rows, -1, 2)], axis=-1
+    )
     return blocks.reshape(rows, -1)
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -22,7 +23,9 @@ def graph_options(page_size: int, capture_sizes: str = "1,2,4") -> dict[str, Any
     Strict: a recompile while serving raises RecompileError, in whichever test it happens.
     """
     largest = max(int(s) for s in capture_sizes.split(","))
-    return dict(page_size=page_size, capture_sizes=capture_sizes, max_num_seqs=largest, disable_graphs=False, strict_graphs=True)
+    return dict(
+        page_size=page_size, capture_sizes=capture_sizes, max_num_seqs=largest, disable_graphs=False, strict_graphs=True
+    )
 
 
 def get_engine(engine_cache: Callable[..., Engine], model: str | None, mode: str, page_size: int) -> Engine:
@@ -95,11 +98,11 @@ class StepRecorder:
     def decode_sizes(self) -> list[int]:
         return [size for is_decode, size in self.steps if is_decode]
 
-    def __enter__(self) -> "StepRecorder":
+    def __enter__(self) -> StepRecorder:
         scheduler = self.engine.scheduler
         original = scheduler.schedule
 
-        def schedule():  # noqa: ANN202
+        def schedule():
             step = original()
             if step is not None:
                 self.steps.append((step.is_decode, len(step.requests)))
@@ -118,7 +121,7 @@ class StepRecorder:
 class StaggeredRun:
     outputs: list[RequestOutput]
     decode_sizes: list[int] = field(default_factory=list)  # batch size of every decode step, in order
-    recorder: "StepRecorder | None" = None  # every step the scheduler handed out (kinds, sizes, decodes)
+    recorder: StepRecorder | None = None  # every step the scheduler handed out (kinds, sizes, decodes)
 
     @property
     def token_ids(self) -> list[list[int]]:
@@ -185,9 +188,16 @@ def load_tiny_llama(folder: str, num_hidden_layers: int = 2) -> tuple[Any, Any]:
 
     from engine.loader import load_model, resolve_model_source
 
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=num_hidden_layers,
-                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
-                         max_position_embeddings=512)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     return load_model(resolve_model_source(folder), torch.float32, torch.device("cpu"))

@@ -17,17 +17,31 @@ import time
 from dataclasses import dataclass
 
 import httpx
-
 from conftest import REPO_ROOT
 
 MODEL = "SmolLM2-135M-Instruct"
 # float32 so the greedy output can be compared token for token with the shared smol_engine
 # (float32, eager); graphs for batch sizes 1-8 and max 8 sequences, so 64 requests queue.
 # A short header timeout so the slowloris test need not wait long.
-SERVER_ARGS = ["--dtype", "float32", "--capture-sizes", "1,2,4,8", "--max-num-seqs", "8", "--kv-cache-tokens", "8192",
-               "--torch-threads", "1", "--header-timeout", "3",
-               # Parsers on: they change nothing for SmolLM2 (it never thinks), and the tool tests need one.
-               "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+SERVER_ARGS = [
+    "--dtype",
+    "float32",
+    "--capture-sizes",
+    "1,2,4,8",
+    "--max-num-seqs",
+    "8",
+    "--kv-cache-tokens",
+    "8192",
+    "--torch-threads",
+    "1",
+    "--header-timeout",
+    "3",
+    # Parsers on: they change nothing for SmolLM2 (it never thinks), and the tool tests need one.
+    "--tool-call-parser",
+    "hermes",
+    "--reasoning-parser",
+    "qwen3",
+]
 START_TIMEOUT_S = 420
 
 
@@ -63,8 +77,11 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             values = self.metrics()
-            if values["engine:num_requests_running"] == 0 and values["engine:num_requests_waiting"] == 0 \
-                    and values["engine:kv_pages_used"] == 0:
+            if (
+                values["engine:num_requests_running"] == 0
+                and values["engine:num_requests_waiting"] == 0
+                and values["engine:kv_pages_used"] == 0
+            ):
                 return values
             if time.monotonic() > deadline:
                 raise AssertionError(f"server not idle after {timeout} s: {values}")
@@ -92,8 +109,21 @@ def start_server(*extra: str, log_name: str = "server") -> ServerProcess:
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     log = open(log_path, "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "--log-level", "DEBUG", "serve", "--port", str(port), *SERVER_ARGS, *extra],
-        cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "--log-level",
+            "DEBUG",
+            "serve",
+            "--port",
+            str(port),
+            *SERVER_ARGS,
+            *extra,
+        ],
+        cwd=REPO_ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     server = ServerProcess(process, port, log_path)
     deadline = time.monotonic() + START_TIMEOUT_S

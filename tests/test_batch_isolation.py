@@ -105,7 +105,9 @@ def _params(index: int) -> SamplingParams:
 
 
 @pytest.mark.parametrize("culprit", [0, 5, 7])
-def test_a_step_that_fails_fails_only_its_culprit(smol_engine: Engine, monkeypatch: pytest.MonkeyPatch, culprit: int) -> None:
+def test_a_step_that_fails_fails_only_its_culprit(
+    smol_engine: Engine, monkeypatch: pytest.MonkeyPatch, culprit: int
+) -> None:
     """8 requests in one batch, one of which makes sampling raise (in prefill, then in decode)."""
     solo = [_solo(smol_engine, prompt, _params(i)) for i, prompt in enumerate(PROMPTS)]
     real_sample = model_runner.sample

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import run_staggered
 
 from backends.cpu.attention import CpuAttentionBackend
 from backends.cpu.platform import CpuPlatform
@@ -20,7 +21,6 @@ from engine.engine import Engine
 from engine.layers.torch_attention import TorchAttentionBackend
 from engine.sampling_params import SamplingParams
 from graphs.capture_hooks import DEFAULT_HOOKS, CaptureHooks, StaticBufferCaptureHooks, capture_hooks_for
-from helpers import run_staggered
 
 PROMPTS = [[5, 9, 14], list(range(3, 30)), [7] * 11]
 ARRIVALS = [0, 0, 2]
@@ -72,8 +72,18 @@ def test_backends_carry_the_default_hooks() -> None:
 
 def _engine(model: str, backend: type, monkeypatch: pytest.MonkeyPatch) -> Engine:
     monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self: backend())
-    return Engine(model=model, device="cpu", dtype="float32", page_size=8, max_num_seqs=4, kv_cache_tokens=512,
-                  max_model_len=128, enable_prefix_caching=False, max_extend_step_ms=0, capture_sizes="1,2,4")
+    return Engine(
+        model=model,
+        device="cpu",
+        dtype="float32",
+        page_size=8,
+        max_num_seqs=4,
+        kv_cache_tokens=512,
+        max_model_len=128,
+        enable_prefix_caching=False,
+        max_extend_step_ms=0,
+        capture_sizes="1,2,4",
+    )
 
 
 def test_the_runner_calls_the_backends_hooks_and_replays_the_same_logits(
@@ -115,11 +125,12 @@ def test_the_runner_calls_the_backends_hooks_and_replays_the_same_logits(
 
 
 def test_npu_and_hpu_runners_take_their_platform_hooks() -> None:
+    from test_npu_kv_layout import EagerGraphs, _step
+
     from backends.hpu.attention import HpuAttentionBackend, HpuGraphHooks
     from backends.hpu.graph_runner import HpuDecodeRunner
     from backends.npu.attention import NpuAttentionBackend, NpuGraphHooks
     from backends.npu.graph_runner import NpuDecodeGraphRunner
-    from test_npu_kv_layout import EagerGraphs, _step
 
     assert NpuAttentionBackend.graph_hooks is NpuGraphHooks and HpuAttentionBackend.graph_hooks is HpuGraphHooks
     calls: list[str] = []
@@ -142,17 +153,28 @@ def test_npu_and_hpu_runners_take_their_platform_hooks() -> None:
             super().before_replay(state, bs, graph)
 
     api = EagerGraphs()
-    runner = NpuDecodeGraphRunner(_step, capture_sizes=[1, 2, 4], max_pages_per_seq=4, device="cpu", graph_api=api,
-                                  hooks=Recording("actual_seq_lengths_kv", api.update_records))
+    runner = NpuDecodeGraphRunner(
+        _step,
+        capture_sizes=[1, 2, 4],
+        max_pages_per_seq=4,
+        device="cpu",
+        graph_api=api,
+        hooks=Recording("actual_seq_lengths_kv", api.update_records),
+    )
     runner.capture()
     assert calls == ["prepare_for_capture", "after_capture"] * 3
     rng = random.Random(5)
     seq_lens = torch.tensor([rng.randint(1, 16) for _ in range(3)], dtype=torch.int32)
-    args = (torch.tensor([3, 4, 5]), seq_lens.long() - 1, torch.tensor([20, 30, 40]),
-            torch.randint(1, 50, (3, 4), dtype=torch.int32), seq_lens)
+    args = (
+        torch.tensor([3, 4, 5]),
+        seq_lens.long() - 1,
+        torch.tensor([20, 30, 40]),
+        torch.randint(1, 50, (3, 4), dtype=torch.int32),
+        seq_lens,
+    )
     assert torch.equal(runner.run(*args), _step(*args))
     assert calls[-2:] == ["fill_inputs", "before_replay"]
-    assert api.updates[-1] == [{"actual_seq_lengths_kv": seq_lens.tolist() + [0]}]
+    assert api.updates[-1] == [{"actual_seq_lengths_kv": [*seq_lens.tolist(), 0]}]
 
     seen: list[tuple[int, int]] = []
 
@@ -162,13 +184,26 @@ def test_npu_and_hpu_runners_take_their_platform_hooks() -> None:
             seen.append(batch.bucket)
             return batch
 
-    def hpu_step(input_ids, positions, slot_indices, page_table, seq_lens):  # noqa: ANN001, ANN202
+    def hpu_step(input_ids, positions, slot_indices, page_table, seq_lens):
         return (input_ids * 10 + seq_lens.long()).float().unsqueeze(1)
 
     hooks = HpuRecording([(2, 4), (4, 8)], page_size=4, max_blocks_per_seq=4)
-    hpu = HpuDecodeRunner(hpu_step, buckets=[(2, 4), (4, 8)], page_size=4, max_blocks_per_seq=4, device="cpu",
-                          mode="eager", show_progress=False, hooks=hooks)
+    hpu = HpuDecodeRunner(
+        hpu_step,
+        buckets=[(2, 4), (4, 8)],
+        page_size=4,
+        max_blocks_per_seq=4,
+        device="cpu",
+        mode="eager",
+        show_progress=False,
+        hooks=hooks,
+    )
     hpu.warmup()
-    out = hpu.run(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), torch.tensor([4, 9, 14]),
-                  torch.tensor([[1, 0], [2, 0], [3, 0]], dtype=torch.int32), torch.tensor([1, 2, 3], dtype=torch.int32))
+    out = hpu.run(
+        torch.tensor([1, 2, 3]),
+        torch.tensor([0, 1, 2]),
+        torch.tensor([4, 9, 14]),
+        torch.tensor([[1, 0], [2, 0], [3, 0]], dtype=torch.int32),
+        torch.tensor([1, 2, 3], dtype=torch.int32),
+    )
     assert seen == [(4, 8)] and out.squeeze(1).tolist() == [11.0, 22.0, 33.0]

@@ -33,8 +33,14 @@ DEVICE_FLAGS = {
     "cuda": ["--gpus all"],
     "rocm": ["--device /dev/kfd", "--device /dev/dri", "--group-add video"],
     "hpu": ["--runtime=habana", "HABANA_VISIBLE_DEVICES=all", "--cap-add=sys_nice", "--ipc=host"],
-    "npu": ["--device /dev/davinci0", "--device /dev/davinci_manager", "--device /dev/devmm_svm", "--device /dev/hisi_hdc",
-            "/usr/local/Ascend/driver/lib64/", "/usr/local/dcmi"],
+    "npu": [
+        "--device /dev/davinci0",
+        "--device /dev/davinci_manager",
+        "--device /dev/devmm_svm",
+        "--device /dev/hisi_hdc",
+        "/usr/local/Ascend/driver/lib64/",
+        "/usr/local/dcmi",
+    ],
 }
 
 
@@ -46,9 +52,21 @@ def shellcheck() -> str:
 def actionlint(workflow: Path, config: Path = ACTIONLINT_CONFIG) -> subprocess.CompletedProcess:
     # pyflakes off: no step runs inline Python, and pyflakes is no dependency of the suite.
     return subprocess.run(
-        [linter("actionlint"), "-config-file", str(config), f"-shellcheck={shellcheck()}", "-pyflakes=", "-no-color",
-         "-oneline", str(workflow)],
-        cwd=workflow.parent, check=False, capture_output=True, text=True, timeout=120,
+        [
+            linter("actionlint"),
+            "-config-file",
+            str(config),
+            f"-shellcheck={shellcheck()}",
+            "-pyflakes=",
+            "-no-color",
+            "-oneline",
+            str(workflow),
+        ],
+        cwd=workflow.parent,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -134,12 +152,16 @@ def test_a_broken_copy_fails_actionlint(tmp_path: Path) -> None:
     cron line and (with shellcheck) an unquoted variable: actionlint reports each."""
     text = WORKFLOW.read_text(encoding="utf-8")
     broken = (
-        text.replace("runs-on: ubuntu-24.04\n    timeout-minutes: 90", "runs-on: ubuntu-latst\n    timeout-minutes: 90", 1)
+        text.replace(
+            "runs-on: ubuntu-24.04\n    timeout-minutes: 90", "runs-on: ubuntu-latst\n    timeout-minutes: 90", 1
+        )
         .replace("python-version: ${{ matrix.python }}", "python-version: ${{ matrix.pyhton }}", 1)
         .replace("run: bash .ci/run", 'run: echo "${{ github.event.pull_request.title }}" $UNQUOTED && bash .ci/run', 1)
         .replace("  workflow_dispatch:\n", "  workflow_dispatch:\n  schedule:\n    - cron: '61 * * * *'\n", 1)
     )
-    assert broken.count("ubuntu-latst") == broken.count("pyhton") == broken.count("UNQUOTED") == broken.count("'61") == 1
+    assert (
+        broken.count("ubuntu-latst") == broken.count("pyhton") == broken.count("UNQUOTED") == broken.count("'61") == 1
+    )
     copy_path = tmp_path / ".github" / "workflows" / "ci.yml"
     copy_path.parent.mkdir(parents=True)
     copy_path.write_text(broken, encoding="utf-8")
@@ -159,7 +181,9 @@ def test_the_device_labels_need_the_actionlint_config(tmp_path: Path) -> None:
     result = actionlint(WORKFLOW, config=empty)
     output = result.stdout + result.stderr
     assert result.returncode != 0 and all(f'label "{device}" is unknown' in output for device in DEVICES), output
-    assert sorted(yaml.safe_load(ACTIONLINT_CONFIG.read_text(encoding="utf-8"))["self-hosted-runner"]["labels"]) == sorted(DEVICES)
+    assert sorted(
+        yaml.safe_load(ACTIONLINT_CONFIG.read_text(encoding="utf-8"))["self-hosted-runner"]["labels"]
+    ) == sorted(DEVICES)
 
 
 def test_workflow_is_the_documented_matrix() -> None:
@@ -172,7 +196,7 @@ def test_ci_run_is_the_readme_test_command() -> None:
     assert README_TEST_COMMAND in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
 
 
-def _broken(workflow: dict[str, Any], edit) -> dict[str, Any]:  # noqa: ANN001
+def _broken(workflow: dict[str, Any], edit) -> dict[str, Any]:
     changed = copy.deepcopy(workflow)
     edit(changed)
     return changed
@@ -190,7 +214,10 @@ def _device(workflow: dict[str, Any], device: str) -> dict[str, Any]:
         (lambda w: w["jobs"]["cpu"].update({"runs-on": "self-hosted"}), "hosted Ubuntu"),
         (lambda w: w["jobs"]["accelerator"]["env"].pop("ENGINE_TEST_DEVICE"), "ENGINE_TEST_DEVICE=cuda"),
         (lambda w: w["jobs"]["accelerator"].update({"runs-on": ["self-hosted", "linux"]}), "labelled npu"),
-        (lambda w: w["jobs"]["accelerator"]["strategy"]["matrix"]["include"].pop(), "not ['cuda', 'rocm', 'hpu', 'npu']"),
+        (
+            lambda w: w["jobs"]["accelerator"]["strategy"]["matrix"]["include"].pop(),
+            "not ['cuda', 'rocm', 'hpu', 'npu']",
+        ),
         (lambda w: _device(w, "rocm").update({"docker-flags": "--gpus all"}), "/dev/kfd"),
         (lambda w: w["jobs"]["accelerator"].update({"if": "vars.ENGINE_DEVICE_CI == 'true'"}), "fork"),
         (lambda w: w["jobs"]["cpu-image"].pop("timeout-minutes"), "timeout-minutes"),
@@ -198,7 +225,7 @@ def _device(workflow: dict[str, Any], device: str) -> dict[str, Any]:
         (lambda w: w.pop("concurrency"), "concurrency"),
     ],
 )
-def test_workflow_problems_catch_each_gap(edit, symptom: str) -> None:  # noqa: ANN001
+def test_workflow_problems_catch_each_gap(edit, symptom: str) -> None:
     problems = workflow_problems(_broken(load(WORKFLOW.read_text(encoding="utf-8")), edit))
     assert any(symptom in problem for problem in problems), problems
 
@@ -223,20 +250,22 @@ class FakeItem:
     def __init__(self, *marks: pytest.MarkDecorator) -> None:
         self.marks = [mark.mark for mark in marks]
 
-    def get_closest_marker(self, name: str):  # noqa: ANN201
+    def get_closest_marker(self, name: str):
         return next((mark for mark in self.marks if mark.name == name), None)
 
-    def iter_markers(self, name: str):  # noqa: ANN201
+    def iter_markers(self, name: str):
         return (mark for mark in self.marks if mark.name == name)
 
 
 @pytest.fixture
-def machine(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+def machine(monkeypatch: pytest.MonkeyPatch):
     """machine(present=..., installed=...): what conftest believes this machine has, for one test."""
     import conftest
 
-    def set_up(present: tuple[str, ...] = (), installed: tuple[str, ...] = ()):  # noqa: ANN202
-        monkeypatch.setattr(conftest, "device_missing", lambda device: None if device in present else f"no {device} here")
+    def set_up(present: tuple[str, ...] = (), installed: tuple[str, ...] = ()):
+        monkeypatch.setattr(
+            conftest, "device_missing", lambda device: None if device in present else f"no {device} here"
+        )
         vendor = set(installed) | (set(present) & set(conftest.VENDOR_MODULES))  # a present Gaudi/NPU has its module
         monkeypatch.setattr(conftest, "vendor_installed", lambda device: device in vendor)
         return conftest.device_skip_reason
@@ -264,20 +293,25 @@ GPU = (pytest.mark.cuda, pytest.mark.rocm)
         ((pytest.mark.absent("cuda", "rocm"),), ("rocm",), None, "asserts that rocm is absent"),
     ],
 )
-def test_device_skip_reason(machine, marks: tuple, present: tuple[str, ...], selected: str | None,  # noqa: ANN001
-                            skips: str | None) -> None:
+def test_device_skip_reason(
+    machine,
+    marks: tuple,
+    present: tuple[str, ...],
+    selected: str | None,
+    skips: str | None,
+) -> None:
     reason = machine(present=present)(FakeItem(*marks), selected)
     assert (reason is None) == (skips is None) and (skips is None or skips in reason), reason
 
 
-def test_absent_skips_where_the_vendor_module_is_installed_without_a_device(machine) -> None:  # noqa: ANN001
+def test_absent_skips_where_the_vendor_module_is_installed_without_a_device(machine) -> None:
     """torch imports an installed torch_npu by itself, so an import test cannot pass there even without an NPU."""
     reason = machine(installed=("npu",))(FakeItem(pytest.mark.absent("npu")), None)
     assert reason is not None and "torch_npu is installed" in reason
 
 
 @pytest.mark.parametrize("marks", [(pytest.mark.absent(),), (pytest.mark.absent("tpu"),)])
-def test_absent_needs_known_devices(machine, marks: tuple) -> None:  # noqa: ANN001
+def test_absent_needs_known_devices(machine, marks: tuple) -> None:
     with pytest.raises(pytest.UsageError, match="absent"):
         machine()(FakeItem(*marks), None)
 
@@ -300,8 +334,15 @@ def test_a_device_run_without_its_device_stops_at_once() -> None:
     if conftest.device_missing("npu") is None:
         pytest.skip("this machine has an NPU")
     env = {**os.environ, "ENGINE_TEST_DEVICE": "npu"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider", "tests/test_docker_lint.py"],
-                            cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider", "tests/test_docker_lint.py"],
+        cwd=ROOT,
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == pytest.ExitCode.USAGE_ERROR, output
     assert "ENGINE_TEST_DEVICE=npu, but this machine cannot run the npu tests" in output, output

@@ -38,8 +38,15 @@ def test_run_with_graphs_by_default() -> None:
 
 def test_run_chat_and_several_prompts() -> None:
     result = run_cli(
-        "run", "--chat", "--disable-graphs", "--max-tokens", "16",
-        "--prompt", "What is the capital of France?", "--prompt", "What is the capital of Germany?",
+        "run",
+        "--chat",
+        "--disable-graphs",
+        "--max-tokens",
+        "16",
+        "--prompt",
+        "What is the capital of France?",
+        "--prompt",
+        "What is the capital of Germany?",
     )
     blocks = result.stdout.split("--- ")
     assert len(blocks) == 3, result.stdout  # '' + one block per prompt

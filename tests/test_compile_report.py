@@ -24,7 +24,7 @@ def test_triton_listener_counts_compiles_and_keeps_the_previous_listener() -> No
 
     calls = []
 
-    def previous(**kwargs) -> None:  # noqa: ANN003
+    def previous(**kwargs) -> None:
         calls.append(kwargs["cache_hit"])
 
     triton.knobs.compilation.listener = previous

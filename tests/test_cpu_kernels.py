@@ -10,7 +10,8 @@ AVX-NE-CONVERT; the linear tests go through the engine's op, so they check which
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,13 @@ from torch import nn
 from backends.cpu.attention import cpu_paged_decode, native_decode_available, native_decode_supported
 from backends.cpu.features import native_gemv_bf16_supported
 from backends.cpu.native import load, native_kernels_enabled
-from backends.cpu.packed_linear import _PACKED_ATTR, _gemv_kernel, native_gemv_bf16, onednn_packing_supported, pack_linear_weights
+from backends.cpu.packed_linear import (
+    _PACKED_ATTR,
+    _gemv_kernel,
+    native_gemv_bf16,
+    onednn_packing_supported,
+    pack_linear_weights,
+)
 from engine.layers.linear import Linear
 from engine.layers.torch_attention import paged_decode_attention
 
@@ -85,10 +92,29 @@ def test_native_paged_decode_matches_torch(seq_lens: list[int], heads: int, kv_h
     supported = native_decode_supported(q, batch["k_cache"], batch["v_cache"], batch["page_table"], batch["seq_lens"])
     assert supported == native_decode_available()
     expected_caches = (batch["k_cache"].clone(), batch["v_cache"].clone())
-    want = paged_decode_attention(q, batch["k"], batch["v"], *expected_caches, batch["slot_indices"], batch["page_table"],
-                                  batch["seq_lens"], page_size, 0.125)
-    got = cpu_paged_decode(q, batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], batch["slot_indices"],
-                           batch["page_table"], batch["seq_lens"], page_size, 0.125)
+    want = paged_decode_attention(
+        q,
+        batch["k"],
+        batch["v"],
+        *expected_caches,
+        batch["slot_indices"],
+        batch["page_table"],
+        batch["seq_lens"],
+        page_size,
+        0.125,
+    )
+    got = cpu_paged_decode(
+        q,
+        batch["k"],
+        batch["v"],
+        batch["k_cache"],
+        batch["v_cache"],
+        batch["slot_indices"],
+        batch["page_table"],
+        batch["seq_lens"],
+        page_size,
+        0.125,
+    )
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
     torch.testing.assert_close(batch["k_cache"], expected_caches[0])  # the step's k/v were stored the same way
 
@@ -97,8 +123,18 @@ def test_native_paged_decode_zero_length_rows_give_zeros() -> None:
     """Rows of a padded batch that the graph runner marks with length 0 must not read garbage."""
     batch = random_paged_batch([0, 20], 16, 2, 64, seed=3)
     q = torch.randn(2, 4, 64)
-    out = cpu_paged_decode(q, batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], batch["slot_indices"],
-                           batch["page_table"], batch["seq_lens"], 16, 0.125)
+    out = cpu_paged_decode(
+        q,
+        batch["k"],
+        batch["v"],
+        batch["k_cache"],
+        batch["v_cache"],
+        batch["slot_indices"],
+        batch["page_table"],
+        batch["seq_lens"],
+        16,
+        0.125,
+    )
     assert torch.equal(out[0], torch.zeros(4, 64)) and torch.isfinite(out[1]).all()
 
 
@@ -113,7 +149,9 @@ def test_what_the_kernel_cannot_read_falls_back_to_torch() -> None:
     wide_v = torch.randn_like(wide_k)
     k_view, v_view = wide_k[:, ::2], wide_v[:, ::2]
     assert not native_decode_supported(q, k_view, v_view, *args)
-    want = paged_decode_attention(q, batch["k"], batch["v"], k_view.clone(), v_view.clone(), batch["slot_indices"], *args, 16, 0.125)
+    want = paged_decode_attention(
+        q, batch["k"], batch["v"], k_view.clone(), v_view.clone(), batch["slot_indices"], *args, 16, 0.125
+    )
     got = cpu_paged_decode(q, batch["k"], batch["v"], k_view, v_view, batch["slot_indices"], *args, 16, 0.125)
     torch.testing.assert_close(got, want)
 
@@ -126,7 +164,9 @@ def test_loading_the_kernels_leaves_subnormals_alone() -> None:
     assert tiny.item() != 0.0
 
 
-@pytest.mark.parametrize("rows,n,k,with_bias", [(1, 960, 576, False), (3, 576, 1536, True), (4, 3072, 576, False), (1, 4, 32, True)])
+@pytest.mark.parametrize(
+    "rows,n,k,with_bias", [(1, 960, 576, False), (3, 576, 1536, True), (4, 3072, 576, False), (1, 4, 32, True)]
+)
 def test_bf16_decode_linear_is_float32_math_rounded_once(rows: int, n: int, k: int, with_bias: bool) -> None:
     """engine::linear at decode batch sizes (the native GEMV where the CPU has AVX512-BF16) vs exact math."""
     generator = torch.Generator().manual_seed(rows * n)

@@ -47,7 +47,16 @@ def test_triton_decode_matches_torch_reference(page_size: int, dtype: torch.dtyp
     v_cache.index_copy_(0, slots, k_new)
     got = paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, dim**-0.5)
     want = paged_decode_attention(
-        q.float(), k_new.float(), k_new.float(), k_cache.float(), v_cache.float(), slots, page_table, seq_lens, page_size, dim**-0.5
+        q.float(),
+        k_new.float(),
+        k_new.float(),
+        k_cache.float(),
+        v_cache.float(),
+        slots,
+        page_table,
+        seq_lens,
+        page_size,
+        dim**-0.5,
     )
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
@@ -64,9 +73,16 @@ def test_cuda_graph_decode_matches_eager(tmp_path, compile_decode: bool) -> None
     tokens = {}
     for page_size in (1, 16):
         for graphs in (True, False):
-            engine = Engine(model=str(tmp_path), device=ENGINE_DEVICE, dtype="float32", page_size=page_size,
-                            capture_sizes="1,2,8", disable_graphs=not graphs, kv_cache_tokens=4096,
-                            compile_decode=compile_decode)
+            engine = Engine(
+                model=str(tmp_path),
+                device=ENGINE_DEVICE,
+                dtype="float32",
+                page_size=page_size,
+                capture_sizes="1,2,8",
+                disable_graphs=not graphs,
+                kv_cache_tokens=4096,
+                compile_decode=compile_decode,
+            )
             tokens[(page_size, graphs)] = [o.token_ids for o in engine.generate(prompts, params)]
             # Batch 1 alone (the four prompts finish together, so the batch above never shrinks to 1).
             tokens[(page_size, graphs, "alone")] = engine.generate([prompts[2]], params)[0].token_ids
@@ -91,8 +107,17 @@ def test_prefix_cache_chunking_and_retraction_on_cuda_graphs(tmp_path) -> None:
     prompts = [prefixes[i % 2] + [rng.randrange(3, 512) for _ in range(rng.randint(1, 30))] for i in range(24)]
     prompts.append([rng.randrange(3, 512) for _ in range(1500)])  # chunked at 256
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    common = dict(model=str(tmp_path), device=ENGINE_DEVICE, dtype="float32", page_size=16, max_num_seqs=8, debug_kv_invariant=True)
-    reference = Engine(**common, disable_graphs=True, enable_prefix_caching=False, chunked_prefill_size=0, kv_cache_tokens=32768)
+    common = dict(
+        model=str(tmp_path),
+        device=ENGINE_DEVICE,
+        dtype="float32",
+        page_size=16,
+        max_num_seqs=8,
+        debug_kv_invariant=True,
+    )
+    reference = Engine(
+        **common, disable_graphs=True, enable_prefix_caching=False, chunked_prefill_size=0, kv_cache_tokens=32768
+    )
     expected = [o.token_ids for o in reference.generate(prompts, params)]
     # Tight pool: 2048 tokens for eight sequences of up to ~1500 + the cache, so pages are evicted and retracted.
     engine = Engine(**common, capture_sizes="1,2,4,8", chunked_prefill_size=256, kv_cache_tokens=2048)
@@ -103,12 +128,19 @@ def test_prefix_cache_chunking_and_retraction_on_cuda_graphs(tmp_path) -> None:
     assert engine.kv_pages_in_use() == 0
 
 
-def _tiny_llama(folder, max_positions: int = 1024) -> str:  # noqa: ANN001
+def _tiny_llama(folder, max_positions: int = 1024) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=max_positions, initializer_range=0.2, tie_word_embeddings=False,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
@@ -120,8 +152,12 @@ def _mixed_params() -> list:
 
     return [
         SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=25, temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1, seed=3, ignore_eos=True),
-        SamplingParams(max_tokens=20, temperature=0.7, min_p=0.05, presence_penalty=0.5, logprobs=2, seed=4, ignore_eos=True),
+        SamplingParams(
+            max_tokens=25, temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1, seed=3, ignore_eos=True
+        ),
+        SamplingParams(
+            max_tokens=20, temperature=0.7, min_p=0.05, presence_penalty=0.5, logprobs=2, seed=4, ignore_eos=True
+        ),
         SamplingParams(max_tokens=28, temperature=0.0, stop_token_ids=[7], ignore_eos=True),
     ]
 
@@ -133,10 +169,20 @@ def test_overlap_gives_the_tokens_of_the_synchronous_run_on_cuda_graphs(tmp_path
     prompts = [[1, 5, 9], [7] * 40, list(range(3, 90)), [2, 4, 8, 16, 32, 64, 128]]
     results = []
     for overlap in (False, True):
-        engine = Engine(model=model, device=ENGINE_DEVICE, dtype="float32", page_size=16, capture_sizes="1,2,4",
-                        kv_cache_tokens=4096, overlap_schedule=overlap, debug_kv_invariant=True)
+        engine = Engine(
+            model=model,
+            device=ENGINE_DEVICE,
+            dtype="float32",
+            page_size=16,
+            capture_sizes="1,2,4",
+            kv_cache_tokens=4096,
+            overlap_schedule=overlap,
+            debug_kv_invariant=True,
+        )
         outputs = engine.generate(prompts, _mixed_params())
-        results.append([(o.token_ids, o.finish_reason, [(e.token_id, e.logprob) for e in o.logprobs or []]) for o in outputs])
+        results.append(
+            [(o.token_ids, o.finish_reason, [(e.token_id, e.logprob) for e in o.logprobs or []]) for o in outputs]
+        )
         assert engine.runner.graph_steps > 0 and engine.kv_pages_in_use() == 0
     assert results[0] == results[1]
 
@@ -146,12 +192,19 @@ def test_overlapped_decode_launch_never_waits_for_the_device(tmp_path, monkeypat
     host-device synchronization: torch's sync debug mode raises on any."""
     from engine.engine import Engine
 
-    engine = Engine(model=_tiny_llama(tmp_path), device=ENGINE_DEVICE, dtype="float32", page_size=16, capture_sizes="1,2,4",
-                    kv_cache_tokens=4096, overlap_schedule=True)
+    engine = Engine(
+        model=_tiny_llama(tmp_path),
+        device=ENGINE_DEVICE,
+        dtype="float32",
+        page_size=16,
+        capture_sizes="1,2,4",
+        kv_cache_tokens=4096,
+        overlap_schedule=True,
+    )
     real_launch = engine._launch
     checked = {"decode": 0}
 
-    def launch_without_syncs(step):  # noqa: ANN001, ANN202
+    def launch_without_syncs(step):
         if step is None or not step.is_decode:
             return real_launch(step)
         torch.cuda.set_sync_debug_mode("error")
@@ -181,17 +234,32 @@ def test_extend_graphs_give_the_tokens_of_compiled_and_eager_extend_steps(tmp_pa
     model = _tiny_llama(tmp_path, max_positions=4096)
     rng = random.Random(5)
     prefix = [rng.randrange(3, 512) for _ in range(70)]
-    prompts = [(prefix if i % 3 == 0 else []) + [rng.randrange(3, 512) for _ in range(rng.randint(1, 300))] for i in range(20)]
+    prompts = [
+        (prefix if i % 3 == 0 else []) + [rng.randrange(3, 512) for _ in range(rng.randint(1, 300))] for i in range(20)
+    ]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     results = {}
     for mode, options in {
         "graphs": dict(extend_capture_tokens="16,64,256,1024", compile_extend=True),
-        "eager_graphs": dict(extend_capture_tokens="16,64,256,1024", compile_extend=False),  # the eager forward captured
+        "eager_graphs": dict(
+            extend_capture_tokens="16,64,256,1024", compile_extend=False
+        ),  # the eager forward captured
         "compiled": dict(extend_capture_tokens="", compile_extend=True),
         "eager": dict(extend_capture_tokens="", compile_extend=False),
     }.items():
-        engine = Engine(model=model, device=ENGINE_DEVICE, dtype="float32", page_size=16, capture_sizes="1,2,4,8", max_num_seqs=8,
-                        kv_cache_tokens=8192, chunked_prefill_size=200, mixed_steps=True, debug_kv_invariant=True, **options)
+        engine = Engine(
+            model=model,
+            device=ENGINE_DEVICE,
+            dtype="float32",
+            page_size=16,
+            capture_sizes="1,2,4,8",
+            max_num_seqs=8,
+            kv_cache_tokens=8192,
+            chunked_prefill_size=200,
+            mixed_steps=True,
+            debug_kv_invariant=True,
+            **options,
+        )
         results[mode] = run_staggered(engine, prompts, params, [3 * i for i in range(len(prompts))]).token_ids
         if mode.endswith("graphs"):
             assert engine.runner.extend_graphs is not None and engine.runner.extend_graphs.replays > 0
@@ -211,9 +279,16 @@ def test_strict_mode_never_recompiles_over_a_long_mixed_workload_on_cuda_graphs(
     from graphs.compiled_step import compile_count
     from tests.helpers import run_staggered
 
-    engine = Engine(model=_tiny_llama(tmp_path, max_positions=4096), device=ENGINE_DEVICE, page_size=16,
-                    capture_sizes="1,2,4,8", max_num_seqs=8, kv_cache_tokens=16384, chunked_prefill_size=1024,
-                    strict_graphs=True)
+    engine = Engine(
+        model=_tiny_llama(tmp_path, max_positions=4096),
+        device=ENGINE_DEVICE,
+        page_size=16,
+        capture_sizes="1,2,4,8",
+        max_num_seqs=8,
+        kv_cache_tokens=16384,
+        chunked_prefill_size=1024,
+        strict_graphs=True,
+    )
     assert engine.config.extend_capture_tokens and engine.config.compile_extend and engine.config.mixed_steps
     rng = random.Random(7)
     arrivals = sorted(rng.randrange(0, 530) for _ in range(80))
@@ -223,7 +298,9 @@ def test_strict_mode_never_recompiles_over_a_long_mixed_workload_on_cuda_graphs(
     run = run_staggered(engine, prompts, params, arrivals, max_steps=700)
     assert len(run.recorder.steps) >= 480  # 510 on the CPU with the same workload
     assert compile_count() == compiled_before
-    extend_tokens = [tokens for (is_decode, _), tokens in zip(run.recorder.steps, run.recorder.num_tokens) if not is_decode]
+    extend_tokens = [
+        tokens for (is_decode, _), tokens in zip(run.recorder.steps, run.recorder.num_tokens) if not is_decode
+    ]
     largest_bucket = max(engine.runner.extend_graphs.graphs)
     assert min(extend_tokens) <= largest_bucket < max(extend_tokens)  # steps inside the buckets and above them
     assert engine.runner.extend_graphs.replays > 0 and engine.runner.extend_step.compiles_after_first == 0
@@ -248,9 +325,19 @@ def test_decode_steps_above_the_graphs_run_the_compiled_layers_on_cuda(tmp_path)
     arrivals = [i // 3 for i in range(len(prompts))]
     results = {}
     for mode in ("graphs", "eager"):
-        engine = Engine(model=model, device=ENGINE_DEVICE, dtype="float32", page_size=16, capture_sizes="1,2,4",
-                        max_num_seqs=16, kv_cache_tokens=8192, chunked_prefill_size=256, debug_kv_invariant=True,
-                        strict_graphs=mode == "graphs", disable_graphs=mode == "eager")
+        engine = Engine(
+            model=model,
+            device=ENGINE_DEVICE,
+            dtype="float32",
+            page_size=16,
+            capture_sizes="1,2,4",
+            max_num_seqs=16,
+            kv_cache_tokens=8192,
+            chunked_prefill_size=256,
+            debug_kv_invariant=True,
+            strict_graphs=mode == "graphs",
+            disable_graphs=mode == "eager",
+        )
         compiled_before = compile_count()
         run = run_staggered(engine, prompts, params, arrivals)
         results[mode] = run.token_ids
@@ -278,8 +365,16 @@ def test_moe_model_replays_cuda_graphs_with_the_fused_experts(tmp_path) -> None:
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     tokens = {}
     for mode in ("graphs", "eager", "torch_experts"):
-        engine = Engine(model=model, device=ENGINE_DEVICE, dtype="float32", page_size=16, capture_sizes="1,2,4",
-                        kv_cache_tokens=4096, disable_graphs=mode != "graphs", debug_kv_invariant=True)
+        engine = Engine(
+            model=model,
+            device=ENGINE_DEVICE,
+            dtype="float32",
+            page_size=16,
+            capture_sizes="1,2,4",
+            kv_cache_tokens=4096,
+            disable_graphs=mode != "graphs",
+            debug_kv_invariant=True,
+        )
         moe_layers = [m for m in engine.model.modules() if isinstance(m, SparseMoE)]
         assert moe_layers and all(m.method is TRITON_FUSED_MOE for m in moe_layers)
         if mode == "torch_experts":
@@ -306,11 +401,23 @@ def test_gemma2_soft_capped_attention_on_cuda_graphs(tmp_path) -> None:
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
-        want = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
+        want = [
+            hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
     for graphs in (True, False):
-        engine = Engine(model=model, device=ENGINE_DEVICE, dtype="float32", page_size=16, capture_sizes="1,2,4",
-                        kv_cache_tokens=4096, disable_graphs=not graphs, debug_kv_invariant=True)
+        engine = Engine(
+            model=model,
+            device=ENGINE_DEVICE,
+            dtype="float32",
+            page_size=16,
+            capture_sizes="1,2,4",
+            kv_cache_tokens=4096,
+            disable_graphs=not graphs,
+            debug_kv_invariant=True,
+        )
         assert [o.token_ids for o in engine.generate(prompts, params)] == want
         assert engine.kv_pages_in_use() == 0
 
@@ -331,8 +438,12 @@ def test_one_row_gemv_in_bf16_decode_graphs(tmp_path, monkeypatch: pytest.Monkey
     runs = {}
     for name, dtype, gemv in (("float32", "float32", "0"), ("gemv", "bfloat16", "1"), ("cublas", "bfloat16", "0")):
         monkeypatch.setenv("ENGINE_CUDA_GEMV", gemv)
-        engine = Engine(model=str(tmp_path), device=ENGINE_DEVICE, dtype=dtype, capture_sizes="1,2", kv_cache_tokens=4096)
-        assert any(getattr(m, "method", None) is GEMV for m in engine.model.modules()) == (name == "gemv" and not on_rocm)
+        engine = Engine(
+            model=str(tmp_path), device=ENGINE_DEVICE, dtype=dtype, capture_sizes="1,2", kv_cache_tokens=4096
+        )
+        assert any(getattr(m, "method", None) is GEMV for m in engine.model.modules()) == (
+            name == "gemv" and not on_rocm
+        )
         runs[name] = engine.generate([[1, 5, 9, 33]], params)[0].logprobs
         assert engine.runner.graph_steps > 0
         del engine
@@ -346,7 +457,9 @@ def test_one_row_gemv_in_bf16_decode_graphs(tmp_path, monkeypatch: pytest.Monkey
     assert max(deviations["gemv"]) <= 2 * max(deviations["cublas"]) + 0.02, deviations
 
 
-def test_batch1_graph_is_captured_over_two_rows_without_a_compile_of_its_own(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batch1_graph_is_captured_over_two_rows_without_a_compile_of_its_own(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The compiled decode step's batch-1 graph reads two static rows, the second padding
     (graphs/cuda_graph_runner.py): building the engine (sizes 1, 2 and 8, then the warm-up request's extend
     step) compiles one graph, the layer's, which decode and extend share (graphs/opaque_attention.py; the
@@ -363,8 +476,15 @@ def test_batch1_graph_is_captured_over_two_rows_without_a_compile_of_its_own(tmp
     for variant in ("1", "0", "eager"):
         monkeypatch.setenv("ENGINE_CUDA_BATCH1_IN_TWO_ROWS", "0" if variant == "0" else "1")
         before = compile_count()
-        engine = Engine(model=str(tmp_path), device=ENGINE_DEVICE, dtype="float32", capture_sizes="1,2,8",
-                        kv_cache_tokens=4096, compile_decode=True, disable_graphs=variant == "eager")
+        engine = Engine(
+            model=str(tmp_path),
+            device=ENGINE_DEVICE,
+            dtype="float32",
+            capture_sizes="1,2,8",
+            kv_cache_tokens=4096,
+            compile_decode=True,
+            disable_graphs=variant == "eager",
+        )
         compiles[variant] = compile_count() - before
         if variant != "eager":
             assert engine.runner.graph_runner.graph_rows(1) == (2 if variant == "1" else 1)

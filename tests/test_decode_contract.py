@@ -10,18 +10,19 @@ the runner's `run_decode`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+from helpers import run_staggered
+from test_npu_attention import FrozenHostArgsGraphs
 
 from backends.cpu.platform import CpuPlatform
 from backends.hpu.platform import HpuEngineRunner, HpuPlatform
 from backends.npu.platform import NpuEngineRunner, NpuPlatform
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from helpers import run_staggered
-from test_npu_attention import FrozenHostArgsGraphs
 
 PROMPTS = [[5, 9, 14], list(range(3, 40)), [7] * 19, [11, 12, 13, 14, 15, 16]]
 ARRIVALS = [0, 0, 3, 7]
@@ -48,8 +49,18 @@ def test_vendor_runners_take_the_engines_step_messages(
 ) -> None:
     runner_factory, vendor, slot_dtype = PLATFORMS[platform]
     model = tiny_checkpoints["llama"]
-    options = dict(model=model, device="cpu", dtype="float32", page_size=8, max_num_seqs=4, kv_cache_tokens=1024,
-                   max_model_len=256, enable_prefix_caching=False, debug_kv_invariant=True, max_extend_step_ms=0)
+    options = dict(
+        model=model,
+        device="cpu",
+        dtype="float32",
+        page_size=8,
+        max_num_seqs=4,
+        kv_cache_tokens=1024,
+        max_model_len=256,
+        enable_prefix_caching=False,
+        debug_kv_invariant=True,
+        max_extend_step_ms=0,
+    )
     want = run_staggered(Engine(disable_graphs=True, **options), PROMPTS, PARAMS, ARRIVALS).token_ids
 
     if platform == "hpu":  # small block buckets, so a 256-token context needs few warm-up shapes

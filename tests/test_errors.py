@@ -11,16 +11,16 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
+from conftest import REPO_ROOT, track
+from helpers import greedy
 
 from backends.base import DeviceUnavailableError
-from conftest import REPO_ROOT, track
 from engine.engine import Engine
 from engine.errors import InvalidRequestError, ModelLoadError, UnsupportedArchitectureError
 from engine.sampling_params import SamplingParams
-from helpers import greedy
 
 ENGINE_OPTIONS = dict(device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=1024)
 
@@ -69,7 +69,16 @@ def write_config(folder, data: dict) -> str:
     return str(folder)
 
 
-GPT2_CONFIG = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "bos_token_id": 0, "eos_token_id": 0}
+GPT2_CONFIG = {
+    "model_type": "gpt2",
+    "architectures": ["GPT2LMHeadModel"],
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "vocab_size": 256,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
 MADE_UP_CONFIG = {"model_type": "frobnicator", "architectures": ["FrobnicatorForCausalLM"], "hidden_size": 64}
 
 
@@ -221,7 +230,9 @@ def test_invalid_sampling_values_changed_after_creation_are_caught_at_submit(smo
     assert not smol_engine.has_unfinished()
 
 
-def test_prompt_longer_than_context_then_engine_still_serves(engine_cache: Callable[..., Engine], tiny_checkpoints: dict[str, str]) -> None:
+def test_prompt_longer_than_context_then_engine_still_serves(
+    engine_cache: Callable[..., Engine], tiny_checkpoints: dict[str, str]
+) -> None:
     engine = engine_cache(tiny_checkpoints["qwen3"], max_model_len=64)
     assert engine.max_model_len == 64
     with pytest.raises(InvalidRequestError, match="context") as info:

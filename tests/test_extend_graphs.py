@@ -22,7 +22,7 @@ from tests.test_triton_kernels import DEVICE, kernel_mode
 HEADS, KV_HEADS, DIM, PAGE = 4, 2, 32, 16
 
 
-def attention_step(k_cache: torch.Tensor, v_cache: torch.Tensor):  # noqa: ANN201
+def attention_step(k_cache: torch.Tensor, v_cache: torch.Tensor):
     """step_fn: q/k/v from fixed tables of token ids and positions, through the Triton backend."""
     from backends.cuda.triton_attention import TritonAttentionBackend
 
@@ -50,13 +50,20 @@ def test_padded_bucket_gives_the_batch_s_own_result() -> None:
     with kernel_mode():
         step = attention_step(*caches)
         # The prefix of r1 and r2 must be in the cache: run their cached tokens first.
-        warm = [Request("w1", requests[1].prompt_token_ids[:32], SamplingParams()), Request("w2", requests[2].prompt_token_ids[:8], SamplingParams())]
-        prefix = build_forward_batch(warm, {"w1": pages["r1"], "w2": pages["r2"]}, PAGE, torch.device(DEVICE), extend_lens=[32, 8])
+        warm = [
+            Request("w1", requests[1].prompt_token_ids[:32], SamplingParams()),
+            Request("w2", requests[2].prompt_token_ids[:8], SamplingParams()),
+        ]
+        prefix = build_forward_batch(
+            warm, {"w1": pages["r1"], "w2": pages["r2"]}, PAGE, torch.device(DEVICE), extend_lens=[32, 8]
+        )
         step(prefix.input_ids, prefix.positions, prefix.meta)
         batch = build_forward_batch(requests, pages, PAGE, torch.device(DEVICE), extend_lens=lens)
         want = step(batch.input_ids, batch.positions, batch.meta)
         before = [c.clone() for c in caches]  # the padded step rewrites the real slots with the same k/v
-        runner = ExtendGraphRunner(step, [16, 64, 128], max_requests=8, max_pages=8, page_size=PAGE, device=torch.device(DEVICE))
+        runner = ExtendGraphRunner(
+            step, [16, 64, 128], max_requests=8, max_pages=8, page_size=PAGE, device=torch.device(DEVICE)
+        )
         runner.fill(batch, 64)  # 34 real tokens, 30 of padding, 4 empty requests
         got = step(runner.input_ids[:64], runner.positions[:64], runner._meta(64))[: batch.input_ids.shape[0]]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

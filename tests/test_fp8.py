@@ -45,7 +45,7 @@ SHAPES = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num
 NOT_ON_ROCM = pytest.mark.skipif(torch.version.hip is not None, reason="FP8 weights are dequantized at load on ROCm")
 
 
-def kernel_mode():  # noqa: ANN201
+def kernel_mode():
     return nullcontext() if ON_GPU else interpreter_mode()
 
 
@@ -70,7 +70,7 @@ def test_per_channel_quantization_keeps_each_row_within_e4m3_rounding() -> None:
     # Each row's largest magnitude maps to 448 exactly, and e4m3's 3 mantissa bits bound the rest.
     assert torch.equal(quantized.float().abs().amax(dim=1), torch.full((64,), FP8_MAX))
     error = (dequantize(quantized, scale, torch.float32) - weight).abs()
-    assert (error <= weight.abs() * 2 ** -4 + scale[:, None] * 2 ** -9).all()
+    assert (error <= weight.abs() * 2**-4 + scale[:, None] * 2**-9).all()
 
 
 @NOT_ON_ROCM
@@ -92,7 +92,9 @@ def test_weight_only_kernel_matches_the_reference(rows: int, block: bool) -> Non
         for config in configs:
             got = fp8_weight_only_matmul(x, weight, scale, bias, config).float()
             tolerance = 2e-2 * expected.abs().max().item() if dtype == torch.bfloat16 else 1e-4
-            assert (got - expected).abs().max().item() <= tolerance, (config or choose_config(rows, out_features, in_features, x.device))
+            assert (got - expected).abs().max().item() <= tolerance, config or choose_config(
+                rows, out_features, in_features, x.device
+            )
 
 
 @NOT_ON_ROCM
@@ -111,7 +113,7 @@ def test_scaled_mm_path_is_per_token_w8a8() -> None:
     assert torch.allclose(x_scale[:, 0], x.float().abs().amax(dim=1) / FP8_MAX)
     # torch's cast and Triton's (the interpreter's too) may round a tie differently: one e4m3 step at most.
     exact_cast = (x.float() / x_scale).to(FP8_DTYPE).float()
-    assert ((quantized.float() - exact_cast).abs() <= exact_cast.abs() * 2 ** -3 + 2 ** -9).all()
+    assert ((quantized.float() - exact_cast).abs() <= exact_cast.abs() * 2**-3 + 2**-9).all()
     expected = (quantized.float() * x_scale) @ dequantize(weight, scale, torch.float32).T
     assert ((got - expected).abs() <= 1e-2 * expected.abs().amax(dim=1, keepdim=True)).all()
     exact = fp8_reference_linear(x, weight, scale, None).float()
@@ -148,17 +150,31 @@ def _fp8_checkpoint(dense_folder: str, folder: str, fmt: str) -> str:
     with open(os.path.join(dense_folder, "config.json"), encoding="utf-8") as handle:
         config = json.load(handle)
     if fmt == "fp8-block":
-        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                         "weight_block_size": [128, 128]}
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [128, 128],
+        }
     else:
         strategy = "tensor" if fmt == "ct-tensor" else "channel"
         config["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-            "config_groups": {"group_0": {
-                "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
-                "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
-            }},
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "ignore": ["lm_head"],
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "strategy": strategy,
+                        "symmetric": True,
+                        "dynamic": False,
+                    },
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+                }
+            },
         }
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as handle:
         json.dump(config, handle)
@@ -194,10 +210,16 @@ def _dequantized_checkpoint(fp8_folder: str, folder: str) -> str:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
     """(family, fmt) name -> (FP8 folder, its dequantized dense folder)."""
     root = tmp_path_factory.mktemp("fp8")
-    dense = {family: build_tiny_checkpoint(family, str(root / f"{family}-dense"), **SHAPES)
-             for family in ("llama", "qwen2")}
+    dense = {
+        family: build_tiny_checkpoint(family, str(root / f"{family}-dense"), **SHAPES) for family in ("llama", "qwen2")
+    }
     out = {}
-    for family, fmt in (("llama", "ct-tensor"), ("llama", "ct-channel"), ("llama", "fp8-block"), ("qwen2", "ct-channel")):
+    for family, fmt in (
+        ("llama", "ct-tensor"),
+        ("llama", "ct-channel"),
+        ("llama", "fp8-block"),
+        ("qwen2", "ct-channel"),
+    ):
         fp8 = _fp8_checkpoint(dense[family], str(root / f"{family}-{fmt}"), fmt)
         out[f"{family}-{fmt}"] = (fp8, _dequantized_checkpoint(fp8, str(root / f"{family}-{fmt}-dequantized")))
     out["llama-dense"] = (dense["llama"], dense["llama"])
@@ -211,15 +233,25 @@ def _run(model: str, **options: Any) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy ids of PROMPTS and the last-position logits of the first, eager on the CPU (float32)."""
     from tests.helpers import engine_logits
 
-    engine = Engine(model=model, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=512,
-                    max_num_seqs=4, warmup=False, **options)
+    engine = Engine(
+        model=model,
+        device="cpu",
+        dtype="float32",
+        disable_graphs=True,
+        kv_cache_tokens=512,
+        max_num_seqs=4,
+        warmup=False,
+        **options,
+    )
     outputs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     logits, _ = engine_logits(engine, PROMPTS[0], outputs[0].token_ids[0])
     return [o.token_ids for o in outputs], logits
 
 
 @pytest.mark.parametrize("name", ["llama-ct-tensor", "llama-ct-channel", "llama-fp8-block", "qwen2-ct-channel"])
-def test_fp8_checkpoint_gives_the_logits_of_the_weights_it_stands_for(checkpoints: dict[str, tuple[str, str]], name: str) -> None:
+def test_fp8_checkpoint_gives_the_logits_of_the_weights_it_stands_for(
+    checkpoints: dict[str, tuple[str, str]], name: str
+) -> None:
     """Dequantized once at load on the CPU (no FP8 kernel here): exactly the dense checkpoint's run."""
     fp8, dense = checkpoints[name]
     ids, logits = _run(fp8)
@@ -231,11 +263,15 @@ def test_fp8_checkpoint_gives_the_logits_of_the_weights_it_stands_for(checkpoint
     assert error <= 1e-4 * reference_logits.abs().max(), error
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU; on one, "
-                    "test_fp8_decode_graphs_equal_eager_on_cuda runs the method compiled")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the interpreter runs only without a GPU; on one, "
+    "test_fp8_decode_graphs_equal_eager_on_cuda runs the method compiled",
+)
 @pytest.mark.parametrize("name", ["llama-ct-channel", "llama-fp8-block", "qwen2-ct-channel"])
-def test_fp8_layers_through_the_cuda_method(checkpoints: dict[str, tuple[str, str]], name: str,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp8_layers_through_the_cuda_method(
+    checkpoints: dict[str, tuple[str, str]], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The FP8 layers kept in FP8 and run by the CUDA method (its Triton kernel, in the interpreter on
     this CPU; float32 activations stay weight-only): greedy ids of the dense checkpoint, logits close."""
     from backends.cpu.platform import CpuPlatform
@@ -254,8 +290,16 @@ def test_online_fp8_quantization_of_a_dense_checkpoint(checkpoints: dict[str, tu
     """--quantization fp8: every linear but the LM head per-channel FP8, and outputs near the dense
     model's (each weight rounded to 3 mantissa bits)."""
     _, dense = checkpoints["llama-dense"]
-    engine = Engine(model=dense, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256,
-                    max_num_seqs=2, warmup=False, quantization="fp8")
+    engine = Engine(
+        model=dense,
+        device="cpu",
+        dtype="float32",
+        disable_graphs=True,
+        kv_cache_tokens=256,
+        max_num_seqs=2,
+        warmup=False,
+        quantization="fp8",
+    )
     layer = engine.model.model.layers[0]
     original = checkpoint_tensors(dense)["model.layers.0.mlp.down_proj.weight"]
     quantized, scale = quantize_per_channel(original)
@@ -277,8 +321,12 @@ def test_refused_checkpoints_name_the_problem(checkpoints: dict[str, tuple[str, 
     config = json.load(open(os.path.join(fp8, "config.json"), encoding="utf-8"))
     tensors = load_file(os.path.join(fp8, "model.safetensors"))
 
-    def variant(name: str, config_edit: dict[str, Any] | None = None, drop: tuple[str, ...] = (),
-                replace: dict[str, torch.Tensor] | None = None) -> str:
+    def variant(
+        name: str,
+        config_edit: dict[str, Any] | None = None,
+        drop: tuple[str, ...] = (),
+        replace: dict[str, torch.Tensor] | None = None,
+    ) -> str:
         folder = tmp_path / name
         folder.mkdir()
         edited = json.loads(json.dumps(config))
@@ -293,16 +341,27 @@ def test_refused_checkpoints_name_the_problem(checkpoints: dict[str, tuple[str, 
         variant("int4", {"config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}}): "only 8-bit float",
         variant("blocks64", {"quant_method": "fp8", "weight_block_size": [64, 64]}): "only [128, 128] blocks",
         # v_proj dense while q and k are FP8: the fused q/k/v cannot be half FP8.
-        variant("half-fused", drop=("layers.0.self_attn.v_proj.weight_scale",), replace={
-            "model.layers.0.self_attn.v_proj.weight": tensors["model.layers.0.self_attn.v_proj.weight"].float()}):
-            "the parts must all be FP8 or none",
+        variant(
+            "half-fused",
+            drop=("layers.0.self_attn.v_proj.weight_scale",),
+            replace={
+                "model.layers.0.self_attn.v_proj.weight": tensors["model.layers.0.self_attn.v_proj.weight"].float()
+            },
+        ): "the parts must all be FP8 or none",
         # An FP8 weight without its scale under a layer that is otherwise dense.
         variant("no-scale", drop=("layers.1.mlp.down_proj.weight_scale",)): "dtype mismatch",
     }
     for folder, message in cases.items():
         with pytest.raises(ModelLoadError, match=message.replace("[", r"\[").replace("]", r"\]")):
-            Engine(model=folder, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256,
-                   max_num_seqs=2, warmup=False)
+            Engine(
+                model=folder,
+                device="cpu",
+                dtype="float32",
+                disable_graphs=True,
+                kv_cache_tokens=256,
+                max_num_seqs=2,
+                warmup=False,
+            )
 
 
 @pytest.mark.cuda
@@ -315,11 +374,25 @@ def test_fp8_decode_graphs_equal_eager_on_cuda(checkpoints: dict[str, tuple[str,
     _, dense = checkpoints["llama-dense"]
     runs = []
     for graphs in (False, True):
-        engine = Engine(model=dense, device="cuda", dtype="float32", disable_graphs=not graphs, kv_cache_tokens=1024,
-                        max_num_seqs=4, capture_sizes="1,2,4", quantization="fp8", overlap_schedule=False)
+        engine = Engine(
+            model=dense,
+            device="cuda",
+            dtype="float32",
+            disable_graphs=not graphs,
+            kv_cache_tokens=1024,
+            max_num_seqs=4,
+            capture_sizes="1,2,4",
+            quantization="fp8",
+            overlap_schedule=False,
+        )
         method = engine.model.model.layers[0].mlp.down_proj.method
         assert method is CUDA_FP8, method
-        runs.append([o.token_ids for o in engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))])
+        runs.append(
+            [
+                o.token_ids
+                for o in engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+            ]
+        )
     assert runs[0] == runs[1], runs
 
 
@@ -332,7 +405,11 @@ def test_fp8_kv_store_saturates_instead_of_making_nan() -> None:
     cache = torch.zeros(4, 1, 3, dtype=FP8_DTYPE)
     rows = torch.tensor([[[1000.0, -3.1, 0.3]], [[-900.0, 447.0, 1e-4]]])
     store_kv_rows(cache, torch.tensor([2, 0]), rows)
-    assert cache[2, 0].float().tolist() == [FP8_MAX, rows[0, 0, 1].to(FP8_DTYPE).item(), rows[0, 0, 2].to(FP8_DTYPE).item()]
+    assert cache[2, 0].float().tolist() == [
+        FP8_MAX,
+        rows[0, 0, 1].to(FP8_DTYPE).item(),
+        rows[0, 0, 2].to(FP8_DTYPE).item(),
+    ]
     assert cache[0, 0, 0].item() == -FP8_MAX and torch.isfinite(cache.float()).all()
 
 
@@ -356,8 +433,17 @@ def test_fp8_kv_cache_on_cuda(checkpoints: dict[str, tuple[str, str]]) -> None:
 
     logits = {}
     for kv_dtype, graphs in (("bfloat16", False), ("fp8_e4m3", False), ("fp8_e4m3", True)):
-        engine = Engine(model=dense, device="cuda", dtype="bfloat16", kv_cache_dtype=kv_dtype, disable_graphs=not graphs,
-                        kv_cache_tokens=1024, max_num_seqs=4, capture_sizes="1,2,4", overlap_schedule=False)
+        engine = Engine(
+            model=dense,
+            device="cuda",
+            dtype="bfloat16",
+            kv_cache_dtype=kv_dtype,
+            disable_graphs=not graphs,
+            kv_cache_tokens=1024,
+            max_num_seqs=4,
+            capture_sizes="1,2,4",
+            overlap_schedule=False,
+        )
         assert engine.kv_pool.caches[0][0].dtype == (FP8_DTYPE if kv_dtype.startswith("fp8") else torch.bfloat16)
         prefill, decode = engine_logits(engine, PROMPTS[0], 3)
         logits[(kv_dtype, graphs)] = torch.cat([prefill, decode]).float()

@@ -12,8 +12,15 @@ from engine.engine import Engine
 
 def test_freeze_then_shutdown_lets_a_deleted_engine_be_collected(tiny_checkpoints: dict[str, str]) -> None:
     assert gc.get_freeze_count() == 0
-    engine = Engine(model=tiny_checkpoints["llama"], device="cpu", dtype="float32", kv_cache_tokens=512, max_num_seqs=2,
-                    disable_graphs=True, freeze_gc=True)
+    engine = Engine(
+        model=tiny_checkpoints["llama"],
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=512,
+        max_num_seqs=2,
+        disable_graphs=True,
+        freeze_gc=True,
+    )
     try:
         assert engine.froze_gc and gc.get_freeze_count() > 1000
         model = weakref.ref(engine.model)
@@ -32,6 +39,13 @@ def test_freeze_then_shutdown_lets_a_deleted_engine_be_collected(tiny_checkpoint
 def test_serving_entry_points_freeze_unless_told_not_to() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    serving = lambda argv: engine_config_from_args(parser.parse_args(argv), freeze_gc=parser.parse_args(argv).freeze_gc is not False)  # noqa: E731
+
+    def serving(argv):
+        return engine_config_from_args(
+            parser.parse_args(argv), freeze_gc=parser.parse_args(argv).freeze_gc is not False
+        )
+
     assert serving([]).freeze_gc is True and serving(["--no-freeze-gc"]).freeze_gc is False
-    assert engine_config_from_args(parser.parse_args([])).freeze_gc is None  # a library engine: ENGINE_FREEZE_GC decides
+    assert (
+        engine_config_from_args(parser.parse_args([])).freeze_gc is None
+    )  # a library engine: ENGINE_FREEZE_GC decides

@@ -12,16 +12,25 @@ from tests.conftest import track
 
 
 def test_each_layer_gets_its_window_and_the_caps(tiny_checkpoints: dict[str, str]) -> None:
-    engine = track(Engine(model=tiny_checkpoints["gemma2"], device="cpu", dtype="float32", disable_graphs=True,
-                          kv_cache_tokens=1024))
+    engine = track(
+        Engine(
+            model=tiny_checkpoints["gemma2"], device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=1024
+        )
+    )
     layers = [m for m in engine.model.modules() if isinstance(m, Attention)]
     assert [m.sliding_window for m in layers] == [24, None, 24, None]  # layer_types: sliding, full, ...
     assert all(m.softcap == 3.0 and m.scale == 24**-0.5 for m in layers)
     assert engine.max_model_len == 512  # the window does not limit the context
 
 
-def test_a_backend_without_soft_capping_refuses_the_model(tiny_checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_backend_without_soft_capping_refuses_the_model(
+    tiny_checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """As HPU and NPU do: soft-capped scores have no exact substitute, so the engine names the gap."""
     monkeypatch.setattr(TorchAttentionBackend, "supports_softcap", False)
-    with pytest.raises(UnsupportedArchitectureError, match="gemma2: attention logit soft-capping is not implemented by the cpu"):
-        Engine(model=tiny_checkpoints["gemma2"], device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256)
+    with pytest.raises(
+        UnsupportedArchitectureError, match="gemma2: attention logit soft-capping is not implemented by the cpu"
+    ):
+        Engine(
+            model=tiny_checkpoints["gemma2"], device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256
+        )

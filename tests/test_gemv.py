@@ -17,7 +17,7 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 
-def kernel_mode():  # noqa: ANN201
+def kernel_mode():
     return nullcontext() if ON_GPU else interpreter_mode()
 
 
@@ -32,7 +32,9 @@ def test_gemv_matches_linear(n: int, k: int, with_bias: bool) -> None:
     weight = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
     bias = torch.randn(n, generator=generator).to(DEVICE, dtype) if with_bias else None
     with kernel_mode():
-        got = [gemv(x, weight, bias, config=GemvConfig(block_n, block_k, 4, 1)) for block_n, block_k in ((8, 512), (4, 64))]
+        got = [
+            gemv(x, weight, bias, config=GemvConfig(block_n, block_k, 4, 1)) for block_n, block_k in ((8, 512), (4, 64))
+        ]
     want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for out in got:
@@ -84,8 +86,9 @@ def test_gemv_method_takes_one_row_inputs_only(monkeypatch: pytest.MonkeyPatch) 
         return  # the op's GEMV branch runs on CUDA tensors only; the kernel itself is tested above
     for rows in (1, 3):
         x = torch.randn(rows, 64, device=DEVICE, dtype=dtype)
-        torch.testing.assert_close(model[0](x).float(), F.linear(x, model[0].weight, model[0].bias).float(),
-                                   atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            model[0](x).float(), F.linear(x, model[0].weight, model[0].bias).float(), atol=2e-2, rtol=2e-2
+        )
 
 
 def test_config_chunks_divide_the_row_where_they_can() -> None:
@@ -132,9 +135,8 @@ def test_live_rows_scope() -> None:
             assert live_rows(2) == 2 and live_rows(8) == 3
         assert live_rows(5) == 1
     assert live_rows(2) == 2
-    with pytest.raises(ValueError, match="at least one"):
-        with only_first_rows_live(0):
-            pass
+    with pytest.raises(ValueError, match="at least one"), only_first_rows_live(0):
+        pass
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the op's GEMV branch runs on CUDA tensors only")
@@ -164,7 +166,9 @@ def test_batch1_is_captured_over_two_rows_for_dense_models_only(monkeypatch: pyt
     from graphs.cuda_graph_runner import batch1_in_two_rows
 
     dense = torch.nn.ModuleList([Linear(8, 8)])
-    moe = torch.nn.ModuleList([Linear(8, 8), torch.nn.ModuleList([SparseMoE(8, 16, num_experts=4, top_k=2, renormalize=True)])])
+    moe = torch.nn.ModuleList(
+        [Linear(8, 8), torch.nn.ModuleList([SparseMoE(8, 16, num_experts=4, top_k=2, renormalize=True)])]
+    )
     assert batch1_in_two_rows(dense) and not batch1_in_two_rows(moe)
     monkeypatch.setenv("ENGINE_CUDA_BATCH1_IN_TWO_ROWS", "0")
     assert not batch1_in_two_rows(dense)

@@ -21,10 +21,19 @@ from tests.helpers import run_staggered
 
 # (tiny spec, overrides). Gemma's query scale is not in GGUF metadata: llama.cpp uses key_length. A Gemma 3
 # GGUF cannot say which layers are global (llama.cpp fixes every sixth) nor the local rope base (10k).
-GEMMA3_LAYOUT = {"num_hidden_layers": 6, "query_pre_attn_scalar": 16,
-                 "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
-FAMILIES = [("qwen2", {}), ("qwen3", {}), ("llama_plain", {}), ("mistral", {}), ("gemma2", {"query_pre_attn_scalar": 16}),
-            ("gemma3", GEMMA3_LAYOUT)]
+GEMMA3_LAYOUT = {
+    "num_hidden_layers": 6,
+    "query_pre_attn_scalar": 16,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+}
+FAMILIES = [
+    ("qwen2", {}),
+    ("qwen3", {}),
+    ("llama_plain", {}),
+    ("mistral", {}),
+    ("gemma2", {"query_pre_attn_scalar": 16}),
+    ("gemma3", GEMMA3_LAYOUT),
+]
 
 
 def hf_greedy(folder: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -32,21 +41,33 @@ def hf_greedy(folder: str, prompts: list[list[int]], new_tokens: int) -> list[li
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        return [
+            model.generate(
+                torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
 
 
 @pytest.fixture(autouse=True)
-def private_gguf_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def private_gguf_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
 
 
 @pytest.mark.parametrize("name,overrides", FAMILIES, ids=[name for name, _ in FAMILIES])
-def test_a_gguf_gives_the_tokens_of_its_safetensors_checkpoint(tmp_path, name: str, overrides: dict) -> None:  # noqa: ANN001
+def test_a_gguf_gives_the_tokens_of_its_safetensors_checkpoint(tmp_path, name: str, overrides: dict) -> None:
     folder = build_tiny_checkpoint(name, str(tmp_path / name), **overrides)
     path = write_gguf(folder, str(tmp_path / f"{name}.gguf"))
-    engine = track(Engine(model=path, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=1024,
-                          page_size=16 if name != "qwen2" else 1))
+    engine = track(
+        Engine(
+            model=path,
+            device="cpu",
+            dtype="float32",
+            disable_graphs=True,
+            kv_cache_tokens=1024,
+            page_size=16 if name != "qwen2" else 1,
+        )
+    )
     assert engine.tokenizer is None  # these files carry no vocabulary: prompts are token ids
     vocab = engine.model_config.vocab_size
     generator = torch.Generator().manual_seed(3)
@@ -57,7 +78,7 @@ def test_a_gguf_gives_the_tokens_of_its_safetensors_checkpoint(tmp_path, name: s
     assert engine.kv_pages_in_use() == 0
 
 
-def test_a_gguf_tensor_with_no_counterpart_is_refused_naming_it(tmp_path) -> None:  # noqa: ANN001
+def test_a_gguf_tensor_with_no_counterpart_is_refused_naming_it(tmp_path) -> None:
     import gguf
 
     folder = build_tiny_checkpoint("qwen2", str(tmp_path / "qwen2"))
@@ -66,7 +87,9 @@ def test_a_gguf_tensor_with_no_counterpart_is_refused_naming_it(tmp_path) -> Non
     writer = gguf.GGUFWriter(str(tmp_path / "extra.gguf"), "qwen2")
     for key, field in reader.fields.items():
         if not key.startswith(("GGUF.", "general.architecture")):
-            writer.add_key_value(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+            writer.add_key_value(
+                key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
+            )
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, np.array(tensor.data).reshape([int(d) for d in reversed(tensor.shape)]))
     writer.add_tensor("blk.0.mystery.weight", np.zeros(4, dtype=np.float32))
@@ -75,5 +98,7 @@ def test_a_gguf_tensor_with_no_counterpart_is_refused_naming_it(tmp_path) -> Non
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ModelLoadError, match=r"GGUF tensor 'blk\.0\.mystery\.weight' has no counterpart in the qwen2"):
-        Engine(model=str(tmp_path / "extra.gguf"), device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256)
+        Engine(
+            model=str(tmp_path / "extra.gguf"), device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256
+        )
     assert os.path.isfile(path)

@@ -15,7 +15,8 @@ has (features hidden to force AVX2 and portable C), float32 and the default int8
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from graphs.compiled_runner import CompiledDecodeRunner, compile_count
 from tests.conftest import build_tiny_checkpoint, track
 from tests.gguf_files import write_gguf
 from tests.helpers import engine_logits, run_staggered
+
 
 def require_kernels() -> None:
     from backends.cpu.gguf_linear import gguf_kernels_available
@@ -42,14 +44,26 @@ def require_kernels() -> None:
 # case -> (tiny checkpoint, its overrides, GGUF block formats by llama.cpp tensor kind ("*": the rest)).
 # Head sizes: 64 (the vector attention), 128 (the same, 8 vectors a head), 32 (the plain loops).
 CASES: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
-    "llama_plain": ("llama_plain", {},
-                    {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q8_0", "output": "Q6_K"}),
-    "llama_q5": ("llama_plain", {}, {"*": "Q5_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "attn_k": "Q5_1",
-                                     "token_embd": "Q5_0", "output": "Q6_K"}),
-    "llama_q3": ("llama_plain", {}, {"*": "Q3_K", "attn_v": "Q4_K", "ffn_down": "Q5_K", "token_embd": "Q3_K",
-                                     "output": "Q6_K"}),
-    "llama_q2": ("llama_plain", {}, {"*": "Q2_K", "attn_v": "Q3_K", "ffn_down": "Q3_K", "token_embd": "Q2_K",
-                                     "output": "Q6_K"}),
+    "llama_plain": (
+        "llama_plain",
+        {},
+        {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q8_0", "output": "Q6_K"},
+    ),
+    "llama_q5": (
+        "llama_plain",
+        {},
+        {"*": "Q5_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "attn_k": "Q5_1", "token_embd": "Q5_0", "output": "Q6_K"},
+    ),
+    "llama_q3": (
+        "llama_plain",
+        {},
+        {"*": "Q3_K", "attn_v": "Q4_K", "ffn_down": "Q5_K", "token_embd": "Q3_K", "output": "Q6_K"},
+    ),
+    "llama_q2": (
+        "llama_plain",
+        {},
+        {"*": "Q2_K", "attn_v": "Q3_K", "ffn_down": "Q3_K", "token_embd": "Q2_K", "output": "Q6_K"},
+    ),
     "qwen2": ("qwen2", {}, {"*": "Q4_0", "attn_k": "Q8_0"}),
     "qwen3": ("qwen3", {"head_dim": 64}, {"*": "Q4_1", "attn_output": "Q4_K"}),
     "mistral": ("mistral", {"sliding_window": 24}, {"*": "Q6_K", "token_embd": "Q4_0"}),
@@ -91,15 +105,36 @@ def prompts_for(engine: Engine) -> list[list[int]]:
 
 
 def dense_ids(path: str, page_size: int) -> list[list[int]]:
-    dense = track(Engine(model=path, device="cpu", dtype="float32", kv_cache_tokens=1024, disable_graphs=True,
-                         max_num_seqs=4, page_size=page_size, quantization="none"))
+    dense = track(
+        Engine(
+            model=path,
+            device="cpu",
+            dtype="float32",
+            kv_cache_tokens=1024,
+            disable_graphs=True,
+            max_num_seqs=4,
+            page_size=page_size,
+            quantization="none",
+        )
+    )
     return run_staggered(dense, prompts_for(dense), PARAMS, ARRIVALS).token_ids
 
 
 def native_engine(path: str, page_size: int, activations: str = "auto", **options: Any) -> Engine:
     require_kernels()
-    engine = track(Engine(model=path, device="cpu", dtype="float32", kv_cache_tokens=1024, capture_sizes="1,2,4",
-                          max_num_seqs=4, page_size=page_size, gguf_activations=activations, **options))
+    engine = track(
+        Engine(
+            model=path,
+            device="cpu",
+            dtype="float32",
+            kv_cache_tokens=1024,
+            capture_sizes="1,2,4",
+            max_num_seqs=4,
+            page_size=page_size,
+            gguf_activations=activations,
+            **options,
+        )
+    )
     assert isinstance(engine.runner.graph_runner, NativeDecodeRunner)
     return engine
 
@@ -107,8 +142,9 @@ def native_engine(path: str, page_size: int, activations: str = "auto", **option
 @pytest.mark.parametrize("activations", ["float32", "auto"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("name", list(CASES))
-def test_native_decode_gives_the_dense_paths_tokens(tiny_ggufs: dict[str, str], name: str, page_size: int,
-                                                    activations: str) -> None:
+def test_native_decode_gives_the_dense_paths_tokens(
+    tiny_ggufs: dict[str, str], name: str, page_size: int, activations: str
+) -> None:
     engine = native_engine(tiny_ggufs[name], page_size, activations)
     graph_steps = engine.runner.graph_steps
     run = run_staggered(engine, prompts_for(engine), PARAMS, ARRIVALS)
@@ -121,8 +157,9 @@ def test_native_decode_gives_the_dense_paths_tokens(tiny_ggufs: dict[str, str], 
 @pytest.mark.parametrize("activations", ["float32", "auto", "int8"])
 @pytest.mark.parametrize("code_path", list(PATHS), indirect=True)
 @pytest.mark.parametrize("name", ["llama_plain", "llama_q5", "llama_q3", "llama_q2"])
-def test_every_code_path_runs_the_native_step(tiny_ggufs: dict[str, str], name: str, code_path: str,
-                                              activations: str) -> None:
+def test_every_code_path_runs_the_native_step(
+    tiny_ggufs: dict[str, str], name: str, code_path: str, activations: str
+) -> None:
     """Llama with Q4_K, Q6_K and Q8_0 in one model (and with Q5_K, Q5_1, Q5_0 and Q6_K; with Q3_K, Q4_K, Q5_K
     and Q6_K; with Q2_K, Q3_K and Q6_K), through AVX512, AVX2 and portable C kernels. int8 (one level, llama.cpp's numerics) is held to
     the same file's eager engine with the same activations."""
@@ -134,8 +171,18 @@ def test_every_code_path_runs_the_native_step(tiny_ggufs: dict[str, str], name: 
     engine = native_engine(path, 16, activations)
     got = run_staggered(engine, prompts_for(engine), PARAMS, ARRIVALS).token_ids
     if activations == "int8":
-        eager = track(Engine(model=path, device="cpu", dtype="float32", kv_cache_tokens=1024, disable_graphs=True,
-                             max_num_seqs=4, page_size=16, gguf_activations="int8"))
+        eager = track(
+            Engine(
+                model=path,
+                device="cpu",
+                dtype="float32",
+                kv_cache_tokens=1024,
+                disable_graphs=True,
+                max_num_seqs=4,
+                page_size=16,
+                gguf_activations="int8",
+            )
+        )
         assert got == run_staggered(eager, prompts_for(eager), PARAMS, ARRIVALS).token_ids
     else:
         assert got == dense_ids(path, 16)
@@ -161,8 +208,9 @@ def test_a_bfloat16_model_decodes_natively_too(tiny_ggufs: dict[str, str]) -> No
     bf16 bytes read as float32 anywhere would be off by orders of magnitude."""
     require_kernels()
     path = tiny_ggufs["qwen2"]
-    options = dict(model=path, device="cpu", kv_cache_tokens=1024, max_num_seqs=1, page_size=16,
-                   gguf_activations="float32")
+    options = dict(
+        model=path, device="cpu", kv_cache_tokens=1024, max_num_seqs=1, page_size=16, gguf_activations="float32"
+    )
     native = track(Engine(capture_sizes="1", dtype="bfloat16", **options))
     exact = track(Engine(disable_graphs=True, dtype="float32", **options))
     assert isinstance(native.runner.graph_runner, NativeDecodeRunner)
@@ -177,10 +225,12 @@ def test_decode_logits_of_the_default_against_exact(smol_gguf_path: str) -> None
     through the native step: within 1e-3 of the logit scale (measured 1.7e-4 to 2.1e-4), same argmax;
     float32 through the native step against the eager float32 path: float32 rounding (2e-6)."""
     require_kernels()
-    exact_native = track(Engine(device="cpu", kv_cache_tokens=1024, capture_sizes="1", max_num_seqs=1,
-                                gguf_activations="float32"))
-    exact_eager = track(Engine(device="cpu", kv_cache_tokens=1024, disable_graphs=True, max_num_seqs=1,
-                               gguf_activations="float32"))
+    exact_native = track(
+        Engine(device="cpu", kv_cache_tokens=1024, capture_sizes="1", max_num_seqs=1, gguf_activations="float32")
+    )
+    exact_eager = track(
+        Engine(device="cpu", kv_cache_tokens=1024, disable_graphs=True, max_num_seqs=1, gguf_activations="float32")
+    )
     default = track(Engine(device="cpu", kv_cache_tokens=1024, capture_sizes="1", max_num_seqs=1))
     assert isinstance(default.runner.graph_runner, NativeDecodeRunner)
     for text in ("The capital of France is", "def fibonacci(n):\n    "):
@@ -194,32 +244,52 @@ def test_decode_logits_of_the_default_against_exact(smol_gguf_path: str) -> None
         assert int(fast.argmax()) == int(want.argmax())
 
 
-def test_models_the_native_step_does_not_take_run_compiled_graphs(tiny_checkpoints: dict[str, str],
-                                                                   tiny_ggufs: dict[str, str],
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_models_the_native_step_does_not_take_run_compiled_graphs(
+    tiny_checkpoints: dict[str, str], tiny_ggufs: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A dense checkpoint, and a GGUF when the native step is refused: the compiled graphs, over the
     engine::gguf_linear op (inside torch.compile) in the second case, same tokens as the native step."""
     from backends.cpu import gguf_decode
 
     require_kernels()
-    dense = track(Engine(model=tiny_checkpoints["llama"], device="cpu", dtype="float32", kv_cache_tokens=512,
-                         capture_sizes="1,2", max_num_seqs=2))
+    dense = track(
+        Engine(
+            model=tiny_checkpoints["llama"],
+            device="cpu",
+            dtype="float32",
+            kv_cache_tokens=512,
+            capture_sizes="1,2",
+            max_num_seqs=2,
+        )
+    )
     assert isinstance(dense.runner.graph_runner, CompiledDecodeRunner)
     path = tiny_ggufs["qwen2"]
     native = native_engine(path, 16, "float32")
     prompts = prompts_for(native)
     want = run_staggered(native, prompts, PARAMS, ARRIVALS).token_ids
     monkeypatch.setattr(gguf_decode, "native_step_unsupported", lambda model, caches: "refused by the test")
-    compiled = track(Engine(model=path, device="cpu", dtype="float32", kv_cache_tokens=1024, capture_sizes="1,2,4",
-                            max_num_seqs=4, page_size=16, gguf_activations="float32", strict_graphs=True))
+    compiled = track(
+        Engine(
+            model=path,
+            device="cpu",
+            dtype="float32",
+            kv_cache_tokens=1024,
+            capture_sizes="1,2,4",
+            max_num_seqs=4,
+            page_size=16,
+            gguf_activations="float32",
+            strict_graphs=True,
+        )
+    )
     assert isinstance(compiled.runner.graph_runner, CompiledDecodeRunner)
     compiles = compile_count()
     assert run_staggered(compiled, prompts, PARAMS, ARRIVALS).token_ids == want
     assert compile_count() == compiles
 
 
-def test_native_step_unsupported_names_what_is_in_the_way(tiny_checkpoints: dict[str, str],
-                                                           cpu_fast_paths_off: None) -> None:
+def test_native_step_unsupported_names_what_is_in_the_way(
+    tiny_checkpoints: dict[str, str], cpu_fast_paths_off: None
+) -> None:
     from backends.cpu.gguf_decode import native_step_unsupported
 
     engine = track(Engine(device="cpu", kv_cache_tokens=256, capture_sizes="1", max_num_seqs=1))

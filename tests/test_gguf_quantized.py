@@ -52,7 +52,7 @@ def force_path(monkeypatch: pytest.MonkeyPatch, level: int, int8: bool) -> None:
     monkeypatch.setattr(gl, "code_paths", lambda: gl.CodePaths(level, level))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def smol_tensor(path: str, name: str) -> tuple[np.ndarray, torch.Tensor, gl.BlockFormat]:
     """(blocks, float32 dequantized by the gguf package, format) of one tensor of the GGUF file."""
     tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
@@ -68,7 +68,7 @@ def random_blocks(fmt: gl.BlockFormat, rows: int, cols: int, seed: int) -> tuple
 
     def half(offset: int, low: float, high: float) -> None:
         values = rng.uniform(low, high, (rows, cols // fmt.block_columns, 1)).astype(np.float16)
-        blocks[..., offset:offset + 2] = values.view(np.uint8)
+        blocks[..., offset : offset + 2] = values.view(np.uint8)
 
     if fmt.name in ("Q4_0", "Q5_0", "Q8_0"):
         half(0, -0.02, 0.02)
@@ -112,9 +112,13 @@ def matmul(x: torch.Tensor, tiles: torch.Tensor, fmt: gl.BlockFormat, rows: int,
     return gl.gguf_linear(x, [tiles], [fmt.code], [rows], levels)
 
 
-@pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "blk.3.attn_k.weight", "token_embd.weight"])  # Q4_1, Q4_1, Q8_0
+@pytest.mark.parametrize(
+    "name", ["blk.0.ffn_down.weight", "blk.3.attn_k.weight", "token_embd.weight"]
+)  # Q4_1, Q4_1, Q8_0
 @pytest.mark.parametrize("path", list(FLOAT_PATHS))
-def test_float_kernels_on_smollm2_tensors(smol_gguf_path: str, monkeypatch: pytest.MonkeyPatch, path: str, name: str) -> None:
+def test_float_kernels_on_smollm2_tensors(
+    smol_gguf_path: str, monkeypatch: pytest.MonkeyPatch, path: str, name: str
+) -> None:
     force_path(monkeypatch, FLOAT_PATHS[path], int8=False)
     blocks, dense, fmt = smol_tensor(smol_gguf_path, name)
     tiles = gl.tile_blocks(fmt, blocks)
@@ -145,8 +149,9 @@ def test_float_kernels_on_random_blocks(monkeypatch: pytest.MonkeyPatch, path: s
 @pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("fmt_name", list(gl.FORMATS))
 @pytest.mark.parametrize("path", list(INT8_PATHS))
-def test_int8_kernels_compute_the_quantized_product(monkeypatch: pytest.MonkeyPatch, path: str, fmt_name: str,
-                                                    levels: int) -> None:
+def test_int8_kernels_compute_the_quantized_product(
+    monkeypatch: pytest.MonkeyPatch, path: str, fmt_name: str, levels: int
+) -> None:
     """Exact integer dot products: against the dequantized weights times the quantized activations,
     float32 rounding of the scales and sums is all that differs; against the exact product, what
     rounding the activations costs (one int8 level ~6e-3 here, two ~2e-5)."""
@@ -175,8 +180,12 @@ def test_int8_kernels_take_more_rows_than_a_pass(monkeypatch: pytest.MonkeyPatch
     for rows in (20, 33):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         got = torch.empty(rows, 37)
-        assert gl._library().gguf_matmul(parts, 1, x.data_ptr(), rows, got.data_ptr(), 2, INT8_PATHS[path],
-                                         torch.get_num_threads()) == 0
+        assert (
+            gl._library().gguf_matmul(
+                parts, 1, x.data_ptr(), rows, got.data_ptr(), 2, INT8_PATHS[path], torch.get_num_threads()
+            )
+            == 0
+        )
         assert relative_error(got, gl.quantized_activations(x, 2) @ dense.double().T) < 2e-6, rows
 
 
@@ -197,8 +206,9 @@ def test_the_activation_quantizer_is_llama_cpps(levels: int) -> None:
 
 @pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("path", ["avx2", "avx512"])
-def test_every_path_quantizes_activations_bit_for_bit_alike(monkeypatch: pytest.MonkeyPatch, path: str,
-                                                            levels: int) -> None:
+def test_every_path_quantizes_activations_bit_for_bit_alike(
+    monkeypatch: pytest.MonkeyPatch, path: str, levels: int
+) -> None:
     """The SIMD quantizers repeat the portable one's float32 operations: the same int8 values and scales."""
     force_path(monkeypatch, INT8_PATHS[path], int8=True)
     x = torch.randn(16, 512, generator=torch.Generator().manual_seed(9)) * torch.linspace(0.01, 10.0, 512)
@@ -206,8 +216,9 @@ def test_every_path_quantizes_activations_bit_for_bit_alike(monkeypatch: pytest.
     assert torch.equal(gl.quantized_activations(x, levels, INT8_PATHS[path]), gl.quantized_activations(x, levels, 0))
 
 
-@pytest.mark.parametrize("names", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_1", "Q6_K"), ("Q3_K", "Q3_K", "Q4_K"),
-                                   ("Q2_K", "Q2_K", "Q3_K")])
+@pytest.mark.parametrize(
+    "names", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_1", "Q6_K"), ("Q3_K", "Q3_K", "Q4_K"), ("Q2_K", "Q2_K", "Q3_K")]
+)
 @pytest.mark.parametrize("levels", [0, 1, 2])
 def test_one_projection_of_parts_in_different_formats(levels: int, names: tuple[str, str, str]) -> None:
     """A fused q/k/v whose v is Q6_K and q, k Q4_K (as Q4_K_M files are; or Q5_K and Q5_1; or Q3_K with a
@@ -255,8 +266,9 @@ def test_the_selected_paths_follow_the_cpu() -> None:
     avx2 = cpu.has("avx2", "fma3", "f16c")
     assert paths.float32 == (3 if avx2 and cpu.avx512 else 1 if avx2 else 0)
     vnni256 = cpu.has("avx_vnni") or cpu.has("avx512_vnni", "avx512_vl")
-    assert paths.int8 == (3 if avx2 and cpu.avx512 and cpu.has("avx512_vnni") else 2 if avx2 and vnni256
-                          else 1 if avx2 else 0)
+    assert paths.int8 == (
+        3 if avx2 and cpu.avx512 and cpu.has("avx512_vnni") else 2 if avx2 and vnni256 else 1 if avx2 else 0
+    )
     assert built & (1 << paths.int8) and (paths.float32 < 3 or built & 8)
 
 
@@ -307,10 +319,18 @@ def test_quantization_none_dequantizes_and_gguf_needs_a_gguf(tiny_checkpoints: d
     from engine.layers.linear import DENSE, Linear
 
     engine = track(Engine(device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256, quantization="none"))
-    assert all(m.method is DENSE or m.method.name == "onednn_packed" for m in engine.model.modules() if isinstance(m, Linear))
+    assert all(
+        m.method is DENSE or m.method.name == "onednn_packed" for m in engine.model.modules() if isinstance(m, Linear)
+    )
     with pytest.raises(EngineError, match="--quantization gguf needs a GGUF model"):
-        Engine(model=tiny_checkpoints["llama"], device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256,
-               quantization="gguf")
+        Engine(
+            model=tiny_checkpoints["llama"],
+            device="cpu",
+            dtype="float32",
+            disable_graphs=True,
+            kv_cache_tokens=256,
+            quantization="gguf",
+        )
 
 
 def test_int8_activations_keep_smollm2s_greedy_text_close(smol_gguf_path: str) -> None:
@@ -321,8 +341,9 @@ def test_int8_activations_keep_smollm2s_greedy_text_close(smol_gguf_path: str) -
     kernels themselves are held to their exact numerics above). Two levels (the default) are held
     100x closer in test_gguf_native_decode.py."""
     require_kernels()
-    from engine.sampling_params import SamplingParams
     from helpers import engine_logits
+
+    from engine.sampling_params import SamplingParams
 
     exact = track(Engine(device="cpu", disable_graphs=True, kv_cache_tokens=512, gguf_activations="float32"))
     fast = track(Engine(device="cpu", disable_graphs=True, kv_cache_tokens=512, gguf_activations="int8"))

@@ -7,15 +7,15 @@ Capture sizes 1,2,4: batches of 1, 2 and 4 replay their own entry, a batch of 3 
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
-
 from conftest import track
+from helpers import StepRecorder, get_engine, greedy
+
 from engine.engine import Engine
 from graphs.compiled_runner import compile_count
-from helpers import StepRecorder, get_engine, greedy
 
 SMOL_PROMPTS = [
     "The capital of France is",
@@ -62,7 +62,7 @@ def test_batches_beyond_the_largest_capture_size_run_eagerly(
     graphs = engine_cache(model, page_size=16, capture_sizes="1,2,4", max_num_seqs=6, disable_graphs=False)
     eager = engine_cache(model, page_size=16, max_num_seqs=6)
     assert graphs.runner.graph_runner.capture_sizes == [1, 2, 4]
-    prompts = tiny_prompts(graphs.model_config.vocab_size) + [[9, 8, 7], [40, 41, 42, 43]]
+    prompts = [*tiny_prompts(graphs.model_config.vocab_size), [9, 8, 7], [40, 41, 42, 43]]
     params = [greedy(12), greedy(12), greedy(12), greedy(12), greedy(4), greedy(8)]
     graph_steps = graphs.runner.graph_steps
     got = [o.token_ids for o in graphs.generate(prompts, params)]
@@ -182,10 +182,12 @@ def test_a_dynamic_batch_compiles_each_piece_twice_not_three_times(tiny_llama: s
     from graphs.compiled_step import CompiledDecodeStep, compile_count
     from graphs.static_buffers import StaticDecodeBuffers
 
-    engine = track(Engine(model=tiny_llama, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256,
-                          warmup=False))
-    step = CompiledDecodeStep(engine.model, engine.kv_pool.caches, dynamic=None, backend="eager", max_entries=16,
-                              dynamic_batch=dynamic_batch)
+    engine = track(
+        Engine(model=tiny_llama, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256, warmup=False)
+    )
+    step = CompiledDecodeStep(
+        engine.model, engine.kv_pool.caches, dynamic=None, backend="eager", max_entries=16, dynamic_batch=dynamic_batch
+    )
     buffers = StaticDecodeBuffers.allocate(8, 4, engine.kv_pool.page_size, torch.device("cpu"), torch.int64)
     before = compile_count()
     outputs = {}
@@ -207,23 +209,37 @@ def test_decode_with_opaque_attention_shares_the_extend_steps_layer_graph(tiny_l
     from graphs.static_buffers import StaticDecodeBuffers
     from graphs.tune_extend import prompt_batch
 
-    engine = track(Engine(model=tiny_llama, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256,
-                          warmup=False))
+    engine = track(
+        Engine(model=tiny_llama, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256, warmup=False)
+    )
     extend = CompiledExtendStep(engine.model, engine.kv_pool.caches, backend="eager")
-    decode = CompiledDecodeStep(engine.model, engine.kv_pool.caches, dynamic=None, backend="eager", max_entries=16,
-                                dynamic_batch=True, opaque_attention=True, layer_fn=extend.layer_fn, compile_head=False)
-    reference = CompiledDecodeStep(engine.model, engine.kv_pool.caches, dynamic=None, backend="eager", max_entries=16,
-                                   dynamic_batch=True)
+    decode = CompiledDecodeStep(
+        engine.model,
+        engine.kv_pool.caches,
+        dynamic=None,
+        backend="eager",
+        max_entries=16,
+        dynamic_batch=True,
+        opaque_attention=True,
+        layer_fn=extend.layer_fn,
+        compile_head=False,
+    )
+    reference = CompiledDecodeStep(
+        engine.model, engine.kv_pool.caches, dynamic=None, backend="eager", max_entries=16, dynamic_batch=True
+    )
     buffers = StaticDecodeBuffers.allocate(8, 4, engine.kv_pool.page_size, torch.device("cpu"), torch.int64)
     buffers.input_ids.copy_(torch.arange(3, 11))
     sizes = (8, 4, 2)  # largest first, as capture runs
     with torch.no_grad():
-        expected_logits = {bs: reference(buffers.input_ids[:bs], buffers.positions[:bs], buffers.metadata(bs)) for bs in sizes}
+        expected_logits = {
+            bs: reference(buffers.input_ids[:bs], buffers.positions[:bs], buffers.metadata(bs)) for bs in sizes
+        }
         before = compile_count()
         for bs in sizes:
             out = torch.full((bs, engine.model_config.vocab_size), float("nan"))
-            logits = decode.logits(decode.hidden_states(buffers.input_ids[:bs], buffers.positions[:bs],
-                                                        buffers.metadata(bs)), out)
+            logits = decode.logits(
+                decode.hidden_states(buffers.input_ids[:bs], buffers.positions[:bs], buffers.metadata(bs)), out
+            )
             assert logits is out
             torch.testing.assert_close(out, expected_logits[bs])
         assert compile_count() - before == 1  # one layer graph; the head ran eagerly

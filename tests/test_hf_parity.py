@@ -8,14 +8,24 @@ their own size, batches of 3 are padded to 4). The HF side runs each prompt alon
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+from helpers import (
+    NEW_TOKENS,
+    engine_logits,
+    get_engine,
+    graph_options,
+    greedy,
+    hf_greedy,
+    hf_last_logits,
+    run_staggered,
+)
 
 from engine.engine import Engine
 from graphs.compiled_runner import compile_count
-from helpers import NEW_TOKENS, engine_logits, get_engine, graph_options, greedy, hf_greedy, hf_last_logits, run_staggered
 
 # (mode, page size): every model runs these.
 MODES = [("eager", 16), ("eager", 1), ("graphs", 16)]
@@ -30,7 +40,7 @@ def first_divergence(ours: list[int], theirs: list[int]) -> str:
     return f"lengths differ: {len(ours)} vs {len(theirs)}"
 
 
-def check_run(engine: Engine, mode: str, prompts: list, arrivals: list[int], expected: list[list[int]]):  # noqa: ANN201
+def check_run(engine: Engine, mode: str, prompts: list, arrivals: list[int], expected: list[list[int]]):
     compiles_before = compile_count()
     graph_steps_before = engine.runner.graph_steps
     run = run_staggered(engine, prompts, greedy(), arrivals)
@@ -71,7 +81,7 @@ def smol_reference(smol_hf: tuple[Any, Any]) -> tuple[list[list[int]], list[list
     return prompt_ids, [hf_greedy(model, ids) for ids in prompt_ids]
 
 
-@pytest.mark.parametrize("mode,page_size", MODES + [GRAPHS_PAGE_1])
+@pytest.mark.parametrize("mode,page_size", [*MODES, GRAPHS_PAGE_1])
 def test_smollm2_greedy_matches_hf(
     engine_cache: Callable[..., Engine], smol_hf: tuple[Any, Any], smol_reference: tuple, mode: str, page_size: int
 ) -> None:
@@ -89,13 +99,16 @@ def test_smollm2_matches_hf_with_every_cpu_fast_path_off(
     cpu_fast_paths_off: None, smol_reference: tuple, mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The fallbacks a CPU without AVX512, without gcc or without oneDNN would run, in float32."""
+    from conftest import track
+
     from backends.cpu.attention import native_decode_available
     from backends.cpu.packed_linear import _PACKED_ATTR
-    from conftest import track
 
     options = graph_options(16) if mode == "graphs" else dict(max_num_seqs=4)
     with caplog.at_level("INFO", logger="backends.cpu.platform"):
-        engine = track(Engine(device="cpu", dtype="float32", kv_cache_tokens=2048, **{"disable_graphs": True, **options}))
+        engine = track(
+            Engine(device="cpu", dtype="float32", kv_cache_tokens=2048, **{"disable_graphs": True, **options})
+        )
     assert not native_decode_available()
     assert not any(hasattr(p, _PACKED_ATTR) for p in engine.model.parameters())
     assert "linear: F.linear float32" in caplog.text and "decode attention: torch ops" in caplog.text
@@ -107,7 +120,19 @@ def test_smollm2_matches_hf_with_every_cpu_fast_path_off(
 # Tiny random checkpoints, token-id prompts
 # ---------------------------------------------------------------------------------------------
 
-TINY_NAMES = ["llama", "llama_plain", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3"]
+TINY_NAMES = [
+    "llama",
+    "llama_plain",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+    "qwen2_moe",
+    "gemma2",
+    "gemma3",
+]
 TINY_PROMPT_LENGTHS = [1, 7, 16, 37]  # one token, under a page, exactly a page, several pages
 TINY_ARRIVALS = [0, 2, 2, 5]
 TINY_CASES = [(name, mode, page) for name in TINY_NAMES for mode, page in MODES] + [
@@ -183,8 +208,9 @@ INT8X2_LOGIT_RTOL = 1e-3
 
 @pytest.mark.parametrize("activations", ["float32", "auto"])
 @pytest.mark.parametrize("mode", ["eager", "graphs"])
-def test_smollm2_logits_match_hf(engine_cache: Callable[..., Engine], smol_hf: tuple[Any, Any], mode: str,
-                                 activations: str) -> None:
+def test_smollm2_logits_match_hf(
+    engine_cache: Callable[..., Engine], smol_hf: tuple[Any, Any], mode: str, activations: str
+) -> None:
     model, tokenizer = smol_hf
     options = graph_options(16) if mode == "graphs" else dict(page_size=16, max_num_seqs=4)
     engine = engine_cache(None, gguf_activations=activations, **options)
@@ -195,7 +221,7 @@ def test_smollm2_logits_match_hf(engine_cache: Callable[..., Engine], smol_hf: t
         next_token = int(hf_last_logits(model, ids).argmax())
         prefill, decode = engine_logits(engine, ids, next_token)
         assert_logits_close(prefill, hf_last_logits(model, ids), f"prefill of {prompt[:20]!r}", rtol)
-        assert_logits_close(decode, hf_last_logits(model, ids + [next_token]), f"decode after {prompt[:20]!r}", rtol)
+        assert_logits_close(decode, hf_last_logits(model, [*ids, next_token]), f"decode after {prompt[:20]!r}", rtol)
     if mode == "graphs":
         assert engine.runner.graph_steps == graph_steps + 2  # the decode logits came from the graph
 
@@ -218,12 +244,14 @@ def test_tiny_logits_match_hf(
         next_token = int(hf_last_logits(model, ids).argmax())
         prefill, decode = engine_logits(engine, ids, next_token)
         assert_logits_close(prefill, hf_last_logits(model, ids), f"{name} prefill of {len(ids)} tokens")
-        assert_logits_close(decode, hf_last_logits(model, ids + [next_token]), f"{name} decode at {len(ids) + 1}")
+        assert_logits_close(decode, hf_last_logits(model, [*ids, next_token]), f"{name} decode at {len(ids) + 1}")
     if mode == "graphs":
         assert engine.runner.graph_steps == graph_steps + len(prompts)
 
 
-def test_tied_and_untied_heads_are_both_covered(tiny_checkpoints: dict[str, str], hf_tiny: Callable[[str], Any]) -> None:
+def test_tied_and_untied_heads_are_both_covered(
+    tiny_checkpoints: dict[str, str], hf_tiny: Callable[[str], Any]
+) -> None:
     """The tiny set has both a tied and an untied LM head, and q/k/v bias where Qwen2 has it."""
     tied = {name: bool(hf_tiny(name).config.tie_word_embeddings) for name in TINY_NAMES}
     assert True in tied.values() and False in tied.values(), tied

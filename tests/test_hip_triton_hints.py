@@ -22,13 +22,32 @@ def test_cuda_and_cpu_builds_get_exactly_what_they_pass() -> None:
 def test_cdna_options_per_kernel_kind() -> None:
     mi300 = dict(rocm=True, arch="gfx942")
     assert triton_launch_options("decode", 4, **mi300) == {
-        "num_warps": 4, "num_stages": 1, "waves_per_eu": 1, "matrix_instr_nonkdim": 16, "kpack": 2}
+        "num_warps": 4,
+        "num_stages": 1,
+        "waves_per_eu": 1,
+        "matrix_instr_nonkdim": 16,
+        "kpack": 2,
+    }
     assert triton_launch_options("decode_combine", 2, **mi300) == {
-        "num_warps": 2, "waves_per_eu": 4, "matrix_instr_nonkdim": 16, "kpack": 2}
+        "num_warps": 2,
+        "waves_per_eu": 4,
+        "matrix_instr_nonkdim": 16,
+        "kpack": 2,
+    }
     assert triton_launch_options("extend", 8, 2, **mi300) == {
-        "num_warps": 4, "num_stages": 1, "waves_per_eu": 1, "matrix_instr_nonkdim": 16, "kpack": 2}
+        "num_warps": 4,
+        "num_stages": 1,
+        "waves_per_eu": 1,
+        "matrix_instr_nonkdim": 16,
+        "kpack": 2,
+    }
     assert triton_launch_options("moe", 4, 3, tile_mn=(64, 64), block_k=64, **mi300) == {
-        "num_warps": 4, "num_stages": 2, "waves_per_eu": 0, "matrix_instr_nonkdim": 16, "kpack": 2}
+        "num_warps": 4,
+        "num_stages": 2,
+        "waves_per_eu": 0,
+        "matrix_instr_nonkdim": 16,
+        "kpack": 2,
+    }
     # Small-M MoE tiles: vLLM's MI300X tables give them no AMD options, only fewer stages.
     assert triton_launch_options("moe", 4, 3, tile_mn=(16, 64), **mi300) == {"num_warps": 4, "num_stages": 2}
 
@@ -53,8 +72,9 @@ def test_switch_and_detection(monkeypatch: pytest.MonkeyPatch) -> None:
     assert triton_launch_options("decode", 4, rocm=True, arch="gfx942") == {"num_warps": 4}
     monkeypatch.delenv("ENGINE_ROCM_TRITON_HINTS")
     monkeypatch.setattr(torch.version, "hip", "6.3.42131", raising=False)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index: types.SimpleNamespace(gcnArchName="gfx942:sramecc+:xnack-"))  # fmt: skip
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(gcnArchName="gfx942:sramecc+:xnack-")
+    )
     assert is_rocm_build() and gcn_arch() == "gfx942"
     assert triton_launch_options("decode", 4)["waves_per_eu"] == 1  # detected: a ROCm build on an MI300
 

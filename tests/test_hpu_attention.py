@@ -7,8 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-
-from tests.helpers import load_tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.hpu.attention import HpuAttentionBackend, HpuFlatMetadata, flat_paged_attention
@@ -23,6 +21,7 @@ from backends.hpu.graph_runner import HpuDecodeRunner, expected_shapes
 from backends.hpu.platform import HpuEngineRunner, HpuPlatform
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import TorchAttentionBackend, paged_decode_attention
+from tests.helpers import load_tiny_llama
 
 HEADS, KV_HEADS, DIM = 4, 2, 16  # GQA: two query heads per kv head
 SCALE = DIM**-0.5
@@ -110,7 +109,7 @@ def test_eager_step_builds_the_layout_once(monkeypatch: pytest.MonkeyPatch) -> N
     calls: list[int] = []
     build = HpuFlatMetadata.from_page_table.__func__  # type: ignore[attr-defined]
 
-    def counting(cls, *args: Any) -> HpuFlatMetadata:  # noqa: ANN001
+    def counting(cls, *args: Any) -> HpuFlatMetadata:
         calls.append(1)
         return build(cls, *args)
 
@@ -133,8 +132,18 @@ def test_softmax_is_stable_across_blocks_with_far_apart_scores() -> None:
     q = torch.randn(2, HEADS, DIM)
     flat = HpuFlatMetadata.from_page_table(table, lens, page_size, torch.float32)
     out = flat_paged_attention(q, k_cache, k_cache.clone(), flat, page_size, SCALE)
-    ref = paged_decode_attention(q, q[:, :KV_HEADS], q[:, :KV_HEADS], k_cache.clone(), k_cache.clone(),
-                                 torch.zeros(2, dtype=torch.int64), table, lens, page_size, SCALE)  # fmt: skip
+    ref = paged_decode_attention(
+        q,
+        q[:, :KV_HEADS],
+        q[:, :KV_HEADS],
+        k_cache.clone(),
+        k_cache.clone(),
+        torch.zeros(2, dtype=torch.int64),
+        table,
+        lens,
+        page_size,
+        SCALE,
+    )
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
 
@@ -160,7 +169,7 @@ class ShapeTrace(TorchDispatchMode):
         super().__init__()
         self.ops: list[tuple[str, tuple]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         flat = torch.utils._pytree.tree_leaves((args, kwargs, out))
         self.ops.append((str(func), tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))))
@@ -174,7 +183,7 @@ def test_every_shape_is_a_bucket_shape() -> None:
     k_cache, v_cache = zero_caches(num_pages * page_size)
     backend = HpuAttentionBackend()
 
-    def step(input_ids, positions, slot_indices, page_table, seq_lens, **block):  # noqa: ANN001, ANN003, ANN202
+    def step(input_ids, positions, slot_indices, page_table, seq_lens, **block):
         shapes = {name: tuple(t.shape) for name, t in dict(block, page_table=page_table, seq_lens=seq_lens).items()}
         bs = input_ids.shape[0]
         flat = HpuFlatMetadata.from_block_metadata(page_size=page_size, batch_size=bs, **block)
@@ -186,8 +195,16 @@ def test_every_shape_is_a_bucket_shape() -> None:
         seen.append(((bs, block["block_list"].shape[0]), dict(shapes, trace=tuple(trace.ops))))
         return out.reshape(bs, -1)
 
-    runner = HpuDecodeRunner(step, buckets=buckets, page_size=page_size, max_blocks_per_seq=max_blocks, device="cpu",
-                             mode="eager", with_block_metadata=True, show_progress=False)  # fmt: skip
+    runner = HpuDecodeRunner(
+        step,
+        buckets=buckets,
+        page_size=page_size,
+        max_blocks_per_seq=max_blocks,
+        device="cpu",
+        mode="eager",
+        with_block_metadata=True,
+        show_progress=False,
+    )
     runner.warmup()
     rng = random.Random(5)
     for _ in range(12):
@@ -217,16 +234,25 @@ def test_compiled_runner_never_recompiles_after_warmup() -> None:
     k_cache, v_cache = zero_caches(num_pages * page_size)
     backend = HpuAttentionBackend()
 
-    def step(input_ids, positions, slot_indices, page_table, seq_lens, **block):  # noqa: ANN001, ANN003, ANN202
+    def step(input_ids, positions, slot_indices, page_table, seq_lens, **block):
         flat = HpuFlatMetadata.from_block_metadata(page_size=page_size, batch_size=input_ids.shape[0], **block)
         q = positions.float().view(-1, 1, 1).expand(-1, HEADS, DIM) * 0.01
         kv = input_ids.float().view(-1, 1, 1).expand(-1, KV_HEADS, DIM).contiguous()
         meta = decode_meta(page_table, seq_lens, slot_indices, page_size, flat)
         return backend.forward(q, kv, kv, k_cache, v_cache, meta, SCALE).sum(-1)
 
-    runner = HpuDecodeRunner(step, buckets=[(2, 4), (2, 8)], page_size=page_size, max_blocks_per_seq=max_blocks,
-                             device="cpu", mode="compile", compile_backend="eager", strict=True,
-                             with_block_metadata=True, show_progress=False)  # fmt: skip
+    runner = HpuDecodeRunner(
+        step,
+        buckets=[(2, 4), (2, 8)],
+        page_size=page_size,
+        max_blocks_per_seq=max_blocks,
+        device="cpu",
+        mode="compile",
+        compile_backend="eager",
+        strict=True,
+        with_block_metadata=True,
+        show_progress=False,
+    )
     runner.warmup()
     rng = random.Random(1)
     for _ in range(6):
@@ -259,24 +285,38 @@ def test_hpu_engine_runner_matches_torch_backend(tiny_llama: tuple[Any, Any], mo
     page_size, num_pages, max_pages = 8, 48, 8
     for part, value in (("MIN", "4"), ("STEP", "8"), ("MAX", "12")):  # small block buckets: 4, 8, 12
         monkeypatch.setenv(f"ENGINE_DECODE_BLOCK_BUCKET_{part}", value)
-    pool = KVPool(mc.num_hidden_layers, num_pages, page_size, mc.num_key_value_heads, mc.head_dim, torch.float32,
-                  torch.device("cpu"))  # fmt: skip
+    pool = KVPool(
+        mc.num_hidden_layers,
+        num_pages,
+        page_size,
+        mc.num_key_value_heads,
+        mc.head_dim,
+        torch.float32,
+        torch.device("cpu"),
+    )
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 16, 23)]  # 16: an exact page multiple
-    table, lens, _ = scattered_batch(rng, [len(p) + 3 for p in prompts], page_size, num_pages)  # room for 3 steps
+    table, _lens, _ = scattered_batch(rng, [len(p) + 3 for p in prompts], page_size, num_pages)  # room for 3 steps
 
     # Prefill through the HPU backend's extend path must equal the torch backend's.
     tokens = torch.tensor([t for p in prompts for t in p])
     positions = torch.tensor([i for p in prompts for i in range(len(p))])
-    slots = torch.cat([slots_of(table[r].expand(len(p), -1), torch.arange(len(p)), page_size)
-                       for r, p in enumerate(prompts)])  # fmt: skip
+    slots = torch.cat(
+        [slots_of(table[r].expand(len(p), -1), torch.arange(len(p)), page_size) for r, p in enumerate(prompts)]
+    )
     starts = [0]
     for p in prompts:
         starts.append(starts[-1] + len(p))
     prompt_lens = [len(p) for p in prompts]
-    extend = AttentionMetadata(is_decode=False, slot_indices=slots, page_table=table,
-                               seq_lens=torch.tensor(prompt_lens, dtype=torch.int32), page_size=page_size,
-                               query_start_loc=starts, seq_lens_cpu=prompt_lens)  # fmt: skip
+    extend = AttentionMetadata(
+        is_decode=False,
+        slot_indices=slots,
+        page_table=table,
+        seq_lens=torch.tensor(prompt_lens, dtype=torch.int32),
+        page_size=page_size,
+        query_start_loc=starts,
+        seq_lens_cpu=prompt_lens,
+    )
     ref_caches = [(k.clone(), v.clone()) for k, v in pool.caches]
     with torch.no_grad():
         set_backend(model, TorchAttentionBackend())
@@ -285,15 +325,16 @@ def test_hpu_engine_runner_matches_torch_backend(tiny_llama: tuple[Any, Any], mo
         hidden = model(tokens, positions, pool.caches, extend)
     torch.testing.assert_close(hidden, ref_hidden, atol=1e-5, rtol=1e-5)
 
-    runner = HpuEngineRunner(model, pool.caches, [2, 4], max_pages, page_size, torch.device("cpu"),
-                             mode="eager", show_progress=False)  # fmt: skip
+    runner = HpuEngineRunner(
+        model, pool.caches, [2, 4], max_pages, page_size, torch.device("cpu"), mode="eager", show_progress=False
+    )
     runner.capture()  # warm-up: every bucket, reading and writing only page 0
     assert runner.inner.with_block_metadata and {b for _, b in runner.inner.buckets} >= {4, 8}
     seen: list[tuple[int, int]] = []
     backend = HpuPlatform().attention_backend()
 
     class Recording:
-        def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: ANN001, ANN201
+        def forward(self, q, k, v, k_cache, v_cache, meta, scale):
             seen.append((q.shape[0], meta.platform_metadata.block_list.shape[0]))
             return backend.forward(q, k, v, k_cache, v_cache, meta, scale)
 
@@ -302,6 +343,7 @@ def test_hpu_engine_runner_matches_torch_backend(tiny_llama: tuple[Any, Any], mo
     # Batches of 3 (pads to 4) and 2, rows out of order; the last one as if it fit no bucket (eager fallback).
     for rows in ([0, 1, 2], [2, 0], [1, 2, 0], [0, 2]):
         if rows == [0, 2]:
+
             def overflow(*args: Any) -> torch.Tensor:
                 raise BucketOverflowError("test: pretend no bucket fits")
 

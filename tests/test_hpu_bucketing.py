@@ -67,12 +67,25 @@ def test_bucket_range_rejects_nonsense(bad: tuple[int, int, int]) -> None:
 
 def test_decode_buckets_keep_only_valid_pairs() -> None:
     assert decode_buckets([1, 2, 4], [2, 4, 8, 16], max_blocks_per_seq=4) == [
-        (1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16),
-    ]  # fmt: skip
+        (1, 2),
+        (1, 4),
+        (2, 2),
+        (2, 4),
+        (2, 8),
+        (4, 4),
+        (4, 8),
+        (4, 16),
+    ]
     # A memory cap adds (bs, cap) so the largest batches of each size still have a bucket.
     assert decode_buckets([1, 2, 4], [2, 4, 8, 16], 4, max_blocks_total=6) == [
-        (1, 2), (1, 4), (2, 2), (2, 4), (2, 6), (4, 4), (4, 6),
-    ]  # fmt: skip
+        (1, 2),
+        (1, 4),
+        (2, 2),
+        (2, 4),
+        (2, 6),
+        (4, 4),
+        (4, 6),
+    ]
     # Block buckets starting above bs * max_blocks_per_seq: the cap is the only bucket.
     assert decode_buckets([1], [128, 256], max_blocks_per_seq=32) == [(1, 32)]
     assert prompt_buckets([1, 2], [128, 256], max_num_batched_tokens=256) == [(1, 128), (1, 256), (2, 128)]
@@ -179,16 +192,28 @@ def test_warmup_batches_land_exactly_on_their_bucket() -> None:
 
 def test_config_and_env_overrides() -> None:
     config = yaml.safe_load(open(os.path.join(CONFIG_DIR, "hpu.yaml"), encoding="utf-8"))
-    for key in ("page_size", "dtype", "capture_sizes", "max_capture_size", "max_num_seqs", "max_model_len",
-                "kv_cache_memory_fraction"):  # fmt: skip
+    for key in (
+        "page_size",
+        "dtype",
+        "capture_sizes",
+        "max_capture_size",
+        "max_num_seqs",
+        "max_model_len",
+        "kv_cache_memory_fraction",
+    ):
         assert key in config
     assert config["page_size"] == 128 and config["dtype"] == "bfloat16"
     plain = resolve_bucket_config(config, env={})
     assert config["capture_sizes"] == linear_buckets(BucketRange(**config["hpu"]["decode_bs_bucket"]))
     assert plain.decode_bs == config["capture_sizes"] and plain.max_blocks_per_seq == 4096 // 128
     assert plain.decode_block == linear_buckets(BucketRange(128, 128, 2560))
-    env = {"ENGINE_DECODE_BS_BUCKET_MIN": "2", "ENGINE_DECODE_BS_BUCKET_STEP": "8", "ENGINE_DECODE_BS_BUCKET_MAX": "32",
-           "ENGINE_DECODE_BLOCK_BUCKET_MAX": "512", "ENGINE_PROMPT_SEQ_BUCKET_STEP": "1024"}  # fmt: skip
+    env = {
+        "ENGINE_DECODE_BS_BUCKET_MIN": "2",
+        "ENGINE_DECODE_BS_BUCKET_STEP": "8",
+        "ENGINE_DECODE_BS_BUCKET_MAX": "32",
+        "ENGINE_DECODE_BLOCK_BUCKET_MAX": "512",
+        "ENGINE_PROMPT_SEQ_BUCKET_STEP": "1024",
+    }
     over = resolve_bucket_config(config, env=env)
     assert over.decode_bs == [2, 4, 8, 16, 24, 32] and over.decode_block == [128, 256, 384, 512]
     assert over.prompt_seq == [128, 256, 512, 1024, 2048, 3072, 4096]
@@ -197,7 +222,7 @@ def test_config_and_env_overrides() -> None:
 
 
 def _step_with_scale(state: dict[str, int]) -> Any:
-    def step(input_ids, positions, slot_indices, page_table, seq_lens):  # noqa: ANN001, ANN202
+    def step(input_ids, positions, slot_indices, page_table, seq_lens):
         row = input_ids * 1000 + seq_lens.to(torch.int64) + page_table.to(torch.int64).sum(1) + slot_indices
         return (row * state["scale"]).to(torch.float32).unsqueeze(1).repeat(1, 3)
 
@@ -212,9 +237,15 @@ def test_runner_on_cpu_pads_slices_and_is_strict() -> None:
     buckets = decode_buckets([1, 2, 4], [2, 4, 8, 16], max_pages)
     dynamo_config_before = torch._dynamo.config.get_config_copy()
     runner = HpuDecodeRunner(
-        step, buckets=buckets, page_size=page_size, max_blocks_per_seq=max_pages,
-        device="cpu", mode="compile", compile_backend="eager", show_progress=False,
-    )  # fmt: skip
+        step,
+        buckets=buckets,
+        page_size=page_size,
+        max_blocks_per_seq=max_pages,
+        device="cpu",
+        mode="compile",
+        compile_backend="eager",
+        show_progress=False,
+    )
     runner.warmup()
     shapes = {runner.shape_key(b) for b in buckets}  # (2, 4) and (2, 8) share page-table width 4
     assert len(shapes) == 5 and runner.warmed == set(buckets)
@@ -289,9 +320,16 @@ def test_import_does_not_load_habana() -> None:
     try:
         for name in saved:
             del sys.modules[name]
-        for name in ("backends.hpu", "backends.hpu.platform", "backends.hpu.bucketing", "backends.hpu.graph_runner",
-                     "backends.hpu.attention", "backends.hpu.prompt_attention", "backends.hpu.prefill",
-                     "backends.hpu.prefill_runner"):  # fmt: skip
+        for name in (
+            "backends.hpu",
+            "backends.hpu.platform",
+            "backends.hpu.bucketing",
+            "backends.hpu.graph_runner",
+            "backends.hpu.attention",
+            "backends.hpu.prompt_attention",
+            "backends.hpu.prefill",
+            "backends.hpu.prefill_runner",
+        ):
             importlib.import_module(name)
     finally:
         sys.meta_path.remove(spy)
@@ -302,7 +340,7 @@ def test_import_does_not_load_habana() -> None:
 class FakeModel:
     """The engine model's calling contract: model(ids, pos, kv_caches, meta) -> hidden; compute_logits(hidden)."""
 
-    def __call__(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN204
+    def __call__(self, input_ids, positions, kv_caches, meta):
         k_cache, _ = kv_caches[0]
         k_cache.index_copy_(0, meta.slot_indices.long(), input_ids.float().view(-1, 1, 1).expand(-1, 1, 2))
         used = torch.arange(meta.page_table.shape[1])[None, :] < ((meta.seq_lens.long() + 3) // 4)[:, None]
@@ -329,8 +367,13 @@ def test_engine_adapter_pads_to_slot_zero(monkeypatch: pytest.MonkeyPatch) -> No
     raw = _random_batch(rng, 3, page_size, max_pages, width=max_pages)
     raw["page_table"] = raw["page_table"] % 39 + 1  # pages inside the pool
     raw["slot_indices"] = torch.tensor([12, 57, 130])
-    meta = AttentionMetadata(is_decode=True, slot_indices=raw["slot_indices"], page_table=raw["page_table"],
-                             seq_lens=raw["seq_lens"], page_size=page_size)  # fmt: skip
+    meta = AttentionMetadata(
+        is_decode=True,
+        slot_indices=raw["slot_indices"],
+        page_table=raw["page_table"],
+        seq_lens=raw["seq_lens"],
+        page_size=page_size,
+    )
     logits = runner.run(raw["input_ids"], raw["positions"], meta)
     expected = model.compute_logits(model(raw["input_ids"], raw["positions"], [(kv[0][0].clone(), None)], meta))
     assert torch.equal(logits, expected)
@@ -341,21 +384,39 @@ def test_engine_adapter_pads_to_slot_zero(monkeypatch: pytest.MonkeyPatch) -> No
 def test_runner_passes_block_metadata_with_bucket_length() -> None:
     seen: list[dict[str, tuple[int, ...]]] = []
 
-    def step(input_ids, positions, slot_indices, page_table, seq_lens, **blocks):  # noqa: ANN001, ANN003, ANN202
+    def step(input_ids, positions, slot_indices, page_table, seq_lens, **blocks):
         seen.append({name: tuple(t.shape) for name, t in blocks.items()})
         return input_ids.float().unsqueeze(1)
 
     buckets = decode_buckets([1, 2], [2, 4, 8], max_blocks_per_seq=4)
-    runner = HpuDecodeRunner(step, buckets=buckets, page_size=4, max_blocks_per_seq=4, device="cpu", mode="eager",
-                             with_block_metadata=True, show_progress=False)  # fmt: skip
+    runner = HpuDecodeRunner(
+        step,
+        buckets=buckets,
+        page_size=4,
+        max_blocks_per_seq=4,
+        device="cpu",
+        mode="eager",
+        with_block_metadata=True,
+        show_progress=False,
+    )
     runner.warmup()
     assert len(seen) == 2 * len(buckets)  # blocks is a shape dimension now: every bucket warms up
-    out = runner.run(torch.tensor([9]), torch.tensor([5]), torch.tensor([22]), torch.tensor([[5, 3]]), torch.tensor([6]))
+    out = runner.run(
+        torch.tensor([9]), torch.tensor([5]), torch.tensor([22]), torch.tensor([[5, 3]]), torch.tensor([6])
+    )
     assert out.tolist() == [[9.0]]
     assert seen[-1] == {"block_list": (2,), "block_groups": (2,), "block_usage": (2,)}  # no [blocks, bs] matrix
     with pytest.raises(ValueError, match="columns"):
-        pad_decode_batch(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.tensor([[5]]), torch.tensor([6]),
-                         (1, 2), page_size=4, max_blocks_per_seq=4)  # fmt: skip
+        pad_decode_batch(
+            torch.zeros(1),
+            torch.zeros(1),
+            torch.zeros(1),
+            torch.tensor([[5]]),
+            torch.tensor([6]),
+            (1, 2),
+            page_size=4,
+            max_blocks_per_seq=4,
+        )
 
 
 def test_prompt_buckets_with_context_pages() -> None:
@@ -378,8 +439,12 @@ def test_context_bucket_config_and_env() -> None:
     triples = plain.prompt_ctx_triples(config["max_model_len"] - 1)
     assert len(triples) == config["hpu"]["max_prompt_ctx_buckets"] and all(c >= 1 for _, _, c in triples)
     assert all(bs * (seq + ctx * 128) <= config["hpu"]["max_num_batched_tokens"] for bs, seq, ctx in triples)
-    env = {"ENGINE_PROMPT_CTX_BUCKET_MIN": "2", "ENGINE_PROMPT_CTX_BUCKET_STEP": "2", "ENGINE_PROMPT_CTX_BUCKET_MAX": "6",
-           "ENGINE_HPU_MAX_PROMPT_CTX_BUCKETS": "5"}  # fmt: skip
+    env = {
+        "ENGINE_PROMPT_CTX_BUCKET_MIN": "2",
+        "ENGINE_PROMPT_CTX_BUCKET_STEP": "2",
+        "ENGINE_PROMPT_CTX_BUCKET_MAX": "6",
+        "ENGINE_HPU_MAX_PROMPT_CTX_BUCKETS": "5",
+    }
     over = resolve_bucket_config(config, env=env)
     assert over.prompt_ctx == [2, 4, 6] and len(over.prompt_ctx_triples()) == 5
     assert resolve_bucket_config(config, env={"ENGINE_PROMPT_CTX_BUCKET_MAX": "0"}).prompt_ctx_triples() == []

@@ -10,11 +10,15 @@ from typing import Any
 
 import pytest
 import torch
+from fake_fused_sdpa import install_fake_fused_sdpa
+from helpers import load_tiny_llama, run_staggered
+from test_hpu_attention import ShapeTrace
 
+import backends.hpu.prompt_attention as prompt_attention_module
 from backends.cpu.platform import CpuPlatform
 from backends.hpu.bucketing import PAD_SLOT, BucketOverflowError, HpuBucketConfig, choose_prompt_bucket
-import backends.hpu.prompt_attention as prompt_attention_module
 from backends.hpu.fused_sdpa import fused_prompt_attention, load_fused_sdpa
+from backends.hpu.platform import HpuEngineRunner, HpuPlatform
 from backends.hpu.prefill import (
     REASON_PREFIX_OFF,
     REASON_PREFIX_TOO_LONG,
@@ -23,7 +27,6 @@ from backends.hpu.prefill import (
     prompt_rows,
     unbucketable_reason,
 )
-from backends.hpu.platform import HpuEngineRunner, HpuPlatform
 from backends.hpu.prefill_runner import HpuPrefillRunner
 from backends.hpu.prompt_attention import HpuPromptMetadata, padded_prompt_attention
 from engine.engine import Engine
@@ -34,26 +37,30 @@ from engine.layers.torch_attention import extend_attention
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.step_message import ExtendMessage, extend_message
-from fake_fused_sdpa import install_fake_fused_sdpa
 from graphs.compiled_step import compile_count
-from helpers import load_tiny_llama, run_staggered
-from test_hpu_attention import ShapeTrace
 
 PAGE = 8
 BUCKETS = [(1, 16), (1, 32), (2, 16), (2, 32)]
 
 
-def hpu_engine_on_cpu(monkeypatch: pytest.MonkeyPatch, options: dict[str, Any],
-                      ranges: dict[str, tuple[int, int, int]]) -> Engine:
+def hpu_engine_on_cpu(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], ranges: dict[str, tuple[int, int, int]]
+) -> Engine:
     """An engine on the CPU built the way a Gaudi engine is (HPU decode and prefill runners in eager mode, the
     HPU attention backend), with bucket ranges ENGINE_<NAME>_BUCKET_{MIN,STEP,MAX} = ranges[NAME]."""
     for name, (low, step, high) in ranges.items():
         for part, value in zip(("MIN", "STEP", "MAX"), (low, step, high)):
             monkeypatch.setenv(f"ENGINE_{name}_BUCKET_{part}", str(value))
-    monkeypatch.setattr(CpuPlatform, "graph_runner_class",
-                        lambda self: lambda *a, strict=None, **k: HpuEngineRunner(*a, mode="eager", show_progress=False, **k))
-    monkeypatch.setattr(CpuPlatform, "prefill_runner_class",
-                        lambda self: lambda *a: HpuPrefillRunner.from_engine(*a, mode="eager", show_progress=False))
+    monkeypatch.setattr(
+        CpuPlatform,
+        "graph_runner_class",
+        lambda self: lambda *a, strict=None, **k: HpuEngineRunner(*a, mode="eager", show_progress=False, **k),
+    )
+    monkeypatch.setattr(
+        CpuPlatform,
+        "prefill_runner_class",
+        lambda self: lambda *a: HpuPrefillRunner.from_engine(*a, mode="eager", show_progress=False),
+    )
     monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self: HpuPlatform().attention_backend())
     return Engine(capture_sizes="1,2,4", **options)
 
@@ -90,9 +97,9 @@ def test_choose_prompt_bucket_fits_every_dimension() -> None:
 
 
 def test_group_prompts_merges_in_order_while_a_bucket_fits() -> None:
-    assert group_prompts([5, 13, 30, 3], BUCKETS) == [(range(0, 2), (2, 16)), (range(2, 4), (2, 32))]
-    assert group_prompts([20, 3, 3], BUCKETS) == [(range(0, 2), (2, 32)), (range(2, 3), (1, 16))]
-    assert group_prompts([16], BUCKETS) == [(range(0, 1), (1, 16))]
+    assert group_prompts([5, 13, 30, 3], BUCKETS) == [(range(2), (2, 16)), (range(2, 4), (2, 32))]
+    assert group_prompts([20, 3, 3], BUCKETS) == [(range(2), (2, 32)), (range(2, 3), (1, 16))]
+    assert group_prompts([16], BUCKETS) == [(range(1), (1, 16))]
     with pytest.raises(BucketOverflowError):
         group_prompts([3, 33], BUCKETS)
 
@@ -155,7 +162,7 @@ def test_padded_prompt_attention_equals_ragged_extend_attention() -> None:
     lengths = [7, 12, 1]  # a full row, a short one, a one-token one
     q = torch.randn(rows * seq, heads, dim)
     k, v = torch.randn(rows * seq, kv_heads, dim), torch.randn(rows * seq, kv_heads, dim)
-    meta = HpuPromptMetadata.from_lengths(torch.tensor(lengths + [0]), seq, torch.float32)  # and a padded row
+    meta = HpuPromptMetadata.from_lengths(torch.tensor([*lengths, 0]), seq, torch.float32)  # and a padded row
     assert meta.attn_bias.shape == (4, 1, seq, seq)
     pad = torch.zeros(seq, heads, dim), torch.zeros(seq, kv_heads, dim)
     q, k, v = torch.cat([q, pad[0]]), torch.cat([k, pad[1]]), torch.cat([v, pad[1]])
@@ -168,9 +175,15 @@ def test_padded_prompt_attention_equals_ragged_extend_attention() -> None:
         tokens = torch.arange(r * seq, r * seq + n)
         slots = tokens + 1  # slot 0 stays unused
         k_cache[slots], v_cache[slots] = k[tokens], v[tokens]
-        one = AttentionMetadata(is_decode=False, slot_indices=slots, page_table=slots.view(1, -1).to(torch.int32),
-                                seq_lens=torch.tensor([n], dtype=torch.int32), page_size=1, query_start_loc=[0, n],
-                                seq_lens_cpu=[n])  # fmt: skip
+        one = AttentionMetadata(
+            is_decode=False,
+            slot_indices=slots,
+            page_table=slots.view(1, -1).to(torch.int32),
+            seq_lens=torch.tensor([n], dtype=torch.int32),
+            page_size=1,
+            query_start_loc=[0, n],
+            seq_lens_cpu=[n],
+        )
         ref.append(extend_attention(q[tokens], k_cache, v_cache, one, dim**-0.5))
     real = torch.cat([torch.arange(r * seq, r * seq + n) for r, n in enumerate(lengths)])
     torch.testing.assert_close(out[real], torch.cat(ref), atol=1e-5, rtol=1e-5)
@@ -193,8 +206,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, str]:
 
 def _random_pool(config: Any, pages: int = 64) -> KVPool:
     """A KV pool full of random values, so that a write anywhere shows."""
-    pool = KVPool(config.num_hidden_layers, pages, PAGE, config.num_key_value_heads, config.head_dim, torch.float32,
-                  torch.device("cpu"))  # fmt: skip
+    pool = KVPool(
+        config.num_hidden_layers,
+        pages,
+        PAGE,
+        config.num_key_value_heads,
+        config.head_dim,
+        torch.float32,
+        torch.device("cpu"),
+    )
     torch.manual_seed(11)
     for k, v in pool.caches:
         k.normal_()
@@ -265,8 +285,9 @@ def test_compiled_prefill_never_recompiles_after_warmup(tiny: tuple[Any, Any, st
     buckets = [(1, 16), (2, 16)]
     pool = _random_pool(config)
     eager = HpuPrefillRunner(model, pool.caches, PAGE, "cpu", buckets=buckets, mode="eager", show_progress=False)
-    compiled = HpuPrefillRunner(model, pool.caches, PAGE, "cpu", buckets=buckets, mode="compile",
-                                compile_backend="eager", show_progress=False)  # fmt: skip
+    compiled = HpuPrefillRunner(
+        model, pool.caches, PAGE, "cpu", buckets=buckets, mode="compile", compile_backend="eager", show_progress=False
+    )
     start = compile_count()
     compiled.capture()
     assert compile_count() - start >= len(buckets)  # one entry per bucket at least
@@ -288,16 +309,34 @@ def test_engine_with_hpu_prompt_buckets_gives_the_same_tokens(
     prompts = [[5, 9, 14], list(range(40, 52)), list(range(3, 40)), [7] * 19, [11, 12, 13, 14, 15, 16]]
     arrivals = [0, 0, 2, 2, 5]  # 3 + 12 tokens share a (2, 16) batch; 37 is past every bucket; 6 arrives alone
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    options = dict(model=folder, device="cpu", dtype="float32", page_size=PAGE, max_num_seqs=4, kv_cache_tokens=1024,
-                   max_model_len=128, enable_prefix_caching=False, debug_kv_invariant=True, max_extend_step_ms=0)
+    options = dict(
+        model=folder,
+        device="cpu",
+        dtype="float32",
+        page_size=PAGE,
+        max_num_seqs=4,
+        kv_cache_tokens=1024,
+        max_model_len=128,
+        enable_prefix_caching=False,
+        debug_kv_invariant=True,
+        max_extend_step_ms=0,
+    )
     want = run_staggered(Engine(disable_graphs=True, **options), prompts, params, arrivals).token_ids
 
     assert HpuPlatform().prefill_runner_class() == HpuPrefillRunner.from_engine  # what a Gaudi engine gets
     caplog.set_level(logging.WARNING, logger="backends.hpu.prefill_runner")
-    engine = hpu_engine_on_cpu(monkeypatch, options, {"PROMPT_BS": (1, 1, 2), "PROMPT_SEQ": (8, 16, 32),
-                                                      "DECODE_BLOCK": (4, 4, 32)})
+    engine = hpu_engine_on_cpu(
+        monkeypatch, options, {"PROMPT_BS": (1, 1, 2), "PROMPT_SEQ": (8, 16, 32), "DECODE_BLOCK": (4, 4, 32)}
+    )
     runner = engine.runner.prefill_runner
-    assert isinstance(runner, HpuPrefillRunner) and runner.buckets == [(1, 8), (1, 16), (1, 32), (2, 8), (2, 16), (2, 32)]
+    assert isinstance(runner, HpuPrefillRunner) and runner.buckets == [
+        (1, 8),
+        (1, 16),
+        (1, 32),
+        (2, 8),
+        (2, 16),
+        (2, 32),
+    ]
     used = record_buckets(monkeypatch)
     eager_before = engine.runner.eager_steps
     got = run_staggered(engine, prompts, params, arrivals)
@@ -335,25 +374,28 @@ def test_prefix_steps_are_bucketed_when_a_bucket_holds_them() -> None:
     # 5 pages of prefix, or 33 new tokens after one: past every bucket, with the same fixed text.
     assert unbucketable_reason(_message([40], cached=[33])[0], BUCKETS, CTX_BUCKETS, PAGE) == REASON_PREFIX_TOO_LONG
     assert unbucketable_reason(_message([41], cached=[8])[0], BUCKETS, CTX_BUCKETS, PAGE) == REASON_PREFIX_TOO_LONG
-    assert "longer than the largest" in str(unbucketable_reason(_message([33, 9], cached=[0, 8])[0], BUCKETS,
-                                                                CTX_BUCKETS, PAGE))  # fmt: skip
+    assert "longer than the largest" in str(
+        unbucketable_reason(_message([33, 9], cached=[0, 8])[0], BUCKETS, CTX_BUCKETS, PAGE)
+    )
     # Grouping: prompts without a prefix keep 2-D buckets; a batch with one takes a 3-D bucket.
     # The third prompt alone: 3 prefix pages, and (1, 32, 4) pads fewer tokens (64) than (2, 16, 4) (96).
-    assert group_prompts([5, 4, 6], BUCKETS, [0, 1, 3], CTX_BUCKETS, PAGE) == [(range(0, 2), (2, 16, 4)),
-                                                                               (range(2, 3), (1, 32, 4))]
-    assert group_prompts([5, 9], BUCKETS, [0, 0], CTX_BUCKETS, PAGE) == [(range(0, 2), (2, 16))]
+    assert group_prompts([5, 4, 6], BUCKETS, [0, 1, 3], CTX_BUCKETS, PAGE) == [
+        (range(2), (2, 16, 4)),
+        (range(2, 3), (1, 32, 4)),
+    ]
+    assert group_prompts([5, 9], BUCKETS, [0, 0], CTX_BUCKETS, PAGE) == [(range(2), (2, 16))]
 
 
 def test_pad_prompt_batch_with_a_prefix_pads_pages_with_the_dummy_page() -> None:
-    message, requests = _message([12, 30], cached=[8, 19])
+    message, _requests = _message([12, 30], cached=[8, 19])
     rows = prompt_rows(message)
     assert [(r.prefix_len, r.ctx_pages(PAGE)) for r in rows] == [(8, 1), (19, 3)]
     batch = pad_prompt_batch(rows, (3, 16, 4), page_size=PAGE)
     assert batch.bucket == (3, 16, 4) and batch.seq_lens.tolist() == [4, 11, 0]
     assert batch.ctx_lens is not None and batch.ctx_lens.tolist() == [8, 19, 0] and batch.ctx_lens.dtype == torch.int32
     assert batch.ctx_pages is not None and batch.ctx_pages.shape == (3, 4)
-    assert batch.ctx_pages[0].tolist() == message.page_rows[0][:1] + [0, 0, 0]
-    assert batch.ctx_pages[1].tolist() == message.page_rows[1][:3] + [0]
+    assert batch.ctx_pages[0].tolist() == [*message.page_rows[0][:1], 0, 0, 0]
+    assert batch.ctx_pages[1].tolist() == [*message.page_rows[1][:3], 0]
     assert not batch.ctx_pages[2].any() and len(batch.step_inputs()) == 7
     assert batch.positions.view(3, 16)[1, :11].tolist() == list(range(19, 30))
     with pytest.raises(BucketOverflowError):
@@ -362,9 +404,7 @@ def test_pad_prompt_batch_with_a_prefix_pads_pages_with_the_dummy_page() -> None
         pad_prompt_batch(rows, (2, 16))
 
 
-def _prefix_attention_case(
-    cases: list[tuple[int, int]], seq: int, ctx: int, seed: int = 5
-) -> tuple[torch.Tensor, ...]:
+def _prefix_attention_case(cases: list[tuple[int, int]], seq: int, ctx: int, seed: int = 5) -> tuple[torch.Tensor, ...]:
     """Random q/k/v for rows of (new tokens, prefix tokens) plus one padded row, caches holding random prefixes
     and this step's k/v (as store_kv leaves them); returns (q, k, v, k_cache, v_cache, seq_lens, ctx_lens,
     ctx_pages, reference output of the real tokens, their flat indices)."""
@@ -391,9 +431,15 @@ def _prefix_attention_case(
     k_cache[slots], v_cache[slots] = k, v  # the store before attention (padded tokens: the dummy slot)
     for r, (n, prefix) in enumerate(cases):
         total = n + prefix
-        one = AttentionMetadata(is_decode=False, slot_indices=slots[real[r]], page_table=tables[r],
-                                seq_lens=torch.tensor([total], dtype=torch.int32), page_size=PAGE,
-                                query_start_loc=[0, n], seq_lens_cpu=[total])  # fmt: skip
+        one = AttentionMetadata(
+            is_decode=False,
+            slot_indices=slots[real[r]],
+            page_table=tables[r],
+            seq_lens=torch.tensor([total], dtype=torch.int32),
+            page_size=PAGE,
+            query_start_loc=[0, n],
+            seq_lens_cpu=[total],
+        )
         refs.append(extend_attention(q[real[r]], k_cache, v_cache, one, dim**-0.5))
     return q, k, v, k_cache, v_cache, seq_lens, ctx_lens, ctx_pages, torch.cat(refs), torch.cat(real)
 
@@ -414,16 +460,18 @@ def test_padded_prompt_attention_with_a_prefix_equals_ragged_extend_attention() 
         bad = padded_prompt_attention(q, k, v, broken, 16**-0.5, k_cache=k_cache, v_cache=v_cache)
         assert not torch.allclose(bad[real], ref, atol=1e-3)
     # bf16 with the softmax in fp32 stays close to the fp32 result.
-    bf16 = padded_prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), meta, 16**-0.5, True,
-                                   k_cache.bfloat16(), v_cache.bfloat16())  # fmt: skip
+    bf16 = padded_prompt_attention(
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), meta, 16**-0.5, True, k_cache.bfloat16(), v_cache.bfloat16()
+    )
     torch.testing.assert_close(bf16.float(), out, atol=3e-2, rtol=3e-2)
 
 
 def test_prefix_prefill_equals_unpadded(tiny: tuple[Any, Any, str], monkeypatch: pytest.MonkeyPatch) -> None:
     model, config, _ = tiny
     pool = _random_pool(config)
-    runner = HpuPrefillRunner(model, pool.caches, PAGE, "cpu", buckets=BUCKETS, ctx_buckets=CTX_BUCKETS, mode="eager",
-                              show_progress=False)  # fmt: skip
+    runner = HpuPrefillRunner(
+        model, pool.caches, PAGE, "cpu", buckets=BUCKETS, ctx_buckets=CTX_BUCKETS, mode="eager", show_progress=False
+    )
     before = [(k.clone(), v.clone()) for k, v in pool.caches]
     runner.capture()  # every bucket once, the 3-D ones too, writing the dummy slot only
     for (k, v), (k0, v0) in zip(pool.caches, before):
@@ -472,7 +520,7 @@ def test_prefix_prefill_equals_unpadded(tiny: tuple[Any, Any, str], monkeypatch:
     # A wrong prefix mask (every gathered key visible) changes the logits of a prefix that ends mid-page.
     original = prompt_attention_module.prompt_bias
 
-    def all_prefix_visible(seq_lens, seq, dtype, ctx_lens=None, ctx_pages=None, page_size=0):  # noqa: ANN001, ANN202
+    def all_prefix_visible(seq_lens, seq, dtype, ctx_lens=None, ctx_pages=None, page_size=0):
         if ctx_pages is not None:
             ctx_lens = torch.full_like(ctx_lens, ctx_pages.shape[1] * page_size)
         return original(seq_lens, seq, dtype, ctx_lens, ctx_pages, page_size)
@@ -489,15 +537,26 @@ def test_compiled_prefix_prefill_never_recompiles_after_warmup(tiny: tuple[Any, 
     model, config, _ = tiny
     buckets, ctx_buckets = [(1, 16)], [(1, 16, 2), (2, 16, 4)]
     pool = _random_pool(config)
-    eager = HpuPrefillRunner(model, pool.caches, PAGE, "cpu", buckets=buckets, ctx_buckets=ctx_buckets, mode="eager",
-                             show_progress=False)  # fmt: skip
-    compiled = HpuPrefillRunner(model, pool.caches, PAGE, "cpu", buckets=buckets, ctx_buckets=ctx_buckets,
-                                mode="compile", compile_backend="eager", show_progress=False)  # fmt: skip
+    eager = HpuPrefillRunner(
+        model, pool.caches, PAGE, "cpu", buckets=buckets, ctx_buckets=ctx_buckets, mode="eager", show_progress=False
+    )
+    compiled = HpuPrefillRunner(
+        model,
+        pool.caches,
+        PAGE,
+        "cpu",
+        buckets=buckets,
+        ctx_buckets=ctx_buckets,
+        mode="compile",
+        compile_backend="eager",
+        show_progress=False,
+    )
     start = compile_count()
     compiled.capture()
     assert compile_count() - start >= len(buckets) + len(ctx_buckets)
-    for seed, (lengths, cached) in enumerate([([12], [8]), ([14], [13]), ([12, 30], [8, 24]), ([10, 20], [0, 17]),
-                                              ([9], [0])]):  # fmt: skip
+    for seed, (lengths, cached) in enumerate(
+        [([12], [8]), ([14], [13]), ([12, 30], [8, 24]), ([10, 20], [0, 17]), ([9], [0])]
+    ):
         message, _ = _message(lengths, seed, cached)
         with torch.no_grad():
             got, want = compiled.run_prefill(message), eager.run_prefill(message)
@@ -511,18 +570,36 @@ def test_engine_with_prefix_caching_and_prompt_buckets_gives_the_same_tokens(
     _, _, folder = tiny
     rng = random.Random(7)
     shared = [rng.randrange(3, 200) for _ in range(21)]  # 2 whole pages and 5 tokens
-    prompts = [shared + [5, 9, 14], shared + list(range(40, 52)), shared[:16] + [7] * 9, shared + [11],
-               list(range(60, 90))]  # fmt: skip
+    prompts = [
+        [*shared, 5, 9, 14],
+        shared + list(range(40, 52)),
+        shared[:16] + [7] * 9,
+        [*shared, 11],
+        list(range(60, 90)),
+    ]
     arrivals = [0, 3, 3, 6, 6]  # later ones find the first one's pages cached
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    options = dict(model=folder, device="cpu", dtype="float32", page_size=PAGE, max_num_seqs=4, kv_cache_tokens=1024,
-                   max_model_len=128, enable_prefix_caching=True, debug_kv_invariant=True, max_extend_step_ms=0,
-                   chunked_prefill_size=16)  # the 30-token prompt runs in chunks: its second one has a prefix
+    options = dict(
+        model=folder,
+        device="cpu",
+        dtype="float32",
+        page_size=PAGE,
+        max_num_seqs=4,
+        kv_cache_tokens=1024,
+        max_model_len=128,
+        enable_prefix_caching=True,
+        debug_kv_invariant=True,
+        max_extend_step_ms=0,
+        chunked_prefill_size=16,
+    )  # the 30-token prompt runs in chunks: its second one has a prefix
     plain = Engine(disable_graphs=True, **options)
     want = run_staggered(plain, prompts, params, arrivals).token_ids
 
-    engine = hpu_engine_on_cpu(monkeypatch, options, {"PROMPT_BS": (1, 1, 2), "PROMPT_SEQ": (8, 16, 32),
-                                                      "PROMPT_CTX": (1, 2, 4), "DECODE_BLOCK": (4, 4, 32)})
+    engine = hpu_engine_on_cpu(
+        monkeypatch,
+        options,
+        {"PROMPT_BS": (1, 1, 2), "PROMPT_SEQ": (8, 16, 32), "PROMPT_CTX": (1, 2, 4), "DECODE_BLOCK": (4, 4, 32)},
+    )
     runner = engine.runner.prefill_runner
     assert isinstance(runner, HpuPrefillRunner) and {c for _, _, c in runner.ctx_buckets} == {1, 2, 4}
     used = record_buckets(monkeypatch)
@@ -595,8 +672,9 @@ def test_prefill_through_the_fused_kernel_equals_the_fallback(
             monkeypatch.setattr(backend, "fused_sdpa", load_fused_sdpa(fused))
         fake.calls = []
         pool = _random_pool(config)
-        runner = HpuPrefillRunner(model, pool.caches, PAGE, "cpu", buckets=BUCKETS, ctx_buckets=CTX_BUCKETS,
-                                  mode="eager", show_progress=False)  # fmt: skip
+        runner = HpuPrefillRunner(
+            model, pool.caches, PAGE, "cpu", buckets=BUCKETS, ctx_buckets=CTX_BUCKETS, mode="eager", show_progress=False
+        )
         results[fused] = []
         for seed, (lengths, cached) in enumerate([([9], [0]), ([3, 16], [0, 0]), ([20], [5]), ([12, 30], [8, 24])]):
             message, _ = _message(lengths, seed, cached)

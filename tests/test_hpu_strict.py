@@ -11,13 +11,12 @@ from __future__ import annotations
 import random
 import sys
 import types
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
-
-from tests.helpers import load_tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.hpu.attention import (
@@ -31,6 +30,7 @@ from backends.hpu.graph_runner import HpuDecodeRunner, RecompileAfterWarmupError
 from backends.hpu.platform import HpuEngineRunner, HpuPlatform, configure_fp32_softmax
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import TorchAttentionBackend
+from tests.helpers import load_tiny_llama
 
 
 class FakeBridge:
@@ -81,14 +81,23 @@ class FakeBridge:
         htorch.hpu = hpu  # type: ignore[attr-defined]
         htorch.core = types.SimpleNamespace(mark_step=self.mark_step)  # type: ignore[attr-defined]
         root.torch = htorch  # type: ignore[attr-defined]
-        for name, module in [("habana_frameworks", root), ("habana_frameworks.torch", htorch),
-                             ("habana_frameworks.torch.hpu", hpu), ("habana_frameworks.torch.hpu.metrics", metrics)]:
+        for name, module in [
+            ("habana_frameworks", root),
+            ("habana_frameworks.torch", htorch),
+            ("habana_frameworks.torch.hpu", hpu),
+            ("habana_frameworks.torch.hpu.metrics", metrics),
+        ]:
             monkeypatch.setitem(sys.modules, name, module)
 
 
 def _batch(n: int) -> dict[str, torch.Tensor]:
-    return dict(input_ids=torch.arange(1, n + 1), positions=torch.full((n,), 4), slot_indices=torch.arange(n) + 8,
-                page_table=torch.ones(n, 2, dtype=torch.int32), seq_lens=torch.full((n,), 5, dtype=torch.int32))
+    return dict(
+        input_ids=torch.arange(1, n + 1),
+        positions=torch.full((n,), 4),
+        slot_indices=torch.arange(n) + 8,
+        page_table=torch.ones(n, 2, dtype=torch.int32),
+        seq_lens=torch.full((n,), 5, dtype=torch.int32),
+    )
 
 
 @pytest.mark.parametrize("mode", ["lazy", "eager"])
@@ -98,7 +107,7 @@ def test_strict_counts_only_the_decode_region(monkeypatch: pytest.MonkeyPatch, m
     seen: set[tuple[int, ...]] = set()
     state = {"compile_inside": False}
 
-    def step(input_ids, positions, slot_indices, page_table, seq_lens, **block):  # noqa: ANN001, ANN003, ANN202
+    def step(input_ids, positions, slot_indices, page_table, seq_lens, **block):
         bridge.events.append("step")
         key = (input_ids.shape[0], block["block_list"].shape[0])
         if key not in seen or state["compile_inside"]:  # a new shape: the bridge compiles a graph for it
@@ -106,9 +115,18 @@ def test_strict_counts_only_the_decode_region(monkeypatch: pytest.MonkeyPatch, m
             bridge.queue() if mode == "lazy" else bridge.compile_now()
         return input_ids.float().unsqueeze(1)
 
-    runner = HpuDecodeRunner(step, buckets=decode_buckets([1, 2], [2, 4], 4), page_size=4, max_blocks_per_seq=4,
-                             device="cpu", mode=mode, strict=True, with_block_metadata=True, show_progress=False,
-                             compile_metric=_bridge_metric_factory())  # fmt: skip
+    runner = HpuDecodeRunner(
+        step,
+        buckets=decode_buckets([1, 2], [2, 4], 4),
+        page_size=4,
+        max_blocks_per_seq=4,
+        device="cpu",
+        mode=mode,
+        strict=True,
+        with_block_metadata=True,
+        show_progress=False,
+        compile_metric=_bridge_metric_factory(),
+    )
     runner.warmup()
     assert runner.bridge_compiles == len(seen) == len(runner.buckets)  # warm-up's compiles were all counted
 
@@ -136,7 +154,7 @@ def test_strict_default_is_the_same_in_every_mode(monkeypatch: pytest.MonkeyPatc
     bridge.install(monkeypatch)
 
     class Model:
-        def __call__(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN204
+        def __call__(self, input_ids, positions, kv_caches, meta):
             return input_ids.float().unsqueeze(1)
 
         def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -145,12 +163,14 @@ def test_strict_default_is_the_same_in_every_mode(monkeypatch: pytest.MonkeyPatc
     kv = [(torch.zeros(64, 1, 2), torch.zeros(64, 1, 2))]
     for mode in ("compile", "lazy", "eager"):
         monkeypatch.delenv("ENGINE_HPU_STRICT", raising=False)
-        runner = HpuEngineRunner(Model(), kv, [1, 2], 4, 4, torch.device("cpu"), mode=mode, compile_backend="eager",
-                                 show_progress=False)  # fmt: skip
+        runner = HpuEngineRunner(
+            Model(), kv, [1, 2], 4, 4, torch.device("cpu"), mode=mode, compile_backend="eager", show_progress=False
+        )
         assert runner.inner.strict, mode  # hpu.strict: true in configs/hpu.yaml
         monkeypatch.setenv("ENGINE_HPU_STRICT", "0")
-        assert not HpuEngineRunner(Model(), kv, [1, 2], 4, 4, torch.device("cpu"), mode=mode,
-                                   compile_backend="eager", show_progress=False).inner.strict  # fmt: skip
+        assert not HpuEngineRunner(
+            Model(), kv, [1, 2], 4, 4, torch.device("cpu"), mode=mode, compile_backend="eager", show_progress=False
+        ).inner.strict
 
 
 def test_engine_passes_strict_to_hpu_only_when_forced() -> None:
@@ -162,10 +182,14 @@ def test_engine_passes_strict_to_hpu_only_when_forced() -> None:
     def options(platform_name: str, kind: str, strict_graphs: bool) -> dict[str, Any]:
         this = types.SimpleNamespace(
             config=types.SimpleNamespace(strict_graphs=strict_graphs, compile_decode=False),
-            platform=types.SimpleNamespace(name=platform_name, capture_settings=lambda: types.SimpleNamespace(kind=kind),
-                                           kernel_precompiler=lambda model, caches: ("precompiler", model, caches)),
-            model="model", kv_pool=types.SimpleNamespace(caches="caches"),
-        )  # fmt: skip
+            platform=types.SimpleNamespace(
+                name=platform_name,
+                capture_settings=lambda: types.SimpleNamespace(kind=kind),
+                kernel_precompiler=lambda model, caches: ("precompiler", model, caches),
+            ),
+            model="model",
+            kv_pool=types.SimpleNamespace(caches="caches"),
+        )
         return Engine.graph_runner_options(this)  # type: ignore[arg-type]
 
     for kind in ("compile", "hpu_graph", "none"):
@@ -173,24 +197,44 @@ def test_engine_passes_strict_to_hpu_only_when_forced() -> None:
         assert options("hpu", kind, strict_graphs=True)["strict"] is True, kind
     assert options("cpu", "compile", strict_graphs=False)["strict"] is False
     # CUDA graphs: the platform's kernel precompiler over this engine's model and KV caches.
-    assert options("cuda", "cuda_graph", strict_graphs=False) == {"compile_step": False,
-                                                                  "precompile": ("precompiler", "model", "caches"),
-                                                                  "layer_fn": None}
+    assert options("cuda", "cuda_graph", strict_graphs=False) == {
+        "compile_step": False,
+        "precompile": ("precompiler", "model", "caches"),
+        "layer_fn": None,
+    }
     # A compiled extend step's layer graph is shared with the CUDA decode graphs (graphs/opaque_attention.py).
     this_extend_step = types.SimpleNamespace(layer_fn="the extend step's compiled layer")
-    assert Engine.graph_runner_options(types.SimpleNamespace(  # type: ignore[arg-type]
-        config=types.SimpleNamespace(strict_graphs=False, compile_decode=True),
-        platform=types.SimpleNamespace(name="cuda", capture_settings=lambda: types.SimpleNamespace(kind="cuda_graph"),
-                                       kernel_precompiler=lambda model, caches: None),
-        model="model", kv_pool=types.SimpleNamespace(caches="caches")), this_extend_step)["layer_fn"] == this_extend_step.layer_fn
+    assert (
+        Engine.graph_runner_options(
+            types.SimpleNamespace(  # type: ignore[arg-type]
+                config=types.SimpleNamespace(strict_graphs=False, compile_decode=True),
+                platform=types.SimpleNamespace(
+                    name="cuda",
+                    capture_settings=lambda: types.SimpleNamespace(kind="cuda_graph"),
+                    kernel_precompiler=lambda model, caches: None,
+                ),
+                model="model",
+                kv_pool=types.SimpleNamespace(caches="caches"),
+            ),
+            this_extend_step,
+        )["layer_fn"]
+        == this_extend_step.layer_fn
+    )
 
 
 def test_lazy_prefill_ends_with_a_mark_step(monkeypatch: pytest.MonkeyPatch) -> None:
     bridge = FakeBridge()
     bridge.install(monkeypatch)
     backend = HpuAttentionBackend(store_kv=lambda *args: None, mark_steps=True)
-    extend = AttentionMetadata(is_decode=False, slot_indices=torch.zeros(3), page_table=torch.zeros(1, 1),
-                               seq_lens=torch.tensor([3]), page_size=4, query_start_loc=[0, 3], seq_lens_cpu=[3])
+    extend = AttentionMetadata(
+        is_decode=False,
+        slot_indices=torch.zeros(3),
+        page_table=torch.zeros(1, 1),
+        seq_lens=torch.tensor([3]),
+        page_size=4,
+        query_start_loc=[0, 3],
+        seq_lens_cpu=[3],
+    )
     with backend.step_context(extend):
         bridge.events.append("prefill")
     assert bridge.events == ["prefill", "mark_step"]
@@ -209,7 +253,7 @@ class DtypeTrace(TorchDispatchMode):
         super().__init__()
         self.dtypes: set[torch.dtype] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
@@ -224,8 +268,9 @@ def test_bf16_math_unless_fp32_softmax() -> None:
     table = torch.tensor([[3, 5, 7], [2, 0, 0], [9, 4, 0]], dtype=torch.int32)
     lens = torch.tensor([40, 9, 17], dtype=torch.int32)
     q = torch.randn(3, heads, dim)
-    exact = flat_paged_attention(q, k_cache, v_cache, HpuFlatMetadata.from_page_table(table, lens, page_size,
-                                                                                      torch.float32), page_size, 0.2)
+    exact = flat_paged_attention(
+        q, k_cache, v_cache, HpuFlatMetadata.from_page_table(table, lens, page_size, torch.float32), page_size, 0.2
+    )
     flat = HpuFlatMetadata.from_page_table(table, lens, page_size, torch.bfloat16)
     qb, kb, vb = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
     results = {}
@@ -278,12 +323,29 @@ def test_regional_compilation_compiles_one_layer_per_bucket(
             return gm.forward
 
         torch._dynamo.reset()
-        pool = KVPool(mc.num_hidden_layers, num_pages, page_size, mc.num_key_value_heads, mc.head_dim, torch.float32,
-                      torch.device("cpu"))  # fmt: skip
+        pool = KVPool(
+            mc.num_hidden_layers,
+            num_pages,
+            page_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            torch.float32,
+            torch.device("cpu"),
+        )
         model.set_attention_backend(HpuPlatform().attention_backend())
-        runner = HpuEngineRunner(model, pool.caches, [2], max_pages, page_size, torch.device("cpu"), mode="compile",
-                                 compile_backend=counting, regional_compilation=regional, strict=True,
-                                 show_progress=False)  # fmt: skip
+        runner = HpuEngineRunner(
+            model,
+            pool.caches,
+            [2],
+            max_pages,
+            page_size,
+            torch.device("cpu"),
+            mode="compile",
+            compile_backend=counting,
+            regional_compilation=regional,
+            strict=True,
+            show_progress=False,
+        )
         assert runner.regional_compilation is regional and runner.inner.precompiled is regional
         runner.capture()
         nodes[regional] = compiled_nodes[0]
@@ -295,8 +357,10 @@ def test_regional_compilation_compiles_one_layer_per_bucket(
             lens = torch.tensor([rng.randint(2, 20), rng.randint(2, 12)], dtype=torch.int32)
             table = torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=torch.int32)
             positions = lens.long() - 1
-            slots = table.long().gather(1, (positions // page_size).unsqueeze(1)).squeeze(1) * page_size \
+            slots = (
+                table.long().gather(1, (positions // page_size).unsqueeze(1)).squeeze(1) * page_size
                 + positions % page_size
+            )
             ids = torch.tensor([rng.randrange(256), rng.randrange(256)])
             meta = AttentionMetadata(True, slots, table, lens, page_size)
             ref_caches = [(k.clone(), v.clone()) for k, v in pool.caches]

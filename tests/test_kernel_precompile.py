@@ -23,10 +23,10 @@ class _Recorder:
         self.launched: list[tuple] = []
         self.warmed: list[tuple] = []
 
-    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+    def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launched.append((grid, args, kwargs))
 
-    def warmup(self, *args, grid, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+    def warmup(self, *args, grid, **kwargs):
         self.warmed.append((grid, args, kwargs))
 
 
@@ -55,29 +55,39 @@ class _TwoKinds(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(16, 8)
-        self.layers = nn.ModuleList([nn.ModuleDict({"attn": Attention(8, 2, 64)}),
-                                     nn.ModuleDict({"attn": Attention(8, 2, 64, sliding_window=16)})])
+        self.layers = nn.ModuleList(
+            [
+                nn.ModuleDict({"attn": Attention(8, 2, 64)}),
+                nn.ModuleDict({"attn": Attention(8, 2, 64, sliding_window=16)}),
+            ]
+        )
 
     def decoder_layers(self) -> list[nn.Module]:
         return list(self.layers)
 
 
 def _decode_meta(bs: int, pages: int) -> AttentionMetadata:
-    return AttentionMetadata(is_decode=True, slot_indices=torch.zeros(bs, dtype=torch.int64),
-                             page_table=torch.zeros(bs, pages, dtype=torch.int32),
-                             seq_lens=torch.ones(bs, dtype=torch.int32), page_size=16)
+    return AttentionMetadata(
+        is_decode=True,
+        slot_indices=torch.zeros(bs, dtype=torch.int64),
+        page_table=torch.zeros(bs, pages, dtype=torch.int32),
+        seq_lens=torch.ones(bs, dtype=torch.int32),
+        page_size=16,
+    )
 
 
 def test_attention_precompile_reaches_every_variant_and_runs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     from backends.cuda.triton_attention import TritonAttentionBackend
 
     warmed: Counter = Counter()
-    for module, name in (("backends.cuda.kernels.paged_decode", "paged_decode_kernel"),
-                         ("backends.cuda.kernels.paged_decode", "combine_splits_kernel"),
-                         ("backends.cuda.kernels.ragged_attention", "ragged_paged_attention_kernel")):
+    for module, name in (
+        ("backends.cuda.kernels.paged_decode", "paged_decode_kernel"),
+        ("backends.cuda.kernels.paged_decode", "combine_splits_kernel"),
+        ("backends.cuda.kernels.ragged_attention", "ragged_paged_attention_kernel"),
+    ):
         handle = load_kernel(module, name)
 
-        def record(*args, grid, _name=name, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        def record(*args, grid, _name=name, **kwargs):
             warmed[(_name, kwargs.get("SPLIT"), kwargs.get("STORE_NEW"), kwargs.get("WINDOWED"))] += 1
 
         monkeypatch.setattr(handle.fn, "warmup", record)
@@ -86,13 +96,15 @@ def test_attention_precompile_reaches_every_variant_and_runs_nothing(monkeypatch
     # Batch 64 fills the (interpreter's) grid in one pass; batch 1 splits the context.
     launches = TritonAttentionBackend().precompile_kernels(model, caches, [_decode_meta(64, 4), _decode_meta(1, 4)])
     assert launches == 6  # two layer kinds x (two decode sizes + the ragged kernel)
-    assert warmed == Counter({
-        ("paged_decode_kernel", False, True, None): 2,  # one pass, the new k/v stored by the kernel
-        ("paged_decode_kernel", True, True, None): 2,  # split-K
-        ("combine_splits_kernel", None, None, None): 2,
-        ("ragged_paged_attention_kernel", None, None, False): 1,
-        ("ragged_paged_attention_kernel", None, None, True): 1,  # the sliding-window layer's variant
-    })
+    assert warmed == Counter(
+        {
+            ("paged_decode_kernel", False, True, None): 2,  # one pass, the new k/v stored by the kernel
+            ("paged_decode_kernel", True, True, None): 2,  # split-K
+            ("combine_splits_kernel", None, None, None): 2,
+            ("ragged_paged_attention_kernel", None, None, False): 1,
+            ("ragged_paged_attention_kernel", None, None, True): 1,  # the sliding-window layer's variant
+        }
+    )
     for k_cache, v_cache in caches:  # compile-only: no kernel wrote a cache
         assert torch.isnan(k_cache).all() and torch.isnan(v_cache).all()
 
@@ -104,12 +116,13 @@ def test_gemv_precompile_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None
     shapes: list[tuple] = []
     handle = load_kernel("backends.cuda.kernels.gemv", "gemv_kernel")
 
-    def record(x, weight, *args, grid, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def record(x, weight, *args, grid, **kwargs):
         shapes.append((tuple(weight.shape), kwargs["HAS_BIAS"], kwargs["BLOCK_N"], kwargs["BLOCK_K"]))
 
     monkeypatch.setattr(handle.fn, "warmup", record)
-    layers = nn.ModuleList([Linear(64, 96, bias=False), Linear(64, 96, bias=False), Linear(96, 64, bias=True),
-                            Linear(64, 32, bias=False)])
+    layers = nn.ModuleList(
+        [Linear(64, 96, bias=False), Linear(64, 96, bias=False), Linear(96, 64, bias=True), Linear(64, 32, bias=False)]
+    )
     for layer in layers[:3]:
         layer.method = GEMV  # the fourth stays dense: not precompiled
     assert precompile_gemv(layers) == 2
@@ -126,8 +139,9 @@ def test_compile_workers_build_each_kernels_launcher_before_handing_it_over(monk
     from backends.cuda import triton_build
 
     built: list[tuple[str, str]] = []
-    monkeypatch.setattr(triton_build, "build_launcher",
-                        lambda kernel: built.append((kernel, threading.current_thread().name)))
+    monkeypatch.setattr(
+        triton_build, "build_launcher", lambda kernel: built.append((kernel, threading.current_thread().name))
+    )
     with ThreadPoolExecutor(2, thread_name_prefix="compile-test") as pool:
         executor = triton_build._LauncherBuildingExecutor(pool)
         futures = [executor.submit(lambda name=name: name) for name in ("decode", "ragged")]
@@ -148,8 +162,9 @@ def test_runtime_warm_up_starts_nothing_under_the_interpreter(monkeypatch: pytes
     triton_build.wait_for_runtime_warm_up()  # nothing to wait for
 
 
-def test_import_ahead_imports_what_it_can_and_logs_the_rest(monkeypatch: pytest.MonkeyPatch,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_import_ahead_imports_what_it_can_and_logs_the_rest(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import sys
 
     from backends.cuda import triton_build
@@ -170,7 +185,8 @@ def test_the_compiler_modules_imported_ahead_exist_in_this_torch() -> None:
 
 
 def test_the_engine_starts_compile_workers_before_it_sets_up_the_device_and_loads_the_model(
-        monkeypatch: pytest.MonkeyPatch, tiny_llama: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, tiny_llama: str
+) -> None:
     """Inductor's worker pool takes seconds to come up (~8 s on the H200's host): the engine starts it first,
     before the seed, the model source and the weights, and joins the warm-up thread only after the load."""
     import engine.engine as engine_module
@@ -183,7 +199,9 @@ def test_the_engine_starts_compile_workers_before_it_sets_up_the_device_and_load
     monkeypatch.setattr(platform, "wait_for_compile_workers", lambda self: order.append("wait for workers"))
     monkeypatch.setattr(platform, "set_seed", lambda self, seed: order.append("seed"))
     load_model = engine_module.load_model
-    monkeypatch.setattr(engine_module, "load_model", lambda *args, **kwargs: order.append("load") or load_model(*args, **kwargs))
+    monkeypatch.setattr(
+        engine_module, "load_model", lambda *args, **kwargs: order.append("load") or load_model(*args, **kwargs)
+    )
     engine = Engine(model=tiny_llama, device="cpu", compile_extend=True, capture_sizes="1", warmup=False)
     assert order == ["start workers", "seed", "load", "wait for workers"]
     engine.shutdown()
@@ -217,7 +235,8 @@ def test_the_cuda_platform_starts_inductors_pool_and_sees_it_come_up(tmp_path: p
         "    time.sleep(0.05)\n"
         "    states.append(inductor_pool_ready())\n"
         "CudaPlatform().wait_for_compile_workers()\n"
-        "print('states', states[0], states[-1])\n")
+        "print('states', states[0], states[-1])\n"
+    )
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "2", "PYTHONPATH": repo_root}
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -46,12 +46,22 @@ def _head_rows(engine: Engine) -> list[int]:
 
 
 @pytest.mark.parametrize("mixed", [True, False])
-def test_padded_lm_head_gives_the_same_tokens_at_ladder_sizes_only(tiny_checkpoints: dict[str, str],
-                                                                   monkeypatch: pytest.MonkeyPatch, mixed: bool) -> None:
+def test_padded_lm_head_gives_the_same_tokens_at_ladder_sizes_only(
+    tiny_checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch, mixed: bool
+) -> None:
     path = tiny_checkpoints["llama"]
-    options = dict(device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=4096, max_num_seqs=12,
-                   max_extend_step_ms=0, chunked_prefill_size=48, mixed_steps=mixed, capture_sizes=[1, 2, 4, 8],
-                   debug_kv_invariant=True)
+    options = dict(
+        device="cpu",
+        dtype="float32",
+        disable_graphs=True,
+        kv_cache_tokens=4096,
+        max_num_seqs=12,
+        max_extend_step_ms=0,
+        chunked_prefill_size=48,
+        mixed_steps=mixed,
+        capture_sizes=[1, 2, 4, 8],
+        debug_kv_invariant=True,
+    )
     plain = track(Engine(model=path, **options))
     monkeypatch.setattr(CpuPlatform, "pads_logit_rows", True)
     padded = track(Engine(model=path, **options))
@@ -70,15 +80,24 @@ def test_padded_lm_head_gives_the_same_tokens_at_ladder_sizes_only(tiny_checkpoi
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
-def test_logits_written_into_a_buffer_in_row_chunks_match_the_plain_head(tiny_checkpoints: dict[str, str],
-                                                                         name: str) -> None:
+def test_logits_written_into_a_buffer_in_row_chunks_match_the_plain_head(
+    tiny_checkpoints: dict[str, str], name: str
+) -> None:
     """The CUDA decode graphs' head writes into their float32 logits buffer HEAD_ROWS_INTO_OUT rows at a time
     (engine/models/llama.py): the same logits as the head over all rows at once, Gemma 2's soft cap included,
     for a row count that ends inside a chunk."""
     from engine.models.llama import HEAD_ROWS_INTO_OUT
 
-    engine = track(Engine(model=tiny_checkpoints[name], device="cpu", dtype="float32", disable_graphs=True,
-                          kv_cache_tokens=512, max_num_seqs=2))
+    engine = track(
+        Engine(
+            model=tiny_checkpoints[name],
+            device="cpu",
+            dtype="float32",
+            disable_graphs=True,
+            kv_cache_tokens=512,
+            max_num_seqs=2,
+        )
+    )
     model, rows = engine.model, 2 * HEAD_ROWS_INTO_OUT + 37
     hidden = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
     head_rows = _head_rows(engine)

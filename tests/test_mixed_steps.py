@@ -10,7 +10,7 @@ after every step (debug_kv_invariant).
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -22,14 +22,24 @@ from tests.test_prefix_cache import shared_prefix_workload
 
 
 def tiny(path: str, **options: object) -> Engine:
-    kwargs = dict(device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=4096, max_num_seqs=8,
-                  debug_kv_invariant=True, max_extend_step_ms=0, chunked_prefill_size=64)
+    kwargs = dict(
+        device="cpu",
+        dtype="float32",
+        disable_graphs=True,
+        kv_cache_tokens=4096,
+        max_num_seqs=8,
+        debug_kv_invariant=True,
+        max_extend_step_ms=0,
+        chunked_prefill_size=64,
+    )
     kwargs.update(options)
     return track(Engine(model=path, **kwargs))
 
 
 @pytest.mark.parametrize("page_size,overlap", [(1, False), (16, False), (16, True)])
-def test_mixed_steps_give_the_tokens_of_separate_steps(tiny_checkpoints: dict[str, str], page_size: int, overlap: bool) -> None:
+def test_mixed_steps_give_the_tokens_of_separate_steps(
+    tiny_checkpoints: dict[str, str], page_size: int, overlap: bool
+) -> None:
     path = tiny_checkpoints["llama"]
     separate = tiny(path, page_size=page_size, mixed_steps=False, overlap_schedule=overlap)
     mixed = tiny(path, page_size=page_size, mixed_steps=True, overlap_schedule=overlap)
@@ -52,8 +62,14 @@ def test_mixed_steps_keep_seeded_sampling_and_stops(tiny_checkpoints: dict[str, 
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(3, 90))] for _ in range(10)]
     params = [
-        SamplingParams(max_tokens=rng.randint(5, 30), temperature=0.9, top_p=0.9, seed=i, ignore_eos=True,
-                       stop_token_ids=[7] if i % 3 == 0 else [])
+        SamplingParams(
+            max_tokens=rng.randint(5, 30),
+            temperature=0.9,
+            top_p=0.9,
+            seed=i,
+            ignore_eos=True,
+            stop_token_ids=[7] if i % 3 == 0 else [],
+        )
         for i in range(len(prompts))
     ]
     arrivals = [0, 0, 1, 2, 2, 5, 8, 9, 13, 20]
@@ -61,7 +77,9 @@ def test_mixed_steps_keep_seeded_sampling_and_stops(tiny_checkpoints: dict[str, 
     def run(engine: Engine) -> list[list[int]]:
         return run_staggered(engine, prompts, params, arrivals).token_ids
 
-    assert run(tiny(path, mixed_steps=True, chunked_prefill_size=32)) == run(tiny(path, mixed_steps=False, chunked_prefill_size=32))
+    assert run(tiny(path, mixed_steps=True, chunked_prefill_size=32)) == run(
+        tiny(path, mixed_steps=False, chunked_prefill_size=32)
+    )
 
 
 def test_mixed_steps_under_memory_pressure_retract_and_match(tiny_checkpoints: dict[str, str]) -> None:
@@ -84,17 +102,28 @@ def test_smollm2_mixed_steps_match_separate(engine_cache: Callable[..., Engine])
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
     arrivals = [0, 2, 4]
-    assert run_staggered(mixed, prompts, params, arrivals).token_ids == run_staggered(separate, prompts, params, arrivals).token_ids
+    assert (
+        run_staggered(mixed, prompts, params, arrivals).token_ids
+        == run_staggered(separate, prompts, params, arrivals).token_ids
+    )
 
 
 @pytest.mark.parametrize("name,mixed", [("llama", False), ("llama", True), ("gemma2", True)])
-def test_compiled_extend_steps_match_eager_and_compile_once(tiny_checkpoints: dict[str, str], name: str, mixed: bool) -> None:
+def test_compiled_extend_steps_match_eager_and_compile_once(
+    tiny_checkpoints: dict[str, str], name: str, mixed: bool
+) -> None:
     """compile_extend: prefill, chunk and mixed steps of every size through one compiled layer graph
     (Gemma 2: one per layer kind, sliding and full attention), with the tokens of eager steps."""
     path = tiny_checkpoints[name]
     eager = tiny(path, mixed_steps=mixed, chunked_prefill_size=48)
-    compiled = tiny(path, mixed_steps=mixed, chunked_prefill_size=48, compile_extend=True, disable_graphs=False,
-                    capture_sizes=[1, 2, 4, 8])
+    compiled = tiny(
+        path,
+        mixed_steps=mixed,
+        chunked_prefill_size=48,
+        compile_extend=True,
+        disable_graphs=False,
+        capture_sizes=[1, 2, 4, 8],
+    )
     assert compiled.runner.extend_step is not None
     prompts, arrivals = shared_prefix_workload(eager.model_config.vocab_size, num_requests=16)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -110,8 +139,15 @@ def test_strict_mode_never_recompiles_over_a_long_mixed_workload(tiny_checkpoint
     """Decode graphs per batch size and the one compiled extend step: over ~400 steps of staggered
     arrivals (every batch size, prompt length and chunk split), nothing compiles after warm-up;
     strict mode would raise if it did."""
-    engine = tiny(tiny_checkpoints["llama"], mixed_steps=True, compile_extend=True, disable_graphs=False,
-                  strict_graphs=True, capture_sizes=[1, 2, 4, 8], chunked_prefill_size=40)
+    engine = tiny(
+        tiny_checkpoints["llama"],
+        mixed_steps=True,
+        compile_extend=True,
+        disable_graphs=False,
+        strict_graphs=True,
+        capture_sizes=[1, 2, 4, 8],
+        chunked_prefill_size=40,
+    )
     rng = random.Random(7)
     arrivals = sorted(rng.randrange(0, 420) for _ in range(70))
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 120))] for _ in arrivals]
@@ -131,8 +167,9 @@ def test_decode_steps_above_the_graphs_run_the_compiled_step(tiny_checkpoints: d
     path = tiny_checkpoints["llama"]
     options = dict(mixed_steps=mixed, chunked_prefill_size=48, max_num_seqs=6)
     eager = tiny(path, **options)
-    compiled = tiny(path, **options, compile_extend=True, disable_graphs=False, strict_graphs=True,
-                    capture_sizes=[1, 2])
+    compiled = tiny(
+        path, **options, compile_extend=True, disable_graphs=False, strict_graphs=True, capture_sizes=[1, 2]
+    )
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(2, 60))] for _ in range(10)]
     params = [SamplingParams(max_tokens=rng.randint(6, 20), temperature=0.0, ignore_eos=True) for _ in prompts]

@@ -33,19 +33,24 @@ def test_experts_op_equals_every_expert_weighted_densely() -> None:
 
 
 def test_qwen3_moe_layers_follow_mlp_only_layers(tiny_checkpoints: dict[str, str]) -> None:
-    engine = track(Engine(model=tiny_checkpoints["qwen3_moe"], device="cpu", dtype="float32", disable_graphs=True,
-                          kv_cache_tokens=256))
+    engine = track(
+        Engine(
+            model=tiny_checkpoints["qwen3_moe"], device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256
+        )
+    )
     kinds = [type(layer.mlp).__name__ for layer in engine.model.decoder_layers()]
     assert kinds == ["SparseMoE", "GatedMLP", "SparseMoE"]
 
 
-def test_a_missing_expert_tensor_is_one_error_naming_it(tmp_path) -> None:  # noqa: ANN001
+def test_a_missing_expert_tensor_is_one_error_naming_it(tmp_path) -> None:
     path = build_tiny_checkpoint("mixtral", str(tmp_path / "mixtral"))
     weights_file = os.path.join(path, "model.safetensors")
     tensors = load_file(weights_file)
     del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
     save_file(tensors, weights_file, metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=r"unfilled.*model\.layers\.1\.mlp\.experts\.gate_up_proj \(parts \(3, 'up'\)\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"unfilled.*model\.layers\.1\.mlp\.experts\.gate_up_proj \(parts \(3, 'up'\)\)"
+    ):
         Engine(model=path, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256)
 
 
@@ -63,8 +68,11 @@ def test_the_fused_triton_experts_give_the_torch_method_s_tokens(tiny_checkpoint
     prompts = [[5, 9, 14, 200], list(range(3, 40)), [7] * 11]
     tokens = {}
     for method in ("torch", "triton"):
-        engine = track(Engine(model=tiny_checkpoints[model], device="cpu", dtype="float32", disable_graphs=True,
-                              kv_cache_tokens=512))
+        engine = track(
+            Engine(
+                model=tiny_checkpoints[model], device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=512
+            )
+        )
         assert not engine.model.supports_device_graphs("cuda")
         if method == "triton":
             assert use_fused_moe(engine.model) > 0 and engine.model.supports_device_graphs("cuda")

@@ -6,18 +6,18 @@ import contextlib
 import importlib
 import random
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
-
-from tests.helpers import load_tiny_llama
 
 import backends.npu.attention as npu_attention
 from backends.npu.attention import NpuDecodeMetadata, paged_attention_args, paged_attention_reference
 from backends.npu.platform import NpuEngineRunner, NpuPlatform
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import TorchAttentionBackend, paged_decode_attention
+from tests.helpers import load_tiny_llama
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 SCALE = DIM**-0.5
@@ -105,8 +105,14 @@ def test_decode_matches_torch_reference(page_size: int) -> None:
     ref = paged_decode_attention(q, k, v, ref_k, ref_v, slots.long(), table, lens, page_size, SCALE)
     for extra in (NpuDecodeMetadata(context_lens=lens.clone()), None):  # graph runner's host lengths / eager
         got_k, got_v = k_cache.clone(), v_cache.clone()
-        meta = AttentionMetadata(is_decode=True, slot_indices=slots, page_table=table, seq_lens=lens,
-                                 page_size=page_size, platform_metadata=extra)  # fmt: skip
+        meta = AttentionMetadata(
+            is_decode=True,
+            slot_indices=slots,
+            page_table=table,
+            seq_lens=lens,
+            page_size=page_size,
+            platform_metadata=extra,
+        )
         out = NpuPlatform().attention_backend().forward(q, k, v, got_k, got_v, meta, SCALE)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)  # the scatter store (int32 slots)
@@ -227,8 +233,15 @@ def test_npu_engine_runner_matches_torch_backend(tiny_llama: tuple[Any, Any]) ->
 
     model, mc = tiny_llama
     page_size, num_pages, max_pages = 8, 32, 6
-    pool = KVPool(mc.num_hidden_layers, num_pages, page_size, mc.num_key_value_heads, mc.head_dim, torch.float32,
-                  torch.device("cpu"))  # fmt: skip
+    pool = KVPool(
+        mc.num_hidden_layers,
+        num_pages,
+        page_size,
+        mc.num_key_value_heads,
+        mc.head_dim,
+        torch.float32,
+        torch.device("cpu"),
+    )
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (6, 16, 21)]
     table, _, _ = scattered_batch(rng, [len(p) + 3 for p in prompts], page_size, num_pages)
@@ -236,17 +249,24 @@ def test_npu_engine_runner_matches_torch_backend(tiny_llama: tuple[Any, Any]) ->
     # Prefill through the NPU backend's extend path (scatter store with int32 slots) == the torch backend's.
     tokens = torch.tensor([t for p in prompts for t in p])
     positions = torch.tensor([i for p in prompts for i in range(len(p))])
-    slots = torch.cat([slots_of(table[r].expand(len(p), -1), torch.arange(len(p)), page_size)
-                       for r, p in enumerate(prompts)])  # fmt: skip
+    slots = torch.cat(
+        [slots_of(table[r].expand(len(p), -1), torch.arange(len(p)), page_size) for r, p in enumerate(prompts)]
+    )
     starts = [0]
     for p in prompts:
         starts.append(starts[-1] + len(p))
 
     def extend(slot_dtype: torch.dtype) -> AttentionMetadata:
         lens = [len(p) for p in prompts]
-        return AttentionMetadata(is_decode=False, slot_indices=slots.to(slot_dtype), page_table=table,
-                                 seq_lens=torch.tensor(lens, dtype=torch.int32), page_size=page_size,
-                                 query_start_loc=starts, seq_lens_cpu=lens)  # fmt: skip
+        return AttentionMetadata(
+            is_decode=False,
+            slot_indices=slots.to(slot_dtype),
+            page_table=table,
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            page_size=page_size,
+            query_start_loc=starts,
+            seq_lens_cpu=lens,
+        )
 
     ref_caches = [(k.clone(), v.clone()) for k, v in pool.caches]
     with torch.no_grad():
@@ -269,8 +289,13 @@ def test_npu_engine_runner_matches_torch_backend(tiny_llama: tuple[Any, Any]) ->
         ids = next_ids[rows]
 
         def meta(slot_dtype: torch.dtype) -> AttentionMetadata:
-            return AttentionMetadata(is_decode=True, slot_indices=slot_now.to(slot_dtype), page_table=table[rows],
-                                     seq_lens=lens_now, page_size=page_size)  # fmt: skip
+            return AttentionMetadata(
+                is_decode=True,
+                slot_indices=slot_now.to(slot_dtype),
+                page_table=table[rows],
+                seq_lens=lens_now,
+                page_size=page_size,
+            )
 
         with torch.no_grad():
             set_backend(model, TorchAttentionBackend())
@@ -289,19 +314,28 @@ def test_npu_engine_runner_matches_torch_backend(tiny_llama: tuple[Any, Any]) ->
         lengths[rows] += 1
 
 
-def _decode_once(model: Any, runner: NpuEngineRunner, caches: list, table: torch.Tensor, lengths: torch.Tensor,
-                 ids: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_once(
+    model: Any,
+    runner: NpuEngineRunner,
+    caches: list,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    ids: torch.Tensor,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(runner logits, torch-backend logits on a copy of the caches) for one decode step of every row."""
     lens_now = lengths + 1
     positions = lens_now.long() - 1
     slots = slots_of(table, positions, page_size)
-    meta = AttentionMetadata(is_decode=True, slot_indices=slots.to(torch.int32), page_table=table, seq_lens=lens_now,
-                             page_size=page_size)  # fmt: skip
+    meta = AttentionMetadata(
+        is_decode=True, slot_indices=slots.to(torch.int32), page_table=table, seq_lens=lens_now, page_size=page_size
+    )
     ref_caches = [(k.clone(), v.clone()) for k, v in caches]
     with torch.no_grad():
         set_backend(model, TorchAttentionBackend())
-        ref_meta = AttentionMetadata(is_decode=True, slot_indices=slots, page_table=table, seq_lens=lens_now,
-                                     page_size=page_size)  # fmt: skip
+        ref_meta = AttentionMetadata(
+            is_decode=True, slot_indices=slots, page_table=table, seq_lens=lens_now, page_size=page_size
+        )
         ref = model.compute_logits(model(ids, positions, ref_caches, ref_meta))
         set_backend(model, NpuPlatform().attention_backend())
         got = runner.run(ids, positions, meta).clone()
@@ -317,8 +351,15 @@ def test_capture_refuses_a_graph_whose_update_would_be_a_no_op(
 
     model, mc = tiny_llama
     page_size, num_pages, max_pages = 8, 32, 6
-    pool = KVPool(mc.num_hidden_layers, num_pages, page_size, mc.num_key_value_heads, mc.head_dim, torch.float32,
-                  torch.device("cpu"))  # fmt: skip
+    pool = KVPool(
+        mc.num_hidden_layers,
+        num_pages,
+        page_size,
+        mc.num_key_value_heads,
+        mc.head_dim,
+        torch.float32,
+        torch.device("cpu"),
+    )
     for k, v in pool.caches:  # some context in every page
         k.normal_()
         v.normal_()
@@ -334,8 +375,15 @@ def test_capture_refuses_a_graph_whose_update_would_be_a_no_op(
 
     # What that check prevents: the same runner with the check skipped replays capture-time lengths.
     monkeypatch.setattr(graph_runner, "check_update_records", lambda *args: None)
-    stale = NpuEngineRunner(model, pool.caches, [1, 2], max_pages, page_size, torch.device("cpu"),
-                            graph_api=FrozenHostArgsGraphs(record_paged_attention=False))  # fmt: skip
+    stale = NpuEngineRunner(
+        model,
+        pool.caches,
+        [1, 2],
+        max_pages,
+        page_size,
+        torch.device("cpu"),
+        graph_api=FrozenHostArgsGraphs(record_paged_attention=False),
+    )
     stale.capture()
     got, ref = _decode_once(model, stale, pool.caches, table, lens, ids, page_size)
     assert not torch.allclose(got, ref, atol=1e-2)  # silently wrong, not an error

@@ -8,14 +8,14 @@ import logging
 import os
 import random
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import yaml
 
 from backends.base import CONFIG_DIR, DeviceUnavailableError
-from graphs.static_buffers import StaticDecodeBuffers
 from backends.npu.graph_runner import (
     NpuDecodeGraphRunner,
     capture_order,
@@ -33,6 +33,7 @@ from backends.npu.kv_store import (
     updates_for,
 )
 from backends.npu.platform import NpuPlatform
+from graphs.static_buffers import StaticDecodeBuffers
 
 
 def test_index_layouts_and_dtypes() -> None:
@@ -143,9 +144,14 @@ def test_fill_static_inputs_pads_with_dummy_slot_and_zero_len() -> None:
     fill_static_inputs(buffers, 8, torch.arange(8), torch.arange(8), torch.arange(8) + 100, long, torch.full((8,), 9))
     table = torch.tensor([[3, 4], [5, 0], [6, 7]], dtype=torch.int32)
     n = fill_static_inputs(
-        buffers, 4, torch.tensor([11, 12, 13]), torch.tensor([8, 2, 5]),
-        torch.tensor([300, 401, 502]), table, torch.tensor([9, 3, 6], dtype=torch.int32),
-    )  # fmt: skip
+        buffers,
+        4,
+        torch.tensor([11, 12, 13]),
+        torch.tensor([8, 2, 5]),
+        torch.tensor([300, 401, 502]),
+        table,
+        torch.tensor([9, 3, 6], dtype=torch.int32),
+    )
     assert n == 3
     assert buffers.input_ids[:4].tolist() == [11, 12, 13, 0]
     assert buffers.slot_indices[:4].tolist() == [300, 401, 502, 0]  # padded row -> slot 0
@@ -200,7 +206,7 @@ class EagerGraphs:
         pass
 
 
-def _step(input_ids, positions, slot_indices, page_table, seq_lens):  # noqa: ANN001, ANN202
+def _step(input_ids, positions, slot_indices, page_table, seq_lens):
     row = input_ids * 1000 + positions + seq_lens.long() * 7 + page_table.long().sum(1) * 3 + slot_indices.long()
     return row.float().unsqueeze(1).repeat(1, 5)
 
@@ -208,9 +214,13 @@ def _step(input_ids, positions, slot_indices, page_table, seq_lens):  # noqa: AN
 def test_runner_replays_padded_and_slices(caplog: pytest.LogCaptureFixture) -> None:
     api = EagerGraphs()
     runner = NpuDecodeGraphRunner(
-        _step, capture_sizes=[1, 2, 4, 8], max_pages_per_seq=4, device="cpu",
-        seq_lens_update_key="actual_seq_lengths_kv", graph_api=api,
-    )  # fmt: skip
+        _step,
+        capture_sizes=[1, 2, 4, 8],
+        max_pages_per_seq=4,
+        device="cpu",
+        seq_lens_update_key="actual_seq_lengths_kv",
+        graph_api=api,
+    )
     runner.capture()
     assert api.order == [8, 4, 2, 1]  # largest first
     rng = random.Random(3)
@@ -228,9 +238,13 @@ def test_runner_replays_padded_and_slices(caplog: pytest.LogCaptureFixture) -> N
         runner.run(*(torch.zeros(9, dtype=torch.int64),) * 3, torch.zeros(9, 4, dtype=torch.int32), torch.ones(9))
     with caplog.at_level(logging.WARNING):
         capped = NpuDecodeGraphRunner(
-            _step, capture_sizes=range(1, 101), max_pages_per_seq=4, device="cpu", num_layers=60,
+            _step,
+            capture_sizes=range(1, 101),
+            max_pages_per_seq=4,
+            device="cpu",
+            num_layers=60,
             graph_api=EagerGraphs(),
-        )  # fmt: skip
+        )
     assert len(capped.sizes) == npu_graph_budget(60) == 29 and capped.max_size == 100
     assert "aclgraph limit" in caplog.text
 
@@ -276,7 +290,7 @@ def test_engine_adapter_and_int32_slots() -> None:
     assert isinstance(NpuPlatform().attention_backend(), NpuAttentionBackend)
 
     class Model:
-        def __call__(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN204
+        def __call__(self, input_ids, positions, kv_caches, meta):
             assert isinstance(meta.platform_metadata, NpuDecodeMetadata)  # the host lengths reach attention
             assert meta.platform_metadata.context_lens.device.type == "cpu"
             kv_caches[0][0].index_copy_(0, meta.slot_indices.long(), input_ids.float().view(-1, 1, 1))
@@ -291,8 +305,13 @@ def test_engine_adapter_and_int32_slots() -> None:
     runner.capture()
     kv[0][0].zero_()
     slots = torch.tensor([17, 40, 63], dtype=torch.int32)
-    meta = AttentionMetadata(is_decode=True, slot_indices=slots, page_table=torch.ones(3, 2, dtype=torch.int32),
-                             seq_lens=torch.tensor([2, 9, 30], dtype=torch.int32), page_size=16)  # fmt: skip
+    meta = AttentionMetadata(
+        is_decode=True,
+        slot_indices=slots,
+        page_table=torch.ones(3, 2, dtype=torch.int32),
+        seq_lens=torch.tensor([2, 9, 30], dtype=torch.int32),
+        page_size=16,
+    )
     out = runner.run(torch.tensor([5, 6, 7]), torch.tensor([1, 8, 29]), meta)
     assert out.tolist() == [[502.0] * 3, [609.0] * 3, [730.0] * 3]
     (update,) = api.updates[-1]  # SGLang's MHA form: context_lens as an int32 host tensor, padded with 0

@@ -153,8 +153,15 @@ def test_capture_workspace_is_the_largest_up_to_the_longest_context() -> None:
         return torch.empty(40_000 - abs(int(lens[0]) - SEQ_LEN_WITH_MAX_PA_WORKSPACE), dtype=torch.uint8)
 
     cache = torch.zeros(8 * 16, 2, 16, dtype=torch.bfloat16)
-    args = paged_attention_args(torch.zeros(2, 4, 16, dtype=torch.bfloat16), cache, cache,
-                                torch.zeros(2, 8, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 16, 0.25)
+    args = paged_attention_args(
+        torch.zeros(2, 4, 16, dtype=torch.bfloat16),
+        cache,
+        cache,
+        torch.zeros(2, 8, dtype=torch.int32),
+        torch.ones(2, dtype=torch.int32),
+        16,
+        0.25,
+    )
     store: dict[Any, torch.Tensor] = {}
     ws = capture_workspace(get_workspace, args, 32768, store)
     assert calls == [[6144, 6144], [32768, 32768]] and ws.numel() == 40_000  # every row at each candidate length
@@ -168,7 +175,7 @@ def test_runner_hands_the_longest_context_to_the_captured_launch_only() -> None:
     kv = [(torch.zeros(64, 1, 1), torch.zeros(64, 1, 1))]
 
     class Model:
-        def __call__(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN204
+        def __call__(self, input_ids, positions, kv_caches, meta):
             extra = meta.platform_metadata
             assert isinstance(extra, NpuDecodeMetadata) and extra.workspaces is not None
             seen.append(extra.workspace_context_len)
@@ -197,8 +204,17 @@ def test_runner_hands_the_longest_context_to_the_captured_launch_only() -> None:
             return ["_npu_paged_attention.default"]
 
     step = model_step(Model(), kv, 16)
-    runner = NpuDecodeGraphRunner(step, capture_sizes=[2], max_pages_per_seq=5, page_size=16, device="cpu",
-                                  warmup_runs=2, seq_lens_update_key="context_lens", pass_host_seq_lens=True,
-                                  update_records_per_graph=1, graph_api=Api())  # fmt: skip
+    runner = NpuDecodeGraphRunner(
+        step,
+        capture_sizes=[2],
+        max_pages_per_seq=5,
+        page_size=16,
+        device="cpu",
+        warmup_runs=2,
+        seq_lens_update_key="context_lens",
+        pass_host_seq_lens=True,
+        update_records_per_graph=1,
+        graph_api=Api(),
+    )
     runner.capture()
     assert seen == [0, 0, 80]  # two eager warm-up runs, then the captured launch sized for 5 pages x 16

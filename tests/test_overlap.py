@@ -10,16 +10,23 @@ overlap changes no arithmetic, so the comparison is exact.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
-
 from conftest import track
+
 from engine.engine import Engine
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 
-PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,", "Hello, my name is", "List three colors:"]
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
+    "Hello, my name is",
+    "List three colors:",
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +49,7 @@ def _streamed(engine: Engine, params: list[SamplingParams]) -> tuple[list[tuple[
     ids = [engine.add_request(prompt, p) for prompt, p in zip(PROMPTS, params)]
     finals: dict[str, RequestOutput] = {}
     deltas: dict[str, list[int]] = {request_id: [] for request_id in ids}
-    texts: dict[str, str] = {request_id: "" for request_id in ids}
+    texts: dict[str, str] = dict.fromkeys(ids, "")
     overlapped_steps = 0
     while engine.has_unfinished():
         for output in engine.step():
@@ -101,14 +108,26 @@ def test_retraction_under_overlap_keeps_the_tokens(tiny_checkpoints: dict[str, s
     """A 64-token pool for four growing requests: retractions happen with a token still pending."""
     prompts = [[5, 6, 7, 8, 9], [100, 101, 102], [17] * 6, [300, 20, 41, 7, 99, 3, 3, 250, 11, 12, 13]]
     if seeded:
-        params = [SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=40, ignore_eos=True) for i in range(4)]
+        params = [
+            SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=40, ignore_eos=True) for i in range(4)
+        ]
     else:
         params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 4
     results = []
     for overlap in (False, True):
-        engine = track(Engine(model=tiny_checkpoints["qwen3"], device="cpu", dtype="float32", disable_graphs=True,
-                              page_size=16, kv_cache_tokens=64, max_num_seqs=4, overlap_schedule=overlap,
-                              debug_kv_invariant=True))
+        engine = track(
+            Engine(
+                model=tiny_checkpoints["qwen3"],
+                device="cpu",
+                dtype="float32",
+                disable_graphs=True,
+                page_size=16,
+                kv_cache_tokens=64,
+                max_num_seqs=4,
+                overlap_schedule=overlap,
+                debug_kv_invariant=True,
+            )
+        )
         outputs = engine.generate(prompts, params)
         assert engine.scheduler.num_retractions > 0
         results.append([o.token_ids for o in outputs])

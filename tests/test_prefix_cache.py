@@ -9,7 +9,8 @@ checked after every step (debug_kv_invariant).
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -26,14 +27,18 @@ def shared_prefix_workload(vocab: int, num_requests: int = 54, seed: int = 0) ->
     """Prompts = one of three long shared prefixes + a short own suffix; arrival step of each."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, vocab) for _ in range(length)] for length in (96, 130, 70)]
-    prompts = [prefixes[i % 3] + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 20))] for i in range(num_requests)]
+    prompts = [
+        prefixes[i % 3] + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 20))] for i in range(num_requests)
+    ]
     prompts.append(list(prefixes[0]))  # a prompt that is exactly a cached prefix: one token still runs
     # Waves: some arrive together (in one prefill), the rest while others decode or after they finish.
     arrivals = [0] * 6 + [3 * (i // 4) + 1 for i in range(len(prompts) - 6)]
     return prompts, arrivals
 
 
-def run_arrivals(engine: Engine, prompts: list[list[int]], arrivals: list[int], params: SamplingParams) -> list[RequestOutput]:
+def run_arrivals(
+    engine: Engine, prompts: list[list[int]], arrivals: list[int], params: SamplingParams
+) -> list[RequestOutput]:
     index_of: dict[str, int] = {}
     finals: dict[int, RequestOutput] = {}
     step = 0
@@ -52,8 +57,15 @@ def run_arrivals(engine: Engine, prompts: list[list[int]], arrivals: list[int], 
 def tiny_engine(path: str, **options: Any) -> Engine:
     # No extend-step time budget (max_extend_step_ms=0): these tests count steps, which must not depend on
     # how fast this machine is (as the shared engines of conftest.py).
-    kwargs = dict(device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=4096, max_num_seqs=8, debug_kv_invariant=True,
-                  max_extend_step_ms=0)
+    kwargs = dict(
+        device="cpu",
+        dtype="float32",
+        disable_graphs=True,
+        kv_cache_tokens=4096,
+        max_num_seqs=8,
+        debug_kv_invariant=True,
+        max_extend_step_ms=0,
+    )
     return track(Engine(model=path, **{**kwargs, **options}))
 
 
@@ -74,8 +86,10 @@ def test_prefix_cache_gives_identical_tokens_and_less_prefill(tiny_checkpoints: 
     assert on.prefix_cache_hit_tokens + on.prefill_computed_tokens == prompt_tokens
     assert on.prefill_computed_tokens < 0.45 * prompt_tokens, (on.prefill_computed_tokens, prompt_tokens)
     assert on.prefix_cache_hit_tokens % page_size == 0
-    print(f"page {page_size}: {prompt_tokens} prompt tokens, computed {on.prefill_computed_tokens} with the cache "
-          f"({100 * on.prefix_cache_hit_rate:.0f}% hit) vs {off.prefill_computed_tokens} without")
+    print(
+        f"page {page_size}: {prompt_tokens} prompt tokens, computed {on.prefill_computed_tokens} with the cache "
+        f"({100 * on.prefix_cache_hit_rate:.0f}% hit) vs {off.prefill_computed_tokens} without"
+    )
     # Idle: nothing held, the cached pages are evictable.
     assert cached.kv_pages_in_use() == 0 and on.kv_pages_cached > 0
 
@@ -94,16 +108,28 @@ def test_requests_arriving_together_share_the_prefix_computed_first(tiny_checkpo
 
 def test_smollm2_chat_requests_share_a_system_prompt(engine_cache: Callable[..., Engine]) -> None:
     """SmolLM2 (float32): chat turns behind one system prompt, cache on vs off, token for token."""
-    system = {"role": "system", "content": "You are a concise assistant. Answer in one short sentence, in plain English."}
-    questions = ["What is the capital of France?", "Name a prime number.", "What colour is the sky?", "Who wrote Hamlet?"]
+    system = {
+        "role": "system",
+        "content": "You are a concise assistant. Answer in one short sentence, in plain English.",
+    }
+    questions = [
+        "What is the capital of France?",
+        "Name a prime number.",
+        "What colour is the sky?",
+        "Who wrote Hamlet?",
+    ]
     params = SamplingParams(max_tokens=8, temperature=0.0)
     cached = engine_cache(None)
     plain = engine_cache(None, enable_prefix_caching=False)
     conversations = [
-        cached.tokenizer.apply_chat_template([system, {"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        cached.tokenizer.apply_chat_template(
+            [system, {"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
         for q in questions
     ]
-    conversations = [list(c["input_ids"]) if isinstance(c, dict) or hasattr(c, "keys") else list(c) for c in conversations]
+    conversations = [
+        list(c["input_ids"]) if isinstance(c, dict) or hasattr(c, "keys") else list(c) for c in conversations
+    ]
     before = cached.stats()
     first = cached.generate(conversations[:1], params)
     rest = cached.generate(conversations[1:], params)
@@ -120,7 +146,9 @@ def test_smollm2_chat_requests_share_a_system_prompt(engine_cache: Callable[...,
 
 @pytest.fixture(scope="module")
 def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_checkpoint("llama_plain", str(tmp_path_factory.mktemp("long") / "llama"), max_position_embeddings=4096)
+    return build_tiny_checkpoint(
+        "llama_plain", str(tmp_path_factory.mktemp("long") / "llama"), max_position_embeddings=4096
+    )
 
 
 def test_chunked_prefill_matches_whole_prefill_on_a_long_prompt(long_context_model: str) -> None:
@@ -140,11 +168,15 @@ def test_chunked_prefill_matches_whole_prefill_on_a_long_prompt(long_context_mod
 def test_decode_runs_between_the_chunks_of_a_long_prompt(long_context_model: str, mixed: bool) -> None:
     """A short request keeps decoding while a long prompt is prefilled chunk by chunk: in a decode
     step after every chunk, or (mixed steps) in the very step of every chunk."""
-    engine = tiny_engine(long_context_model, page_size=16, max_model_len=4096, chunked_prefill_size=256, mixed_steps=mixed)
+    engine = tiny_engine(
+        long_context_model, page_size=16, max_model_len=4096, chunked_prefill_size=256, mixed_steps=mixed
+    )
     rng = random.Random(3)
     short_id = engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     engine.step()  # the short prompt's prefill
-    long_id = engine.add_request([rng.randrange(3, 300) for _ in range(2000)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    long_id = engine.add_request(
+        [rng.randrange(3, 300) for _ in range(2000)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    )
     kinds = []
     tokens_of: dict[str, int] = {short_id: 1, long_id: 0}
     with StepRecorder(engine) as recorder:
@@ -172,7 +204,9 @@ def test_decode_runs_between_the_chunks_of_a_long_prompt(long_context_model: str
 
 
 @pytest.mark.parametrize("page_size,prefix_cache", [(1, True), (16, True), (16, False)])
-def test_tight_pool_retracts_and_still_gives_the_same_tokens(tiny_checkpoints: dict[str, str], page_size: int, prefix_cache: bool) -> None:
+def test_tight_pool_retracts_and_still_gives_the_same_tokens(
+    tiny_checkpoints: dict[str, str], page_size: int, prefix_cache: bool
+) -> None:
     path = tiny_checkpoints["qwen3"]
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(4, 30))] for _ in range(12)]
@@ -208,7 +242,9 @@ def test_prompt_that_cannot_fit_the_pool_is_refused_clearly(tiny_checkpoints: di
 
 
 @pytest.mark.parametrize("page_size,length", [(1, 40), (16, 32), (16, 40)])
-def test_identical_prompts_take_two_prefill_steps(tiny_checkpoints: dict[str, str], page_size: int, length: int) -> None:
+def test_identical_prompts_take_two_prefill_steps(
+    tiny_checkpoints: dict[str, str], page_size: int, length: int
+) -> None:
     """n copies of one prompt (parallel sampling): the first computes it, the rest reuse it one step later."""
     engine = tiny_engine(tiny_checkpoints["qwen3"], page_size=page_size)
     prompt = [7 + i % 50 for i in range(length)]
@@ -233,7 +269,9 @@ def test_prompt_logprobs_requests_are_not_held_back(tiny_checkpoints: dict[str, 
     assert all(len(o.prompt_logprobs) == len(prompt) for o in outputs)
 
 
-def test_prompt_logprobs_match_transformers_across_chunks(tiny_checkpoints: dict[str, str], hf_tiny: Callable[[str], Any]) -> None:
+def test_prompt_logprobs_match_transformers_across_chunks(
+    tiny_checkpoints: dict[str, str], hf_tiny: Callable[[str], Any]
+) -> None:
     """Echo scoring: every prompt token's logprob (and top-2), computed over 3 chunks, equals HF's."""
     import torch
 

@@ -21,7 +21,11 @@ from engine.server.tools import plan_tools
 
 # (text, deepseek_r1 split, qwen3 split)
 CASES = [
-    ("<think>\nPlan it.\n</think>\n\nThe answer.", ("\nPlan it.\n", "\n\nThe answer."), ("\nPlan it.\n", "\n\nThe answer.")),
+    (
+        "<think>\nPlan it.\n</think>\n\nThe answer.",
+        ("\nPlan it.\n", "\n\nThe answer."),
+        ("\nPlan it.\n", "\n\nThe answer."),
+    ),
     ("Plan it.</think>The answer.", ("Plan it.", "The answer."), ("", "Plan it.</think>The answer.")),
     ("The answer, no thought.", ("The answer, no thought.", ""), ("", "The answer, no thought.")),
     ("<think>cut off while thinking", ("cut off while thinking", ""), ("cut off while thinking", "")),
@@ -31,7 +35,11 @@ CASES = [
     ("<think>x</thin", ("x</thin", ""), ("x</thin", "")),
     ("<thi", ("<thi", ""), ("", "<thi")),
     ("", ("", ""), ("", "")),
-    ("<think>\u00e9t\u00e9 \U0001f600</think>\u00e7a", ("\u00e9t\u00e9 \U0001f600", "\u00e7a"), ("\u00e9t\u00e9 \U0001f600", "\u00e7a")),
+    (
+        "<think>\u00e9t\u00e9 \U0001f600</think>\u00e7a",
+        ("\u00e9t\u00e9 \U0001f600", "\u00e7a"),
+        ("\u00e9t\u00e9 \U0001f600", "\u00e7a"),
+    ),
 ]
 
 
@@ -41,7 +49,7 @@ def test_the_split_and_every_chunking_of_its_stream_agree(text: str, deepseek: t
         assert split_reasoning(parser, text) == want
         for size in range(1, len(text) + 2):
             stream = ReasoningStream(parser)
-            chunks = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+            chunks = [text[i : i + size] for i in range(0, len(text), size)] or [""]
             got = ["", ""]
             for index, chunk in enumerate(chunks):
                 reasoning, content = stream.feed(chunk, index == len(chunks) - 1)
@@ -51,16 +59,29 @@ def test_the_split_and_every_chunking_of_its_stream_agree(text: str, deepseek: t
 
 
 def _outputs(text: str, size: int) -> list[RequestOutput]:
-    pieces = [text[i:i + size] for i in range(0, len(text), size)]
-    return [RequestOutput("r", None, [1], [], text[:sum(map(len, pieces[:i + 1]))], i == len(pieces) - 1,
-                          "stop" if i == len(pieces) - 1 else None, new_text=piece) for i, piece in enumerate(pieces)]
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]
+    return [
+        RequestOutput(
+            "r",
+            None,
+            [1],
+            [],
+            text[: sum(map(len, pieces[: i + 1]))],
+            i == len(pieces) - 1,
+            "stop" if i == len(pieces) - 1 else None,
+            new_text=piece,
+        )
+        for i, piece in enumerate(pieces)
+    ]
 
 
 def test_the_chat_stream_splits_reasoning_then_reads_tool_calls() -> None:
     serving = Serving(None, ModelInfo("m", 4096, 100, None), reasoning_parser="qwen3", tool_call_parser="hermes")  # type: ignore[arg-type]
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
     plan = plan_tools(tools, "auto", None, "hermes")
-    text = '<think>I should look it up.</think>Checking.<tool_call>{"name": "lookup", "arguments": {"q": "x"}}</tool_call>'
+    text = (
+        '<think>I should look it up.</think>Checking.<tool_call>{"name": "lookup", "arguments": {"q": "x"}}</tool_call>'
+    )
     whole = _assistant_message(plan, "qwen3", text)
     assert whole.reasoning_content == "I should look it up." and whole.content == "Checking."
     assert whole.tool_calls and whole.tool_calls[0]["function"] == {"name": "lookup", "arguments": '{"q": "x"}'}
@@ -72,6 +93,8 @@ def test_the_chat_stream_splits_reasoning_then_reads_tool_calls() -> None:
         assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == "I should look it up."
         assert "".join(d["delta"].get("content") or "" for d in deltas) == "Checking."
         calls = [call for d in deltas for call in d["delta"].get("tool_calls") or []]
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("lookup", {"q": "x"})]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("lookup", {"q": "x"})
+        ]
         assert deltas[-1]["finish_reason"] == "tool_calls"
     serving.close()

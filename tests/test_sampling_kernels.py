@@ -58,14 +58,26 @@ def test_penalty_kernel_matches_the_torch_path_bit_for_bit(everyone: bool, with_
     assert recorded is not None
     positions = [i for i, r in enumerate(requests) if r.params.has_penalties]
     penalized = [requests[i] for i in positions]
-    values = torch.tensor([[r.params.repetition_penalty for r in penalized], [r.params.frequency_penalty for r in penalized],
-                           [r.params.presence_penalty for r in penalized]], device=DEVICE)
+    values = torch.tensor(
+        [
+            [r.params.repetition_penalty for r in penalized],
+            [r.params.frequency_penalty for r in penalized],
+            [r.params.presence_penalty for r in penalized],
+        ],
+        device=DEVICE,
+    )
     state.fill_new_rows(penalized)
     assert state.seen is not None
     out = logits.clone()
     with nullcontext() if ON_GPU else interpreter_mode():
-        apply_penalties_(out, torch.tensor(positions, device=DEVICE), rows[positions], state.seen,
-                         state.counts if with_counts else None, *values)
+        apply_penalties_(
+            out,
+            torch.tensor(positions, device=DEVICE),
+            rows[positions],
+            state.seen,
+            state.counts if with_counts else None,
+            *values,
+        )
     assert torch.equal(out.cpu(), expected)
     untouched = [i for i in range(len(requests)) if i not in positions]
     assert torch.equal(out[untouched], logits[untouched])

@@ -21,12 +21,12 @@ import random
 
 import pytest
 
-from engine.step_message import slot_of
 from engine.kv_cache import PageAllocator
 from engine.kv_manager import KVCacheManager, pages_needed
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler
+from engine.step_message import slot_of
 
 
 class SlotLedger:
@@ -145,7 +145,9 @@ def simulate(seed: int, steps: int = 300, overlap: bool = False) -> int:
     for t in range(3000):  # drain: everything left must finish
         if not scheduler.has_work() and not in_flight:
             break
-        assert step_once(f"seed {seed} drain {t}", arrivals=False), f"seed {seed} drain: nothing scheduled with work left"
+        assert step_once(f"seed {seed} drain {t}", arrivals=False), (
+            f"seed {seed} drain: nothing scheduled with work left"
+        )
     assert not scheduler.has_work() and not in_flight, f"seed {seed}: did not drain"
     assert kv.pages_in_use == 0
     assert not any(ledger.pending.values()), "a pending token was never handed back"

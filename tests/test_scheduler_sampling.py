@@ -6,16 +6,22 @@ about text (stop strings, EOS, streaming deltas) run the embedded SmolLM2.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
-
 from conftest import track
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
 from helpers import greedy, hf_greedy, repeats, run_staggered
 
-PROMPTS = [[5, 6, 7, 8, 9], [100, 101, 102], [17] * 6, [300, 20, 41, 7, 99, 3, 3, 250, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+PROMPTS = [
+    [5, 6, 7, 8, 9],
+    [100, 101, 102],
+    [17] * 6,
+    [300, 20, 41, 7, 99, 3, 3, 250, 11, 12, 13, 14, 15, 16, 17, 18, 19],
+]
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +127,9 @@ def smol_text(smol_engine: Engine) -> tuple[str, list[int], str]:
 
 
 @pytest.mark.parametrize("stops", [["\n\n"], ["answer is"], ["Par"], ["\n\nThe", "zzz-never"], ["answer", "\n"]])
-def test_stop_strings_truncate_text(smol_engine: Engine, smol_text: tuple[str, list[int], str], stops: list[str]) -> None:
+def test_stop_strings_truncate_text(
+    smol_engine: Engine, smol_text: tuple[str, list[int], str], stops: list[str]
+) -> None:
     prompt, full_tokens, full_text = smol_text
     found = [full_text.find(s) for s in stops if s in full_text]
     assert found, f"precondition: one of {stops} occurs in {full_text!r}"
@@ -146,7 +154,7 @@ def test_streamed_text_deltas_add_up_to_the_final_text(
     string that was already streamed in between. A fix holds back text that could still be the
     start of a stop string (vLLM does) and never sends it.
     """
-    prompt, _, full_text = smol_text
+    prompt, _, _full_text = smol_text
     params = greedy(24, stop=stops)
     final = smol_engine.generate([prompt], params)[0].text
     streamed = "".join(output.new_text for output in smol_engine.stream([prompt], params))
@@ -184,7 +192,10 @@ def test_stop_string_per_request_in_a_batch(smol_engine: Engine, smol_text: tupl
 
 
 def run_counting_preemptions(engine: Engine, prompts: list, params: Any) -> tuple[list[list[int]], int]:
-    ids = [engine.add_request(p, params if isinstance(params, SamplingParams) else params[i]) for i, p in enumerate(prompts)]
+    ids = [
+        engine.add_request(p, params if isinstance(params, SamplingParams) else params[i])
+        for i, p in enumerate(prompts)
+    ]
     requests = {rid: engine._requests[rid] for rid in ids}
     finals: dict[str, list[int]] = {}
     steps = 0
@@ -203,8 +214,15 @@ def test_preemption_keeps_greedy_tokens(tiny: Engine, tiny_checkpoints: dict[str
     # A 64-token pool for four requests that grow to ~50 tokens each: decode steps run out of
     # pages again and again and the newest request is preempted, then recomputed.
     small = track(
-        Engine(model=tiny_checkpoints["qwen3"], device="cpu", dtype="float32", disable_graphs=True,
-               page_size=page_size, kv_cache_tokens=64, max_num_seqs=4)
+        Engine(
+            model=tiny_checkpoints["qwen3"],
+            device="cpu",
+            dtype="float32",
+            disable_graphs=True,
+            page_size=page_size,
+            kv_cache_tokens=64,
+            max_num_seqs=4,
+        )
     )
     params = greedy(40)
     got, preemptions = run_counting_preemptions(small, PROMPTS, params)
@@ -214,10 +232,19 @@ def test_preemption_keeps_greedy_tokens(tiny: Engine, tiny_checkpoints: dict[str
 
 def test_preemption_keeps_seeded_samples(tiny: Engine, tiny_checkpoints: dict[str, str]) -> None:
     small = track(
-        Engine(model=tiny_checkpoints["qwen3"], device="cpu", dtype="float32", disable_graphs=True,
-               page_size=16, kv_cache_tokens=64, max_num_seqs=4)
+        Engine(
+            model=tiny_checkpoints["qwen3"],
+            device="cpu",
+            dtype="float32",
+            disable_graphs=True,
+            page_size=16,
+            kv_cache_tokens=64,
+            max_num_seqs=4,
+        )
     )
-    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=40, ignore_eos=True) for i in range(4)]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=40, ignore_eos=True) for i in range(4)
+    ]
     got, preemptions = run_counting_preemptions(small, PROMPTS, params)
     assert preemptions > 0
     assert got == [o.token_ids for o in tiny.generate(PROMPTS, params)]
@@ -231,7 +258,11 @@ def test_preemption_keeps_seeded_samples(tiny: Engine, tiny_checkpoints: dict[st
 def test_seed_reproducible_across_batch_compositions(tiny: Engine) -> None:
     target = SamplingParams(temperature=0.9, top_p=0.95, seed=42, max_tokens=24, ignore_eos=True)
     alone = solo(tiny, PROMPTS[0], target)
-    others = [SamplingParams(temperature=1.0, max_tokens=30), greedy(8), SamplingParams(temperature=0.7, seed=7, max_tokens=5)]
+    others = [
+        SamplingParams(temperature=1.0, max_tokens=30),
+        greedy(8),
+        SamplingParams(temperature=0.7, seed=7, max_tokens=5),
+    ]
     batched = tiny.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[3]], [others[0], target, others[1], others[2]])
     assert batched[1].token_ids == alone
     # Joining a running batch late, next to other seeded requests, changes nothing either.
@@ -240,14 +271,19 @@ def test_seed_reproducible_across_batch_compositions(tiny: Engine) -> None:
 
 
 def test_different_seeds_differ_same_seed_repeats(tiny: Engine) -> None:
-    outputs = [tuple(solo(tiny, PROMPTS[0], SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True))) for s in range(4)]
+    outputs = [
+        tuple(solo(tiny, PROMPTS[0], SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True)))
+        for s in range(4)
+    ]
     assert len(set(outputs)) == 4
     again = tuple(solo(tiny, PROMPTS[0], SamplingParams(temperature=1.0, seed=2, max_tokens=16, ignore_eos=True)))
     assert again == outputs[2]
     assert outputs[0] != tuple(solo(tiny, PROMPTS[0], greedy(16)))
 
 
-@pytest.mark.parametrize("kwargs", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)], ids=["top_k=1", "top_p~0", "min_p=1"])
+@pytest.mark.parametrize(
+    "kwargs", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)], ids=["top_k=1", "top_p~0", "min_p=1"]
+)
 def test_filters_that_keep_one_token_equal_greedy(tiny: Engine, kwargs: dict) -> None:
     expected = [o.token_ids for o in tiny.generate(PROMPTS, greedy(20))]
     params = SamplingParams(temperature=1.3, max_tokens=20, ignore_eos=True, **kwargs)
@@ -293,7 +329,9 @@ def test_per_request_parameters_inside_one_batch(tiny: Engine) -> None:
         greedy(24, repetition_penalty=2.0),
         greedy(24, stop_token_ids=[stop_id]),
         greedy(3),
-        SamplingParams(temperature=1.0, top_p=0.5, min_p=0.1, seed=9, max_tokens=24, ignore_eos=True, frequency_penalty=0.5),
+        SamplingParams(
+            temperature=1.0, top_p=0.5, min_p=0.1, seed=9, max_tokens=24, ignore_eos=True, frequency_penalty=0.5
+        ),
     ]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0], PROMPTS[1], PROMPTS[2]]
     batched = tiny.generate(prompts, params)
@@ -307,7 +345,6 @@ def test_presence_and_frequency_penalties_match_a_reference(tiny: Engine, hf_tin
     """OpenAI semantics over generated tokens, from the persistent penalty rows, against HF logits by hand;
     the rows are built once per request and kept by diffs, batched beside unpenalized requests."""
     import torch
-
     from helpers import hf_last_logits
 
     model = hf_tiny("qwen3")
@@ -317,8 +354,11 @@ def test_presence_and_frequency_penalties_match_a_reference(tiny: Engine, hf_tin
         out: list[int] = []
         for _ in range(16):
             logits = hf_last_logits(model, list(prompt) + out).float()
-            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float() if out \
+            counts = (
+                torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
+                if out
                 else torch.zeros_like(logits)
+            )
             out.append(int((logits - frequency * counts - presence * (counts > 0).float()).argmax()))
         expected.append(out)
     assert expected[0] != solo(tiny, prompts[0], greedy(16))  # precondition: the penalties matter here

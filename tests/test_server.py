@@ -8,10 +8,10 @@ import json
 import httpx
 import openai
 import pytest
+from server_helpers import MODEL, ServerProcess, shared_server
 
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from server_helpers import MODEL, ServerProcess, shared_server
 
 
 @pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
@@ -35,7 +35,11 @@ def test_models_lists_the_model_with_its_context_length(client: openai.OpenAI) -
 def test_greedy_completion_matches_engine_generate(client: openai.OpenAI, smol_engine: Engine) -> None:
     prompt = "The capital of France is"
     response = client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True}
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     choice = response.choices[0].model_dump()
     expected = smol_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
@@ -53,7 +57,12 @@ def test_chat_uses_the_template_and_streams_the_same_text(client: openai.OpenAI)
     assert "Paris" in full.choices[0].message.content and full.choices[0].message.role == "assistant"
     assert full.object == "chat.completion" and full.usage.prompt_tokens > 10  # the template's system turn
     stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}
+        model=MODEL,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -64,8 +73,14 @@ def test_chat_uses_the_template_and_streams_the_same_text(client: openai.OpenAI)
 
 
 def test_completion_stream_ends_with_done(server: ServerProcess) -> None:
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 8,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
@@ -81,8 +96,15 @@ def test_token_id_prompts_stream_their_token_ids(server: ServerProcess, smol_eng
     from engine.server.protocol import CompletionChoice
 
     prompt = [1, 504, 3458, 282, 4649, 314]
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, "stream": True, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 10,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     choices = [json.loads(e)["choices"][0] for e in events[:-1]]
@@ -98,16 +120,25 @@ def test_stop_strings_cut_the_text(client: openai.OpenAI) -> None:
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
     assert " 6," in plain
     for stop in (" 6", [" 9", " 6"]):
-        choice = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stop).choices[0]
+        choice = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stop).choices[
+            0
+        ]
         assert choice.text == plain[: plain.index(" 6")] and choice.finish_reason == "stop"
-    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=" 6", stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=" 6", stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == plain[: plain.index(" 6")]
 
 
 def test_n_choices_with_seed_are_distinct_and_reproducible(client: openai.OpenAI) -> None:
     def sample() -> list[str]:
         response = client.completions.create(
-            model=MODEL, prompt=["Tell me about dogs", "Tell me about cats"], max_tokens=8, n=3, temperature=1.0, seed=7,
+            model=MODEL,
+            prompt=["Tell me about dogs", "Tell me about cats"],
+            max_tokens=8,
+            n=3,
+            temperature=1.0,
+            seed=7,
             extra_body={"ignore_eos": True},
         )
         assert [c.index for c in response.choices] == list(range(6))
@@ -125,8 +156,16 @@ def test_n_choices_with_seed_are_distinct_and_reproducible(client: openai.OpenAI
 
 def test_sampling_knobs_are_accepted(client: openai.OpenAI) -> None:
     response = client.completions.create(
-        model=MODEL, prompt="The weather today is", max_tokens=6, temperature=0.7, top_p=0.9, presence_penalty=0.5,
-        frequency_penalty=0.5, seed=3, user="someone", extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
+        model=MODEL,
+        prompt="The weather today is",
+        max_tokens=6,
+        temperature=0.7,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        seed=3,
+        user="someone",
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
     )
     assert response.usage.completion_tokens <= 6 and response.choices[0].finish_reason in ("stop", "length")
     # A field the server does not know is refused by name, not silently ignored (engine/server/fields.py).
@@ -136,7 +175,11 @@ def test_sampling_knobs_are_accepted(client: openai.OpenAI) -> None:
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:
     response = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Name a color."}], max_tokens=5, temperature=0, logprobs=True,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a color."}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
         top_logprobs=3,
     )
     content = response.choices[0].logprobs.content
@@ -144,14 +187,17 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3 and entry.bytes == list(entry.token.encode())
         # Greedy: the chosen token is the most likely one.
-        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(
+            entry.logprob
+        )
     assert "".join(e.token for e in content) == response.choices[0].message.content
 
 
 def test_completion_logprobs_and_echo(client: openai.OpenAI) -> None:
     prompt = "Hello world"
-    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True, extra_body={"ignore_eos": True}
+    )
     choice = response.choices[0]
     lp = choice.logprobs
     prompt_len = response.usage.prompt_tokens
@@ -161,8 +207,15 @@ def test_completion_logprobs_and_echo(client: openai.OpenAI) -> None:
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == choice.text
     assert all(lp.text_offset[i + 1] == lp.text_offset[i] + len(lp.tokens[i]) for i in range(len(lp.tokens) - 1))
     assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
-    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=1, stream=True,
-                                         extra_body={"ignore_eos": True})
+    streamed = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0,
+        logprobs=1,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     tokens = [t for c in streamed for t in c.choices[0].logprobs.tokens]
     assert tokens == lp.tokens[prompt_len:]
 
@@ -185,8 +238,14 @@ def test_64_concurrent_streams_complete_exactly_and_free_the_pool(server: Server
 
     async def one(i: int) -> tuple[int, int]:
         stream = await client.completions.create(
-            model=MODEL, prompt=prompts[i], max_tokens=lengths[i], temperature=0.8, seed=i, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model=MODEL,
+            prompt=prompts[i],
+            max_tokens=lengths[i],
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
         chunks, usage = 0, None
         async for chunk in stream:
@@ -239,9 +298,15 @@ def test_16_clients_disconnecting_mid_stream_leave_nothing_behind(server: Server
 
 def test_metrics_exposes_the_prometheus_series(server: ServerProcess) -> None:
     text = httpx.get(f"{server.base_url}/metrics").text
-    for name in ("engine:num_requests_running", "engine:num_requests_waiting", "engine:kv_pages_used",
-                 "engine:generation_tokens_total", "engine:time_to_first_token_seconds_bucket",
-                 "engine:inter_token_latency_seconds_bucket", "engine:e2e_request_latency_seconds_bucket"):
+    for name in (
+        "engine:num_requests_running",
+        "engine:num_requests_waiting",
+        "engine:kv_pages_used",
+        "engine:generation_tokens_total",
+        "engine:time_to_first_token_seconds_bucket",
+        "engine:inter_token_latency_seconds_bucket",
+        "engine:e2e_request_latency_seconds_bucket",
+    ):
         assert name in text, name
 
 
@@ -259,46 +324,90 @@ def test_metrics_count_prefix_cache_hits(server: ServerProcess) -> None:
     hits = after["engine:prefix_cache_hits_total"] - before["engine:prefix_cache_hits_total"]
     assert queried == prompt_tokens and hits >= prompt_tokens - 16  # all but the last partial page
     assert 0 < after["engine:prefix_cache_hit_rate"] <= 1
-    for name in ("engine:prefill_computed_tokens_total", "engine:kv_pages_evicted_total", "engine:num_preemptions_total",
-                 "engine:kv_pages_cached"):
+    for name in (
+        "engine:prefill_computed_tokens_total",
+        "engine:kv_pages_evicted_total",
+        "engine:num_preemptions_total",
+        "engine:kv_pages_cached",
+    ):
         assert name in after, name
 
 
-STRUCTURED_PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
-                                                      "age": {"type": "integer"}},
-                     "required": ["name", "age"], "additionalProperties": False}
+STRUCTURED_PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 def test_structured_output_through_the_openai_client_streamed_or_not(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Give me a person as JSON."}]
-    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": STRUCTURED_PERSON, "strict": True}}
-    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
-                                          response_format=response_format, n=2)
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": STRUCTURED_PERSON, "strict": True},
+    }
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=64, temperature=0, response_format=response_format, n=2
+    )
     for choice in full.choices:
         person = json.loads(choice.message.content)
         assert list(person) == ["name", "age"] and isinstance(person["age"], int) and choice.finish_reason == "stop"
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
-                                            response_format=response_format, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=64, temperature=0, response_format=response_format, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == full.choices[0].message.content
-    picked = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0.8,
-                                       extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}})
+    picked = client.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=8,
+        temperature=0.8,
+        extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}},
+    )
     assert picked.choices[0].text in ("Paris", "Lyon")
     with pytest.raises(openai.BadRequestError, match="regex"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"regex": "[unclosed"})
 
 
 def test_tools_through_the_openai_client_required_streamed_and_auto(client: openai.OpenAI) -> None:
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
-        "additionalProperties": False}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 12}},
+                    "required": ["city"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    forced = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
-                                            parallel_tool_calls=False, max_tokens=64, temperature=0)
+    forced = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=64,
+        temperature=0,
+    )
     [call] = forced.choices[0].message.tool_calls
     assert forced.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert set(json.loads(call.function.arguments)) == {"city"}
-    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
-                                            parallel_tool_calls=False, max_tokens=64, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=64,
+        temperature=0,
+        stream=True,
+    )
     pieces: dict[int, dict] = {}
     for chunk in stream:  # reassembled as clients do: by index, arguments concatenated
         for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:

@@ -9,10 +9,10 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from server_helpers import MODEL, ServerProcess, shared_server
 
 from engine.engine import Engine
 from engine.server.app import build_app
-from server_helpers import MODEL, ServerProcess, shared_server
 
 LONG_PROMPT = "hello " * 2100  # more tokens than the 2048-token context
 MSG = [{"role": "user", "content": "hi"}]
@@ -37,11 +37,21 @@ CASES: list[tuple[str, str, str, Any, int]] = [
     ("max_tokens zero", "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
     ("max_tokens a string", "POST", "/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400),
     ("max_tokens beyond context", "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400),
-    ("max_completion_tokens beyond context", "POST", "/v1/chat/completions",
-     {"messages": MSG, "max_completion_tokens": 5000}, 400),
+    (
+        "max_completion_tokens beyond context",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": MSG, "max_completion_tokens": 5000},
+        400,
+    ),
     ("prompt over the context", "POST", "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 1}, 400),
-    ("chat prompt over the context", "POST", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400),
+    (
+        "chat prompt over the context",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": LONG_PROMPT}]},
+        400,
+    ),
     ("temperature -1", "POST", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400),
     ("temperature a string", "POST", "/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400),
     ("top_p 2", "POST", "/v1/completions", {"prompt": "hi", "top_p": 2}, 400),
@@ -67,23 +77,50 @@ CASES: list[tuple[str, str, str, Any, int]] = [
     ("bad role", "POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
     ("missing role", "POST", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400),
     ("content a number", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 42}]}, 400),
-    ("image content part", "POST", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    (
+        "image content part",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+    ),
     ("message is a string", "POST", "/v1/chat/completions", {"messages": ["hi"]}, 400),
     ("detokenize bad ids", "POST", "/detokenize", {"tokens": [-1]}, 400),
     ("detokenize ids not a list", "POST", "/detokenize", {"tokens": "abc"}, 400),
     ("tokenize neither prompt nor messages", "POST", "/tokenize", {}, 400),
     ("message without content", "POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400),
-    ("assistant message without content", "POST", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}, 400),
-    ("response_format structural_tag", "POST", "/v1/chat/completions", {"messages": MSG, "response_format": {"type": "structural_tag"}}, 400),
+    (
+        "assistant message without content",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
+        400,
+    ),
+    (
+        "response_format structural_tag",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": MSG, "response_format": {"type": "structural_tag"}},
+        400,
+    ),
     ("regex that does not parse", "POST", "/v1/completions", {"prompt": "hi", "regex": "(ab"}, 400),
-    ("tool with a bad name", "POST", "/v1/chat/completions",
-     {"messages": MSG, "tools": [{"type": "function", "function": {"name": "no spaces!", "parameters": {}}}]}, 400),
+    (
+        "tool with a bad name",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": MSG, "tools": [{"type": "function", "function": {"name": "no spaces!", "parameters": {}}}]},
+        400,
+    ),
     ("logit_bias key not a token id", "POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"x": 10}}, 400),
     ("logit_bias out of range", "POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400),
     ("logit_bias past the vocabulary", "POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400),
-    ("min_tokens above max_tokens", "POST", "/v1/completions", {"prompt": "hi", "min_tokens": 50, "max_tokens": 4}, 400),
+    (
+        "min_tokens above max_tokens",
+        "POST",
+        "/v1/completions",
+        {"prompt": "hi", "min_tokens": 50, "max_tokens": 4},
+        400,
+    ),
     ("unknown field", "POST", "/v1/completions", {"prompt": "hi", "temprature": 0.5}, 400),
     ("unknown route", "GET", "/v1/nothing", None, 404),
     ("unknown route (post)", "POST", "/v2/completions", {"prompt": "hi"}, 404),
@@ -149,7 +186,9 @@ def test_api_key_guards_v1_routes(smol_engine: Engine) -> None:
         assert_openai_error(http.post("/v1/completions", json={"prompt": "hi"}), 401)
         good = {"Authorization": "Bearer s3cret"}
         assert http.get("/v1/models", headers=good).json()["data"][0]["id"] == MODEL
-        response = http.post("/v1/completions", headers=good, json={"prompt": "Hi", "max_tokens": 2, "ignore_eos": True})
+        response = http.post(
+            "/v1/completions", headers=good, json={"prompt": "Hi", "max_tokens": 2, "ignore_eos": True}
+        )
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
         assert http.get("/health").status_code == 200  # not a /v1 route
         assert_openai_error(http.get("/nope", headers=good), 404)
@@ -190,7 +229,9 @@ FIELD_CASES: list[tuple[dict[str, Any], str | None]] = [
 
 
 @pytest.mark.parametrize("extra,refused", FIELD_CASES)
-def test_every_field_is_honoured_or_refused_by_name(smol_engine: Engine, extra: dict[str, Any], refused: str | None) -> None:
+def test_every_field_is_honoured_or_refused_by_name(
+    smol_engine: Engine, extra: dict[str, Any], refused: str | None
+) -> None:
     app = build_app(smol_engine)
     body = {"messages": MSG, "max_tokens": 2, "ignore_eos": True, **extra}
     with TestClient(app) as http:
@@ -221,7 +262,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_lives_on(smol_engine: 
     original = runner.launch
     calls = {"n": 0}
 
-    def fail_once(*args):  # noqa: ANN002, ANN202
+    def fail_once(*args):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected step failure")

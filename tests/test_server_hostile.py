@@ -8,6 +8,7 @@ requests beside healthy ones, and a soak. In-process (TestClient): auth before w
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 import os
 import random
@@ -20,31 +21,66 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-
-from engine.engine import Engine
-from engine.server.app import ServerSettings, build_app
 from server_helpers import MODEL, ServerProcess, shared_server
 from test_server_errors import CASES as BASIC_CASES
 from test_server_errors import _send, assert_openai_error
+
+from engine.engine import Engine
+from engine.server.app import ServerSettings, build_app
 
 MSG = [{"role": "user", "content": "hi"}]
 SURROGATE = "\ud800"
 
 # Sampling poisons, each sent to both endpoints.
 POISONED_FIELDS: list[tuple[str, Any]] = [
-    ("temperature", "NaN"), ("temperature", "Infinity"), ("temperature", "-Infinity"), ("temperature", -1e-300),
-    ("top_k", 2**63), ("top_k", 2**31), ("top_k", -2), ("top_k", 1.5), ("top_k", True),
-    ("top_p", "NaN"), ("top_p", 0.0), ("top_p", -0.5), ("top_p", 1.0000001),
-    ("min_p", "NaN"), ("min_p", -0.1), ("min_p", 2),
-    ("repetition_penalty", "NaN"), ("repetition_penalty", 1e-300), ("repetition_penalty", "Infinity"),
-    ("repetition_penalty", 1e6), ("repetition_penalty", -1),
-    ("presence_penalty", "NaN"), ("presence_penalty", 2.5), ("frequency_penalty", "-Infinity"),
-    ("seed", 1.5), ("seed", "7"), ("seed", True), ("seed", -(2**64)),
-    ("n", "2"), ("n", 1.0), ("n", True), ("n", -1),
-    ("max_tokens", 1.0), ("max_tokens", "5"), ("max_tokens", True), ("max_tokens", 2**70),
-    ("stop", ["x"] * 100), ("stop", ["y" * 5000]), ("stop", [1, 2]), ("stop", {"a": 1}),
-    ("stop_token_ids", [True]), ("stop_token_ids", [1.0]), ("stop_token_ids", [-1]), ("stop_token_ids", list(range(2000))),
-    ("ignore_eos", "yes"), ("ignore_eos", 1), ("stream", "true"), ("skip_special_tokens", 0),
+    ("temperature", "NaN"),
+    ("temperature", "Infinity"),
+    ("temperature", "-Infinity"),
+    ("temperature", -1e-300),
+    ("top_k", 2**63),
+    ("top_k", 2**31),
+    ("top_k", -2),
+    ("top_k", 1.5),
+    ("top_k", True),
+    ("top_p", "NaN"),
+    ("top_p", 0.0),
+    ("top_p", -0.5),
+    ("top_p", 1.0000001),
+    ("min_p", "NaN"),
+    ("min_p", -0.1),
+    ("min_p", 2),
+    ("repetition_penalty", "NaN"),
+    ("repetition_penalty", 1e-300),
+    ("repetition_penalty", "Infinity"),
+    ("repetition_penalty", 1e6),
+    ("repetition_penalty", -1),
+    ("presence_penalty", "NaN"),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", "-Infinity"),
+    ("seed", 1.5),
+    ("seed", "7"),
+    ("seed", True),
+    ("seed", -(2**64)),
+    ("n", "2"),
+    ("n", 1.0),
+    ("n", True),
+    ("n", -1),
+    ("max_tokens", 1.0),
+    ("max_tokens", "5"),
+    ("max_tokens", True),
+    ("max_tokens", 2**70),
+    ("stop", ["x"] * 100),
+    ("stop", ["y" * 5000]),
+    ("stop", [1, 2]),
+    ("stop", {"a": 1}),
+    ("stop_token_ids", [True]),
+    ("stop_token_ids", [1.0]),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", list(range(2000))),
+    ("ignore_eos", "yes"),
+    ("ignore_eos", 1),
+    ("stream", "true"),
+    ("skip_special_tokens", 0),
 ]
 
 
@@ -59,8 +95,24 @@ def _raw_json(body: dict[str, Any]) -> str:
 def _poison_cases() -> list[tuple[str, str, str, Any, int]]:
     cases = []
     for name, value in POISONED_FIELDS:
-        cases.append((f"completions {name}={value!r}"[:60], "POST", "/v1/completions", _raw_json({"prompt": "hi", name: value}), 400))
-        cases.append((f"chat {name}={value!r}"[:60], "POST", "/v1/chat/completions", _raw_json({"messages": MSG, name: value}), 400))
+        cases.append(
+            (
+                f"completions {name}={value!r}"[:60],
+                "POST",
+                "/v1/completions",
+                _raw_json({"prompt": "hi", name: value}),
+                400,
+            )
+        )
+        cases.append(
+            (
+                f"chat {name}={value!r}"[:60],
+                "POST",
+                "/v1/chat/completions",
+                _raw_json({"messages": MSG, name: value}),
+                400,
+            )
+        )
     return cases
 
 
@@ -70,10 +122,27 @@ OTHER_CASES: list[tuple[str, str, str, Any, int]] = [
     ("surrogate in a prompt list", "POST", "/v1/completions", {"prompt": ["ok", "a" + SURROGATE]}, 400),
     ("surrogate model", "POST", "/v1/completions", {"prompt": "hi", "model": SURROGATE}, 400),
     ("surrogate stop", "POST", "/v1/completions", {"prompt": "hi", "stop": [SURROGATE]}, 400),
-    ("surrogate chat content", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": SURROGATE}]}, 400),
-    ("surrogate chat part", "POST", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": [{"type": "text", "text": "x" + SURROGATE}]}]}, 400),
-    ("surrogate chat name", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": SURROGATE}]}, 400),
+    (
+        "surrogate chat content",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": SURROGATE}]},
+        400,
+    ),
+    (
+        "surrogate chat part",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x" + SURROGATE}]}]},
+        400,
+    ),
+    (
+        "surrogate chat name",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x", "name": SURROGATE}]},
+        400,
+    ),
     ("surrogate field name", "POST", "/v1/completions", {"prompt": "hi", SURROGATE: 1}, 400),
     ("surrogate tokenize", "POST", "/tokenize", {"prompt": SURROGATE}, 400),
     ("surrogate tokenize messages", "POST", "/tokenize", {"messages": [{"role": "user", "content": SURROGATE}]}, 400),
@@ -90,22 +159,56 @@ OTHER_CASES: list[tuple[str, str, str, Any, int]] = [
     ("echo a string", "POST", "/v1/completions", {"prompt": "hi", "echo": "yes"}, 400),
     ("chat logprobs 1", "POST", "/v1/chat/completions", {"messages": MSG, "logprobs": 1}, 400),
     ("role a number", "POST", "/v1/chat/completions", {"messages": [{"role": 1, "content": "hi"}]}, 400),
-    ("content a dict", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": {"text": "hi"}}]}, 400),
-    ("part without text", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400),
+    (
+        "content a dict",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": {"text": "hi"}}]},
+        400,
+    ),
+    (
+        "part without text",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        400,
+    ),
     ("messages null", "POST", "/v1/chat/completions", {"messages": None}, 400),
     ("stream_options a list", "POST", "/v1/completions", {"prompt": "hi", "stream_options": [1]}, 400),
     # Sizes: text that cannot fit the context is refused before tokenizing.
     ("prompt of 2M characters", "POST", "/v1/completions", {"prompt": "a" * 2_000_000, "max_tokens": 1}, 400),
-    ("chat of 2M characters", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "b" * 2_000_000}]}, 400),
+    (
+        "chat of 2M characters",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "b" * 2_000_000}]},
+        400,
+    ),
     ("tokenize 2M characters", "POST", "/tokenize", {"prompt": "c" * 2_000_000}, 400),
     ("1000 prompts", "POST", "/v1/completions", {"prompt": ["hi"] * 1000, "max_tokens": 1}, 400),
     ("n x prompts over the cap", "POST", "/v1/completions", {"prompt": ["hi"] * 20, "n": 10, "max_tokens": 1}, 400),
     # Request-supplied chat templates and reserved template arguments.
-    ("request chat template", "POST", "/v1/chat/completions",
-     {"messages": MSG, "chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}x{% endfor %}"}}, 400),
-    ("template kwarg tokenize", "POST", "/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {"tokenize": False}}, 400),
-    ("template kwarg conversation", "POST", "/v1/chat/completions",
-     {"messages": MSG, "chat_template_kwargs": {"conversation": []}}, 400),
+    (
+        "request chat template",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": MSG, "chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}x{% endfor %}"}},
+        400,
+    ),
+    (
+        "template kwarg tokenize",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": MSG, "chat_template_kwargs": {"tokenize": False}},
+        400,
+    ),
+    (
+        "template kwarg conversation",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": MSG, "chat_template_kwargs": {"conversation": []}},
+        400,
+    ),
     ("template kwargs a list", "POST", "/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": [1]}, 400),
     # Routes.
     ("unknown model retrieve", "GET", "/v1/models/gpt-9", None, 404),
@@ -123,7 +226,7 @@ OTHER_CASES: list[tuple[str, str, str, Any, int]] = [
 ]
 
 CASES = BASIC_CASES + _poison_cases() + OTHER_CASES
-LEAKS = ("Traceback", "/work/", "site-packages", 'File "', ".py\"", "line ")
+LEAKS = ("Traceback", "/work/", "site-packages", 'File "', '.py"', "line ")
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +239,9 @@ def _send_any(base: str, method: str, path: str, body: Any) -> httpx.Response:
     if isinstance(body, dict):
         body = json.dumps(body).encode()
     if isinstance(body, bytes):
-        return httpx.request(method, base + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+        return httpx.request(
+            method, base + path, content=body, headers={"content-type": "application/json"}, timeout=60
+        )
     return _send(base, method, path, body)
 
 
@@ -167,15 +272,35 @@ def _greedy(prompt: str) -> dict[str, Any]:
     return {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
-PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Water boils at",
-           "The quick brown fox", "My favourite colour is", "In 1969,"]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def add(a, b):",
+    "Water boils at",
+    "The quick brown fox",
+    "My favourite colour is",
+    "In 1969,",
+]
 
 
-@pytest.mark.parametrize("poison", [("temperature", "NaN"), ("temperature", 1e-37), ("top_k", 2**63), ("top_p", 1e-300),
-                                    ("repetition_penalty", "NaN"), ("repetition_penalty", 1e-300)])
-def test_one_poisoned_request_among_eight_costs_the_others_nothing(server: ServerProcess, poison: tuple[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "poison",
+    [
+        ("temperature", "NaN"),
+        ("temperature", 1e-37),
+        ("top_k", 2**63),
+        ("top_p", 1e-300),
+        ("repetition_penalty", "NaN"),
+        ("repetition_penalty", 1e-300),
+    ],
+)
+def test_one_poisoned_request_among_eight_costs_the_others_nothing(
+    server: ServerProcess, poison: tuple[str, Any]
+) -> None:
     """8 requests arrive together, one poisoned: the 7 others get exactly their solo tokens."""
-    solo = {p: _send(server.base_url, "POST", "/v1/completions", _greedy(p)).json()["choices"][0]["text"] for p in PROMPTS}
+    solo = {
+        p: _send(server.base_url, "POST", "/v1/completions", _greedy(p)).json()["choices"][0]["text"] for p in PROMPTS
+    }
     name, value = poison
     bad = _raw_json({"prompt": "Poison", "max_tokens": 8, "ignore_eos": True, name: value})
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -200,8 +325,10 @@ def _running(server: ServerProcess) -> float:
 def test_non_streaming_clients_that_hang_up_are_aborted_within_a_second(server: ServerProcess) -> None:
     server.wait_idle()
     body = json.dumps({"prompt": "Tell me everything", "max_tokens": 1500, "ignore_eos": True}).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     sockets = []
     for _ in range(4):
         sock = socket.create_connection(("127.0.0.1", server.port))
@@ -279,7 +406,7 @@ def test_slowloris_headers_are_cut_off_at_the_header_timeout(server: ServerProce
             sock.settimeout(0.3)
             try:
                 chunk = sock.recv(4096)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except ConnectionResetError:
                 break  # closed with our header lines unread: the kernel answers with a reset
@@ -296,8 +423,10 @@ def test_slowloris_headers_are_cut_off_at_the_header_timeout(server: ServerProce
 def test_a_100_mb_body_gets_413_before_it_is_sent(server: ServerProcess) -> None:
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     try:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 104857600\r\n\r\n{\"prompt\": \"")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 104857600\r\n\r\n{"prompt": "'
+        )
         answer = sock.recv(65536)
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
         assert b"connection: close" in answer.lower()
@@ -309,7 +438,10 @@ def test_unknown_host_header_is_refused(server: ServerProcess) -> None:
     """The server is bound to loopback: a rebound DNS name must not reach it."""
     response = httpx.get(f"{server.base_url}/v1/models", headers={"Host": "evil.example"}, timeout=10)
     assert_openai_error(response, 400)
-    assert httpx.get(f"{server.base_url}/v1/models", headers={"Host": f"localhost:{server.port}"}, timeout=10).status_code == 200
+    assert (
+        httpx.get(f"{server.base_url}/v1/models", headers={"Host": f"localhost:{server.port}"}, timeout=10).status_code
+        == 200
+    )
 
 
 def test_health_answers_while_a_huge_prompt_is_tokenized(server: ServerProcess) -> None:
@@ -338,7 +470,9 @@ def test_auth_is_checked_before_the_body_is_read(smol_engine: Engine) -> None:
     app = build_app(smol_engine, settings=ServerSettings(api_key="s3cret"))
     good = {"Authorization": "Bearer s3cret"}
     with TestClient(app) as http:
-        assert_openai_error(http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 401)
+        assert_openai_error(
+            http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 401
+        )
         assert_openai_error(http.post("/tokenize", json={"prompt": "hi"}), 401)
         assert_openai_error(http.post("/detokenize", json={"tokens": [1]}), 401)
         assert_openai_error(http.get("/metrics"), 401)
@@ -394,7 +528,9 @@ def test_soak_with_disconnects_and_hostile_requests(server: ServerProcess) -> No
     """2,000 requests, 20% hanging up, 5% hostile: pool back to 0, descriptors flat, RSS within 10%."""
     rng = random.Random(5)
     pid = server.process.pid
-    hostile = [case for case in CASES if case[4] == 400 and case[2].startswith("/v1/") and not isinstance(case[3], bytes)]
+    hostile = [
+        case for case in CASES if case[4] == 400 and case[2].startswith("/v1/") and not isinstance(case[3], bytes)
+    ]
 
     def one(index: int) -> str:
         kind = rng.random()
@@ -402,7 +538,12 @@ def test_soak_with_disconnects_and_hostile_requests(server: ServerProcess) -> No
             _name, method, path, body, status = hostile[index % len(hostile)]
             assert _send_any(server.base_url, method, path, body).status_code == status
             return "hostile"
-        body = {"prompt": f"Request {index} says", "max_tokens": 1 + index % 4, "ignore_eos": True, "stream": index % 3 == 0}
+        body = {
+            "prompt": f"Request {index} says",
+            "max_tokens": 1 + index % 4,
+            "ignore_eos": True,
+            "stream": index % 3 == 0,
+        }
         if kind < 0.25:
             try:  # hangs up before the answer
                 httpx.post(f"{server.base_url}/v1/completions", json={**body, "max_tokens": 64}, timeout=0.05)
@@ -460,7 +601,7 @@ def test_a_heavy_request_does_not_stall_a_running_stream(server: ServerProcess) 
     reader.join(300)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"][0]["logprobs"]["tokens"]) > 1400
-    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if heavy_start <= b <= heavy_end]
+    during = [b - a for a, b in itertools.pairwise(arrivals) if heavy_start <= b <= heavy_end]
     assert during, "the stream ended before the heavy request began"
     assert max(during) <= 1.5, f"stream stalled {max(during):.2f} s by a heavy request (gaps: {sorted(during)[-5:]})"
 
@@ -468,16 +609,27 @@ def test_a_heavy_request_does_not_stall_a_running_stream(server: ServerProcess) 
 @pytest.mark.parametrize("text", ["日本語の文章", "héllo wörld ñ", "emoji 🙂🚀 end", "Ελληνικά και русский"])
 def test_logprob_tokens_join_to_the_text_and_bytes_are_the_tokens_own(server: ServerProcess, text: str) -> None:
     """Characters split over tokens: token texts still join to the text; `bytes` are each token's raw bytes."""
-    echo = httpx.post(f"{server.base_url}/v1/completions",
-                      json={"prompt": text, "max_tokens": 1, "echo": True, "logprobs": 2, "temperature": 0}, timeout=60).json()
+    echo = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"prompt": text, "max_tokens": 1, "echo": True, "logprobs": 2, "temperature": 0},
+        timeout=60,
+    ).json()
     choice = echo["choices"][0]
     assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
     assert "\ufffd" not in "".join(choice["logprobs"]["tokens"][:-1])
     offsets = choice["logprobs"]["text_offset"]
     assert offsets == sorted(offsets) and offsets[0] == 0
-    chat = httpx.post(f"{server.base_url}/v1/chat/completions",
-                      json={"messages": [{"role": "user", "content": f"Repeat exactly: {text}"}], "max_tokens": 12,
-                            "logprobs": True, "top_logprobs": 2, "temperature": 0}, timeout=60).json()
+    chat = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": f"Repeat exactly: {text}"}],
+            "max_tokens": 12,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "temperature": 0,
+        },
+        timeout=60,
+    ).json()
     content = chat["choices"][0]["logprobs"]["content"]
     message = chat["choices"][0]["message"]["content"]
     assert "".join(entry["token"] for entry in content) == message
@@ -489,8 +641,10 @@ def test_clients_that_hang_up_during_prefill_free_everything(server: ServerProce
     """A long prompt still in its chunked prefill when the client leaves: its pages are freed within 1 s."""
     server.wait_idle()
     body = json.dumps({"prompt": "story " * 1800, "max_tokens": 64, "ignore_eos": True, "stream": stream}).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     generated_before = server.metrics().get("engine:generation_tokens_total", 0)
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(request)

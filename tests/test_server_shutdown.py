@@ -11,14 +11,19 @@ import threading
 import time
 
 import httpx
-
 from server_helpers import MODEL, start_server, take_shared_server
 
 
 def test_sigterm_finishes_running_streams_and_exits_cleanly() -> None:
     server = take_shared_server()
-    body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 48, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a long story",
+        "max_tokens": 48,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     events = []
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
         for line in response.iter_lines():
@@ -57,7 +62,9 @@ def test_requests_still_running_at_the_shutdown_deadline_end_cleanly() -> None:
         plain = threading.Thread(target=non_streaming)
         plain.start()
         events = []
-        with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**long_body, "stream": True}, timeout=60) as response:
+        with httpx.stream(
+            "POST", f"{server.base_url}/v1/completions", json={**long_body, "stream": True}, timeout=60
+        ) as response:
             for line in response.iter_lines():
                 if not line.startswith("data: "):
                     continue

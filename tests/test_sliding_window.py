@@ -35,15 +35,31 @@ def hf_greedy(path: str, prompt: list[int], new_tokens: int) -> list[int]:
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("page_size,graphs", [(1, False), (16, False), (16, True)])
-def test_windowed_attention_matches_transformers_past_the_window(windowed_mistral: str, page_size: int, graphs: bool) -> None:
-    engine = track(Engine(model=windowed_mistral, device="cpu", dtype="float32", page_size=page_size, kv_cache_tokens=2048,
-                          disable_graphs=not graphs, capture_sizes=[1, 2, 4], max_num_seqs=4, chunked_prefill_size=16,
-                          max_extend_step_ms=0, debug_kv_invariant=True))
+def test_windowed_attention_matches_transformers_past_the_window(
+    windowed_mistral: str, page_size: int, graphs: bool
+) -> None:
+    engine = track(
+        Engine(
+            model=windowed_mistral,
+            device="cpu",
+            dtype="float32",
+            page_size=page_size,
+            kv_cache_tokens=2048,
+            disable_graphs=not graphs,
+            capture_sizes=[1, 2, 4],
+            max_num_seqs=4,
+            chunked_prefill_size=16,
+            max_extend_step_ms=0,
+            debug_kv_invariant=True,
+        )
+    )
     assert engine.max_model_len > 100  # the window no longer limits the context
     rng = random.Random(page_size)
     prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (40, 9, 70)]  # past, within, far past the window
@@ -53,9 +69,10 @@ def test_windowed_attention_matches_transformers_past_the_window(windowed_mistra
     assert got == [hf_greedy(windowed_mistral, prompt, 36) for prompt in prompts]
 
 
-def test_a_window_on_some_layers_only_matches_transformers_past_it(tmp_path) -> None:  # noqa: ANN001
-    path = build_tiny_checkpoint("qwen2", str(tmp_path / "qwen2_window"), use_sliding_window=True, sliding_window=WINDOW,
-                                 max_window_layers=1)
+def test_a_window_on_some_layers_only_matches_transformers_past_it(tmp_path) -> None:
+    path = build_tiny_checkpoint(
+        "qwen2", str(tmp_path / "qwen2_window"), use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+    )
     engine = track(Engine(model=path, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=512))
     from engine.layers.attention import Attention
 
@@ -65,12 +82,16 @@ def test_a_window_on_some_layers_only_matches_transformers_past_it(tmp_path) -> 
     assert out.token_ids == hf_greedy(path, prompt, 30)
 
 
-def test_without_backend_windows_the_context_stops_at_the_window(windowed_mistral: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_backend_windows_the_context_stops_at_the_window(
+    windowed_mistral: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The fallback for backends without sliding windows (HPU, NPU), here the CPU backend with them off."""
     from engine.layers.torch_attention import TorchAttentionBackend
 
     monkeypatch.setattr(TorchAttentionBackend, "supports_sliding_window", False)
-    engine = track(Engine(model=windowed_mistral, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=512))
+    engine = track(
+        Engine(model=windowed_mistral, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=512)
+    )
     assert engine.max_model_len == WINDOW
     with pytest.raises(InvalidRequestError, match="sliding window"):
         engine.add_request(list(range(3, 3 + WINDOW)), SamplingParams(max_tokens=4))

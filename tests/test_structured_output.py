@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -26,8 +27,11 @@ xgr = pytest.importorskip("xgrammar")
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                   "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
+    },
     "required": ["name", "age", "pets"],
     "additionalProperties": False,
 }
@@ -53,9 +57,11 @@ def engine(request: pytest.FixtureRequest, engine_cache: Callable[..., Engine]) 
 
 def test_json_schema_outputs_parse_and_follow_the_schema(engine: Engine) -> None:
     prompts = ["Describe a person as JSON.", "Who lives next door? Answer in JSON.", "JSON for a pet owner:"]
-    params = [SamplingParams(max_tokens=96, temperature=0.0, grammar=GrammarSpec.json_schema(PERSON)),
-              SamplingParams(max_tokens=96, temperature=1.0, seed=7, grammar=GrammarSpec.json_schema(PERSON)),
-              SamplingParams(max_tokens=96, temperature=0.9, top_p=0.9, logprobs=2, grammar=GrammarSpec.json_schema(PERSON))]
+    params = [
+        SamplingParams(max_tokens=96, temperature=0.0, grammar=GrammarSpec.json_schema(PERSON)),
+        SamplingParams(max_tokens=96, temperature=1.0, seed=7, grammar=GrammarSpec.json_schema(PERSON)),
+        SamplingParams(max_tokens=96, temperature=0.9, top_p=0.9, logprobs=2, grammar=GrammarSpec.json_schema(PERSON)),
+    ]
     outputs = engine.generate(prompts, params, chat=True)
     for output in outputs:
         assert output.finish_reason == "stop", output.text
@@ -68,27 +74,47 @@ def test_seeded_structured_sampling_is_reproducible_and_a_batch_does_not_change_
     spec = GrammarSpec.json_schema(PERSON)
     seeded = SamplingParams(max_tokens=96, temperature=1.0, seed=123, grammar=spec)
     alone = engine.generate(["A person:"], seeded, chat=True)[0]
-    crowd = engine.generate(["A person:", "Another one:", "JSON please"],
-                            [seeded, SamplingParams(max_tokens=40, temperature=0.7), SamplingParams(max_tokens=30, temperature=0.0)],
-                            chat=True)[0]
+    crowd = engine.generate(
+        ["A person:", "Another one:", "JSON please"],
+        [seeded, SamplingParams(max_tokens=40, temperature=0.7), SamplingParams(max_tokens=30, temperature=0.0)],
+        chat=True,
+    )[0]
     assert alone.token_ids == crowd.token_ids
     _person(alone.text)
 
 
-@pytest.mark.parametrize("spec,check", [
-    (GrammarSpec("json_object"), lambda text: isinstance(json.loads(text), dict)),
-    (GrammarSpec("regex", r"\d{3}-\d{4}"), lambda text: re.fullmatch(r"\d{3}-\d{4}", text) is not None),
-    (GrammarSpec.choice(["Paris", "London", "a \"quoted\" \\ choice\n"]),
-     lambda text: text in ("Paris", "London", "a \"quoted\" \\ choice\n")),
-    (GrammarSpec("ebnf", 'root ::= "yes" | "no" | "maybe, " [0-9]+ "%"'),
-     lambda text: re.fullmatch(r"yes|no|maybe, \d+%", text) is not None),
-], ids=["json_object", "regex", "choice", "ebnf"])
-def test_every_kind_of_grammar_constrains_the_text(smol_engine: Engine, spec: GrammarSpec, check: Callable[[str], bool]) -> None:
-    outputs = smol_engine.generate(["The capital of France is", "Write something:"],
-                                   [SamplingParams(max_tokens=48, temperature=0.0, grammar=spec),
-                                    SamplingParams(max_tokens=48, temperature=1.2, seed=3, grammar=spec)], chat=True)
-    compiled = GrammarCompiler(smol_engine.tokenizer, smol_engine.model_config.vocab_size,
-                               sorted(smol_engine.eos_token_ids)).submit(spec).result()
+@pytest.mark.parametrize(
+    "spec,check",
+    [
+        (GrammarSpec("json_object"), lambda text: isinstance(json.loads(text), dict)),
+        (GrammarSpec("regex", r"\d{3}-\d{4}"), lambda text: re.fullmatch(r"\d{3}-\d{4}", text) is not None),
+        (
+            GrammarSpec.choice(["Paris", "London", 'a "quoted" \\ choice\n']),
+            lambda text: text in ("Paris", "London", 'a "quoted" \\ choice\n'),
+        ),
+        (
+            GrammarSpec("ebnf", 'root ::= "yes" | "no" | "maybe, " [0-9]+ "%"'),
+            lambda text: re.fullmatch(r"yes|no|maybe, \d+%", text) is not None,
+        ),
+    ],
+    ids=["json_object", "regex", "choice", "ebnf"],
+)
+def test_every_kind_of_grammar_constrains_the_text(
+    smol_engine: Engine, spec: GrammarSpec, check: Callable[[str], bool]
+) -> None:
+    outputs = smol_engine.generate(
+        ["The capital of France is", "Write something:"],
+        [
+            SamplingParams(max_tokens=48, temperature=0.0, grammar=spec),
+            SamplingParams(max_tokens=48, temperature=1.2, seed=3, grammar=spec),
+        ],
+        chat=True,
+    )
+    compiled = (
+        GrammarCompiler(smol_engine.tokenizer, smol_engine.model_config.vocab_size, sorted(smol_engine.eos_token_ids))
+        .submit(spec)
+        .result()
+    )
     for output in outputs:
         matcher = new_matcher(compiled)
         assert all(matcher.accept_token(t) for t in output.token_ids), output.text  # every token, even when cut off
@@ -101,8 +127,10 @@ def test_every_kind_of_grammar_constrains_the_text(smol_engine: Engine, spec: Gr
 
 
 def test_a_grammar_that_allows_one_text_forces_it_then_stops(smol_engine: Engine) -> None:
-    output = smol_engine.generate(["Say anything"], SamplingParams(max_tokens=20, temperature=1.0, seed=0,
-                                                                  grammar=GrammarSpec.choice(["forced output"])))[0]
+    output = smol_engine.generate(
+        ["Say anything"],
+        SamplingParams(max_tokens=20, temperature=1.0, seed=0, grammar=GrammarSpec.choice(["forced output"])),
+    )[0]
     assert output.text == "forced output" and output.finish_reason == "stop"
     assert output.token_ids[-1] in smol_engine.eos_token_ids  # the grammar's end is its stop token
 
@@ -111,8 +139,11 @@ def test_max_tokens_and_stop_strings_still_end_a_constrained_request(smol_engine
     spec = GrammarSpec("regex", r"(abc,){50}")
     short, stopped = smol_engine.generate(
         ["Repeat: abc,abc,", "Repeat: abc,abc,"],
-        [SamplingParams(max_tokens=5, temperature=0.0, grammar=spec),
-         SamplingParams(max_tokens=40, temperature=0.0, grammar=spec, stop=["c,a"])])
+        [
+            SamplingParams(max_tokens=5, temperature=0.0, grammar=spec),
+            SamplingParams(max_tokens=40, temperature=0.0, grammar=spec, stop=["c,a"]),
+        ],
+    )
     assert short.finish_reason == "length" and len(short.token_ids) == 5 and "abc,abc,abc,".startswith(short.text)
     assert stopped.finish_reason == "stop" and stopped.text == "ab"
     assert smol_engine.kv_pages_in_use() == 0
@@ -176,13 +207,17 @@ def test_the_mask_is_what_xgrammar_applies_with_the_json_guard_and_leaves_other_
     compiler.close()
 
 
-def test_overlap_scheduling_gives_the_constrained_tokens_of_the_synchronous_loop(engine_cache: Callable[..., Engine]) -> None:
+def test_overlap_scheduling_gives_the_constrained_tokens_of_the_synchronous_loop(
+    engine_cache: Callable[..., Engine],
+) -> None:
     """With overlap, each grammar takes its last token between the next forward and its sampling; a mask
     one token stale would show up here as different tokens (or invalid JSON)."""
     prompts = ["Describe a person as JSON.", "Tell me a story.", "JSON for a pet owner:"]
-    params = [SamplingParams(max_tokens=96, temperature=0.0, grammar=GrammarSpec.json_schema(PERSON)),
-              SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=96, temperature=0.0, grammar=GrammarSpec("json_object"))]
+    params = [
+        SamplingParams(max_tokens=96, temperature=0.0, grammar=GrammarSpec.json_schema(PERSON)),
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=96, temperature=0.0, grammar=GrammarSpec("json_object")),
+    ]
     tokens = {}
     for name, options in ENGINES.items():
         tokens[name] = [o.token_ids for o in engine_cache(None, **options).generate(prompts, params, chat=True)]
@@ -198,8 +233,12 @@ NESTED = {
         "score": {"type": "number", "minimum": -1, "maximum": 1},
         "kind": {"enum": ["a", "b", "c"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3},
-        "owner": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "admin": {"type": "boolean"}},
-                  "required": ["name", "admin"], "additionalProperties": False},
+        "owner": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 8}, "admin": {"type": "boolean"}},
+            "required": ["name", "admin"],
+            "additionalProperties": False,
+        },
     },
     "required": ["id", "score", "kind", "tags", "owner"],
     "additionalProperties": False,
@@ -228,9 +267,18 @@ def random_model_with_a_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> s
 
     folder = tmp_path_factory.mktemp("random_llama_with_tokenizer")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer_dir = resolve_model_source(None).tokenizer_dir
     assert tokenizer_dir is not None
@@ -241,9 +289,11 @@ def random_model_with_a_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> s
 
 def test_smollm2_at_temperature_1_over_50_seeds_always_gives_valid_json(smol_engine: Engine) -> None:
     spec = GrammarSpec.json_schema(NESTED, any_whitespace=False)
-    outputs = smol_engine.generate(["Describe a record as JSON."] * 50,
-                                   [SamplingParams(max_tokens=160, temperature=1.0, seed=s, grammar=spec) for s in range(50)],
-                                   chat=True)
+    outputs = smol_engine.generate(
+        ["Describe a record as JSON."] * 50,
+        [SamplingParams(max_tokens=160, temperature=1.0, seed=s, grammar=spec) for s in range(50)],
+        chat=True,
+    )
     for output in outputs:
         assert output.finish_reason == "stop", output.text
         _nested(json.loads(output.text))
@@ -252,12 +302,14 @@ def test_smollm2_at_temperature_1_over_50_seeds_always_gives_valid_json(smol_eng
 
 
 def test_a_random_model_at_temperature_1_over_50_seeds_always_gives_valid_json(
-        engine_cache: Callable[..., Engine], random_model_with_a_tokenizer: str) -> None:
+    engine_cache: Callable[..., Engine], random_model_with_a_tokenizer: str
+) -> None:
     engine = engine_cache(random_model_with_a_tokenizer, max_num_seqs=16)
     seeds = range(50)
     spec = GrammarSpec.json_schema(NESTED, any_whitespace=False)
-    constrained = engine.generate(["Some JSON:"] * 50, [SamplingParams(max_tokens=160, temperature=1.0, seed=s, grammar=spec)
-                                                        for s in seeds])
+    constrained = engine.generate(
+        ["Some JSON:"] * 50, [SamplingParams(max_tokens=160, temperature=1.0, seed=s, grammar=spec) for s in seeds]
+    )
     for output in constrained:
         assert output.finish_reason == "stop", output.text
         _nested(json.loads(output.text))
@@ -282,7 +334,9 @@ def test_raw_control_characters_never_enter_json_even_where_xgrammar_allows_them
     request = Request("r", [1], SamplingParams())
     request.grammar, request.grammar_guard = new_matcher(compiled), compiled.json_guard
     assert request.grammar.accept_token(smol_engine.tokenizer.convert_tokens_to_ids('"'))
-    controls = [t for t in range(vocab) if any(ord(c) < 32 and c not in "\t\n\r" for c in smol_engine.tokenizer.decode([t]))]
+    controls = [
+        t for t in range(vocab) if any(ord(c) < 32 and c not in "\t\n\r" for c in smol_engine.tokenizer.decode([t]))
+    ]
     assert controls
     bare = xgr.allocate_token_bitmask(1, vocab)
     request.grammar.fill_next_token_bitmask(bare, 0)

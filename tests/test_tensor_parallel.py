@@ -17,18 +17,19 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
+from conftest import REPO_ROOT, build_tiny_checkpoint
+from helpers import greedy, run_staggered
 
 import engine.distributed.runner as tp_runner
-from conftest import REPO_ROOT, build_tiny_checkpoint
 from engine.distributed.state import tp_state
 from engine.engine import Engine
 from engine.errors import EngineError, EngineStoppedError, RankFailedError
 from engine.sampling_params import SamplingParams
-from helpers import greedy, run_staggered
 
 NEW_TOKENS = 24
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 57)), [10, 11, 12], list(range(100, 117))]
@@ -47,9 +48,12 @@ def checkpoints(tiny_checkpoints: dict[str, str], tmp_path_factory: pytest.TempP
     """The tiny Llama with 383 tokens (the vocabulary splits unevenly: the LM head's padded block), Qwen3,
     Qwen3-MoE (MoE and dense layers) and Qwen2-MoE (a shared expert summed in the same all-reduce)."""
     folder = tmp_path_factory.mktemp("tp_models")
-    return {"llama": build_tiny_checkpoint("llama", str(folder / "llama_383"), vocab_size=383),
-            "qwen3": tiny_checkpoints["qwen3"], "qwen3_moe": tiny_checkpoints["qwen3_moe"],
-            "qwen2_moe": tiny_checkpoints["qwen2_moe"]}
+    return {
+        "llama": build_tiny_checkpoint("llama", str(folder / "llama_383"), vocab_size=383),
+        "qwen3": tiny_checkpoints["qwen3"],
+        "qwen3_moe": tiny_checkpoints["qwen3_moe"],
+        "qwen2_moe": tiny_checkpoints["qwen2_moe"],
+    }
 
 
 class OneAtATime:
@@ -107,21 +111,30 @@ def params() -> list[SamplingParams]:
 
 
 def tp_engine(engines: OneAtATime, model: str, folder: str, mode: str) -> Engine:
-    return engines.get((model, mode), lambda: Engine(model=folder, tensor_parallel_size=2, debug_kv_invariant=True,
-                                                     **BASE, **MODES[mode]))
+    return engines.get(
+        (model, mode),
+        lambda: Engine(model=folder, tensor_parallel_size=2, debug_kv_invariant=True, **BASE, **MODES[mode]),
+    )
 
 
 def _close(a: float | None, b: float | None) -> bool:
-    return a is None and b is None or (a is not None and b is not None and abs(a - b) < 1e-3)
+    return (a is None and b is None) or (a is not None and b is not None and abs(a - b) < 1e-3)
 
 
-CASES = [("llama", "eager"), ("llama", "graphs"), ("qwen3", "eager"), ("qwen3_moe", "eager"), ("qwen3_moe", "graphs"),
-         ("qwen2_moe", "eager")]
+CASES = [
+    ("llama", "eager"),
+    ("llama", "graphs"),
+    ("qwen3", "eager"),
+    ("qwen3_moe", "eager"),
+    ("qwen3_moe", "graphs"),
+    ("qwen2_moe", "eager"),
+]
 
 
 @pytest.mark.parametrize(("model", "mode"), CASES, ids=[f"{m}-{mode}" for m, mode in CASES])
-def test_two_ranks_give_the_single_rank_greedy_ids(checkpoints: dict[str, str], tp_engines: OneAtATime, model: str,
-                                                   mode: str) -> None:
+def test_two_ranks_give_the_single_rank_greedy_ids(
+    checkpoints: dict[str, str], tp_engines: OneAtATime, model: str, mode: str
+) -> None:
     want = reference(model, checkpoints[model])
     engine = tp_engine(tp_engines, model, checkpoints[model], mode)
     graph_steps = engine.runner.graph_steps
@@ -142,8 +155,9 @@ def test_two_ranks_give_the_single_rank_greedy_ids(checkpoints: dict[str, str], 
     engine.check_kv_invariant()  # rank 0's pool, and every rank's decode rows against rank 0's
 
 
-def test_a_sampling_failure_fails_only_its_request(checkpoints: dict[str, str], tp_engines: OneAtATime,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sampling_failure_fails_only_its_request(
+    checkpoints: dict[str, str], tp_engines: OneAtATime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rank 0's sampling raises for one request: the workers get a failed status instead of tokens and keep
     their rows; the step is re-run in halves; the others get exactly their single-rank tokens."""
     want = reference("llama", checkpoints["llama"])
@@ -159,8 +173,10 @@ def test_a_sampling_failure_fails_only_its_request(checkpoints: dict[str, str], 
         return tokens
 
     monkeypatch.setattr(tp_runner, "sample", sample_that_chokes)
-    ids = [engine.add_request(prompt, greedy(NEW_TOKENS), request_id="culprit" if i == 2 else None)
-           for i, prompt in enumerate(PROMPTS)]
+    ids = [
+        engine.add_request(prompt, greedy(NEW_TOKENS), request_id="culprit" if i == 2 else None)
+        for i, prompt in enumerate(PROMPTS)
+    ]
     finals: dict[str, Any] = {}
     while engine.has_unfinished():
         for output in engine.step():
@@ -206,7 +222,9 @@ def test_a_killed_rank_ends_in_a_clear_error(checkpoints: dict[str, str], tp_eng
         engine.shutdown()
 
 
-def test_a_hung_rank_ends_in_a_clear_error_after_the_timeout(checkpoints: dict[str, str], tp_engines: OneAtATime) -> None:
+def test_a_hung_rank_ends_in_a_clear_error_after_the_timeout(
+    checkpoints: dict[str, str], tp_engines: OneAtATime
+) -> None:
     tp_engines.close()
     engine = _small_engine(checkpoints["llama"], timeout_s=3)
     worker = engine.tp_ranks.workers[0]
@@ -238,8 +256,13 @@ def test_sigterm_on_rank_0_stops_every_rank(checkpoints: dict[str, str], tmp_pat
     script = tmp_path / "serve_forever.py"
     script.write_text(SIGTERM_SCRIPT)
     env = {**os.environ, "PYTHONPATH": REPO_ROOT}
-    process = subprocess.Popen([sys.executable, str(script), checkpoints["llama"]], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env)
+    process = subprocess.Popen(
+        [sys.executable, str(script), checkpoints["llama"]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = process.stdout.readline()
         assert line.strip().isdigit(), process.stderr.read()[-3000:]
@@ -283,6 +306,11 @@ def test_the_cli_takes_tp_and_refuses_clearly() -> None:
     config = engine_config_from_args(args)
     assert (config.tensor_parallel_size, config.dist_timeout_s) == (2, 30.0)
     assert engine_config_from_args(build_parser().parse_args(["bench", "latency"])).tensor_parallel_size == 1
-    result = subprocess.run([sys.executable, "-m", "engine.cli", "run", "--tensor-parallel-size", "2", "--device", "cpu",
-                             "--prompt", "hi"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "run", "--tensor-parallel-size", "2", "--device", "cpu", "--prompt", "hi"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "GGUF model cannot be split" in result.stderr, result.stderr[-2000:]

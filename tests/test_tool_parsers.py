@@ -31,8 +31,10 @@ def hermes(name: str, arguments: Any) -> str:
 
 
 def glm(name: str, arguments: dict[str, Any]) -> str:
-    pairs = "".join(f"\n<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else _json(v)}</arg_value>"
-                    for k, v in arguments.items())
+    pairs = "".join(
+        f"\n<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else _json(v)}</arg_value>"
+        for k, v in arguments.items()
+    )
     return f"<tool_call>{name}{pairs}\n</tool_call>"
 
 
@@ -69,7 +71,7 @@ def hermes_cases() -> list[Case]:
         ("<tool_call>{not json}</tool_call>", ("<tool_call>{not json}</tool_call>", [])),
         ("<tool_call>" + _json({"arguments": W}) + "</tool_call>", None),  # no name
         ("<tool_call>" + _json({"name": "f", "arguments": [1]}) + "</tool_call>", None),  # arguments not an object
-        ("<tool_call>{\"name\": \"f\"}</tool_call>", (None, [("f", {})])),
+        ('<tool_call>{"name": "f"}</tool_call>', (None, [("f", {})])),
         ("<tool_call>" + _json({"name": "f", "parameters": {"a": 1}}) + "</tool_call>", (None, [("f", {"a": 1})])),
         ("a <tool_call> b", ("a <tool_call> b", [])),
         ("<tool_", ("<tool_", [])),
@@ -161,7 +163,7 @@ TABLES = {"hermes": hermes_cases(), "glm45": glm_cases(), "llama3_json": llama_c
 
 def _stream(plan: ToolPlan, text: str, size: int) -> tuple[str, list[tuple[str, str]], bool]:
     choice = Choice(0, None, [1], SamplingParams(), tool_plan=plan)
-    pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    pieces = [text[i : i + size] for i in range(0, len(text), size)] or [""]
     content, calls = "", []
     for index, piece in enumerate(pieces):
         last = index == len(pieces) - 1

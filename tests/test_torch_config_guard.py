@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-
 from torch_config_guard import config_changes, config_snapshot
 
 INNER_TESTS = """
@@ -28,13 +27,17 @@ def test_leaks_an_inductor_change():
 """
 
 
-def test_a_test_that_leaves_the_config_changed_fails(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_test_that_leaves_the_config_changed_fails(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
     pytester.makepyfile(test_inner=INNER_TESTS)
     result = pytester.runpytest_subprocess("-p", "torch_config_guard", "-q")
     result.assert_outcomes(passed=3, errors=2)
-    result.stdout.fnmatch_lines(["*torch._dynamo.config.recompile_limit: * -> *", "*torch._inductor.config.max_autotune*"])
+    result.stdout.fnmatch_lines(
+        ["*torch._dynamo.config.recompile_limit: * -> *", "*torch._inductor.config.max_autotune*"]
+    )
 
 
 def test_patch_restores_and_the_diff_names_the_entry() -> None:

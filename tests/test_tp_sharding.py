@@ -68,8 +68,9 @@ def expected_shard(name: str, full: torch.Tensor, config: Any, rank: int, world:
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_each_rank_holds_exactly_its_slice_and_reads_only_it(tiny_checkpoints: dict[str, str], model: str,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_rank_holds_exactly_its_slice_and_reads_only_it(
+    tiny_checkpoints: dict[str, str], model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     full_model, config = _load(tiny_checkpoints[model])
     full = dict(full_model.named_parameters())
     read_whole: list[str] = []
@@ -95,9 +96,28 @@ def test_each_rank_holds_exactly_its_slice_and_reads_only_it(tiny_checkpoints: d
         whole_split = sum(p.numel() for n, p in full.items() if any(s in n for s in SHARDED))
         assert split * world == whole_split
         assert read_whole, "replicated tensors (norms) are read whole"
-        assert not [n for n in read_whole if any(s in n for s in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj",
-                                                                    "gate_proj", "up_proj", "down_proj", "w1", "w2",
-                                                                    "w3", "embed_tokens", "lm_head"))], read_whole
+        assert not [
+            n
+            for n in read_whole
+            if any(
+                s in n
+                for s in (
+                    "q_proj",
+                    "k_proj",
+                    "v_proj",
+                    "qkv_proj",
+                    "o_proj",
+                    "gate_proj",
+                    "up_proj",
+                    "down_proj",
+                    "w1",
+                    "w2",
+                    "w3",
+                    "embed_tokens",
+                    "lm_head",
+                )
+            )
+        ], read_whole
     assert tp_state().world_size == 1  # the simulated ranks left the process's state as it was
 
 
@@ -125,7 +145,10 @@ def test_a_vocabulary_that_does_not_split_evenly_is_padded(tmp_path: Any) -> Non
         part, _ = _load(folder, rank, 2)
         head, embedding = part.lm_head, part.model.embed_tokens
         assert isinstance(head, ParallelLMHead) and isinstance(embedding, VocabParallelEmbedding)
-        assert head.weight.shape[0] == 192 and (head.shard.start, head.shard.end) == (192 * rank, min(192 * (rank + 1), 383))
+        assert head.weight.shape[0] == 192 and (head.shard.start, head.shard.end) == (
+            192 * rank,
+            min(192 * (rank + 1), 383),
+        )
         assert torch.equal(head.weight[: head.shard.size], full[head.shard.start : head.shard.end])
         assert not head.weight[head.shard.size :].any()
 
@@ -135,8 +158,13 @@ def test_world_size_one_builds_the_plain_layers(tiny_checkpoints: dict[str, str]
     for name in ("llama", "qwen2_moe"):
         model, _ = _load(tiny_checkpoints[name])
         kinds = {type(m) for m in model.modules()}
-        assert not kinds & {ColumnParallelLinear, RowParallelLinear, ParallelLMHead, VocabParallelEmbedding,
-                            TensorParallelSparseMoE}
+        assert not kinds & {
+            ColumnParallelLinear,
+            RowParallelLinear,
+            ParallelLMHead,
+            VocabParallelEmbedding,
+            TensorParallelSparseMoE,
+        }
         assert Linear in kinds and nn.Embedding in kinds
         assert type(model.lm_head) is Linear and type(model.model.embed_tokens) is nn.Embedding
         assert all(type(m) is SparseMoE for m in model.modules() if isinstance(m, SparseMoE))
@@ -147,7 +175,10 @@ def test_models_that_do_not_split_are_refused_naming_why(tiny_checkpoints: dict[
     with pytest.raises(EngineError, match="does not divide the 4 attention heads"):
         check_tensor_parallel(llama, 3)
     _, moe = _load(tiny_checkpoints["qwen3_moe"])  # 4 heads, 2 KV heads, MLP 128, experts 48
-    with pytest.raises(EngineError, match="5 does not divide the 4 attention heads; the 128 MLP intermediate size; the 2 "
-                                          "KV heads .*; the 48 moe intermediate size of this qwen3_moe model"):
+    with pytest.raises(
+        EngineError,
+        match="5 does not divide the 4 attention heads; the 128 MLP intermediate size; the 2 "
+        "KV heads .*; the 48 moe intermediate size of this qwen3_moe model",
+    ):
         check_tensor_parallel(moe, 5)  # every reason at once
     check_tensor_parallel(llama, 4)  # 4 heads, 2 KV heads replicated twice: fine

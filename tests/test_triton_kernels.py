@@ -25,8 +25,7 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 
-
-def kernel_mode():  # noqa: ANN201
+def kernel_mode():
     return nullcontext() if ON_GPU else interpreter_mode()
 
 
@@ -50,16 +49,28 @@ class RaggedCase:
     def reference(self, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """extend_attention in float32 (per request SDPA with a causal mask behind the prefix)."""
         meta = AttentionMetadata(
-            is_decode=False, slot_indices=torch.empty(0), page_table=self.page_table, seq_lens=torch.tensor(self.seq_lens),
-            page_size=self.page_size, query_start_loc=self.query_start_loc, seq_lens_cpu=self.seq_lens,
+            is_decode=False,
+            slot_indices=torch.empty(0),
+            page_table=self.page_table,
+            seq_lens=torch.tensor(self.seq_lens),
+            page_size=self.page_size,
+            query_start_loc=self.query_start_loc,
+            seq_lens_cpu=self.seq_lens,
         )
-        return extend_attention(self.q.float(), self.k_cache.float(), self.v_cache.float(), meta, self.q.shape[-1] ** -0.5, window,
-                                softcap)
+        return extend_attention(
+            self.q.float(), self.k_cache.float(), self.v_cache.float(), meta, self.q.shape[-1] ** -0.5, window, softcap
+        )
 
 
 def ragged_case(
-    heads: int, kv_heads: int, head_dim: int, page_size: int, query_lens: list[int], prefixes: list[int],
-    dtype: torch.dtype, seed: int = 0,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    query_lens: list[int],
+    prefixes: list[int],
+    dtype: torch.dtype,
+    seed: int = 0,
 ) -> RaggedCase:
     """Scattered pages (a shuffled pool, page 0 never used) and NaN in every slot no request owns."""
     generator = torch.Generator().manual_seed(seed)
@@ -94,7 +105,15 @@ def run_ragged(case: RaggedCase, window: int = 0, softcap: float = 0.0) -> torch
     starts = torch.tensor(case.query_start_loc, dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
     return ragged_paged_attention(
-        case.q, case.k_cache, case.v_cache, starts, lens, case.page_table, case.page_size, case.q.shape[-1] ** -0.5, window,
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        starts,
+        lens,
+        case.page_table,
+        case.page_size,
+        case.q.shape[-1] ** -0.5,
+        window,
         softcap,
     )
 
@@ -120,7 +139,7 @@ CPU_CASES = [  # (heads, kv_heads, head_dim, page_size, query_lens, prefixes)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page_size,query_lens,prefixes", CPU_CASES)
-def test_ragged_attention_matches_reference(heads, kv_heads, head_dim, page_size, query_lens, prefixes) -> None:  # noqa: ANN001
+def test_ragged_attention_matches_reference(heads, kv_heads, head_dim, page_size, query_lens, prefixes) -> None:
     dtype = torch.float32
     with kernel_mode():
         case = ragged_case(heads, kv_heads, head_dim, page_size, query_lens, prefixes, dtype)
@@ -133,7 +152,10 @@ def test_ragged_attention_matches_reference(heads, kv_heads, head_dim, page_size
 # Each (dtype, head dim, group, page size) is its own compiled kernel (~5 s to build): every GQA ratio
 # and page size at head dim 128 in bf16, and the other head dim and float32 over a subset.
 GPU_MATRIX = [(torch.bfloat16, 128, group, page) for group in (1, 4, 8) for page in (1, 16, 64)] + [
-    (torch.bfloat16, 64, 4, 16), (torch.bfloat16, 64, 1, 64), (torch.float32, 128, 4, 16), (torch.float32, 64, 8, 1),
+    (torch.bfloat16, 64, 4, 16),
+    (torch.bfloat16, 64, 1, 64),
+    (torch.float32, 128, 4, 16),
+    (torch.float32, 64, 8, 1),
 ]
 
 
@@ -151,7 +173,9 @@ def test_ragged_attention_full_matrix(dtype: torch.dtype, head_dim: int, group: 
         torch.testing.assert_close(got.float(), case.reference(), atol=tolerance(dtype), rtol=tolerance(dtype))
 
 
-def decode_case(heads: int, kv_heads: int, head_dim: int, page_size: int, seq_lens: list[int], dtype: torch.dtype) -> RaggedCase:
+def decode_case(
+    heads: int, kv_heads: int, head_dim: int, page_size: int, seq_lens: list[int], dtype: torch.dtype
+) -> RaggedCase:
     """One query token per request at the end of its context."""
     return ragged_case(heads, kv_heads, head_dim, page_size, [1] * len(seq_lens), [s - 1 for s in seq_lens], dtype)
 
@@ -161,8 +185,16 @@ def run_decode(case: RaggedCase, splits: int | None, window: int = 0, softcap: f
 
     lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
     return paged_decode_attention_triton(
-        case.q, case.k_cache, case.v_cache, case.page_table, lens, case.page_size, case.q.shape[-1] ** -0.5, splits=splits,
-        window=window, softcap=softcap,
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.page_table,
+        lens,
+        case.page_size,
+        case.q.shape[-1] ** -0.5,
+        splits=splits,
+        window=window,
+        softcap=softcap,
     )
 
 
@@ -201,11 +233,14 @@ def test_mixed_step_through_backend() -> None:
         case = ragged_case(8, 2, 64, 16, [1, 1, 20, 7], [30, 5, 0, 40], dtype)
         reference = case.reference().cpu()
         starts = case.query_start_loc
-        slots = torch.cat([
-            case.page_table[row, positions // case.page_size].long() * case.page_size + positions % case.page_size
-            for row, positions in enumerate(
-                torch.arange(length - n, length, device=DEVICE) for length, n in zip(case.seq_lens, case.query_lens))
-        ])
+        slots = torch.cat(
+            [
+                case.page_table[row, positions // case.page_size].long() * case.page_size + positions % case.page_size
+                for row, positions in enumerate(
+                    torch.arange(length - n, length, device=DEVICE) for length, n in zip(case.seq_lens, case.query_lens)
+                )
+            ]
+        )
         k_new, v_new = case.k_cache[slots].clone(), case.v_cache[slots].clone()
         case.k_cache[slots] = float("nan")
         case.v_cache[slots] = float("nan")
@@ -291,8 +326,9 @@ def last_slots(case: RaggedCase) -> torch.Tensor:
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize("fp8,k_scale,v_scale", [(False, None, None), (True, None, None), (True, 4.0, 0.5)])
-def test_decode_kernel_stores_the_new_rows_itself(splits: int, window: int, fp8: bool, k_scale: float | None,
-                                                  v_scale: float | None) -> None:
+def test_decode_kernel_stores_the_new_rows_itself(
+    splits: int, window: int, fp8: bool, k_scale: float | None, v_scale: float | None
+) -> None:
     """new_kv: the kernel writes this step's k/v to their slots and attends to them, which must equal
     storing first (torch) and attending over the cache: the same output and the same cache. The new
     rows' slots hold NaN before the launch, so a program that reads them from the cache poisons its
@@ -327,15 +363,45 @@ def test_decode_kernel_stores_the_new_rows_itself(splits: int, window: int, fp8:
         case.v_cache[slots] = float("nan")
         lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
         if fp8:
-            got = triton_paged_decode(case.q, k_new, v_new, case.k_cache, case.v_cache, slots, case.page_table, lens,
-                                      case.page_size, 64**-0.5, window, **scales)
+            got = triton_paged_decode(
+                case.q,
+                k_new,
+                v_new,
+                case.k_cache,
+                case.v_cache,
+                slots,
+                case.page_table,
+                lens,
+                case.page_size,
+                64**-0.5,
+                window,
+                **scales,
+            )
         else:
             got = paged_decode_attention_triton(
-                case.q, case.k_cache, case.v_cache, case.page_table, lens, case.page_size, 64**-0.5, splits=splits,
-                window=window, new_kv=(k_new, v_new, slots),
+                case.q,
+                case.k_cache,
+                case.v_cache,
+                case.page_table,
+                lens,
+                case.page_size,
+                64**-0.5,
+                splits=splits,
+                window=window,
+                new_kv=(k_new, v_new, slots),
             )
-        want = paged_decode_attention_triton(case.q, stored_k, stored_v, case.page_table, lens, case.page_size, 64**-0.5,
-                                             splits=None if fp8 else splits, window=window, **scales)
+        want = paged_decode_attention_triton(
+            case.q,
+            stored_k,
+            stored_v,
+            case.page_table,
+            lens,
+            case.page_size,
+            64**-0.5,
+            splits=None if fp8 else splits,
+            window=window,
+            **scales,
+        )
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=tolerance(dtype), rtol=tolerance(dtype))
     assert torch.equal(case.k_cache[slots].float().cpu(), stored_k[slots].float().cpu())
@@ -355,8 +421,15 @@ def scaled_fp8_case(kind: str, page_size: int, k_scale: float, v_scale: float) -
     else:
         case = ragged_case(8, 2, 64, page_size, [5, 40, 1], [0, 20, 33], torch.float32)
     k_full, v_full = case.k_cache * (k_scale * 100), case.v_cache * (v_scale * 100)  # randn x 100: tails past 448
-    twin = RaggedCase(case.q / (k_scale * 10), e4m3_scaled(k_full, k_scale), e4m3_scaled(v_full, v_scale),
-                      case.page_table, case.seq_lens, case.query_lens, page_size)
+    twin = RaggedCase(
+        case.q / (k_scale * 10),
+        e4m3_scaled(k_full, k_scale),
+        e4m3_scaled(v_full, v_scale),
+        case.page_table,
+        case.seq_lens,
+        case.query_lens,
+        page_size,
+    )
     case.q = twin.q
     case.k_cache = (k_full / k_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     case.v_cache = (v_full / v_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
@@ -386,12 +459,24 @@ def test_fp8_kv_scales_fold_into_attention(kind: str, page_size: int) -> None:
     assert not torch.allclose(unscaled.float().cpu(), want, atol=0.1)
 
 
-def run_decode_scaled(case: RaggedCase, splits: int | None, k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+def run_decode_scaled(
+    case: RaggedCase, splits: int | None, k_scale: torch.Tensor, v_scale: torch.Tensor
+) -> torch.Tensor:
     from backends.cuda.triton_decode import paged_decode_attention_triton
 
     lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
-    return paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.page_table, lens, case.page_size,
-                                         case.q.shape[-1] ** -0.5, splits=splits, k_scale=k_scale, v_scale=v_scale)
+    return paged_decode_attention_triton(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.page_table,
+        lens,
+        case.page_size,
+        case.q.shape[-1] ** -0.5,
+        splits=splits,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
 
 
 def run_ragged_scaled(case: RaggedCase, k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
@@ -399,8 +484,18 @@ def run_ragged_scaled(case: RaggedCase, k_scale: torch.Tensor, v_scale: torch.Te
 
     starts = torch.tensor(case.query_start_loc, dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
-    return ragged_paged_attention(case.q, case.k_cache, case.v_cache, starts, lens, case.page_table, case.page_size,
-                                  case.q.shape[-1] ** -0.5, k_scale=k_scale, v_scale=v_scale)
+    return ragged_paged_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        starts,
+        lens,
+        case.page_table,
+        case.page_size,
+        case.q.shape[-1] ** -0.5,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -417,27 +512,43 @@ def test_fp8_kv_scale_keeps_values_past_448(page_size: int, scaled: bool) -> Non
     with kernel_mode():
         case = ragged_case(8, 2, 64, page_size, [1, 1, 20, 7], [30, 5, 0, 40], torch.float32)
         starts = case.query_start_loc
-        slots = torch.cat([
-            case.page_table[row, positions // case.page_size].long() * case.page_size + positions % case.page_size
-            for row, positions in enumerate(
-                torch.arange(length - n, length, device=DEVICE) for length, n in zip(case.seq_lens, case.query_lens))
-        ])
+        slots = torch.cat(
+            [
+                case.page_table[row, positions // case.page_size].long() * case.page_size + positions % case.page_size
+                for row, positions in enumerate(
+                    torch.arange(length - n, length, device=DEVICE) for length, n in zip(case.seq_lens, case.query_lens)
+                )
+            ]
+        )
         k_full, v_full = case.k_cache * 500.0, case.v_cache * 500.0  # randn x 500: many values past 448 * 2
         k_full[slots[0], 0, 0], v_full[slots[-1], 1, 3] = 2000.0, -2000.0  # a decode row's and an extend row's
         k_new, v_new = k_full[slots].clone(), v_full[slots].clone()
         k_cache = (k_full / k_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
         v_cache = (v_full / v_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        twin = RaggedCase(case.q / 100.0, e4m3_scaled(k_full, k_scale), e4m3_scaled(v_full, v_scale), case.page_table,
-                          case.seq_lens, case.query_lens, page_size)
+        twin = RaggedCase(
+            case.q / 100.0,
+            e4m3_scaled(k_full, k_scale),
+            e4m3_scaled(v_full, v_scale),
+            case.page_table,
+            case.seq_lens,
+            case.query_lens,
+            page_size,
+        )
         meta = AttentionMetadata(
-            is_decode=False, slot_indices=slots, page_table=case.page_table,
-            seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE), page_size=page_size,
-            query_start_loc=starts, seq_lens_cpu=case.seq_lens,
-            query_starts=torch.tensor(starts, dtype=torch.int32, device=DEVICE), num_decodes=2,
+            is_decode=False,
+            slot_indices=slots,
+            page_table=case.page_table,
+            seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE),
+            page_size=page_size,
+            query_start_loc=starts,
+            seq_lens_cpu=case.seq_lens,
+            query_starts=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+            num_decodes=2,
         )
         scales = dict(k_scale=torch.tensor(k_scale, device=DEVICE), v_scale=torch.tensor(v_scale, device=DEVICE))
-        got = TritonAttentionBackend().forward(twin.q, k_new, v_new, k_cache, v_cache, meta, 64**-0.5,
-                                               **(scales if scaled else {}))
+        got = TritonAttentionBackend().forward(
+            twin.q, k_new, v_new, k_cache, v_cache, meta, 64**-0.5, **(scales if scaled else {})
+        )
     stored_k, stored_v = k_cache[slots].float().cpu(), v_cache[slots].float().cpu()
     close = torch.allclose(got.float().cpu(), twin.reference().cpu(), atol=2e-3, rtol=2e-3)
     if scaled:
@@ -465,22 +576,36 @@ def test_attention_layer_hands_its_kv_scales_to_the_backend(path: str) -> None:
             case = decode_case(8, 2, 64, 16, [3, 17, 40], torch.float32)
         else:
             case = ragged_case(8, 2, 64, 16, [9, 1, 20], [0, 12, 5], torch.float32)
-        slots = torch.cat([
-            case.page_table[row, positions // case.page_size].long() * case.page_size + positions % case.page_size
-            for row, positions in enumerate(
-                torch.arange(length - n, length, device=DEVICE) for length, n in zip(case.seq_lens, case.query_lens))
-        ])
+        slots = torch.cat(
+            [
+                case.page_table[row, positions // case.page_size].long() * case.page_size + positions % case.page_size
+                for row, positions in enumerate(
+                    torch.arange(length - n, length, device=DEVICE) for length, n in zip(case.seq_lens, case.query_lens)
+                )
+            ]
+        )
         k_full, v_full = case.k_cache * 500.0, case.v_cache * 500.0
         k_new, v_new = k_full[slots].clone(), v_full[slots].clone()
         k_cache = (k_full / k_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
         v_cache = (v_full / v_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        twin = RaggedCase(case.q / 100.0, e4m3_scaled(k_full, k_scale), e4m3_scaled(v_full, v_scale), case.page_table,
-                          case.seq_lens, case.query_lens, case.page_size)
+        twin = RaggedCase(
+            case.q / 100.0,
+            e4m3_scaled(k_full, k_scale),
+            e4m3_scaled(v_full, v_scale),
+            case.page_table,
+            case.seq_lens,
+            case.query_lens,
+            case.page_size,
+        )
         starts = case.query_start_loc
         meta = AttentionMetadata(
-            is_decode=path in ("decode", "compiled_decode_op"), slot_indices=slots, page_table=case.page_table,
-            seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE), page_size=case.page_size,
-            query_start_loc=starts, seq_lens_cpu=case.seq_lens,
+            is_decode=path in ("decode", "compiled_decode_op"),
+            slot_indices=slots,
+            page_table=case.page_table,
+            seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE),
+            page_size=case.page_size,
+            query_start_loc=starts,
+            seq_lens_cpu=case.seq_lens,
             query_starts=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
         )
         layer = Attention(8, 2, 64)

@@ -25,12 +25,18 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 
-def kernel_mode():  # noqa: ANN201
+def kernel_mode():
     return nullcontext() if ON_GPU else interpreter_mode()
 
 
 def moe_case(
-    tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0,
+    tokens: int,
+    experts: int,
+    top_k: int,
+    hidden: int,
+    inter: int,
+    dtype: torch.dtype,
+    seed: int = 0,
     routing: str = "random",
 ) -> tuple[torch.Tensor, ...]:
     """(hidden, gate_up, down, expert_ids, weights) on DEVICE; outputs of order 1.
@@ -78,7 +84,9 @@ def cpu_tile(block_m: int) -> MoeTile:
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,block_m", CPU_CASES)
-def test_fused_moe_matches_reference(tokens: int, experts: int, top_k: int, hidden: int, inter: int, block_m: int) -> None:
+def test_fused_moe_matches_reference(
+    tokens: int, experts: int, top_k: int, hidden: int, inter: int, block_m: int
+) -> None:
     dtype = torch.float32
     case = moe_case(tokens, experts, top_k, hidden, inter, dtype, seed=tokens * 10 + experts + top_k)
     with kernel_mode():
@@ -99,12 +107,18 @@ def test_fused_moe_skewed_routing(routing: str, tokens: int, top_k: int, block_m
     torch.testing.assert_close(got.float().cpu(), reference(case).cpu(), atol=tolerance(dtype), rtol=tolerance(dtype))
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 8, 2, 48, 40), (3, 4, 1, 32, 48), (17, 8, 2, 64, 32), (5, 16, 4, 80, 48)])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,hidden,inter", [(1, 8, 2, 48, 40), (3, 4, 1, 32, 48), (17, 8, 2, 64, 32), (5, 16, 4, 80, 48)]
+)
 def test_fused_moe_per_slot_matches_reference(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> None:
     """The few-token kernels (one program per token slot, no sorting), with partial tiles in N and K."""
     dtype = torch.float32
     case = moe_case(tokens, experts, top_k, hidden, inter, dtype, seed=tokens + experts)
-    tile = MoeTile(1, 32, 32, num_stages=1, per_slot=True) if not ON_GPU else MoeTile(1, 32, 128, num_stages=2, per_slot=True)
+    tile = (
+        MoeTile(1, 32, 32, num_stages=1, per_slot=True)
+        if not ON_GPU
+        else MoeTile(1, 32, 128, num_stages=2, per_slot=True)
+    )
     with kernel_mode():
         got = fused_moe(*case, tile=tile)
     assert got.shape == (tokens, hidden)
@@ -237,10 +251,14 @@ def test_fused_moe_replays_from_a_cuda_graph(tokens: int) -> None:
         weights.copy_(other[4])
         graph.replay()
         torch.cuda.synchronize()
-        torch.testing.assert_close(out.float(), reference((x, gate_up, down, expert_ids, weights)), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            out.float(), reference((x, gate_up, down, expert_ids, weights)), atol=2e-2, rtol=2e-2
+        )
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,renormalize", [(1, 8, 2, True), (5, 60, 6, True), (9, 128, 8, False), (3, 4, 1, False)])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,renormalize", [(1, 8, 2, True), (5, 60, 6, True), (9, 128, 8, False), (3, 4, 1, False)]
+)
 def test_route_kernel_matches_softmax_top_k(tokens: int, experts: int, top_k: int, renormalize: bool) -> None:
     """The one-launch routing against torch's softmax + top-k (+ renormalising): the same experts per
     token (as sets: the order of equal weights is free) and the same weights in the same order."""

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 
-
 def _specialization(decodes: int, max_pages: int) -> tuple:
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
@@ -30,11 +29,42 @@ def _specialization(decodes: int, max_pages: int) -> tuple:
     query_starts = torch.zeros(rows, dtype=torch.int32)[decodes:] - decodes  # a new tensor, as in the backend
     seq_lens = torch.zeros(rows, dtype=torch.int32)[decodes:]
     page_table = torch.zeros(rows, max_pages, dtype=torch.int32)[decodes:]
-    args = [q, cache, cache, q, query_starts, seq_lens, page_table, q, q, 3, 0.1, 0, 0.0,
-            q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(0), cache.stride(1),
-            page_table.stride(0), q.stride(0), q.stride(1)]
-    _, specialization, _ = binder(*args, PAGE_SIZE=16, GROUP=4, GROUP_PAD=4, BLOCK_Q=16, BLOCK_N=32, HEAD_DIM=dim,
-                                  DIM_PAD=dim, WINDOWED=False, IEEE_FP32=False)
+    args = [
+        q,
+        cache,
+        cache,
+        q,
+        query_starts,
+        seq_lens,
+        page_table,
+        q,
+        q,
+        3,
+        0.1,
+        0,
+        0.0,
+        q.stride(0),
+        q.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        page_table.stride(0),
+        q.stride(0),
+        q.stride(1),
+    ]
+    _, specialization, _ = binder(
+        *args,
+        PAGE_SIZE=16,
+        GROUP=4,
+        GROUP_PAD=4,
+        BLOCK_Q=16,
+        BLOCK_N=32,
+        HEAD_DIM=dim,
+        DIM_PAD=dim,
+        WINDOWED=False,
+        IEEE_FP32=False,
+    )
     return tuple(specialization)
 
 

@@ -13,12 +13,12 @@ import os
 import random
 import shutil
 import threading
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import yaml
-
 from conftest import REPO_ROOT, track
+
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.stats import DECODE_BATCH_BOUNDS, EngineStats, StepSizeCounts
@@ -56,19 +56,31 @@ def test_selection_is_the_exhaustive_optimum_within_every_budget() -> None:
     for _ in range(60):
         sizes = sorted(rng.sample(range(1, 40), rng.randint(1, 7)))
         costs = [SizeCost(s, 1 + 0.1 * s + rng.random(), rng.uniform(1, 10), rng.uniform(0.1, 3)) for s in sizes]
-        model = CostModel(costs, {1: 5.0, 40: 5 + rng.uniform(1, 20)}, fixed_capture_s=rng.choice([0.0, 1.0]),
-                          memory_mib_per_top_row=rng.choice([0.0, 0.2]), shared_pool=rng.choice([False, True]))
+        model = CostModel(
+            costs,
+            {1: 5.0, 40: 5 + rng.uniform(1, 20)},
+            fixed_capture_s=rng.choice([0.0, 1.0]),
+            memory_mib_per_top_row=rng.choice([0.0, 0.2]),
+            shared_pool=rng.choice([False, True]),
+        )
         dist = SizeDistribution.from_counts({b: rng.random() ** 3 for b in range(1, 45)}, "random")
-        budget = Budget(memory_mib=rng.choice([None, 15.0, 30.0]), capture_s=rng.choice([None, 3.0, 6.0]),
-                        max_graphs=rng.choice([None, 2, 3]), cover=rng.choice([None, None, sizes[-1]]))
+        budget = Budget(
+            memory_mib=rng.choice([None, 15.0, 30.0]),
+            capture_s=rng.choice([None, 3.0, 6.0]),
+            max_graphs=rng.choice([None, 2, 3]),
+            cover=rng.choice([None, None, sizes[-1]]),
+        )
         feasible = []
         for k in range(len(sizes) + 1):
             for subset in itertools.combinations(sizes, k):
                 e = evaluate(subset, dist, model)
                 if budget.cover is not None and (not subset or max(subset) < budget.cover):
                     continue
-                if e.memory_mib <= (budget.memory_mib or 1e18) and e.capture_s <= (budget.capture_s or 1e18) \
-                        and e.graphs <= (budget.max_graphs or 10**9):
+                if (
+                    e.memory_mib <= (budget.memory_mib or 1e18)
+                    and e.capture_s <= (budget.capture_s or 1e18)
+                    and e.graphs <= (budget.max_graphs or 10**9)
+                ):
                     feasible.append(e)
         if not feasible:
             with pytest.raises(ValueError):
@@ -130,8 +142,17 @@ def test_hpu_batch_and_block_buckets_within_the_bucket_budget() -> None:
     default_bs = linear_buckets(BucketRange(1, 32, 64))
     default_blocks = linear_buckets(BucketRange(128, 128, 2048))
     default = evaluate_hpu(default_bs, default_blocks, steps, step_ms, eager_ms, 32, 64 * 32)
-    proposal = propose_hpu_buckets(steps, step_ms, eager_ms, list(range(1, 65)), [32, 64, 128], 32, 64 * 32,
-                                   max_buckets=default[3], warmup_s_per_bucket=2.0)
+    proposal = propose_hpu_buckets(
+        steps,
+        step_ms,
+        eager_ms,
+        list(range(1, 65)),
+        [32, 64, 128],
+        32,
+        64 * 32,
+        max_buckets=default[3],
+        warmup_s_per_bucket=2.0,
+    )
     assert proposal.buckets <= default[3]
     assert proposal.expected_ms < default[0] and proposal.padded_rows < default[1]
     assert 36 in proposal.batch_buckets and 52 in proposal.batch_buckets, proposal.batch_buckets
@@ -141,8 +162,9 @@ def test_hpu_batch_and_block_buckets_within_the_bucket_budget() -> None:
     assert loaded.decode_bs == list(proposal.batch_buckets)
     assert loaded.decode_block == list(proposal.block_buckets)
     # A tighter bucket budget is respected too.
-    tight = propose_hpu_buckets(steps, step_ms, eager_ms, list(range(1, 65)), [32, 64, 128], 32, 64 * 32,
-                                max_buckets=20)
+    tight = propose_hpu_buckets(
+        steps, step_ms, eager_ms, list(range(1, 65)), [32, 64, 128], 32, 64 * 32, max_buckets=20
+    )
     assert tight.buckets <= 20
 
 
@@ -151,13 +173,34 @@ def test_tune_capture_hpu_from_a_bucket_cost_table(tmp_path: pytest.TempPathFact
     from backends.hpu.bucketing import resolve_bucket_config
     from engine.cli import main
 
-    table = {"hpu_buckets": {"points": [[1, 8, 10.1], [64, 512, 16.4], [32, 256, 13.2], [8, 1024, 20.3]],
-                             "eager_points": [[1, 8, 60], [64, 512, 100], [8, 1024, 120]], "warmup_s_per_bucket": 2.0}}
+    table = {
+        "hpu_buckets": {
+            "points": [[1, 8, 10.1], [64, 512, 16.4], [32, 256, 13.2], [8, 1024, 20.3]],
+            "eager_points": [[1, 8, 60], [64, 512, 100], [8, 1024, 120]],
+            "warmup_s_per_bucket": 2.0,
+        }
+    }
     path, output = str(tmp_path / "hpu.json"), str(tmp_path / "hpu.yaml")
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(table, handle)
-    assert main(["tune-capture", "--device", "hpu", "--cost-table", path, "--distribution", "1-4:0.1,33-36:0.6,49-52:0.3",
-                 "--context", "1024", "--output", output]) == 0
+    assert (
+        main(
+            [
+                "tune-capture",
+                "--device",
+                "hpu",
+                "--cost-table",
+                path,
+                "--distribution",
+                "1-4:0.1,33-36:0.6,49-52:0.3",
+                "--context",
+                "1024",
+                "--output",
+                output,
+            ]
+        )
+        == 0
+    )
     with open(output, encoding="utf-8") as handle:
         text = handle.read()
     written = yaml.safe_load(text)
@@ -175,7 +218,7 @@ def test_tune_capture_hpu_from_a_bucket_cost_table(tmp_path: pytest.TempPathFact
 PROMPT_POINTS = [[1, 128, 12.0], [1, 1024, 30.0], [1, 4096, 110.0], [4, 512, 45.0]]
 
 
-def prompt_case(prompts_per_step: int = 1):  # noqa: ANN201 - the test's inputs, unpacked at the call
+def prompt_case(prompts_per_step: int = 1):
     """A synthetic prefill cost, a skewed prompt-length distribution (90% at 500-530 tokens) and the current
     configs/hpu.yaml prompt buckets (one row, 128/128/4096, at most 4096 tokens) priced on it."""
     from backends.hpu.bucketing import BucketRange, linear_buckets, prompt_buckets
@@ -194,8 +237,18 @@ def test_hpu_prompt_buckets_pad_less_than_the_defaults_within_the_budget() -> No
 
     cost, lengths, steps, current = prompt_case()
     assert current.buckets == 32 and current.padded_tokens > 60  # 500-530 pads to 512 or 640
-    proposal = propose_prompt_buckets(lengths, steps, cost, current, "linear", [32, 64, 128, 256], 1, 4096,
-                                      warmup_s_per_bucket=3.0, max_buckets=current.buckets)
+    proposal = propose_prompt_buckets(
+        lengths,
+        steps,
+        cost,
+        current,
+        "linear",
+        [32, 64, 128, 256],
+        1,
+        4096,
+        warmup_s_per_bucket=3.0,
+        max_buckets=current.buckets,
+    )
     chosen = proposal.chosen
     assert chosen.buckets <= current.buckets
     assert chosen.padded_tokens < current.padded_tokens / 2, chosen
@@ -205,11 +258,22 @@ def test_hpu_prompt_buckets_pad_less_than_the_defaults_within_the_budget() -> No
     within = [e for e in proposal.candidates if e.covers and e.buckets <= current.buckets]
     assert chosen.expected_ms == min(e.expected_ms for e in within)
     # Tighter budgets, in buckets and in warm-up seconds, are honoured and cost time.
-    tight = propose_prompt_buckets(lengths, steps, cost, current, "linear", [32, 64, 128, 256], 1, 4096,
-                                   warmup_s_per_bucket=3.0, max_buckets=6)
+    tight = propose_prompt_buckets(
+        lengths, steps, cost, current, "linear", [32, 64, 128, 256], 1, 4096, warmup_s_per_bucket=3.0, max_buckets=6
+    )
     assert tight.chosen.buckets <= 6 and tight.chosen.expected_ms > chosen.expected_ms
-    by_time = propose_prompt_buckets(lengths, steps, cost, current, "linear", [32, 64, 128, 256], 1, 4096,
-                                     warmup_s_per_bucket=3.0, warmup_budget_s=12.0)
+    by_time = propose_prompt_buckets(
+        lengths,
+        steps,
+        cost,
+        current,
+        "linear",
+        [32, 64, 128, 256],
+        1,
+        4096,
+        warmup_s_per_bucket=3.0,
+        warmup_budget_s=12.0,
+    )
     assert by_time.chosen.warmup_s <= 12.0
     with pytest.raises(ValueError, match="no prompt bucket range"):
         propose_prompt_buckets(lengths, steps, cost, current, "linear", [32], 1, 4096, max_buckets=2)
@@ -223,8 +287,9 @@ def test_hpu_prompt_buckets_batch_rows_when_a_step_brings_several_prompts() -> N
     from graphs.tune_prompt import propose_prompt_buckets
 
     cost, lengths, steps, current = prompt_case(prompts_per_step=4)
-    proposal = propose_prompt_buckets(lengths, steps, cost, current, "linear", [32, 64, 128], 4, 4096,
-                                      warmup_s_per_bucket=3.0, max_buckets=64)
+    proposal = propose_prompt_buckets(
+        lengths, steps, cost, current, "linear", [32, 64, 128], 4, 4096, warmup_s_per_bucket=3.0, max_buckets=64
+    )
     chosen = proposal.chosen
     assert chosen.bs_range.max > 1 and chosen.expected_ms < current.expected_ms
     pairs = prompt_buckets(make_buckets(chosen.bs_range, "linear"), make_buckets(chosen.seq_range, "linear"), 4096)
@@ -238,16 +303,38 @@ def test_tune_capture_hpu_writes_prompt_buckets_that_load_back(tmp_path: pytest.
     from backends.hpu.bucketing import resolve_bucket_config
     from engine.cli import main
 
-    table = {"hpu_buckets": {"points": [[1, 8, 10.1], [64, 512, 16.4], [32, 256, 13.2], [8, 1024, 20.3]],
-                             "eager_points": [[1, 8, 60], [64, 512, 100], [8, 1024, 120]], "warmup_s_per_bucket": 2.0,
-                             "prompt_points": PROMPT_POINTS, "warmup_s_per_prompt_bucket": 3.0}}
+    table = {
+        "hpu_buckets": {
+            "points": [[1, 8, 10.1], [64, 512, 16.4], [32, 256, 13.2], [8, 1024, 20.3]],
+            "eager_points": [[1, 8, 60], [64, 512, 100], [8, 1024, 120]],
+            "warmup_s_per_bucket": 2.0,
+            "prompt_points": PROMPT_POINTS,
+            "warmup_s_per_prompt_bucket": 3.0,
+        }
+    }
     path, output, lengths = str(tmp_path / "hpu.json"), str(tmp_path / "hpu.yaml"), str(tmp_path / "lengths.json")
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(table, handle)
     with open(lengths, "w", encoding="utf-8") as handle:
         json.dump([300] * 6 + [310] * 3 + [700], handle)  # observed prompt lengths
-    assert main(["tune-capture", "--device", "hpu", "--cost-table", path, "--distribution", "1-4:0.1,33-36:0.6",
-                 "--prompt-lengths", lengths, "--output", output]) == 0
+    assert (
+        main(
+            [
+                "tune-capture",
+                "--device",
+                "hpu",
+                "--cost-table",
+                path,
+                "--distribution",
+                "1-4:0.1,33-36:0.6",
+                "--prompt-lengths",
+                lengths,
+                "--output",
+                output,
+            ]
+        )
+        == 0
+    )
     with open(output, encoding="utf-8") as handle:
         text = handle.read()
     with open(output[: -len(".yaml")] + ".json", encoding="utf-8") as handle:
@@ -264,16 +351,21 @@ def test_tune_capture_hpu_writes_prompt_buckets_that_load_back(tmp_path: pytest.
     assert max(seq for _, seq in pairs) >= 700 and min(seq for _, seq in pairs) <= 310
 
 
-def test_tune_capture_hpu_rejects_too_few_prompt_points(tmp_path: pytest.TempPathFactory,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_tune_capture_hpu_rejects_too_few_prompt_points(
+    tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
     from engine.cli import main
     from graphs.tune_prompt import PromptCost
 
     with pytest.raises(ValueError, match="at least three prompt_points"):
         PromptCost.fit([[1, 128, 12.0], [1, 1024, 30.0]])
-    table = {"hpu_buckets": {"points": [[1, 8, 10.1], [64, 512, 16.4], [32, 256, 13.2]],
-                             "eager_points": [[1, 8, 60], [64, 512, 100], [8, 1024, 120]],
-                             "prompt_points": [[1, 128, 12.0], [1, 1024, 30.0]]}}
+    table = {
+        "hpu_buckets": {
+            "points": [[1, 8, 10.1], [64, 512, 16.4], [32, 256, 13.2]],
+            "eager_points": [[1, 8, 60], [64, 512, 100], [8, 1024, 120]],
+            "prompt_points": [[1, 128, 12.0], [1, 1024, 30.0]],
+        }
+    }
     path, output = str(tmp_path / "hpu.json"), str(tmp_path / "hpu.yaml")
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(table, handle)
@@ -331,8 +423,12 @@ def _metrics_text(sizes: list[int], tokens: list[int], prompts: Sequence[int] = 
         counts.step_tokens.observe(n)
     for n in prompts:
         counts.record_prompt(n)
-    stats = EngineStats(*([0] * 13), decode_batch_sizes=counts.decode_batch.snapshot(),
-                        extend_step_tokens=counts.step_tokens.snapshot(), prompt_tokens=counts.prompt_tokens.snapshot())
+    stats = EngineStats(
+        *([0] * 13),
+        decode_batch_sizes=counts.decode_batch.snapshot(),
+        extend_step_tokens=counts.step_tokens.snapshot(),
+        prompt_tokens=counts.prompt_tokens.snapshot(),
+    )
     return ServerMetrics(lambda: stats, "m").render().decode()
 
 
@@ -378,7 +474,7 @@ def metrics_server() -> Iterator[tuple[str, list[str]]]:
     seen: list[str] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             seen.append(self.headers.get("Authorization", ""))
             body = text.encode() if self.path == "/metrics" else b""
             self.send_response(200 if body else 404)
@@ -469,8 +565,9 @@ def test_write_into_a_device_yaml_changes_only_the_tuned_block(tmp_path: pytest.
         text = handle.read()
     loaded = yaml.safe_load(text)
     assert loaded["capture_sizes"] == [1, 2, 5, 9] and loaded["max_capture_size"] == 9
-    assert {k: v for k, v in loaded.items() if k not in ("capture_sizes", "max_capture_size")} == \
-        {k: v for k, v in original.items() if k not in ("capture_sizes", "max_capture_size")}
+    assert {k: v for k, v in loaded.items() if k not in ("capture_sizes", "max_capture_size")} == {
+        k: v for k, v in original.items() if k not in ("capture_sizes", "max_capture_size")
+    }
     assert text.count(BEGIN) == 1 and text.count(END) == 1 and "first run" not in text and "tuned_for" not in text
 
 
@@ -478,9 +575,28 @@ def test_tune_capture_end_to_end_writes_sizes_the_engine_captures(tmp_path: pyte
     from engine.cli import main
 
     output, table = str(tmp_path / "tuned.yaml"), str(tmp_path / "tuned.json")
-    args = ["tune-capture", "--device", "cpu", "--max-num-seqs", "3", "--context", "16", "--iters", "3",
-            "--candidates", "1,2", "--distribution", "1:0.6,2:0.3,3:0.1", "--no-verify",
-            "--memory-budget-mib", "inf", "--capture-time-budget-s", "inf", "--output", output]
+    args = [
+        "tune-capture",
+        "--device",
+        "cpu",
+        "--max-num-seqs",
+        "3",
+        "--context",
+        "16",
+        "--iters",
+        "3",
+        "--candidates",
+        "1,2",
+        "--distribution",
+        "1:0.6,2:0.3,3:0.1",
+        "--no-verify",
+        "--memory-budget-mib",
+        "inf",
+        "--capture-time-budget-s",
+        "inf",
+        "--output",
+        output,
+    ]
     assert main(args) == 0
     with open(output, encoding="utf-8") as handle:
         text = handle.read()
@@ -490,8 +606,12 @@ def test_tune_capture_end_to_end_writes_sizes_the_engine_captures(tmp_path: pyte
     # here); what must hold: a non-empty subset of the candidates, the best one for the figures measured.
     assert sizes and set(sizes) <= {1, 2} and written["max_capture_size"] == max(sizes)
     assert written["tuned_for"]["device"] == "cpu"
-    for words in ("Measured at candidate sizes [1, 2]", "Distribution: spec 1:0.6,2:0.3,3:0.1", "torch ",
-                  "Expected decode step, default [1, 2, 3]"):
+    for words in (
+        "Measured at candidate sizes [1, 2]",
+        "Distribution: spec 1:0.6,2:0.3,3:0.1",
+        "torch ",
+        "Expected decode step, default [1, 2, 3]",
+    ):
         assert words in text, words
     with open(table, encoding="utf-8") as handle:
         report = json.load(handle)
@@ -508,8 +628,9 @@ def test_tune_capture_end_to_end_writes_sizes_the_engine_captures(tmp_path: pyte
     assert report["tuned"]["expected_ms"] == pytest.approx(best.expected_ms)
 
     # The engine loads the file and captures exactly those sizes.
-    engine = track(Engine(device="cpu", capture_config=output, max_num_seqs=3, kv_cache_tokens=512, page_size=16,
-                          dtype="float32"))
+    engine = track(
+        Engine(device="cpu", capture_config=output, max_num_seqs=3, kv_cache_tokens=512, page_size=16, dtype="float32")
+    )
     runner = engine.runner.graph_runner
     assert runner is not None and runner.capture_sizes == sizes and runner.max_batch_size == max(sizes)
     assert engine.stats().decode_batch_sizes.count == 0  # the warm-up request's steps are not counted
@@ -528,16 +649,50 @@ def test_tune_capture_from_a_cost_table(tmp_path: pytest.TempPathFactory) -> Non
     from engine.cli import main
 
     model = linear_model(list(range(1, 17)))
-    sizes = [{"size": c.size, "replay_ms": c.replay_ms, "eager_ms": model.eager_ms(c.size), "capture_s": c.capture_s,
-              "first_capture_s": c.capture_s, "memory_mib": c.memory_mib, "memory_source": "rss"} for c in model.costs]
-    table = {"model": {"num_layers": 30}, "measurements": {
-        "sizes": sizes, "eager_points": {"1": 20.0, "16": 23.0}, "fixed_capture_s": 0.0, "fixed_memory_mib": 0.0,
-        "logits_mib_per_row": 0.0, "capture_kind": "compile", "context": 64, "iters": 5}}
+    sizes = [
+        {
+            "size": c.size,
+            "replay_ms": c.replay_ms,
+            "eager_ms": model.eager_ms(c.size),
+            "capture_s": c.capture_s,
+            "first_capture_s": c.capture_s,
+            "memory_mib": c.memory_mib,
+            "memory_source": "rss",
+        }
+        for c in model.costs
+    ]
+    table = {
+        "model": {"num_layers": 30},
+        "measurements": {
+            "sizes": sizes,
+            "eager_points": {"1": 20.0, "16": 23.0},
+            "fixed_capture_s": 0.0,
+            "fixed_memory_mib": 0.0,
+            "logits_mib_per_row": 0.0,
+            "capture_kind": "compile",
+            "context": 64,
+            "iters": 5,
+        },
+    }
     path, output = str(tmp_path / "table.json"), str(tmp_path / "out.yaml")
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(table, handle)
-    assert main(["tune-capture", "--device", "cpu", "--cost-table", path, "--distribution", "3:0.5,11-12:0.5",
-                 "--output", output]) == 0
+    assert (
+        main(
+            [
+                "tune-capture",
+                "--device",
+                "cpu",
+                "--cost-table",
+                path,
+                "--distribution",
+                "3:0.5,11-12:0.5",
+                "--output",
+                output,
+            ]
+        )
+        == 0
+    )
     with open(output, encoding="utf-8") as handle:
         written = yaml.safe_load(handle)
     # Defaults [1, 2, 4, 8, 16] pad 3 to 4 and 11-12 to 16; within their memory and capture time every step gets

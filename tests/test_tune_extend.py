@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from graphs.tune_distribution import TOKENS_HISTOGRAM, SizeDistribution, load_distribution, parse_spec
 from graphs.tune_extend import MIN_BUCKET, extend_candidates
 from graphs.tune_output import BEGIN, EXTEND_BEGIN, decode_values, write_tuned_yaml
-from graphs.tune_select import CostModel, SizeCost, evaluate
+from graphs.tune_select import CostModel, evaluate
 
 BUCKETS = [16, 64, 256, 1024, 4096, 8192]
 
@@ -29,11 +29,32 @@ def unbucketed_ms(tokens: int) -> float:
 
 def cost_table() -> dict:
     """Graphs save the launches (replay 1 ms + 0.02 ms a token) and cost memory and capture time."""
-    sizes = [{"size": b, "replay_ms": 1.0 + 0.02 * b, "eager_ms": unbucketed_ms(b), "capture_s": 0.3,
-              "first_capture_s": 0.3, "memory_mib": 10.0 + b / 64, "memory_source": "device"} for b in BUCKETS]
-    return {"kind": "extend", "compile_extend": True, "measurements": {
-        "sizes": sizes, "eager_points": {str(b): unbucketed_ms(b) for b in BUCKETS}, "fixed_capture_s": 0.0,
-        "fixed_memory_mib": 0.0, "logits_mib_per_row": 0.0, "capture_kind": "cuda_graph", "context": 512, "iters": 5}}
+    sizes = [
+        {
+            "size": b,
+            "replay_ms": 1.0 + 0.02 * b,
+            "eager_ms": unbucketed_ms(b),
+            "capture_s": 0.3,
+            "first_capture_s": 0.3,
+            "memory_mib": 10.0 + b / 64,
+            "memory_source": "device",
+        }
+        for b in BUCKETS
+    ]
+    return {
+        "kind": "extend",
+        "compile_extend": True,
+        "measurements": {
+            "sizes": sizes,
+            "eager_points": {str(b): unbucketed_ms(b) for b in BUCKETS},
+            "fixed_capture_s": 0.0,
+            "fixed_memory_mib": 0.0,
+            "logits_mib_per_row": 0.0,
+            "capture_kind": "cuda_graph",
+            "context": 512,
+            "iters": 5,
+        },
+    }
 
 
 def test_candidates_are_powers_of_two_and_the_distribution_s_quantiles_up_to_the_largest_step() -> None:
@@ -46,16 +67,18 @@ def test_candidates_are_powers_of_two_and_the_distribution_s_quantiles_up_to_the
 
 
 def test_token_distribution_comes_from_the_extend_step_histogram(monkeypatch: pytest.MonkeyPatch) -> None:
-    text = "\n".join([
-        "# TYPE engine:extend_step_tokens histogram",
-        'engine:extend_step_tokens_bucket{le="8.0"} 0.0',
-        'engine:extend_step_tokens_bucket{le="16.0"} 6.0',
-        'engine:extend_step_tokens_bucket{le="24.0"} 6.0',
-        'engine:extend_step_tokens_bucket{le="+Inf"} 6.0',
-        "engine:extend_step_tokens_sum 60.0",
-        "engine:extend_step_tokens_count 6.0",
-        "",
-    ])
+    text = "\n".join(
+        [
+            "# TYPE engine:extend_step_tokens histogram",
+            'engine:extend_step_tokens_bucket{le="8.0"} 0.0',
+            'engine:extend_step_tokens_bucket{le="16.0"} 6.0',
+            'engine:extend_step_tokens_bucket{le="24.0"} 6.0',
+            'engine:extend_step_tokens_bucket{le="+Inf"} 6.0',
+            "engine:extend_step_tokens_sum 60.0",
+            "engine:extend_step_tokens_count 6.0",
+            "",
+        ]
+    )
     import graphs.tune_distribution as module
 
     fetched: list[str] = []
@@ -70,7 +93,7 @@ def _exhaustive_best(distribution: SizeDistribution, model: CostModel) -> tuple[
     return min(subsets, key=lambda s: evaluate(list(s), distribution, model).expected_ms)
 
 
-def test_tune_capture_extend_from_a_cost_table_writes_buckets_the_engine_config_loads(tmp_path) -> None:  # noqa: ANN001
+def test_tune_capture_extend_from_a_cost_table_writes_buckets_the_engine_config_loads(tmp_path) -> None:
     from backends import platform_class
     from engine.cli import main
     from graphs.tune import cost_model
@@ -82,8 +105,27 @@ def test_tune_capture_extend_from_a_cost_table_writes_buckets_the_engine_config_
     # A file that already carries a decode tuning: the extend block goes beside it.
     write_tuned_yaml(output, decode_values([1, 2, 8]), ["a decode tuning"], {"device": "cuda"})
     spec = "5-60:0.6,200-250:0.1,5000-8000:0.3"
-    assert main(["tune-capture", "--extend", "--device", "cuda", "--cost-table", table_path, "--distribution", spec,
-                 "--memory-budget-mib", "inf", "--capture-time-budget-s", "inf", "--output", output]) == 0
+    assert (
+        main(
+            [
+                "tune-capture",
+                "--extend",
+                "--device",
+                "cuda",
+                "--cost-table",
+                table_path,
+                "--distribution",
+                spec,
+                "--memory-budget-mib",
+                "inf",
+                "--capture-time-budget-s",
+                "inf",
+                "--output",
+                output,
+            ]
+        )
+        == 0
+    )
     with open(output, encoding="utf-8") as handle:
         text = handle.read()
     written = yaml.safe_load(text)
@@ -101,18 +143,37 @@ def test_tune_capture_extend_from_a_cost_table_writes_buckets_the_engine_config_
     resolved = EngineConfig(device="cuda", capture_config=output).resolve(platform_class("cuda")())
     assert resolved.extend_capture_tokens == list(best) and resolved.compile_extend is True
     assert resolved.capture_sizes == [1, 2, 8]
-    explicit = EngineConfig(device="cuda", capture_config=output, extend_capture_tokens="").resolve(platform_class("cuda")())
+    explicit = EngineConfig(device="cuda", capture_config=output, extend_capture_tokens="").resolve(
+        platform_class("cuda")()
+    )
     assert explicit.extend_capture_tokens == ""  # a flag on the command line still wins over the file
 
 
-def test_memory_budget_limits_the_extend_buckets(tmp_path) -> None:  # noqa: ANN001
+def test_memory_budget_limits_the_extend_buckets(tmp_path) -> None:
     from engine.cli import main
 
     table_path, output = str(tmp_path / "table.json"), str(tmp_path / "out.yaml")
     with open(table_path, "w", encoding="utf-8") as handle:
         json.dump(cost_table(), handle)
-    assert main(["tune-capture", "--extend", "--device", "cuda", "--cost-table", table_path, "--distribution",
-                 "5-60:0.5,900-1000:0.5", "--memory-budget-mib", "12", "--output", output]) == 0
+    assert (
+        main(
+            [
+                "tune-capture",
+                "--extend",
+                "--device",
+                "cuda",
+                "--cost-table",
+                table_path,
+                "--distribution",
+                "5-60:0.5,900-1000:0.5",
+                "--memory-budget-mib",
+                "12",
+                "--output",
+                output,
+            ]
+        )
+        == 0
+    )
     with open(output, encoding="utf-8") as handle:
         written = yaml.safe_load(handle)
     # 1,024's pool alone is 26 MiB: only the small buckets fit 12 MiB.
@@ -120,7 +181,7 @@ def test_memory_budget_limits_the_extend_buckets(tmp_path) -> None:  # noqa: ANN
 
 
 @pytest.mark.cuda
-def test_tune_capture_extend_measures_and_the_engine_captures_exactly_its_buckets(tmp_path) -> None:  # noqa: ANN001
+def test_tune_capture_extend_measures_and_the_engine_captures_exactly_its_buckets(tmp_path) -> None:
     from engine.cli import main
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
@@ -128,11 +189,44 @@ def test_tune_capture_extend_measures_and_the_engine_captures_exactly_its_bucket
 
     model = _tiny_llama(tmp_path / "model")
     output = str(tmp_path / "extend.yaml")
-    common = ["--model", model, "--device", ENGINE_DEVICE, "--dtype", "float32", "--max-num-seqs", "8",
-              "--max-model-len", "1024", "--chunked-prefill-size", "256"]
-    assert main(["tune-capture", "--extend", *common, "--candidates", "16,64,256", "--distribution", "1-70:1",
-                 "--prompt-len", "40", "--iters", "5", "--memory-budget-mib", "inf", "--capture-time-budget-s", "inf",
-                 "--output", output]) == 0
+    common = [
+        "--model",
+        model,
+        "--device",
+        ENGINE_DEVICE,
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "1024",
+        "--chunked-prefill-size",
+        "256",
+    ]
+    assert (
+        main(
+            [
+                "tune-capture",
+                "--extend",
+                *common,
+                "--candidates",
+                "16,64,256",
+                "--distribution",
+                "1-70:1",
+                "--prompt-len",
+                "40",
+                "--iters",
+                "5",
+                "--memory-budget-mib",
+                "inf",
+                "--capture-time-budget-s",
+                "inf",
+                "--output",
+                output,
+            ]
+        )
+        == 0
+    )
     with open(output, encoding="utf-8") as handle:
         written = yaml.safe_load(handle)
     with open(str(tmp_path / "extend.json"), encoding="utf-8") as handle:
@@ -140,8 +234,15 @@ def test_tune_capture_extend_measures_and_the_engine_captures_exactly_its_bucket
     measured = report["measurements"]["sizes"]
     assert [m["size"] for m in measured] == [16, 64, 256]
     assert all(m["replay_ms"] > 0 and m["eager_ms"] > 0 and m["capture_s"] > 0 for m in measured)
-    engine = Engine(model=model, device=ENGINE_DEVICE, dtype="float32", max_num_seqs=8, max_model_len=1024,
-                    chunked_prefill_size=256, capture_config=output)
+    engine = Engine(
+        model=model,
+        device=ENGINE_DEVICE,
+        dtype="float32",
+        max_num_seqs=8,
+        max_model_len=1024,
+        chunked_prefill_size=256,
+        capture_config=output,
+    )
     runner = engine.runner.extend_graphs
     if written["extend_capture_tokens"]:
         assert runner is not None and sorted(runner.graphs) == written["extend_capture_tokens"]

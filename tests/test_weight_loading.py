@@ -31,7 +31,11 @@ def test_a_fused_projection_loads_each_part_from_its_own_tensor() -> None:
     q, k, v = torch.randn(4, 4), torch.randn(2, 4), torch.randn(2, 4)
     biases = torch.randn(4), torch.randn(2), torch.randn(2)
     names = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
-    weights = [(f"{proj}.{kind}", tensor) for proj, w, b in zip(names, (q, k, v), biases) for kind, tensor in (("weight", w), ("bias", b))]
+    weights = [
+        (f"{proj}.{kind}", tensor)
+        for proj, w, b in zip(names, (q, k, v), biases)
+        for kind, tensor in (("weight", w), ("bias", b))
+    ]
 
     def route(name: str) -> tuple[str, str]:
         proj, kind = name.split(".")
@@ -52,8 +56,13 @@ def test_a_part_left_out_is_one_error_naming_parameter_and_part() -> None:
 
 def test_a_wrong_shape_names_the_checkpoint_tensor_and_the_part() -> None:
     model = fused_qkv()
-    with pytest.raises(ModelLoadError, match=r"'k_proj\.weight' -> qkv_proj\.weight: shape mismatch for part 'k'.*\(3, 4\) vs model \(2, 4\)"):
-        load_checkpoint(dict(model.named_parameters()), [("k_proj.weight", torch.randn(3, 4))], lambda n: ("qkv_proj.weight", "k"))
+    with pytest.raises(
+        ModelLoadError,
+        match=r"'k_proj\.weight' -> qkv_proj\.weight: shape mismatch for part 'k'.*\(3, 4\) vs model \(2, 4\)",
+    ):
+        load_checkpoint(
+            dict(model.named_parameters()), [("k_proj.weight", torch.randn(3, 4))], lambda n: ("qkv_proj.weight", "k")
+        )
 
 
 def test_loaders_survive_materialising_off_the_meta_device() -> None:
@@ -61,12 +70,15 @@ def test_loaders_survive_materialising_off_the_meta_device() -> None:
         model = fused_qkv()
     model = model.to_empty(device="cpu")
     attach_weight_loaders(model)
-    load_checkpoint(dict(model.named_parameters()), [("w", torch.ones(8, 4)), ("b", torch.zeros(8))],
-                    {"w": ("qkv_proj.weight", None), "b": ("qkv_proj.bias", None)}.__getitem__)
+    load_checkpoint(
+        dict(model.named_parameters()),
+        [("w", torch.ones(8, 4)), ("b", torch.zeros(8))],
+        {"w": ("qkv_proj.weight", None), "b": ("qkv_proj.bias", None)}.__getitem__,
+    )
     assert bool((model.qkv_proj.weight == 1).all())
 
 
-def test_a_checkpoint_tensor_with_no_home_is_refused_naming_it(tiny_checkpoints: dict[str, str], tmp_path) -> None:  # noqa: ANN001
+def test_a_checkpoint_tensor_with_no_home_is_refused_naming_it(tiny_checkpoints: dict[str, str], tmp_path) -> None:
     folder = str(tmp_path / "extra")
     shutil.copytree(tiny_checkpoints["qwen3"], folder)  # one unsharded file
     path = os.path.join(folder, "model.safetensors")

@@ -9,7 +9,8 @@ slips through, in the test that did it rather than in a later victim.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -42,4 +43,6 @@ def _torch_config_unchanged() -> Iterator[None]:
     yield
     changes = config_changes(before, config_snapshot())
     if changes:
-        pytest.fail("test left torch's global config changed (use config.patch): " + "; ".join(changes[:5]), pytrace=False)
+        pytest.fail(
+            "test left torch's global config changed (use config.patch): " + "; ".join(changes[:5]), pytrace=False
+        )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -31,7 +31,7 @@ def _patch_scalar_index() -> None:
         return
     original = interpreter._patch_lang_tensor
 
-    def patched(tensor, scope):  # noqa: ANN001, ANN202
+    def patched(tensor, scope):
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
@@ -47,7 +47,9 @@ def interpreter_mode() -> Iterator[None]:
     if not triton_installed():
         pytest.fail("triton is not installed: bash scripts/setup.sh installs the test extra")
     if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.fail("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does it without a GPU "
-                    "driver; this machine has a driver but torch sees no CUDA device)")
+        pytest.fail(
+            "TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does it without a GPU "
+            "driver; this machine has a driver but torch sees no CUDA device)"
+        )
     _patch_scalar_index()
     yield

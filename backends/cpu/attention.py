@@ -10,9 +10,9 @@ without gcc, takes the torch path. Prefill stays in torch ops.
 from __future__ import annotations
 
 import ctypes
-from contextlib import nullcontext
-from functools import lru_cache
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager, nullcontext
+from functools import cache
+from typing import Any
 
 import torch
 
@@ -25,7 +25,7 @@ from graphs.capture_hooks import StaticBufferCaptureHooks
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernel() -> Any:
     """The ctypes function, typed once (looked up on every decode layer: keep it a cache hit)."""
     lib = load("paged_decode")
@@ -79,8 +79,9 @@ def cpu_paged_decode(
     """Store this step's k/v, then attend over each request's pages in place (a sliding window or
     soft-capped scores: the torch path, which the native kernel does not cover)."""
     if window > 0 or softcap or not native_decode_supported(q, k_cache, v_cache, page_table, seq_lens):
-        return paged_decode_attention(q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale,
-                                      window, softcap)
+        return paged_decode_attention(
+            q, k, v, k_cache, v_cache, slot_indices, page_table, seq_lens, page_size, scale, window, softcap
+        )
     k_cache.index_copy_(0, slot_indices, k)
     v_cache.index_copy_(0, slot_indices, v)
     q = q.contiguous()
@@ -88,8 +89,20 @@ def cpu_paged_decode(
     out = torch.empty_like(q)
     batch, heads, dim = q.shape
     status = _kernel()(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(), page_table.shape[1],
-        seq_lens.data_ptr(), batch, heads, k_cache.shape[1], dim, page_size, scale, out.data_ptr(), torch.get_num_threads(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        page_table.data_ptr(),
+        page_table.shape[1],
+        seq_lens.data_ptr(),
+        batch,
+        heads,
+        k_cache.shape[1],
+        dim,
+        page_size,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
     )
     if status != 0:
         raise MemoryError("native paged decode attention could not allocate its scratch buffer")
@@ -104,7 +117,7 @@ class CpuAttentionBackend(StaticBufferCaptureHooks, TorchAttentionBackend):
 
     name = "cpu"
 
-    def step_context(self, meta: AttentionMetadata) -> ContextManager[Any]:
+    def step_context(self, meta: AttentionMetadata) -> AbstractContextManager[Any]:
         if meta.is_decode and self.dtype == torch.float32 and _kernel() is not None:
             return nullcontext()  # the kernel reads the page table itself: no per-step plan to build
         return super().step_context(meta)
@@ -122,6 +135,16 @@ class CpuAttentionBackend(StaticBufferCaptureHooks, TorchAttentionBackend):
         softcap: float = 0.0,
     ) -> torch.Tensor:
         return torch.ops.engine.cpu_paged_decode(
-            q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale, window,
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            meta.slot_indices,
+            meta.page_table,
+            meta.seq_lens,
+            meta.page_size,
+            scale,
+            window,
             softcap,
         )

@@ -54,13 +54,18 @@ def _cache_path() -> Path:
 
 def _cache_key(batch_sizes: list[int]) -> str:
     features = cpu_features()
-    from backends.cpu.packed_linear import PACKING_ENV
     from backends.cpu.native import DISABLE_ENV
+    from backends.cpu.packed_linear import PACKING_ENV
 
     parts = [
-        f"v{PROBE_VERSION}", features.arch, ",".join(sorted(features.flags)), torch.__version__,
-        f"threads={torch.get_num_threads()}", f"batches={batch_sizes}",
-        f"packing={os.environ.get(PACKING_ENV, '1')}", f"native={os.environ.get(DISABLE_ENV, '1')}",
+        f"v{PROBE_VERSION}",
+        features.arch,
+        ",".join(sorted(features.flags)),
+        torch.__version__,
+        f"threads={torch.get_num_threads()}",
+        f"batches={batch_sizes}",
+        f"packing={os.environ.get(PACKING_ENV, '1')}",
+        f"native={os.environ.get(DISABLE_ENV, '1')}",
     ]
     return "|".join(parts)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -21,12 +21,29 @@ HIDE_ENV = "ENGINE_CPU_HIDE_FEATURES"
 
 # The x86 features the CPU paths care about, in torch's spelling (torch._C._cpu._get_cpu_capability).
 KNOWN_FLAGS = (
-    "avx2", "fma3", "f16c", "avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_vnni",
-    "avx512_bf16", "avx_ne_convert", "amx_tile", "amx_bf16",
+    "avx2",
+    "fma3",
+    "f16c",
+    "avx512_f",
+    "avx512_bw",
+    "avx512_vl",
+    "avx512_dq",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx_ne_convert",
+    "amx_tile",
+    "amx_bf16",
 )
 # /proc/cpuinfo spells some of them differently.
-_PROC_NAMES = {"fma": "fma3", "avx512f": "avx512_f", "avx512bw": "avx512_bw", "avx512vl": "avx512_vl",
-               "avx512dq": "avx512_dq", "avx512vnni": "avx512_vnni", "avx_vnni": "avx_vnni"}
+_PROC_NAMES = {
+    "fma": "fma3",
+    "avx512f": "avx512_f",
+    "avx512bw": "avx512_bw",
+    "avx512vl": "avx512_vl",
+    "avx512dq": "avx512_dq",
+    "avx512vnni": "avx512_vnni",
+    "avx_vnni": "avx_vnni",
+}
 
 
 @dataclass(frozen=True)
@@ -97,7 +114,7 @@ def _hidden_flags(available: set[str]) -> frozenset[str]:
     return frozenset(name.strip() for name in raw.split(",") if name.strip())
 
 
-@lru_cache(maxsize=None)
+@cache
 def cpu_features() -> CpuFeatures:
     """This CPU's flags (cached: the CPU does not change under a running process)."""
     flags = _torch_flags() or _proc_flags()

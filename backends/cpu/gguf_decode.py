@@ -20,8 +20,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from backends.cpu.gguf_linear import (PATH_NAMES, GGMatrix, GGUFLinearMethod, QuantizedEmbedding, _library, code_paths,
-                                      gguf_tiles)
+from backends.cpu.gguf_linear import (
+    PATH_NAMES,
+    GGMatrix,
+    GGUFLinearMethod,
+    QuantizedEmbedding,
+    _library,
+    code_paths,
+    gguf_tiles,
+)
 from graphs.runner import DecodeGraphRunner
 
 if TYPE_CHECKING:
@@ -38,17 +45,51 @@ class GGLinear(ctypes.Structure):
 
 
 class GGLayer(ctypes.Structure):
-    _fields_ = [("qkv", GGLinear), ("o", GGLinear), ("gate_up", GGLinear), ("down", GGLinear),
-                ("attn_norm", _P), ("ffn_norm", _P), ("q_norm", _P), ("k_norm", _P),
-                ("k_cache", _P), ("v_cache", _P), ("cos", _P), ("sin", _P), ("window", _I32), ("reserved", _I32)]
+    _fields_ = [
+        ("qkv", GGLinear),
+        ("o", GGLinear),
+        ("gate_up", GGLinear),
+        ("down", GGLinear),
+        ("attn_norm", _P),
+        ("ffn_norm", _P),
+        ("q_norm", _P),
+        ("k_norm", _P),
+        ("k_cache", _P),
+        ("v_cache", _P),
+        ("cos", _P),
+        ("sin", _P),
+        ("window", _I32),
+        ("reserved", _I32),
+    ]
 
 
 class GGModel(ctypes.Structure):
-    _fields_ = [("layers", ctypes.POINTER(GGLayer)), ("head", GGLinear), ("embed", ctypes.POINTER(GGMatrix)),
-                ("embed_dense", _P), ("final_norm", _P),
-                *((name, _I32) for name in ("n_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab",
-                                            "max_positions", "page_size", "levels", "isa_f32", "isa_i8")),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    _fields_ = [
+        ("layers", ctypes.POINTER(GGLayer)),
+        ("head", GGLinear),
+        ("embed", ctypes.POINTER(GGMatrix)),
+        ("embed_dense", _P),
+        ("final_norm", _P),
+        *(
+            (name, _I32)
+            for name in (
+                "n_layers",
+                "hidden",
+                "heads",
+                "kv_heads",
+                "head_dim",
+                "inter",
+                "vocab",
+                "max_positions",
+                "page_size",
+                "levels",
+                "isa_f32",
+                "isa_i8",
+            )
+        ),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
 
 
 @torch.no_grad()
@@ -84,8 +125,11 @@ def native_step_unsupported(model: torch.nn.Module, kv_caches: list[tuple[torch.
             return "a layer has linears outside GGUF blocks"
         if any(lin.bias is not None for lin in linears[1:]):
             return "a layer has a bias other than q/k/v's"
-    methods = {lin.method.levels for layer in model.decoder_layers()
-               for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)}
+    methods = {
+        lin.method.levels
+        for layer in model.decoder_layers()
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    }
     if len(methods) != 1:
         return "its layers mix activation kinds"
     return None
@@ -95,9 +139,17 @@ class NativeDecodeRunner(DecodeGraphRunner):
     """Decode steps of 1 to max(capture_sizes) rows through kernels/gguf_decode.c: nothing to compile
     or capture, and no padding (a step of n rows computes n rows)."""
 
-    def __init__(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], capture_sizes: list[int],
-                 max_pages_per_seq: int, page_size: int, device: torch.device, slot_dtype: torch.dtype = torch.int64,
-                 strict: bool = False) -> None:
+    def __init__(
+        self,
+        model: Any,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        capture_sizes: list[int],
+        max_pages_per_seq: int,
+        page_size: int,
+        device: torch.device,
+        slot_dtype: torch.dtype = torch.int64,
+        strict: bool = False,
+    ) -> None:
         if slot_dtype != torch.int64:
             raise ValueError("the native decode step reads int64 slots")
         super().__init__(model, kv_caches, capture_sizes, max_pages_per_seq, page_size, device, slot_dtype)
@@ -113,13 +165,16 @@ class NativeDecodeRunner(DecodeGraphRunner):
         self._step.argtypes = [_P, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int]
         scratch_fn = _library().gguf_decode_scratch
         scratch_fn.restype, scratch_fn.argtypes = ctypes.c_int64, [_P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        size = scratch_fn(ctypes.byref(self.model_struct), self.max_batch_size, max_pages_per_seq * page_size, self.threads)
+        size = scratch_fn(
+            ctypes.byref(self.model_struct), self.max_batch_size, max_pages_per_seq * page_size, self.threads
+        )
         self.scratch = torch.empty(size, dtype=torch.uint8)
 
     def _linear(self, layer: Any) -> GGLinear:
         parts = gguf_tiles(layer)
-        matrices = (GGMatrix * len(parts))(*(GGMatrix(t.data_ptr(), f.code, rows, layer.in_features, 0)
-                                              for f, rows, t in parts))
+        matrices = (GGMatrix * len(parts))(
+            *(GGMatrix(t.data_ptr(), f.code, rows, layer.in_features, 0) for f, rows, t in parts)
+        )
         self._keep.extend([matrices, *(t for _, _, t in parts)])
         bias = self._f32(layer.bias) if layer.bias is not None else None
         return GGLinear(matrices, bias, len(parts), layer.out_features)
@@ -140,18 +195,28 @@ class NativeDecodeRunner(DecodeGraphRunner):
             attn, mlp = layer.self_attn, layer.mlp
             rotary = attn.rotary
             structs[i] = GGLayer(
-                self._linear(attn.qkv_proj), self._linear(attn.o_proj), self._linear(mlp.gate_up_proj),
-                self._linear(mlp.down_proj), self._f32(layer.input_layernorm.weight),
+                self._linear(attn.qkv_proj),
+                self._linear(attn.o_proj),
+                self._linear(mlp.gate_up_proj),
+                self._linear(mlp.down_proj),
+                self._f32(layer.input_layernorm.weight),
                 self._f32(layer.post_attention_layernorm.weight),
                 self._f32(attn.q_norm.weight) if attn.qk_norm else None,
                 self._f32(attn.k_norm.weight) if attn.qk_norm else None,
-                k_cache.data_ptr(), v_cache.data_ptr(), self._f32(rotary.cos_cache), self._f32(rotary.sin_cache),
-                int(attn.attn.sliding_window or 0), 0)
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                self._f32(rotary.cos_cache),
+                self._f32(rotary.sin_cache),
+                int(attn.attn.sliding_window or 0),
+                0,
+            )
         self._keep.append(structs)
         embed = model.model.embed_tokens
         embed_matrix = None
         if isinstance(embed, QuantizedEmbedding):
-            embed_matrix = ctypes.pointer(GGMatrix(embed.gguf_tiles.data_ptr(), embed.fmt.code, embed.vocab, embed.dim, 0))
+            embed_matrix = ctypes.pointer(
+                GGMatrix(embed.gguf_tiles.data_ptr(), embed.fmt.code, embed.vocab, embed.dim, 0)
+            )
             self._keep.extend([embed_matrix, embed.gguf_tiles])
         head = self._linear(model.lm_head) if isinstance(model.lm_head.method, GGUFLinearMethod) else GGLinear()
         attn0 = layers[0].self_attn
@@ -159,11 +224,26 @@ class NativeDecodeRunner(DecodeGraphRunner):
             raise ValueError("layers with different attention scales")
         paths = code_paths()
         return GGModel(
-            structs, head, embed_matrix, None if embed_matrix is not None else self._f32(embed.weight),
-            self._f32(model.model.norm.weight), len(layers), config.hidden_size, attn0.num_heads, attn0.num_kv_heads,
-            attn0.head_dim, layers[0].mlp.intermediate_size, config.vocab_size, positions, page_size,
+            structs,
+            head,
+            embed_matrix,
+            None if embed_matrix is not None else self._f32(embed.weight),
+            self._f32(model.model.norm.weight),
+            len(layers),
+            config.hidden_size,
+            attn0.num_heads,
+            attn0.num_kv_heads,
+            attn0.head_dim,
+            layers[0].mlp.intermediate_size,
+            config.vocab_size,
+            positions,
+            page_size,
             layers[0].self_attn.qkv_proj.method.levels,
-            paths.float32, paths.int8, float(model.model.norm.eps), float(attn0.attn.scale))
+            paths.float32,
+            paths.int8,
+            float(model.model.norm.eps),
+            float(attn0.attn.scale),
+        )
 
     def _capture_all(self, sizes_largest_first: list[int]) -> None:
         """Nothing to compile: one step of the largest size over the dummy rows (slot 0, page 0) pages the
@@ -173,11 +253,15 @@ class NativeDecodeRunner(DecodeGraphRunner):
         self.hooks.prepare_for_capture(self.buffers, size)
         self._replay(size)
         paths = code_paths()
-        logger.info("native GGUF decode step (%s activations, %s kernels): a %d-row step took %.1f ms", self.activations,
-                    PATH_NAMES[paths.float32 if self.activations == "float32" else paths.int8], size,
-                    (time.perf_counter() - start) * 1e3)
+        logger.info(
+            "native GGUF decode step (%s activations, %s kernels): a %d-row step took %.1f ms",
+            self.activations,
+            PATH_NAMES[paths.float32 if self.activations == "float32" else paths.int8],
+            size,
+            (time.perf_counter() - start) * 1e3,
+        )
 
-    def run_decode(self, message: "DecodeMessage", state: "DecodeBatchState") -> tuple[torch.Tensor, torch.Tensor]:
+    def run_decode(self, message: DecodeMessage, state: DecodeBatchState) -> tuple[torch.Tensor, torch.Tensor]:
         """The contract of graphs/runner.py, without padding: the hooks fill the first n rows only."""
         n = message.batch_size
         rows = self.hooks.prepare_for_replay(self.buffers, message, state, n)
@@ -188,12 +272,23 @@ class NativeDecodeRunner(DecodeGraphRunner):
         self.hooks.before_replay(buffers, bs, None)
         out = torch.empty(bs, self.out_width, dtype=torch.float32)
         status = self._step(
-            ctypes.byref(self.model_struct), bs, buffers.input_ids.data_ptr(), buffers.positions.data_ptr(),
-            buffers.slot_indices.data_ptr(), buffers.page_table.data_ptr(), buffers.page_table.shape[1],
-            buffers.seq_lens.data_ptr(), out.data_ptr(), self.scratch.data_ptr(), self.scratch.nbytes, self.threads)
+            ctypes.byref(self.model_struct),
+            bs,
+            buffers.input_ids.data_ptr(),
+            buffers.positions.data_ptr(),
+            buffers.slot_indices.data_ptr(),
+            buffers.page_table.data_ptr(),
+            buffers.page_table.shape[1],
+            buffers.seq_lens.data_ptr(),
+            out.data_ptr(),
+            self.scratch.data_ptr(),
+            self.scratch.nbytes,
+            self.threads,
+        )
         if status != 0:
-            raise ValueError(f"native GGUF decode step refused its inputs (batch {bs}): a token, position or slot "
-                             "out of range")
+            raise ValueError(
+                f"native GGUF decode step refused its inputs (batch {bs}): a token, position or slot out of range"
+            )
         if self.torch_head is not None:  # a head outside GGUF blocks: in the model's dtype, as compute_logits runs it
             return self.torch_head(out.to(self.torch_head.weight.dtype)).float()
         return out

@@ -21,9 +21,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, NamedTuple, Sequence
+from functools import cache
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -70,11 +71,16 @@ ACTIVATIONS = {"float32": 0, "int8": 1, "int8x2": 2}
 class GGMatrix(ctypes.Structure):
     """kernels/gguf.h's gg_matrix: one matrix in the tiled layout."""
 
-    _fields_ = [("data", ctypes.c_void_p), ("format", ctypes.c_int32), ("rows", ctypes.c_int32),
-                ("cols", ctypes.c_int32), ("reserved", ctypes.c_int32)]
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("format", ctypes.c_int32),
+        ("rows", ctypes.c_int32),
+        ("cols", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _library() -> Any:
     lib = load("gguf")
     if lib is None:
@@ -103,7 +109,7 @@ class CodePaths(NamedTuple):
     int8: int  # and int8 activations
 
 
-@lru_cache(maxsize=None)
+@cache
 def code_paths() -> CodePaths:
     """The best path of each kind that this build has and the CPU shows (ENGINE_CPU_HIDE_FEATURES hides
     features from it). Decided once: every linear of every step asks."""
@@ -165,11 +171,12 @@ def huge_page_arena(nbytes: int) -> torch.Tensor:
     refused (another OS, THP off) the arena is ordinary memory."""
     raw = torch.empty(nbytes + 2 * HUGE_PAGE, dtype=torch.uint8)  # untouched slack costs no memory
     offset = (-raw.data_ptr()) % HUGE_PAGE
-    arena = raw[offset:offset + nbytes]
+    arena = raw[offset : offset + nbytes]
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(arena.data_ptr()), ctypes.c_size_t(-(-nbytes // HUGE_PAGE) * HUGE_PAGE),
-                     MADV_HUGEPAGE)
+        libc.madvise(
+            ctypes.c_void_p(arena.data_ptr()), ctypes.c_size_t(-(-nbytes // HUGE_PAGE) * HUGE_PAGE), MADV_HUGEPAGE
+        )
     except (OSError, AttributeError):
         pass
     return arena
@@ -184,8 +191,9 @@ def dequantize_tiles(tiles: torch.Tensor, code: int, rows: int, cols: int) -> to
     return out
 
 
-def gguf_linear(x: torch.Tensor, tiles: Sequence[torch.Tensor], codes: Sequence[int], rows: Sequence[int],
-                levels: int = 0) -> torch.Tensor:
+def gguf_linear(
+    x: torch.Tensor, tiles: Sequence[torch.Tensor], codes: Sequence[int], rows: Sequence[int], levels: int = 0
+) -> torch.Tensor:
     """x [..., in] @ W.T with W's row parts in tiles (codes: their formats, rows: their heights), in
     x's dtype, accumulated in float32. levels (ACTIVATIONS): 0 float32 activations, 1 or 2: each row
     quantized to one or two int8 levels per block of 32, then integer dot products."""
@@ -199,8 +207,16 @@ def gguf_linear(x: torch.Tensor, tiles: Sequence[torch.Tensor], codes: Sequence[
     out = torch.empty(flat.shape[0], sum(rows), dtype=torch.float32)
     parts = (GGMatrix * len(tiles))(*(_matrix(t, c, r, cols) for t, c, r in zip(tiles, codes, rows)))
     paths = code_paths()
-    status = _library().gguf_matmul(parts, len(tiles), x32.data_ptr(), flat.shape[0], out.data_ptr(), levels,
-                                    paths.int8 if levels else paths.float32, torch.get_num_threads())
+    status = _library().gguf_matmul(
+        parts,
+        len(tiles),
+        x32.data_ptr(),
+        flat.shape[0],
+        out.data_ptr(),
+        levels,
+        paths.int8 if levels else paths.float32,
+        torch.get_num_threads(),
+    )
     if status != 0:
         raise ValueError(f"GGUF matmul refused x {tuple(x.shape)} by parts {list(rows)} x {cols}")
     return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
@@ -217,12 +233,16 @@ def quantized_activations(x: torch.Tensor, levels: int, path: int = 0) -> torch.
     return out
 
 
-def _gguf_linear_fake(x, tiles, codes, rows, levels=0):  # noqa: ANN001, ANN202
+def _gguf_linear_fake(x, tiles, codes, rows, levels=0):
     return x.new_empty((*x.shape[:-1], sum(rows)))
 
 
-define_op("gguf_linear", "(Tensor x, Tensor[] tiles, int[] codes, int[] rows, int levels=0) -> Tensor",
-          gguf_linear, _gguf_linear_fake)
+define_op(
+    "gguf_linear",
+    "(Tensor x, Tensor[] tiles, int[] codes, int[] rows, int levels=0) -> Tensor",
+    gguf_linear,
+    _gguf_linear_fake,
+)
 
 
 def gguf_embedding(ids: torch.Tensor, tiles: torch.Tensor, code: int, vocab: int, dim: int) -> torch.Tensor:
@@ -235,12 +255,16 @@ def gguf_embedding(ids: torch.Tensor, tiles: torch.Tensor, code: int, vocab: int
     return out.reshape(*ids.shape, dim)
 
 
-def _gguf_embedding_fake(ids, tiles, code, vocab, dim):  # noqa: ANN001, ANN202
+def _gguf_embedding_fake(ids, tiles, code, vocab, dim):
     return torch.empty((*ids.shape, dim), dtype=torch.float32, device=ids.device)
 
 
-define_op("gguf_embedding", "(Tensor ids, Tensor tiles, int code, int vocab, int dim) -> Tensor", gguf_embedding,
-          _gguf_embedding_fake)
+define_op(
+    "gguf_embedding",
+    "(Tensor ids, Tensor tiles, int code, int vocab, int dim) -> Tensor",
+    gguf_embedding,
+    _gguf_embedding_fake,
+)
 
 
 class GGUFLinearMethod:
@@ -255,8 +279,9 @@ class GGUFLinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         parts = layer.gguf_parts
         tiles = [getattr(layer, f"gguf_tiles_{i}") for i in range(len(parts))]
-        out = torch.ops.engine.gguf_linear(x, tiles, [f.code for f, _ in parts], [rows for _, rows in parts],
-                                           self.levels)
+        out = torch.ops.engine.gguf_linear(
+            x, tiles, [f.code for f, _ in parts], [rows for _, rows in parts], self.levels
+        )
         return out if layer.bias is None else out + layer.bias
 
 
@@ -326,7 +351,8 @@ def keep_gguf_blocks(model: nn.Module, path: str, activations: str = "float32") 
             continue  # a part missing or in a format without a kernel: the layer stays dense
         pieces = [(FORMATS[by_part[p][0]], by_part[p][1]) for p in order]
         if sum(a.shape[0] for _, a in pieces) != layer.out_features or any(
-                a.shape[1] != layer.in_features // f.block_columns * f.block_bytes for f, a in pieces):
+            a.shape[1] != layer.in_features // f.block_columns * f.block_bytes for f, a in pieces
+        ):
             continue
         plan.append((layer, pieces))
     dense_embedding = model.model.embed_tokens.weight
@@ -342,7 +368,7 @@ def keep_gguf_blocks(model: nn.Module, path: str, activations: str = "float32") 
         offsets[key] = total
         total += -(-size // 64) * 64
     arena = huge_page_arena(total) if total else None
-    tiles = {key: tile_blocks(f, a, arena[offsets[key]:offsets[key] + sizes[key]]) for key, (f, a) in arrays.items()}
+    tiles = {key: tile_blocks(f, a, arena[offsets[key] : offsets[key] + sizes[key]]) for key, (f, a) in arrays.items()}
     method = _METHODS[activations]
     for layer, pieces in plan:
         layer.gguf_parts = tuple((f, a.shape[0]) for f, a in pieces)
@@ -351,7 +377,11 @@ def keep_gguf_blocks(model: nn.Module, path: str, activations: str = "float32") 
         layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
         layer.method = method
     if embedding is not None:
-        model.model.embed_tokens = QuantizedEmbedding(tiles[id(embedding[1])], FORMATS[embedding[0]],
-                                                      dense_embedding.shape[0], dense_embedding.shape[1],
-                                                      dense_embedding.dtype)
+        model.model.embed_tokens = QuantizedEmbedding(
+            tiles[id(embedding[1])],
+            FORMATS[embedding[0]],
+            dense_embedding.shape[0],
+            dense_embedding.shape[1],
+            dense_embedding.dtype,
+        )
     return sum(sizes.values())

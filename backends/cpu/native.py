@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -54,8 +54,14 @@ def _cpu_flags() -> str:
 # Libraries built from several kernel files (each file one job, sharing kernels/*.h); any other
 # name is kernels/<name>.c alone.
 LIBRARIES = {
-    "gguf": ("gguf_repack", "gguf_matmul", "gguf_matmul_portable", "gguf_matmul_avx2", "gguf_matmul_avx512",
-             "gguf_decode"),
+    "gguf": (
+        "gguf_repack",
+        "gguf_matmul",
+        "gguf_matmul_portable",
+        "gguf_matmul_avx2",
+        "gguf_matmul_avx512",
+        "gguf_decode",
+    ),
 }
 
 
@@ -70,8 +76,15 @@ def build(name: str, compiler: str = "gcc") -> Path:
     headers = sorted(KERNEL_DIR.glob("*.h"))
     version = subprocess.run([compiler, "-dumpfullversion"], capture_output=True, text=True, check=True).stdout.strip()
     key = hashlib.sha256(
-        "\0".join([*(p.read_text() for p in sources + headers), " ".join(CFLAGS + LDFLAGS + LIBS), compiler, version,
-                    _cpu_flags()]).encode()
+        "\0".join(
+            [
+                *(p.read_text() for p in sources + headers),
+                " ".join(CFLAGS + LDFLAGS + LIBS),
+                compiler,
+                version,
+                _cpu_flags(),
+            ]
+        ).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{key}.so"
     if target.exists():
@@ -81,14 +94,22 @@ def build(name: str, compiler: str = "gcc") -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         objects = [Path(scratch) / f"{source.stem}.o" for source in sources]
-        compiles = [subprocess.Popen([compiler, *CFLAGS, "-c", "-o", str(obj), str(source)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True) for source, obj in zip(sources, objects)]
+        compiles = [
+            subprocess.Popen(
+                [compiler, *CFLAGS, "-c", "-o", str(obj), str(source)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for source, obj in zip(sources, objects)
+        ]
         for source, process in zip(sources, compiles):  # in parallel: a fresh machine waits for the slowest file
             _, stderr = process.communicate()
             if process.returncode != 0:
                 raise RuntimeError(f"{compiler} failed on {source.name}: {stderr.strip()[-2000:]}")
-        result = subprocess.run([compiler, *LDFLAGS, "-o", str(built), *map(str, objects), *LIBS], capture_output=True,
-                                text=True)
+        result = subprocess.run(
+            [compiler, *LDFLAGS, "-o", str(built), *map(str, objects), *LIBS], capture_output=True, text=True
+        )
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed to link {name}: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: concurrent engines never load a half-written file
@@ -101,7 +122,7 @@ def native_kernels_enabled() -> bool:
     return os.environ.get(DISABLE_ENV, "1") != "0"
 
 
-@lru_cache(maxsize=None)
+@cache
 def load(name: str) -> ctypes.CDLL | None:
     """The kernel library, or None (disabled, no compiler, or the build failed: logged once)."""
     if not native_kernels_enabled():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import torch
@@ -43,7 +43,11 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     packed = getattr(weight, _PACKED_ATTR, None)
     if packed is None:
         return F.linear(x, weight, bias)
-    if x.dtype == torch.bfloat16 and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and weight.nbytes <= GEMV_MAX_WEIGHT_BYTES:
+    if (
+        x.dtype == torch.bfloat16
+        and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
+        and weight.nbytes <= GEMV_MAX_WEIGHT_BYTES
+    ):
         out = native_gemv_bf16(x, weight, bias)
         if out is not None:
             return out
@@ -63,13 +67,19 @@ def native_gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
     status = kernel(
-        rows.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
-        rows.shape[0], n, k, torch.get_num_threads(),
+        rows.data_ptr(),
+        weight.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        rows.shape[0],
+        n,
+        k,
+        torch.get_num_threads(),
     )
     return out if status == 0 else None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _gemv_kernel() -> Any:
     if not native_gemv_bf16_supported():
         return None  # never load code built for instructions this CPU (or ENGINE_CPU_HIDE_FEATURES) lacks
@@ -88,7 +98,7 @@ def _gemv_kernel() -> Any:
     return fn
 
 
-def _packed_linear_fake(x, weight, bias):  # noqa: ANN001, ANN202
+def _packed_linear_fake(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -137,7 +147,9 @@ def pack_linear_weights(model: nn.Module, batch_hint: int, quiet: bool = False) 
             module.method = ONEDNN_PACKED
             added += module.weight.nbytes
     if refused and not quiet:
-        logger.info("oneDNN packing not used for %s on this CPU: plain F.linear", ", ".join(map(str, sorted(refused, key=str))))
+        logger.info(
+            "oneDNN packing not used for %s on this CPU: plain F.linear", ", ".join(map(str, sorted(refused, key=str)))
+        )
     if added and not quiet:
         logger.info("packed linear weights for oneDNN (batch hint %d, %.1f MiB)", batch_hint, added / 2**20)
     return added

@@ -37,7 +37,7 @@ class CpuPlatform(Platform):
             pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
             return MemoryInfo(pages * page_size, os.sysconf("SC_AVPHYS_PAGES") * page_size)
 
-    def attention_backend(self):  # noqa: ANN201
+    def attention_backend(self):
         from backends.cpu.attention import CpuAttentionBackend
 
         return CpuAttentionBackend()
@@ -87,8 +87,12 @@ class CpuPlatform(Platform):
             # float32 activations, logits within 3e-4 of the logit scale of the exact path and HF's greedy ids.
             activations = "int8x2"
         kept = keep_gguf_blocks(model, path, activations)
-        logger.info("GGUF weights kept in their blocks: %.1f MiB, %s activations (kernels: %s)", kept / 2**20,
-                    activations, describe_paths())
+        logger.info(
+            "GGUF weights kept in their blocks: %.1f MiB, %s activations (kernels: %s)",
+            kept / 2**20,
+            activations,
+            describe_paths(),
+        )
 
     def capture_settings(self) -> CaptureSettings:
         return CaptureSettings(kind="compile", compile_backend="inductor")
@@ -140,6 +144,12 @@ def forget_cpu_paths() -> None:
     """
     from backends.cpu import attention, features, gguf_linear, native, packed_linear
 
-    for cached in (features.cpu_features, native.load, attention._kernel, packed_linear._gemv_kernel,
-                   gguf_linear._library, gguf_linear.code_paths):
+    for cached in (
+        features.cpu_features,
+        native.load,
+        attention._kernel,
+        packed_linear._gemv_kernel,
+        gguf_linear._library,
+        gguf_linear.code_paths,
+    ):
         cached.cache_clear()

@@ -65,8 +65,13 @@ def choose_config(rows: int, out_features: int, in_features: int, device: torch.
     return KernelConfig(block_m, block_n, block_k, split_k)
 
 
-def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                           config: KernelConfig | None = None) -> torch.Tensor:
+def fp8_weight_only_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ (weight [N, K] e4m3 * scale).T + bias -> [M, N] in x's dtype.
     scale: float32 [N] (per channel) or [ceil(N/128), ceil(K/128)] (blocks)."""
     rows, in_features = x.shape
@@ -82,13 +87,26 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
     kernel = load_kernel(KERNELS, "fp8_weight_matmul_kernel")
     grid = (-(-out_features // cfg.block_n), -(-rows // cfg.block_m), cfg.split_k)
     kernel[grid](
-        x, weight, scale, bias if bias is not None else scale, out,
-        rows, out_features, in_features,
-        x.stride(0), weight.stride(0), out.stride(0), scale.stride(0) if block_scale else 0,
+        x,
+        weight,
+        scale,
+        bias if bias is not None else scale,
+        out,
+        rows,
+        out_features,
+        in_features,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        scale.stride(0) if block_scale else 0,
         HAS_BIAS=bias is not None,
         SCALE_BLOCK=SCALE_BLOCK if block_scale else 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out if cfg.split_k == 1 else out.to(x.dtype)
 
@@ -105,11 +123,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quantized = torch.empty(rows, in_features, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     load_kernel(KERNELS, "quantize_rows_kernel")[(rows,)](
-        x, quantized, scale, in_features, x.stride(0), quantized.stride(0), FP8_MAX=FP8_MAX, BLOCK_K=1024, num_warps=4)
+        x, quantized, scale, in_features, x.stride(0), quantized.stride(0), FP8_MAX=FP8_MAX, BLOCK_K=1024, num_warps=4
+    )
     return quantized, scale
 
 
-def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def fp8_scaled_mm(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """W8A8: x quantized per token, then cuBLASLt's FP8 GEMM with row-wise scales on both sides."""
     quantized, x_scale = quantize_rows(x)
     out = torch._scaled_mm(quantized, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
@@ -120,7 +141,9 @@ def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bi
 GEMV_ONE_ROW = True
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -136,12 +159,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _fp8_linear_fake(x, weight, weight_scale, bias=None):  # noqa: ANN001, ANN202
+def _fp8_linear_fake(x, weight, weight_scale, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-define_op("fp8_linear", "(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias=None) -> Tensor",
-          fp8_linear, _fp8_linear_fake)
+define_op(
+    "fp8_linear",
+    "(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias=None) -> Tensor",
+    fp8_linear,
+    _fp8_linear_fake,
+)
 
 
 class CudaFp8LinearMethod:

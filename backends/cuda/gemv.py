@@ -61,8 +61,15 @@ def choose_config(out_features: int, in_features: int, weight_bytes: int) -> Gem
     return config
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-         config: GemvConfig | None = None, out_rows: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    out_rows: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [1, K] @ (weight [N, K] (* scale [N] per row)).T + bias -> [1, N] in x's dtype, float32 sums.
     out_rows > 1: [out_rows, N], the rows after the first zeros (padding rows: engine/layers/live_rows.py).
     out: a contiguous [out_rows, N] tensor of x's dtype to write instead of a new one."""
@@ -74,12 +81,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if out is None:
         out = torch.empty(out_rows, out_features, dtype=x.dtype, device=x.device)
     elif out.shape != (out_rows, out_features) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"gemv writes a contiguous {x.dtype} [{out_rows}, {out_features}], got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"gemv writes a contiguous {x.dtype} [{out_rows}, {out_features}], got {out.dtype} {tuple(out.shape)}"
+        )
     kernel = load_kernel(KERNELS, "gemv_kernel")
     grid = (-(-out_features // config.block_n),)
     kernel[grid](
-        x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
-        out_features, in_features,
+        x,
+        weight,
+        scale if scale is not None else x,
+        bias if bias is not None else x,
+        out,
+        out_features,
+        in_features,
         weight.stride(0),
         out_rows - 1,
         HAS_SCALE=scale is not None,
@@ -103,7 +117,7 @@ def _dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return F.linear(x, weight, bias)
 
 
-def _dense_gemv_fake(x, weight, bias):  # noqa: ANN001, ANN202
+def _dense_gemv_fake(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 

@@ -16,14 +16,15 @@ from engine.layers.moe import SparseMoE
 from engine.layers.ops import define_op
 
 
-def _fused_moe_slots(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
-                     weights: torch.Tensor) -> torch.Tensor:
+def _fused_moe_slots(
+    hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     from backends.cuda.triton_moe import fused_moe
 
     return fused_moe(hidden, gate_up, down, expert_ids, weights, sum_slots=False)
 
 
-def _fused_moe_slots_fake(hidden, gate_up, down, expert_ids, weights):  # noqa: ANN001, ANN202
+def _fused_moe_slots_fake(hidden, gate_up, down, expert_ids, weights):
     return hidden.new_empty(hidden.shape[0], expert_ids.shape[1], hidden.shape[1])
 
 
@@ -33,7 +34,7 @@ def _moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
     return moe_route(logits, top_k, renormalize)
 
 
-def _moe_route_fake(logits, top_k, renormalize):  # noqa: ANN001, ANN202
+def _moe_route_fake(logits, top_k, renormalize):
     shape = (logits.shape[0], top_k)
     return logits.new_empty(shape, dtype=torch.int32), logits.new_empty(shape, dtype=torch.float32)
 
@@ -54,8 +55,12 @@ class TritonFusedMoEMethod:
     def select_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ops.engine.moe_route(logits, top_k, renormalize)
 
-    def apply(self, layer: SparseMoE, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        slots = torch.ops.engine.fused_moe_slots(hidden, layer.experts.gate_up_proj, layer.experts.down_proj, expert_ids, weights)
+    def apply(
+        self, layer: SparseMoE, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        slots = torch.ops.engine.fused_moe_slots(
+            hidden, layer.experts.gate_up_proj, layer.experts.down_proj, expert_ids, weights
+        )
         return slots.sum(dim=1) if slots.shape[1] > 1 else slots.squeeze(1)
 
 

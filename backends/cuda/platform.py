@@ -59,7 +59,7 @@ class CudaPlatform(Platform):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
-    def attention_backend(self):  # noqa: ANN201
+    def attention_backend(self):
         from backends.cuda.triton_attention import TritonAttentionBackend
 
         return TritonAttentionBackend()
@@ -68,16 +68,18 @@ class CudaPlatform(Platform):
         from backends.cuda.gemv import use_gemv
         from backends.cuda.moe_method import use_fused_moe
 
-        if (layers := use_fused_moe(model)):
+        if layers := use_fused_moe(model):
             logger.info("MoE: %d layers run the fused Triton experts kernel (capturable in CUDA graphs)", layers)
         if self.one_row_gemv and (layers := use_gemv(model)):
             logger.info("GEMV: %d dense linears take one-row inputs (batch-1 decode) through the Triton GEMV", layers)
 
-    def fp8_linear_method(self):  # noqa: ANN201
+    def fp8_linear_method(self):
         """Hopper and newer (compute capability 8.9+: FP8 tensor cores and e4m3 conversions): the Triton
         weight-only kernel at decode batch sizes, torch._scaled_mm above (backends/cuda/fp8_linear.py)."""
         if torch.cuda.get_device_capability() < (8, 9):
-            logger.warning("FP8 kernels need compute capability 8.9+ (this GPU: %s)", torch.cuda.get_device_capability())
+            logger.warning(
+                "FP8 kernels need compute capability 8.9+ (this GPU: %s)", torch.cuda.get_device_capability()
+            )
             return None
         from backends.cuda.fp8_linear import CUDA_FP8
 
@@ -103,7 +105,9 @@ class CudaPlatform(Platform):
         if maybe_warm_pool is not None:
             started = time.perf_counter()
             maybe_warm_pool()
-            logger.info("inductor compile workers starting in the background (%.2f s to launch)", time.perf_counter() - started)
+            logger.info(
+                "inductor compile workers starting in the background (%.2f s to launch)", time.perf_counter() - started
+            )
         start_runtime_warm_up(also_import=COMPILER_MODULES)
 
     def wait_for_compile_workers(self) -> None:
@@ -113,8 +117,10 @@ class CudaPlatform(Platform):
 
         wait_for_runtime_warm_up()
         if (ready := inductor_pool_ready()) is not None:
-            logger.info("inductor compile workers %s", "ready" if ready else
-                        "still starting: inductor compiles its first kernels on this thread, one by one")
+            logger.info(
+                "inductor compile workers %s",
+                "ready" if ready else "still starting: inductor compiles its first kernels on this thread, one by one",
+            )
 
     def kernel_precompiler(self, model: torch.nn.Module, kv_caches: list) -> Any:
         """The attention kernels and the one-row GEMVs compile in worker threads while dynamo and inductor
@@ -129,12 +135,19 @@ class CudaPlatform(Platform):
             if not background.active:
                 return background.finish
             try:
-                launches = backend.precompile_kernels(model, kv_caches, decode_metas) if hasattr(backend, "precompile_kernels") else 0
+                launches = (
+                    backend.precompile_kernels(model, kv_caches, decode_metas)
+                    if hasattr(backend, "precompile_kernels")
+                    else 0
+                )
                 launches += precompile_gemv(model) if self.one_row_gemv else 0
                 logger.info("compiling %d kernel variants in the background while the decode step compiles", launches)
-            except Exception as exc:  # noqa: BLE001 - ahead-of-time only: the launches themselves compile what is missing
-                logger.warning("background kernel compiles not started (%s: %s); kernels compile at first launch",
-                               type(exc).__name__, exc)
+            except Exception as exc:
+                logger.warning(
+                    "background kernel compiles not started (%s: %s); kernels compile at first launch",
+                    type(exc).__name__,
+                    exc,
+                )
             return background.finish
 
         return start

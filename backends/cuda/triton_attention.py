@@ -23,8 +23,9 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_KV_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
 
 
-def store_kv_rows(cache: torch.Tensor, slot_indices: torch.Tensor, rows: torch.Tensor,
-                  scale: torch.Tensor | None = None) -> None:
+def store_kv_rows(
+    cache: torch.Tensor, slot_indices: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None = None
+) -> None:
     """cache[slot_indices] = rows; an FP8 cache takes rows / scale (a float32 scalar on the device: the
     checkpoint's k_scale or v_scale; None: unit scale, vLLM's default without calibrated ones)
     saturated to e4m3's range (a plain cast would make NaN of anything past 448)."""
@@ -65,17 +66,34 @@ def triton_paged_decode(
     if (fp8 and interpreted()) or (not fp8 and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype)):
         store_kv_rows(k_cache, slot_indices, k, k_scale)
         store_kv_rows(v_cache, slot_indices, v, v_scale)
-        return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, scale,
-                                             window=window, softcap=softcap, **scales)
-    return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window=window,
-                                         softcap=softcap, new_kv=(k, v, slot_indices),
-                                         fp8_max=FP8_KV_MAX if fp8 else 0.0, **scales)
+        return paged_decode_attention_triton(
+            q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window=window, softcap=softcap, **scales
+        )
+    return paged_decode_attention_triton(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        seq_lens,
+        page_size,
+        scale,
+        window=window,
+        softcap=softcap,
+        new_kv=(k, v, slot_indices),
+        fp8_max=FP8_KV_MAX if fp8 else 0.0,
+        **scales,
+    )
 
 
 # The shared decode schema plus an FP8 cache's scales: only this backend reads FP8 caches.
-define_op("triton_paged_decode", DECODE_ATTENTION_SCHEMA.replace(
-    "float softcap=0.0)", "float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None)"),
-    triton_paged_decode, decode_attention_fake)
+define_op(
+    "triton_paged_decode",
+    DECODE_ATTENTION_SCHEMA.replace(
+        "float softcap=0.0)", "float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None)"
+    ),
+    triton_paged_decode,
+    decode_attention_fake,
+)
 
 
 class TritonAttentionBackend(StaticBufferCaptureHooks):
@@ -110,8 +128,20 @@ class TritonAttentionBackend(StaticBufferCaptureHooks):
         scales (float32 scalars on the device; None: unit scale)."""
         if meta.is_decode:
             return torch.ops.engine.triton_paged_decode(
-                q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale,
-                window, softcap, k_scale, v_scale,
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                meta.slot_indices,
+                meta.page_table,
+                meta.seq_lens,
+                meta.page_size,
+                scale,
+                window,
+                softcap,
+                k_scale,
+                v_scale,
             )
         assert meta.query_starts is not None, "extend metadata without device query offsets"
         decodes = meta.num_decodes
@@ -119,28 +149,64 @@ class TritonAttentionBackend(StaticBufferCaptureHooks):
             store_kv_rows(k_cache, meta.slot_indices, k, k_scale)  # the whole ragged batch's k/v in one launch
             store_kv_rows(v_cache, meta.slot_indices, v, v_scale)
             return ragged_paged_attention(
-                q, k_cache, v_cache, meta.query_starts, meta.seq_lens, meta.page_table, meta.page_size, scale, window,
-                softcap, k_scale, v_scale,
+                q,
+                k_cache,
+                v_cache,
+                meta.query_starts,
+                meta.seq_lens,
+                meta.page_table,
+                meta.page_size,
+                scale,
+                window,
+                softcap,
+                k_scale,
+                v_scale,
             )
         # A mixed step: the prefill chunks' k/v stored here, the decode rows' by the decode kernel, as in the
         # decode graphs. The same compiled kernel variants serve both, so the first mixed steps compile
         # nothing (they used to JIT a store-less variant per split count in the middle of serving).
         out = torch.empty_like(q)
         out[:decodes] = triton_paged_decode(
-            q[:decodes], k[:decodes], v[:decodes], k_cache, v_cache, meta.slot_indices[:decodes],
-            meta.page_table[:decodes], meta.seq_lens[:decodes], meta.page_size, scale, window, softcap, k_scale, v_scale,
+            q[:decodes],
+            k[:decodes],
+            v[:decodes],
+            k_cache,
+            v_cache,
+            meta.slot_indices[:decodes],
+            meta.page_table[:decodes],
+            meta.seq_lens[:decodes],
+            meta.page_size,
+            scale,
+            window,
+            softcap,
+            k_scale,
+            v_scale,
         )
         if q.shape[0] > decodes:
             store_kv_rows(k_cache, meta.slot_indices[decodes:], k[decodes:], k_scale)
             store_kv_rows(v_cache, meta.slot_indices[decodes:], v[decodes:], v_scale)
             out[decodes:] = ragged_paged_attention(
-                q[decodes:], k_cache, v_cache, meta.query_starts[decodes:] - decodes, meta.seq_lens[decodes:],
-                meta.page_table[decodes:], meta.page_size, scale, window, softcap, k_scale, v_scale,
+                q[decodes:],
+                k_cache,
+                v_cache,
+                meta.query_starts[decodes:] - decodes,
+                meta.seq_lens[decodes:],
+                meta.page_table[decodes:],
+                meta.page_size,
+                scale,
+                window,
+                softcap,
+                k_scale,
+                v_scale,
             )
         return out
 
-    def precompile_kernels(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                           decode_metas: list[AttentionMetadata]) -> int:
+    def precompile_kernels(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        decode_metas: list[AttentionMetadata],
+    ) -> int:
         """Compile ahead (compile_only launches) every attention kernel variant the decode graphs and
         extend/mixed steps will launch: decode with and without split-K at each capture metadata given,
         and the ragged kernel, for each kind of attention layer (window, soft-cap) the model has.
@@ -150,8 +216,13 @@ class TritonAttentionBackend(StaticBufferCaptureHooks):
         kinds: dict[tuple, tuple[Attention, tuple[torch.Tensor, torch.Tensor]]] = {}
         for layer, cache in zip(model.decoder_layers(), kv_caches):
             for attention in (m for m in layer.modules() if isinstance(m, Attention)):
-                key = (attention.num_heads, attention.num_kv_heads, attention.head_dim, bool(attention.sliding_window),
-                       attention.softcap > 0)
+                key = (
+                    attention.num_heads,
+                    attention.num_kv_heads,
+                    attention.head_dim,
+                    bool(attention.sliding_window),
+                    attention.softcap > 0,
+                )
                 kinds.setdefault(key, (attention, cache))
         dtype = model_activation_dtype(model)
         device = kv_caches[0][0].device
@@ -166,16 +237,39 @@ class TritonAttentionBackend(StaticBufferCaptureHooks):
                     bs = meta.slot_indices.shape[0]
                     q = torch.empty(bs, heads, dim, dtype=dtype, device=device)
                     kv = torch.empty(bs, kv_heads, dim, dtype=dtype, device=device)
-                    triton_paged_decode(q, kv, kv, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens,
-                                        meta.page_size, attention.scale, window, softcap, k_scale, v_scale)
+                    triton_paged_decode(
+                        q,
+                        kv,
+                        kv,
+                        k_cache,
+                        v_cache,
+                        meta.slot_indices,
+                        meta.page_table,
+                        meta.seq_lens,
+                        meta.page_size,
+                        attention.scale,
+                        window,
+                        softcap,
+                        k_scale,
+                        v_scale,
+                    )
                     launches += 1
                 meta = decode_metas[0]
                 tokens = 16
                 q = torch.empty(tokens, heads, dim, dtype=dtype, device=device)
                 ragged_paged_attention(
-                    q, k_cache, v_cache, torch.tensor([0, tokens], dtype=torch.int32, device=device),
-                    torch.full((1,), tokens, dtype=torch.int32, device=device), meta.page_table[:1], meta.page_size,
-                    attention.scale, window, softcap, k_scale, v_scale,
+                    q,
+                    k_cache,
+                    v_cache,
+                    torch.tensor([0, tokens], dtype=torch.int32, device=device),
+                    torch.full((1,), tokens, dtype=torch.int32, device=device),
+                    meta.page_table[:1],
+                    meta.page_size,
+                    attention.scale,
+                    window,
+                    softcap,
+                    k_scale,
+                    v_scale,
                 )
                 launches += 1
         return launches

@@ -15,9 +15,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Iterator
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class KernelHandle:
         return getattr(self.fn, name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_kernel(module_name: str, name: str) -> KernelHandle:
     """The kernel `name` of a module under backends/cuda/kernels/, imported on first use."""
     wait_for_runtime_warm_up()  # one driver: never two threads creating Triton's at once
@@ -64,7 +65,7 @@ def import_ahead(modules: tuple[str, ...]) -> float:
     for name in modules:
         try:
             importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 - ahead of time only
+        except Exception as exc:
             logger.warning("%s not imported ahead (%s: %s)", name, type(exc).__name__, exc)
     return time.perf_counter() - started
 
@@ -87,10 +88,13 @@ def start_runtime_warm_up(also_import: tuple[str, ...] = ()) -> None:
 
             driver.active.get_current_target()
             triton_key()
-        except Exception as exc:  # noqa: BLE001 - ahead of time only: the first launch does the same and raises there
+        except Exception as exc:
             logger.warning("Triton runtime not readied ahead (%s: %s)", type(exc).__name__, exc)
         else:
-            logger.info("Triton runtime ready (driver and cache key) in %.2f s, in the background", time.perf_counter() - started)
+            logger.info(
+                "Triton runtime ready (driver and cache key) in %.2f s, in the background",
+                time.perf_counter() - started,
+            )
         if also_import:
             seconds = import_ahead(also_import)
             logger.info("compiler modules imported in %.2f s, in the background (%s)", seconds, ", ".join(also_import))
@@ -113,7 +117,7 @@ def build_launcher(kernel: Any) -> None:
         from triton.runtime import driver
 
         driver.active.launcher_cls(kernel.src, kernel.metadata)
-    except Exception as exc:  # noqa: BLE001 - ahead of time only: the first launch builds it and raises there
+    except Exception as exc:
         logger.debug("launcher of %s not built ahead: %s", getattr(kernel, "name", kernel), exc)
 
 

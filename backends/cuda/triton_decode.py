@@ -94,7 +94,10 @@ def paged_decode_attention_triton(
     rows stored divided by them); both or neither, None: unit scale."""
     import triton
 
-    decode_kernel, combine_kernel = load_kernel(KERNELS, "paged_decode_kernel"), load_kernel(KERNELS, "combine_splits_kernel")
+    decode_kernel, combine_kernel = (
+        load_kernel(KERNELS, "paged_decode_kernel"),
+        load_kernel(KERNELS, "combine_splits_kernel"),
+    )
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -116,21 +119,38 @@ def paged_decode_attention_triton(
     k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)  # unread without STORE_NEW
     scaled = check_kv_scales(k_scale, v_scale, k_cache.dtype)
     decode_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, page_table, seq_lens, partial, lse,
-        k_new, v_new, slots,
-        k_scale if scaled else q, v_scale if scaled else q,  # unread unless KV_SCALED
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        seq_lens,
+        partial,
+        lse,
+        k_new,
+        v_new,
+        slots,
+        k_scale if scaled else q,
+        v_scale if scaled else q,  # unread unless KV_SCALED
         scale,
         window,
         softcap,
         splits,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
         page_table.stride(0),
-        partial.stride(0), partial.stride(1), partial.stride(2),
-        lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
-        k_new.stride(0), k_new.stride(1),
-        v_new.stride(0), v_new.stride(1),
+        partial.stride(0),
+        partial.stride(1),
+        partial.stride(2),
+        lse.stride(0) if splits > 1 else 0,
+        lse.stride(1) if splits > 1 else 0,
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
         PAGE_SIZE=page_size,
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -143,16 +163,27 @@ def paged_decode_attention_triton(
         STORE_NEW=new_kv is not None,
         FP8_MAX=fp8_max,
         KV_SCALED=scaled,
-        **triton_launch_options("decode", tile.num_warps, tile.num_stages, tile_mn=(group_pad, tile.block_n),
-                                block_k=min(dim_pad, tile.block_n)),
+        **triton_launch_options(
+            "decode",
+            tile.num_warps,
+            tile.num_stages,
+            tile_mn=(group_pad, tile.block_n),
+            block_k=min(dim_pad, tile.block_n),
+        ),
     )
     if splits > 1:
         combine_kernel[(batch, heads)](
-            partial, lse, out,
+            partial,
+            lse,
+            out,
             splits,
-            partial.stride(0), partial.stride(1), partial.stride(2),
-            lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
+            partial.stride(0),
+            partial.stride(1),
+            partial.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            out.stride(0),
+            out.stride(1),
             HEAD_DIM=head_dim,
             DIM_PAD=dim_pad,
             MAX_SPLITS=MAX_SPLITS,

@@ -25,7 +25,6 @@ import torch
 from backends.cuda.triton_build import interpreted, load_kernel
 from backends.hip.triton_hints import EXTEND_ROWS_ON_HIP, is_rocm_build, triton_launch_options
 
-
 KERNELS = "backends.cuda.kernels.ragged_attention"
 
 
@@ -102,18 +101,28 @@ def ragged_paged_attention(
     grid = (tokens // block_q + num_requests, kv_heads)
     scaled = check_kv_scales(k_scale, v_scale, k_cache.dtype)
     kernel[grid](
-        q, k_cache, v_cache, out,
-        query_start_loc, seq_lens, page_table,
-        k_scale if scaled else q, v_scale if scaled else q,  # unread unless KV_SCALED
+        q,
+        k_cache,
+        v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        page_table,
+        k_scale if scaled else q,
+        v_scale if scaled else q,  # unread unless KV_SCALED
         num_requests,
         scale * 1.4426950408889634,  # log2(e): the kernel's softmax runs in exp2
         window,
         softcap,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
         page_table.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0),
+        out.stride(1),
         PAGE_SIZE=page_size,
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -125,7 +134,12 @@ def ragged_paged_attention(
         IEEE_FP32=q.dtype == torch.float32 and not interpreted(),
         SOFTCAPPED=softcap > 0,
         KV_SCALED=scaled,
-        **triton_launch_options("extend", 8 if block_q * group_pad >= 128 else 4, 2, tile_mn=(block_q * group_pad, block_n),
-                                block_k=min(max(16, triton.next_power_of_2(head_dim)), block_n)),
+        **triton_launch_options(
+            "extend",
+            8 if block_q * group_pad >= 128 else 4,
+            2,
+            tile_mn=(block_q * group_pad, block_n),
+            block_k=min(max(16, triton.next_power_of_2(head_dim)), block_n),
+        ),
     )
     return out

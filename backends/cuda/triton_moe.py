@@ -39,7 +39,6 @@ import torch
 from backends.cuda.triton_build import interpreted, load_kernel
 from backends.hip.triton_hints import triton_launch_options
 
-
 KERNELS = "backends.cuda.kernels.fused_moe"
 
 # Up to this many token slots per expert on average, moe_tile picks the per-slot kernels. On the H200
@@ -113,14 +112,17 @@ def moe_align_block_size(
     torch ops of fixed shapes; both give the same result."""
     num_slots = expert_ids.numel()
     if use_triton is None:
-        use_triton = (expert_ids.is_cuda and num_slots <= TRITON_ALIGN_MAX_SLOTS
-                      and os.environ.get(TRITON_ALIGN_ENV, "1") != "0")
+        use_triton = (
+            expert_ids.is_cuda and num_slots <= TRITON_ALIGN_MAX_SLOTS and os.environ.get(TRITON_ALIGN_ENV, "1") != "0"
+        )
     if use_triton and num_slots > 0:
         return _align_triton(expert_ids, num_experts, block_m)
     return _align_torch(expert_ids, num_experts, block_m)
 
 
-def _align_triton(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _align_triton(
+    expert_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     import triton
 
     device = expert_ids.device
@@ -132,8 +134,14 @@ def _align_triton(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     num_valid_blocks = torch.empty(1, dtype=torch.int32, device=device)
     group_start = torch.empty(num_experts, dtype=torch.int32, device=device)
     load_kernel(KERNELS, "moe_align_groups_kernel")[(1,)](
-        flat, sorted_slot_ids, block_experts, num_valid_blocks, group_start,
-        num_slots, num_experts, max_blocks,
+        flat,
+        sorted_slot_ids,
+        block_experts,
+        num_valid_blocks,
+        group_start,
+        num_slots,
+        num_experts,
+        max_blocks,
         BLOCK_M=block_m,
         BLOCK_S=triton.next_power_of_2(num_slots),
         EXPERT_BINS=triton.next_power_of_2(num_experts + 1),
@@ -145,12 +153,20 @@ def _align_triton(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     # program ranking its slots against all before it); smaller blocks would shorten it, not yet measured.
     place_block = 128
     load_kernel(KERNELS, "moe_place_slots_kernel")[(triton.cdiv(num_slots, place_block),)](
-        flat, sorted_slot_ids, group_start, num_slots, BLOCK=place_block, OTHERS=128, num_warps=4,
+        flat,
+        sorted_slot_ids,
+        group_start,
+        num_slots,
+        BLOCK=place_block,
+        OTHERS=128,
+        num_warps=4,
     )
     return sorted_slot_ids, block_experts, num_valid_blocks
 
 
-def _align_torch(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _align_torch(
+    expert_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Torch ops of fixed shapes only. (bincount is not used: its output size depends on the largest
     # id, which torch reads on the host.)
     device = expert_ids.device
@@ -215,8 +231,12 @@ def fused_moe(
 
 
 def _moe_grouped(
-    hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
-    weights: torch.Tensor, tile: MoeTile,
+    hidden: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    tile: MoeTile,
 ) -> torch.Tensor:
     """Each slot's weighted output [T * k, H] by the grouped GEMMs over the slots sorted by expert."""
     import triton
@@ -233,40 +253,69 @@ def _moe_grouped(
     # reference's intermediate.
     act = torch.empty(max_blocks * tile.block_m, inter_size, dtype=hidden.dtype, device=hidden.device)
     gate_up_kernel[(max_blocks, triton.cdiv(inter_size, tile.block_n))](
-        hidden, gate_up, act,
-        sorted_slot_ids, block_experts, num_valid_blocks,
-        num_slots, hidden_size, inter_size,
-        hidden.stride(0), hidden.stride(1),
-        gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
-        act.stride(0), act.stride(1),
+        hidden,
+        gate_up,
+        act,
+        sorted_slot_ids,
+        block_experts,
+        num_valid_blocks,
+        num_slots,
+        hidden_size,
+        inter_size,
+        hidden.stride(0),
+        hidden.stride(1),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        gate_up.stride(2),
+        act.stride(0),
+        act.stride(1),
         TOP_K=top_k,
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         IEEE_FP32=ieee,
-        **triton_launch_options("moe", tile.num_warps, tile.num_stages, tile_mn=(tile.block_m, tile.block_n), block_k=tile.block_k),
+        **triton_launch_options(
+            "moe", tile.num_warps, tile.num_stages, tile_mn=(tile.block_m, tile.block_n), block_k=tile.block_k
+        ),
     )
     routing = weights.reshape(-1)  # slot order: token * k + choice
     per_slot = torch.empty(num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
     down_kernel[(max_blocks, triton.cdiv(hidden_size, tile.block_n))](
-        act, down, per_slot, routing,
-        sorted_slot_ids, block_experts, num_valid_blocks,
-        num_slots, hidden_size, inter_size,
-        act.stride(0), act.stride(1),
-        down.stride(0), down.stride(1), down.stride(2),
-        per_slot.stride(0), per_slot.stride(1),
+        act,
+        down,
+        per_slot,
+        routing,
+        sorted_slot_ids,
+        block_experts,
+        num_valid_blocks,
+        num_slots,
+        hidden_size,
+        inter_size,
+        act.stride(0),
+        act.stride(1),
+        down.stride(0),
+        down.stride(1),
+        down.stride(2),
+        per_slot.stride(0),
+        per_slot.stride(1),
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         IEEE_FP32=ieee,
-        **triton_launch_options("moe", tile.num_warps, tile.num_stages, tile_mn=(tile.block_m, tile.block_n), block_k=tile.block_k),
+        **triton_launch_options(
+            "moe", tile.num_warps, tile.num_stages, tile_mn=(tile.block_m, tile.block_n), block_k=tile.block_k
+        ),
     )
     return per_slot
 
 
 def _moe_per_slot(
-    hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
-    weights: torch.Tensor, tile: MoeTile,
+    hidden: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    tile: MoeTile,
 ) -> torch.Tensor:
     """Each slot's weighted output [T * k, H] by a gate/up launch and a down launch over (slot, weight tile)."""
     import triton
@@ -280,21 +329,43 @@ def _moe_per_slot(
     options = triton_launch_options("moe", tile.num_warps, tile.num_stages)  # no tl.dot: no MFMA options
     act = torch.empty(num_slots, inter_size, dtype=hidden.dtype, device=hidden.device)
     gate_up_kernel[(num_slots, triton.cdiv(inter_size, tile.block_n))](
-        hidden, gate_up, act, flat_ids,
-        hidden_size, inter_size,
-        hidden.stride(0), hidden.stride(1),
-        gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
-        act.stride(0), act.stride(1),
-        TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **options,
+        hidden,
+        gate_up,
+        act,
+        flat_ids,
+        hidden_size,
+        inter_size,
+        hidden.stride(0),
+        hidden.stride(1),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        gate_up.stride(2),
+        act.stride(0),
+        act.stride(1),
+        TOP_K=top_k,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        **options,
     )
     per_slot = torch.empty(num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
     down_kernel[(num_slots, triton.cdiv(hidden_size, tile.block_n))](
-        act, down, per_slot, weights.reshape(-1), flat_ids,
-        hidden_size, inter_size,
-        act.stride(0), act.stride(1),
-        down.stride(0), down.stride(1), down.stride(2),
-        per_slot.stride(0), per_slot.stride(1),
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **options,
+        act,
+        down,
+        per_slot,
+        weights.reshape(-1),
+        flat_ids,
+        hidden_size,
+        inter_size,
+        act.stride(0),
+        act.stride(1),
+        down.stride(0),
+        down.stride(1),
+        down.stride(2),
+        per_slot.stride(0),
+        per_slot.stride(1),
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        **options,
     )
     return per_slot
 
@@ -310,9 +381,16 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
     if num_tokens == 0:
         return ids, weights
     load_kernel(KERNELS, "moe_route_kernel")[(num_tokens,)](
-        logits, ids, weights, num_experts, logits.stride(0), logits.stride(1),
-        TOP_K=top_k, RENORMALIZE=renormalize,
-        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOP_K=triton.next_power_of_2(top_k),
+        logits,
+        ids,
+        weights,
+        num_experts,
+        logits.stride(0),
+        logits.stride(1),
+        TOP_K=top_k,
+        RENORMALIZE=renormalize,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_TOP_K=triton.next_power_of_2(top_k),
         **triton_launch_options("moe", 4 if num_experts <= 256 else 8),
     )
     return ids, weights

@@ -18,8 +18,14 @@ BLOCK = 4096
 
 
 def apply_penalties_(
-    logits: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor | None,
-    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+    logits: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    seen: torch.Tensor,
+    counts: torch.Tensor | None,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
 ) -> torch.Tensor:
     """Penalize logits [batch, vocab] in place: rows positions[i] with decode-row state rows[i] and the
     i-th penalties (float32). counts None: no frequency or presence penalty in the batch."""
@@ -30,9 +36,19 @@ def apply_penalties_(
     assert logits.stride(1) == 1 and seen.stride(1) == 1 and seen.is_contiguous()
     seen_bytes = seen.view(torch.uint8)  # bool rows, read as bytes
     kernel[(n, triton_cdiv(vocab, BLOCK))](
-        logits, logits.stride(0), positions, rows, seen_bytes, counts if counts is not None else seen_bytes,
-        seen.stride(0), repetition, frequency, presence, vocab,
-        HAS_COUNTS=counts is not None, BLOCK=BLOCK,
+        logits,
+        logits.stride(0),
+        positions,
+        rows,
+        seen_bytes,
+        counts if counts is not None else seen_bytes,
+        seen.stride(0),
+        repetition,
+        frequency,
+        presence,
+        vocab,
+        HAS_COUNTS=counts is not None,
+        BLOCK=BLOCK,
     )
     return logits
 

@@ -25,7 +25,7 @@ class HipPlatform(CudaPlatform):
             return f"device 'rocm' is not available: this torch build ({torch.__version__}) is not a ROCm build"
         return "device 'rocm' is not available: no AMD GPU visible"
 
-    def fp8_linear_method(self):  # noqa: ANN201
+    def fp8_linear_method(self):
         """None: MI300 computes in e4m3fnuz, not the e4m3fn of FP8 checkpoints, and the CUDA FP8 method has
         never run on ROCm; FP8 weights are dequantized once at load."""
         return None

@@ -28,9 +28,10 @@ UNTESTED ON GAUDI HARDWARE: checked on CPU against engine.layers.torch_attention
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -102,7 +103,7 @@ class HpuFlatMetadata:
         page_size: int,
         batch_size: int,
         dtype: torch.dtype = torch.float32,
-    ) -> "HpuFlatMetadata":
+    ) -> HpuFlatMetadata:
         """Device-side, static-shape: runs inside the step once per step (not per layer), from the three
         [blocks] vectors the host sends; the one-hot mapping and the bias are built here."""
         offsets = torch.arange(page_size, device=block_usage.device, dtype=torch.int32)
@@ -113,9 +114,13 @@ class HpuFlatMetadata:
 
     @classmethod
     def from_page_table(
-        cls, page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dtype: torch.dtype,
+        cls,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        page_size: int,
+        dtype: torch.dtype,
         device: torch.device | str | None = None,
-    ) -> "HpuFlatMetadata":
+    ) -> HpuFlatMetadata:
         """For eager steps that no runner padded: exactly the blocks the batch needs (data-dependent shape).
         Built on the host from host tensors (device ones are copied back once), then sent to `device`
         (default: the page table's)."""
@@ -124,9 +129,13 @@ class HpuFlatMetadata:
         host = build_block_metadata(host_table, host_lens, page_size, blocks)
         target = page_table.device if device is None else torch.device(device)
         return cls.from_block_metadata(
-            host.block_list.to(target), host.block_groups.to(target), host.block_usage.to(target), page_size,
-            int(host_lens.numel()), dtype,
-        )  # fmt: skip
+            host.block_list.to(target),
+            host.block_groups.to(target),
+            host.block_usage.to(target),
+            page_size,
+            int(host_lens.numel()),
+            dtype,
+        )
 
 
 def _count_blocks(seq_lens: torch.Tensor, page_size: int) -> int:
@@ -234,8 +243,12 @@ class HpuGraphHooks:
     """
 
     def __init__(
-        self, buckets: Sequence[tuple[int, int]], page_size: int, max_blocks_per_seq: int,
-        slot_dtype: torch.dtype = torch.int64, with_block_metadata: bool = False,
+        self,
+        buckets: Sequence[tuple[int, int]],
+        page_size: int,
+        max_blocks_per_seq: int,
+        slot_dtype: torch.dtype = torch.int64,
+        with_block_metadata: bool = False,
     ) -> None:
         self.buckets = sorted(set(buckets))
         self.page_size = page_size
@@ -254,14 +267,19 @@ class HpuGraphHooks:
         return warmup_batch(bucket, self.page_size, self.max_blocks_per_seq, self.slot_dtype)
 
     def init_capture_state(
-        self, max_bs: int, max_pages: int, page_size: int, device: torch.device | str, slot_dtype: torch.dtype,
-    ) -> "HpuReplayState":
+        self,
+        max_bs: int,
+        max_pages: int,
+        page_size: int,
+        device: torch.device | str,
+        slot_dtype: torch.dtype,
+    ) -> HpuReplayState:
         """HPU graphs are compiled per bucket shape and take fresh inputs each call: no static buffers, only
         the padded batch prepare_for_replay hands the runner."""
         return HpuReplayState()
 
     def prepare_for_replay(
-        self, state: "HpuReplayState", message: "DecodeMessage", batch_state: "DecodeBatchState", padded_bs: int
+        self, state: HpuReplayState, message: DecodeMessage, batch_state: DecodeBatchState, padded_bs: int
     ) -> torch.Tensor:
         """The engine's decode step (graphs/capture_hooks.py's contract): the bucket chosen and the batch
         padded on the host from the step message's host tensors and the host copy of the rows' pages, so
@@ -272,13 +290,25 @@ class HpuGraphHooks:
         return to_device(message.inputs[3], torch.int64, batch_state.device)
 
     def pad_inputs(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_indices: torch.Tensor, page_table: torch.Tensor,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_indices: torch.Tensor,
+        page_table: torch.Tensor,
         seq_lens: torch.Tensor,
     ) -> PaddedDecodeBatch:
         """Choose the bucket and pad host tensors to it (padding with device ops would compile per pair)."""
         bucket = choose_decode_bucket(seq_lens, self.page_size, self.buckets)
-        return pad_decode_batch(input_ids, positions, slot_indices.to(self.slot_dtype), page_table, seq_lens,
-                                bucket, self.page_size, self.max_blocks_per_seq)
+        return pad_decode_batch(
+            input_ids,
+            positions,
+            slot_indices.to(self.slot_dtype),
+            page_table,
+            seq_lens,
+            bucket,
+            self.page_size,
+            self.max_blocks_per_seq,
+        )
 
     def replay_inputs(
         self, host_batch: PaddedDecodeBatch, device: torch.device
@@ -286,7 +316,9 @@ class HpuGraphHooks:
         """The padded batch on the device, and the step's block metadata keywords (built on the host)."""
         kwargs: dict[str, torch.Tensor] = {}
         if self.with_block_metadata:
-            meta = build_block_metadata(host_batch.page_table, host_batch.seq_lens, self.page_size, host_batch.bucket[1])
+            meta = build_block_metadata(
+                host_batch.page_table, host_batch.seq_lens, self.page_size, host_batch.bucket[1]
+            )
             kwargs = {k: v.to(device, non_blocking=True) for k, v in vars(meta).items()}
         return move_batch(host_batch, device), kwargs
 
@@ -313,7 +345,10 @@ class HpuAttentionBackend:
     graph_hooks = HpuGraphHooks
 
     def __init__(
-        self, store_kv: StoreFn | None = None, fp32_softmax: bool = False, mark_steps: bool = False,
+        self,
+        store_kv: StoreFn | None = None,
+        fp32_softmax: bool = False,
+        mark_steps: bool = False,
         fused_sdpa: Any | None = None,
     ) -> None:
         """fp32_softmax: decode and padded-prompt softmax in fp32 (HpuPlatform.prepare_model sets it per model type).
@@ -366,8 +401,9 @@ class HpuAttentionBackend:
                 # A prefill padded to a prompt bucket (backends/hpu/prefill_runner.py): one static-shape op over
                 # each row's prefix pages (read back from the caches just written) and its new tokens.
                 if self.fused_sdpa is not None:
-                    return fused_prompt_attention(self.fused_sdpa, q, k, v, prompt, scale, self.fp32_softmax,
-                                                  k_cache, v_cache)  # fmt: skip
+                    return fused_prompt_attention(
+                        self.fused_sdpa, q, k, v, prompt, scale, self.fp32_softmax, k_cache, v_cache
+                    )
                 return padded_prompt_attention(q, k, v, prompt, scale, self.fp32_softmax, k_cache, v_cache)
             return extend_attention(q, k_cache, v_cache, meta, scale)
         flat = meta.platform_metadata

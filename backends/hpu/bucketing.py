@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -181,9 +182,7 @@ def pages_needed(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
     return (seq_lens.to(torch.int64) + page_size - 1) // page_size
 
 
-def choose_decode_bucket(
-    seq_lens: torch.Tensor, page_size: int, buckets: Sequence[tuple[int, int]]
-) -> tuple[int, int]:
+def choose_decode_bucket(seq_lens: torch.Tensor, page_size: int, buckets: Sequence[tuple[int, int]]) -> tuple[int, int]:
     """The smallest warmed (bs, blocks) bucket that holds this batch plus its padded rows."""
     n = int(seq_lens.numel())
     real_blocks = int(pages_needed(seq_lens, page_size).sum()) if n else 0
@@ -386,8 +385,15 @@ class HpuBucketConfig:
         keeps; rows that fill one fit a context of max_prompt_len + 1 tokens (default: max_model_len)."""
         seq = sorted({s for _, s in self.prompt_pairs(max_prompt_len)})
         max_len = max_prompt_len + 1 if max_prompt_len is not None else self.max_blocks_per_seq * self.page_size
-        return prompt_ctx_buckets(self.prompt_bs, seq, self.prompt_ctx, self.page_size, max_len,
-                                  self.max_num_batched_tokens, self.max_prompt_ctx_buckets)  # fmt: skip
+        return prompt_ctx_buckets(
+            self.prompt_bs,
+            seq,
+            self.prompt_ctx,
+            self.page_size,
+            max_len,
+            self.max_num_batched_tokens,
+            self.max_prompt_ctx_buckets,
+        )
 
 
 def read_bucket_range(name: str, defaults: Mapping[str, int], env: Mapping[str, str]) -> tuple[BucketRange, bool]:
@@ -427,10 +433,13 @@ def resolve_bucket_config(config: Mapping[str, Any], env: Mapping[str, str] | No
     tokens = config.get("max_num_batched_tokens", hpu.get("max_num_batched_tokens"))
     ctx_limit = env.get("ENGINE_HPU_MAX_PROMPT_CTX_BUCKETS", "").strip() or hpu.get("max_prompt_ctx_buckets")
     return HpuBucketConfig(
-        strategy=strategy, page_size=page_size, max_blocks_per_seq=max_blocks_per_seq,
+        strategy=strategy,
+        page_size=page_size,
+        max_blocks_per_seq=max_blocks_per_seq,
         max_num_batched_tokens=int(tokens) if tokens is not None else None,
-        max_prompt_ctx_buckets=int(ctx_limit) if ctx_limit not in (None, "") else None, **lists,
-    )  # fmt: skip
+        max_prompt_ctx_buckets=int(ctx_limit) if ctx_limit not in (None, "") else None,
+        **lists,
+    )
 
 
 def read_ctx_buckets(

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -81,8 +82,15 @@ def load_fused_sdpa(setting: str | bool | None = None) -> Any | None:
 
 
 def fused_prompt_attention(
-    fused_sdpa: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: HpuPromptMetadata, scale: float,
-    fp32_softmax: bool = False, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+    fused_sdpa: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: HpuPromptMetadata,
+    scale: float,
+    fp32_softmax: bool = False,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """padded_prompt_attention's contract (same arguments, same result) through `fused_sdpa.apply`."""
     rows, seq = meta.rows, meta.seq

@@ -26,8 +26,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import nullcontext
-from typing import Any, Callable, Collection, ContextManager, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 
@@ -59,14 +60,12 @@ class RecompileAfterWarmupError(RuntimeError):
 def expected_shapes(bucket: tuple[int, int], max_blocks_per_seq: int) -> dict[str, tuple[int, ...]]:
     """The exact tensor shapes the step sees for a bucket."""
     bs, blocks = bucket
-    shapes: dict[str, tuple[int, ...]] = {name: (bs,) for name in STEP_INPUTS}
+    shapes: dict[str, tuple[int, ...]] = dict.fromkeys(STEP_INPUTS, (bs,))
     shapes["page_table"] = (bs, page_table_width(blocks, max_blocks_per_seq))
     return shapes
 
 
-def check_static_shapes(
-    batch: PaddedDecodeBatch, warmed: Collection[tuple[int, int]], max_blocks_per_seq: int
-) -> None:
+def check_static_shapes(batch: PaddedDecodeBatch, warmed: Collection[tuple[int, int]], max_blocks_per_seq: int) -> None:
     """Raise ShapeGuaranteeError unless the batch is a warmed bucket with that bucket's exact shapes."""
     if batch.bucket not in warmed:
         raise ShapeGuaranteeError(f"bucket {batch.bucket} was not warmed up")
@@ -87,7 +86,7 @@ def bridge_compiles(metric: Any) -> int:
     return int(dict(metric.stats()).get("TotalNumber", 0)) if metric is not None else 0
 
 
-def _bridge_metric_factory() -> Callable[[], ContextManager[Any]]:
+def _bridge_metric_factory() -> Callable[[], AbstractContextManager[Any]]:
     """metric_localcontext("graph_compilation"): counts only what compiles inside its `with` block."""
     from habana_frameworks.torch.hpu.metrics import metric_localcontext
 
@@ -132,7 +131,7 @@ class HpuDecodeRunner:
         show_progress: bool = True,
         skip_warmup: bool = False,
         precompiled: bool = False,
-        compile_metric: Callable[[], ContextManager[Any]] | None = None,
+        compile_metric: Callable[[], AbstractContextManager[Any]] | None = None,
         hooks: HpuGraphHooks | None = None,
         hooks_class: type[HpuGraphHooks] = HpuGraphHooks,
     ) -> None:
@@ -159,11 +158,14 @@ class HpuDecodeRunner:
         self.show_progress = show_progress
         self.skip_warmup = skip_warmup
         self.precompiled = precompiled
-        self.hooks = hooks if hooks is not None else hooks_class(
-            self.buckets, page_size, max_blocks_per_seq, slot_dtype, with_block_metadata
+        self.hooks = (
+            hooks
+            if hooks is not None
+            else hooks_class(self.buckets, page_size, max_blocks_per_seq, slot_dtype, with_block_metadata)
         )
-        self.replay_state = self.hooks.init_capture_state(max(bs for bs, _ in self.buckets), max_blocks_per_seq,
-                                                          page_size, self.device, slot_dtype)
+        self.replay_state = self.hooks.init_capture_state(
+            max(bs for bs, _ in self.buckets), max_blocks_per_seq, page_size, self.device, slot_dtype
+        )
         self.warmed: set[tuple[int, int]] = set()
         self.dynamo_compiles = 0  # dynamo frames compiled inside this runner's decode regions (warm-up included)
         self.bridge_compiles = 0  # the bridge's graph (recipe) compiles inside them
@@ -178,7 +180,7 @@ class HpuDecodeRunner:
     @classmethod
     def from_config(
         cls, step: StepFn, config: Mapping[str, Any], max_blocks_total: int | None = None, **kwargs: Any
-    ) -> "HpuDecodeRunner":
+    ) -> HpuDecodeRunner:
         """Buckets, mode and strictness from configs/hpu.yaml plus ENGINE_* env overrides."""
         from backends.hpu.platform import bridge_is_lazy, graph_mode_from_env
 
@@ -281,8 +283,13 @@ class HpuDecodeRunner:
         self._warm = True
         logger.info(
             "HPU decode warm-up: %d buckets (%d distinct shapes) in %.1f s (mode=%s, %d dynamo / %d bridge compiles)",
-            len(self.buckets), len(shapes_done), seconds, self.mode, self.dynamo_compiles, self.bridge_compiles,
-        )  # fmt: skip
+            len(self.buckets),
+            len(shapes_done),
+            seconds,
+            self.mode,
+            self.dynamo_compiles,
+            self.bridge_compiles,
+        )
         return seconds
 
     # ---- serving ------------------------------------------------------------------------
@@ -324,7 +331,9 @@ class HpuDecodeRunner:
         seq_lens: torch.Tensor,
     ) -> torch.Tensor:
         """One decode step for n requests given as tensors -> logits [n, vocab]."""
-        return self._run_padded(self.pad(input_ids, positions, slot_indices, page_table, seq_lens))  # padded on the host
+        return self._run_padded(
+            self.pad(input_ids, positions, slot_indices, page_table, seq_lens)
+        )  # padded on the host
 
     def _run_padded(self, batch: PaddedDecodeBatch) -> torch.Tensor:
         if not (self.strict and self._warm):
@@ -338,4 +347,3 @@ class HpuDecodeRunner:
                 "depends on something besides tensor shapes (a Python scalar, a changing attribute?)"
             )
         return slice_logits(logits, batch.num_real)
-

@@ -41,7 +41,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -220,8 +221,10 @@ def configure_fp32_softmax(model: Any, setting: str | bool | None = None) -> boo
         setting = os.environ.get("ENGINE_HPU_FP32_SOFTMAX") or configured
     flag = fp32_softmax_for(getattr(getattr(model, "config", None), "model_type", None), setting)
     modules = model.modules() if hasattr(model, "modules") else []
-    backends = {id(b): b for b in [getattr(model, "attention_backend", None)]
-                + [m.backend for m in modules if isinstance(m, Attention)]}  # fmt: skip
+    backends = {
+        id(b): b
+        for b in [getattr(model, "attention_backend", None)] + [m.backend for m in modules if isinstance(m, Attention)]
+    }
     for backend in backends.values():
         if isinstance(backend, HpuAttentionBackend):
             backend.fp32_softmax = flag
@@ -250,15 +253,20 @@ def model_step(
 
     run = decode if decode is not None else eager
 
-    def step(input_ids, positions, slot_indices, page_table, seq_lens, **block):  # noqa: ANN001, ANN003, ANN202
+    def step(input_ids, positions, slot_indices, page_table, seq_lens, **block):
         flat = None
         if block:
-            flat = HpuFlatMetadata.from_block_metadata(page_size=page_size, batch_size=int(input_ids.shape[0]),
-                                                       dtype=mapping_dtype, **block)  # fmt: skip
+            flat = HpuFlatMetadata.from_block_metadata(
+                page_size=page_size, batch_size=int(input_ids.shape[0]), dtype=mapping_dtype, **block
+            )
         meta = AttentionMetadata(
-            is_decode=True, slot_indices=slot_indices, page_table=page_table, seq_lens=seq_lens, page_size=page_size,
+            is_decode=True,
+            slot_indices=slot_indices,
+            page_table=page_table,
+            seq_lens=seq_lens,
+            page_size=page_size,
             platform_metadata=flat,
-        )  # fmt: skip
+        )
         return run(input_ids, positions, meta)
 
     return step
@@ -303,15 +311,22 @@ class HpuEngineRunner:
         configure_fp32_softmax(model)
         decode = None
         if regional_compilation is None:
-            regional_compilation = _env_flag("ENGINE_HPU_REGIONAL_COMPILATION", bool(hpu.get("regional_compilation", True)))
+            regional_compilation = _env_flag(
+                "ENGINE_HPU_REGIONAL_COMPILATION", bool(hpu.get("regional_compilation", True))
+            )
         pool_pages = kv_caches[0][0].shape[0] // page_size  # no bucket needs more blocks than the pool has
         entries = len(resolve_bucket_config(config).decode_pairs(pool_pages)) + 8  # one compiled entry per bucket
         if options["mode"] == "compile" and regional_compilation:
             from graphs.compiled_step import CompiledDecodeStep
 
             # dynamic=False: every bucket is an entry of the layer graph; max_entries raises dynamo's limit to that.
-            decode = CompiledDecodeStep(model, kv_caches, dynamic=False,
-                                        backend=options.get("compile_backend", "hpu_backend"), max_entries=entries)  # fmt: skip
+            decode = CompiledDecodeStep(
+                model,
+                kv_caches,
+                dynamic=False,
+                backend=options.get("compile_backend", "hpu_backend"),
+                max_entries=entries,
+            )
             options["precompiled"] = True
         self.regional_compilation = decode is not None
         # The hooks are the attention backend's (its `graph_hooks`), configured with the runner's settings.
@@ -356,9 +371,15 @@ class HpuEngineRunner:
             # The exact (unbucketed) flat layout, built once for all layers from the inputs as they came
             # (host tensors from run_decode: no copy back), then sent to the device with the rest.
             device = self.kv_caches[0][0].device
-            flat = HpuFlatMetadata.from_page_table(meta.page_table, meta.seq_lens, meta.page_size, torch.float32,
-                                                   device=device)  # fmt: skip
+            flat = HpuFlatMetadata.from_page_table(
+                meta.page_table, meta.seq_lens, meta.page_size, torch.float32, device=device
+            )
             input_ids, positions = input_ids.to(device), positions.to(device)
-            meta = dataclasses.replace(meta, slot_indices=meta.slot_indices.to(device), page_table=meta.page_table.to(device),
-                                       seq_lens=meta.seq_lens.to(device), platform_metadata=flat)
+            meta = dataclasses.replace(
+                meta,
+                slot_indices=meta.slot_indices.to(device),
+                page_table=meta.page_table.to(device),
+                seq_lens=meta.seq_lens.to(device),
+                platform_metadata=flat,
+            )
             return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))

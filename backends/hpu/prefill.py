@@ -20,8 +20,9 @@ bucket, or a request asks for prompt logprobs (which need every token's hidden s
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -74,10 +75,16 @@ def prompt_rows(message: ExtendMessage) -> list[PromptRow]:
     starts = message.query_start_loc
     sampled = set(message.logits_indices)
     return [
-        PromptRow(message.input_ids[a:b], message.positions[a:b], message.slots[a:b], b - 1 in sampled,
-                  message.seq_lens[i] - (b - a), list(message.page_rows[i]) if message.page_rows else [])
-        for i, (a, b) in enumerate(zip(starts[:-1], starts[1:]))
-    ]  # fmt: skip
+        PromptRow(
+            message.input_ids[a:b],
+            message.positions[a:b],
+            message.slots[a:b],
+            b - 1 in sampled,
+            message.seq_lens[i] - (b - a),
+            list(message.page_rows[i]) if message.page_rows else [],
+        )
+        for i, (a, b) in enumerate(itertools.pairwise(starts))
+    ]
 
 
 def unbucketable_reason(
@@ -92,7 +99,7 @@ def unbucketable_reason(
     if message.prompt_logprob_requests:
         return REASON_PROMPT_LOGPROBS
     starts = message.query_start_loc
-    lengths = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    lengths = [b - a for a, b in itertools.pairwise(starts)]
     prefixes = [seq_len - n for seq_len, n in zip(message.seq_lens, lengths)]
     if any(prefixes) and (not ctx_buckets or page_size < 1):
         return REASON_PREFIX_OFF
@@ -111,8 +118,11 @@ def unbucketable_reason(
 
 
 def choose_bucket(
-    lengths: Sequence[int], ctx: Sequence[int], buckets: Sequence[tuple[int, int]],
-    ctx_buckets: Sequence[tuple[int, int, int]] = (), page_size: int = 0,
+    lengths: Sequence[int],
+    ctx: Sequence[int],
+    buckets: Sequence[tuple[int, int]],
+    ctx_buckets: Sequence[tuple[int, int, int]] = (),
+    page_size: int = 0,
 ) -> Bucket:
     """The bucket of one batch of prompts (their new-token counts and prefix pages): 2-D when none has a
     prefix, else 3-D. Raises BucketOverflowError when none holds them."""
@@ -122,8 +132,11 @@ def choose_bucket(
 
 
 def group_prompts(
-    lengths: Sequence[int], buckets: Sequence[tuple[int, int]], ctx: Sequence[int] | None = None,
-    ctx_buckets: Sequence[tuple[int, int, int]] = (), page_size: int = 0,
+    lengths: Sequence[int],
+    buckets: Sequence[tuple[int, int]],
+    ctx: Sequence[int] | None = None,
+    ctx_buckets: Sequence[tuple[int, int, int]] = (),
+    page_size: int = 0,
 ) -> list[tuple[range, Bucket]]:
     """Consecutive prompts merged while their batch fits a bucket: [(prompt indices, bucket)], in order.
     ctx: each prompt's prefix pages (default none). Raises BucketOverflowError when one prompt alone fits none."""
@@ -207,13 +220,20 @@ def pad_prompt_batch(
             ctx_lens[r] = row.prefix_len
     last_index = torch.arange(bs, dtype=torch.int64) * seq + (seq_lens.to(torch.int64) - 1).clamp(min=0)
     sampled = [r for r, row in enumerate(rows) if row.sampled]
-    return PaddedPromptBatch(input_ids.view(-1), positions.view(-1), slots.view(-1), seq_lens, last_index, sampled,
-                             tuple(bucket), ctx_lens, ctx_pages)  # fmt: skip
+    return PaddedPromptBatch(
+        input_ids.view(-1),
+        positions.view(-1),
+        slots.view(-1),
+        seq_lens,
+        last_index,
+        sampled,
+        tuple(bucket),
+        ctx_lens,
+        ctx_pages,
+    )
 
 
-def warmup_prompt_batch(
-    bucket: Bucket, slot_dtype: torch.dtype = torch.int64, page_size: int = 0
-) -> PaddedPromptBatch:
+def warmup_prompt_batch(bucket: Bucket, slot_dtype: torch.dtype = torch.int64, page_size: int = 0) -> PaddedPromptBatch:
     """A full batch of `bucket` whose tokens all write the dummy slot (and, for a 3-D bucket, whose prefixes
     are empty and read only the dummy page): warm-up touches no real page."""
     bs, seq = bucket[0], bucket[1]

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -56,15 +57,29 @@ def prompt_model_step(model: Any, kv_caches: KVCaches, page_size: int, bias_dtyp
     flag; and the LM head sees one token per row."""
     backend = getattr(model, "attention_backend", None)
 
-    def step(input_ids, positions, slot_indices, seq_lens, last_index,  # noqa: ANN001, ANN202
-             ctx_lens=None, ctx_pages=None):  # noqa: ANN001
+    def step(
+        input_ids,
+        positions,
+        slot_indices,
+        seq_lens,
+        last_index,
+        ctx_lens=None,
+        ctx_pages=None,
+    ):
         rows = seq_lens.shape[0]
         fused = getattr(backend, "fused_sdpa", None) is not None  # read per call: follows a backend switched later
-        prompt = HpuPromptMetadata.from_lengths(seq_lens, input_ids.shape[0] // rows, bias_dtype, ctx_lens, ctx_pages,
-                                                page_size, with_bias=not fused)  # fmt: skip
+        prompt = HpuPromptMetadata.from_lengths(
+            seq_lens, input_ids.shape[0] // rows, bias_dtype, ctx_lens, ctx_pages, page_size, with_bias=not fused
+        )
         # No page table: a row's prefix pages reach the attention through `prompt.ctx_pages`.
-        meta = AttentionMetadata(is_decode=False, slot_indices=slot_indices, page_table=seq_lens.new_zeros((rows, 0)),
-                                 seq_lens=seq_lens, page_size=page_size, platform_metadata=prompt)  # fmt: skip
+        meta = AttentionMetadata(
+            is_decode=False,
+            slot_indices=slot_indices,
+            page_table=seq_lens.new_zeros((rows, 0)),
+            seq_lens=seq_lens,
+            page_size=page_size,
+            platform_metadata=prompt,
+        )
         hidden = model(input_ids, positions, kv_caches, meta)
         return model.compute_logits(hidden.index_select(0, last_index))
 
@@ -113,9 +128,15 @@ class HpuPrefillRunner:
 
     @classmethod
     def from_engine(
-        cls, model: Any, kv_caches: KVCaches, page_size: int, max_model_len: int, device: torch.device,
-        slot_dtype: torch.dtype = torch.int64, **options: Any,
-    ) -> "HpuPrefillRunner":
+        cls,
+        model: Any,
+        kv_caches: KVCaches,
+        page_size: int,
+        max_model_len: int,
+        device: torch.device,
+        slot_dtype: torch.dtype = torch.int64,
+        **options: Any,
+    ) -> HpuPrefillRunner:
         """Buckets, mode and warm-up from configs/hpu.yaml plus ENGINE_* env overrides, for the engine's page
         size and context length (no bucket longer than the first that holds a max_model_len - 1 token prompt;
         buckets with context pages from hpu.prompt_ctx_bucket, within hpu.max_prompt_ctx_buckets)."""
@@ -189,9 +210,17 @@ class HpuPrefillRunner:
         if self.device.type == "hpu":
             torch.hpu.synchronize()
         self._warm = True
-        logger.info("HPU prefill warm-up: %d prompt buckets %s and %d with context pages %s in %.1f s (mode=%s, "
-                    "%d dynamo compiles)", len(self.buckets), self.buckets, len(self.ctx_buckets), self.ctx_buckets,
-                    time.perf_counter() - start, self.mode, compile_count() - compiles)  # fmt: skip
+        logger.info(
+            "HPU prefill warm-up: %d prompt buckets %s and %d with context pages %s in %.1f s (mode=%s, "
+            "%d dynamo compiles)",
+            len(self.buckets),
+            self.buckets,
+            len(self.ctx_buckets),
+            self.ctx_buckets,
+            time.perf_counter() - start,
+            self.mode,
+            compile_count() - compiles,
+        )
 
     # ---- serving ------------------------------------------------------------------------
     def can_run(self, message: ExtendMessage) -> bool:

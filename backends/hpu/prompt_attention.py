@@ -59,7 +59,7 @@ class HpuPromptMetadata:
         ctx_pages: torch.Tensor | None = None,
         page_size: int = 0,
         with_bias: bool = True,
-    ) -> "HpuPromptMetadata":
+    ) -> HpuPromptMetadata:
         """seq_lens [rows] (tokens of each row, 0 for padded rows) on the device; seq: tokens per row.
         With a prefix: ctx_lens [rows] (cached tokens of each row, 0 for none) and ctx_pages [rows, ctx].
         with_bias=False (no prefix only): no mask tensor, for FusedSDPA's causal flag.
@@ -109,8 +109,11 @@ def prompt_bias(
 
 
 def prompt_keys_values(
-    k: torch.Tensor, v: torch.Tensor, meta: HpuPromptMetadata,
-    k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: HpuPromptMetadata,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's keys and values [rows, ctx_tokens + seq, kv_heads, dim]: its prefix pages gathered from the
     caches ([slots, kv_heads, dim], viewed as pages: no copy before the gather), then its new tokens."""
@@ -131,8 +134,14 @@ def prompt_keys_values(
 
 
 def padded_prompt_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: HpuPromptMetadata, scale: float,
-    fp32_softmax: bool = False, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: HpuPromptMetadata,
+    scale: float,
+    fp32_softmax: bool = False,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [rows * seq, heads, dim], k/v [rows * seq, kv_heads, dim] (row after row) -> [rows * seq, heads, dim].
     With a prefix (meta.ctx_pages), k_cache/v_cache [slots, kv_heads, dim] hold it (this step's k/v already

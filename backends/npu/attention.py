@@ -44,9 +44,10 @@ takes exactly the same arguments, so the layout fed to the op is tested on CPU.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -193,8 +194,10 @@ def check_paged_attention_args(
         got = f"{tuple(block_table.shape)} {block_table.dtype}"
         raise ValueError(f"block_table must be [{tokens}, max_blocks] int32, got {got}")
     if context_lens.shape != (tokens,) or context_lens.dtype != torch.int32 or context_lens.device.type != "cpu":
-        raise ValueError(f"context_lens must be a [{tokens}] int32 CPU tensor, got {tuple(context_lens.shape)} "
-                         f"{context_lens.dtype} on {context_lens.device}")  # fmt: skip
+        raise ValueError(
+            f"context_lens must be a [{tokens}] int32 CPU tensor, got {tuple(context_lens.shape)} "
+            f"{context_lens.dtype} on {context_lens.device}"
+        )
     if out.shape != query.shape or out.dtype != query.dtype:
         raise ValueError(f"out must be {tuple(query.shape)} {query.dtype}")
 
@@ -213,9 +216,16 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """Plain-torch _npu_paged_attention with the same arguments; rows with context_len 0 give zeros."""
     check_paged_attention_args(
-        query=query, key_cache=key_cache, value_cache=value_cache, num_kv_heads=num_kv_heads, num_heads=num_heads,
-        scale_value=scale_value, block_table=block_table, context_lens=context_lens, out=out,
-    )  # fmt: skip
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        num_kv_heads=num_kv_heads,
+        num_heads=num_heads,
+        scale_value=scale_value,
+        block_table=block_table,
+        context_lens=context_lens,
+        out=out,
+    )
     block_size = key_cache.shape[1]
     lengths = context_lens.to(device=query.device, dtype=torch.int64)
     longest = int(context_lens.max()) if context_lens.numel() else 0  # a host tensor: no device sync
@@ -315,7 +325,11 @@ class NpuGraphHooks:
         self.max_context_len = max_context_len
 
     def init_capture_state(
-        self, max_bs: int, max_pages: int, page_size: int | None, device: torch.device | str,
+        self,
+        max_bs: int,
+        max_pages: int,
+        page_size: int | None,
+        device: torch.device | str,
         slot_dtype: torch.dtype = torch.int32,
     ) -> StaticDecodeBuffers:
         """The shared static buffers (graphs/static_buffers.py) with a host copy of the lengths."""
@@ -346,14 +360,15 @@ class NpuGraphHooks:
             from backends.npu.platform import torch_npu_version
 
             recorded = self.update_records(graph) if self.update_records is not None else None
-            graph_runner.check_update_records(recorded, self.seq_lens_update_key, self.records_per_graph, bs,
-                                              torch_npu_version())
+            graph_runner.check_update_records(
+                recorded, self.seq_lens_update_key, self.records_per_graph, bs, torch_npu_version()
+            )
         assert state.seq_lens_host is not None
         state.seq_lens[:bs].fill_(PAD_SEQ_LEN)
         state.seq_lens_host[:bs].fill_(PAD_SEQ_LEN)
 
     def prepare_for_replay(
-        self, state: StaticDecodeBuffers, message: "DecodeMessage", batch_state: "DecodeBatchState", padded_bs: int
+        self, state: StaticDecodeBuffers, message: DecodeMessage, batch_state: DecodeBatchState, padded_bs: int
     ) -> torch.Tensor:
         """The engine's decode step (graphs/capture_hooks.py's contract): the rows filled from the step
         message's host tensors and the host copy of the rows' pages (the captured kernel takes host
@@ -364,8 +379,14 @@ class NpuGraphHooks:
         return to_device(message.inputs[3], torch.int64, batch_state.device)
 
     def fill_inputs(
-        self, state: StaticDecodeBuffers, bs: int, input_ids: torch.Tensor, positions: torch.Tensor,
-        slot_indices: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+        self,
+        state: StaticDecodeBuffers,
+        bs: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_indices: torch.Tensor,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
     ) -> int:
         """Fill n real rows given as tensors (host or device) and pad to bs (fill_static_inputs); returns n."""
         return fill_static_inputs(state, bs, input_ids, positions, slot_indices, page_table, seq_lens)
@@ -454,8 +475,10 @@ class NpuAttentionBackend:
             else:
                 if isinstance(extra, NpuDecodeMetadata) and extra.workspace_context_len and "ws" not in self._warned:
                     self._warned.add("ws")  # a capture without an explicit workspace: sized for the capture lengths
-                    logger.warning("torch_npu has no _npu_paged_attention_get_workspace: the captured attention "
-                                   "launch sizes its own workspace for the capture-time lengths")
+                    logger.warning(
+                        "torch_npu has no _npu_paged_attention_get_workspace: the captured attention "
+                        "launch sizes its own workspace for the capture-time lengths"
+                    )
                 torch_npu._npu_paged_attention(**args)
             return args["out"]
         return paged_attention_reference(**args)

@@ -33,7 +33,8 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -123,7 +124,11 @@ def check_update_records(
     matching = [name for name in names if op is None or name.split(".")[0] == op]
     if recorded_ops is not None and (len(matching) == expected if expected is not None else matching):
         return
-    what = "exposes no dispatch records" if recorded_ops is None else f"recorded {len(matching)} {op or 'updatable'} launches"
+    what = (
+        "exposes no dispatch records"
+        if recorded_ops is None
+        else f"recorded {len(matching)} {op or 'updatable'} launches"
+    )
     want = f"{expected} (one per attention layer)" if expected is not None else "at least one"
     extra = f"; other records: {sorted(set(names) - set(matching))}" if len(names) != len(matching) else ""
     raise NpuGraphUpdateError(
@@ -246,14 +251,18 @@ class NpuDecodeGraphRunner:
         NPUGraph mechanism."""
         if not capture_sizes:
             raise ValueError("no capture sizes")
-        sizes = sorted(set(int(s) for s in capture_sizes))
+        sizes = sorted({int(s) for s in capture_sizes})
         limit = npu_graph_budget(num_layers, num_comm_groups, hccl_aiv, max_graphs) if num_layers else max_graphs
         if len(sizes) > limit:
             kept = sample_sizes(sizes, limit)
             logger.warning(
                 "aclgraph limit: %d capture sizes reduced to %d for %s layers (%d comm groups): %s",
-                len(sizes), len(kept), num_layers, num_comm_groups, kept,
-            )  # fmt: skip
+                len(sizes),
+                len(kept),
+                num_layers,
+                num_comm_groups,
+                kept,
+            )
             sizes = kept
         self.step = step
         self.sizes = sizes
@@ -270,9 +279,16 @@ class NpuDecodeGraphRunner:
         # The longest context any replay serves: the attention op's workspace is sized for it at capture
         # (StepFn gets it as workspace_context_len during the captured run only; see backends/npu/attention.py).
         self.max_context_len = max_pages_per_seq * int(page_size) if page_size else None
-        self.hooks = hooks if hooks is not None else hooks_class(
-            seq_lens_update_key, lambda graph: self.api.update_records(graph), update_records_per_graph,
-            pass_host_seq_lens, self.max_context_len,
+        self.hooks = (
+            hooks
+            if hooks is not None
+            else hooks_class(
+                seq_lens_update_key,
+                lambda graph: self.api.update_records(graph),
+                update_records_per_graph,
+                pass_host_seq_lens,
+                self.max_context_len,
+            )
         )  # the records are read through the API at check time, as before
         self.buffers = self.hooks.init_capture_state(sizes[-1], max_pages_per_seq, page_size, self.device)
         self.graphs: dict[int, Any] = {}
@@ -281,7 +297,7 @@ class NpuDecodeGraphRunner:
     @classmethod
     def from_config(
         cls, step: StepFn, config: Mapping[str, Any], num_layers: int | None = None, **kwargs: Any
-    ) -> "NpuDecodeGraphRunner":
+    ) -> NpuDecodeGraphRunner:
         """Sizes and knobs from configs/npu.yaml; HCCL_OP_EXPANSION_MODE=AIV also sets hccl_aiv."""
         npu = dict(config.get("npu") or {})
         max_size = int(config.get("max_capture_size", config.get("max_num_seqs", 128)))
@@ -370,4 +386,3 @@ class NpuDecodeGraphRunner:
         bs = self._graph_size(n)
         self.hooks.fill_inputs(self.buffers, bs, input_ids, positions, slot_indices, page_table, seq_lens)
         return self._replay(bs, n)
-

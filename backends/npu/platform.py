@@ -26,7 +26,8 @@ Ascend runtime settings worth knowing (set them before the process starts):
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -167,16 +168,28 @@ def model_step(
 
     workspaces: dict[tuple[Any, ...], torch.Tensor] = {}  # alive as long as the step (and its graphs)
 
-    def step(input_ids, positions, slot_indices, page_table, seq_lens, seq_lens_host=None,  # noqa: ANN001, ANN202
-             workspace_context_len=0):  # noqa: ANN001
+    def step(
+        input_ids,
+        positions,
+        slot_indices,
+        page_table,
+        seq_lens,
+        seq_lens_host=None,
+        workspace_context_len=0,
+    ):
         extra = None
         if seq_lens_host is not None:
-            extra = NpuDecodeMetadata(context_lens=seq_lens_host, workspace_context_len=int(workspace_context_len),
-                                      workspaces=workspaces)
+            extra = NpuDecodeMetadata(
+                context_lens=seq_lens_host, workspace_context_len=int(workspace_context_len), workspaces=workspaces
+            )
         meta = AttentionMetadata(
-            is_decode=True, slot_indices=slot_indices, page_table=page_table, seq_lens=seq_lens, page_size=page_size,
+            is_decode=True,
+            slot_indices=slot_indices,
+            page_table=page_table,
+            seq_lens=seq_lens,
+            page_size=page_size,
             platform_metadata=extra,
-        )  # fmt: skip
+        )
         return model.compute_logits(model(input_ids, positions, kv_caches, meta))
 
     return step
@@ -188,7 +201,9 @@ def attention_shapes(model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     from engine.layers.attention import Attention
 
     modules = getattr(model, "modules", None)
-    found = {(m.num_heads, m.num_kv_heads, m.head_dim) for m in modules() if isinstance(m, Attention)} if modules else set()
+    found = (
+        {(m.num_heads, m.num_kv_heads, m.head_dim) for m in modules() if isinstance(m, Attention)} if modules else set()
+    )
     return found or {(int(k.shape[1]), int(k.shape[1]), int(k.shape[2])) for k, _ in kv_caches}
 
 
@@ -223,9 +238,11 @@ class NpuEngineRunner:
 
         config = load_yaml_config(NpuPlatform().default_config())
         config.update(
-            capture_sizes=capture_sizes, max_capture_size=max(capture_sizes), page_size=page_size,
+            capture_sizes=capture_sizes,
+            max_capture_size=max(capture_sizes),
+            page_size=page_size,
             max_model_len=max_pages_per_seq * page_size,
-        )  # fmt: skip
+        )
         # NpuAttentionBackend's decode op takes host-side lengths: hand the step the host buffer and
         # refresh the captured op's context_lens before each replay (SGLang's MHA key).
         from backends.npu.attention import SEQ_LENS_UPDATE_KEY

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import enum
 import pickle
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from typing import Any, Sequence
+from typing import Any
 
 
 class Command(enum.IntEnum):

@@ -58,5 +58,7 @@ def check_ranks_agree(digests: list[dict[str, int]]) -> None:
     for rank, digest in enumerate(digests[1:], start=1):
         differs = [key for key in reference if digest.get(key) != reference[key]]
         if differs:
-            raise AssertionError(f"tensor-parallel rank {rank}'s decode state differs from rank 0's in "
-                                 f"{', '.join(differs)} ({digest} vs {reference})")
+            raise AssertionError(
+                f"tensor-parallel rank {rank}'s decode state differs from rank 0's in "
+                f"{', '.join(differs)} ({digest} vs {reference})"
+            )

@@ -24,10 +24,11 @@ import os
 import signal
 import threading
 import time
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -102,17 +103,32 @@ class RankGroup:
         if self.device.type == "cpu" and threads * self.world_size > (os.cpu_count() or 1):
             # Every rank runs with rank 0's thread count; more threads than cores made a tiny model's decode
             # step 9x slower here (OpenMP teams spinning against each other and gloo).
-            logger.warning("%d ranks x %d threads on %d cores: oversubscribed; give each rank cores / ranks threads "
-                           "(OMP_NUM_THREADS=%d)", self.world_size, threads, os.cpu_count() or 1,
-                           max(1, (os.cpu_count() or 1) // self.world_size))
+            logger.warning(
+                "%d ranks x %d threads on %d cores: oversubscribed; give each rank cores / ranks threads "
+                "(OMP_NUM_THREADS=%d)",
+                self.world_size,
+                threads,
+                os.cpu_count() or 1,
+                max(1, (os.cpu_count() or 1) // self.world_size),
+            )
         store = self._store = create_store(self.world_size, self.timeout_s)
         for rank in range(1, self.world_size):
             command_recv, command_send = context.Pipe(duplex=False)
             report_recv, report_send = context.Pipe(duplex=False)
             process = context.Process(
-                target=worker_main, name=f"engine-tp-rank{rank}",
-                args=(rank, self.world_size, store.port, config, command_recv, report_send, threads, os.getpid(),
-                      logging.getLogger().getEffectiveLevel()),
+                target=worker_main,
+                name=f"engine-tp-rank{rank}",
+                args=(
+                    rank,
+                    self.world_size,
+                    store.port,
+                    config,
+                    command_recv,
+                    report_send,
+                    threads,
+                    os.getpid(),
+                    logging.getLogger().getEffectiveLevel(),
+                ),
             )
             process.start()
             command_recv.close()  # the child's ends: closed here so a dead child shows as EOF / a broken pipe
@@ -134,9 +150,10 @@ class RankGroup:
 
         def join() -> None:
             try:
-                outcome["state"] = init_tensor_parallel(0, self.world_size, self.backend, self.timeout_s, store=store,
-                                                        device=self.device)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                outcome["state"] = init_tensor_parallel(
+                    0, self.world_size, self.backend, self.timeout_s, store=store, device=self.device
+                )
+            except BaseException as exc:
                 outcome["error"] = exc
             with self._changed:
                 self._changed.notify_all()
@@ -156,8 +173,11 @@ class RankGroup:
     def wait_ready(self) -> None:
         """Every worker has built its engine (model, KV pool, graphs) and waits for steps."""
         self._await("ready", "build its engine")
-        logger.info("tensor parallelism: %d ranks ready (pids %s)", self.world_size,
-                    ", ".join(str(w.process.pid) for w in self.workers))
+        logger.info(
+            "tensor parallelism: %d ranks ready (pids %s)",
+            self.world_size,
+            ", ".join(str(w.process.pid) for w in self.workers),
+        )
 
     def _await(self, status: str, what: str) -> None:
         limit = max(self.timeout_s, START_TIMEOUT_S)
@@ -172,15 +192,21 @@ class RankGroup:
                     hint = ""
                     if status == "started" and any(w.status == "spawned" and not w.error for w in broken):
                         # multiprocessing's spawn runs the main script again in the child, unless it is guarded.
-                        hint = "; a script that builds a tensor-parallel engine must do so under `if __name__ == \"__main__\":`"
+                        hint = '; a script that builds a tensor-parallel engine must do so under `if __name__ == "__main__":`'
                     raise self._fail(self._explain(broken, timed_out=False) + f" (before it could {what}){hint}")
                 if all(order.index(w.status) >= order.index(status) for w in self.workers if w.status in order):
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    silent = [w for w in self.workers if w.status in order and order.index(w.status) < order.index(status)]
-                    raise self._fail("; ".join(f"tensor-parallel rank {w.rank} (pid {w.process.pid}) did not {what} "
-                                               f"within {limit:.0f} s" for w in silent))
+                    silent = [
+                        w for w in self.workers if w.status in order and order.index(w.status) < order.index(status)
+                    ]
+                    raise self._fail(
+                        "; ".join(
+                            f"tensor-parallel rank {w.rank} (pid {w.process.pid}) did not {what} within {limit:.0f} s"
+                            for w in silent
+                        )
+                    )
                 self._changed.wait(min(left, 1.0))
 
     # ---- monitoring ----------------------------------------------------------------------------
@@ -204,9 +230,13 @@ class RankGroup:
                             self._read_report(worker)
                         worker.ended = True
                         if not self._stopping:
-                            logger.error("tensor-parallel rank %d (pid %d) %s%s", worker.rank, worker.process.pid,
-                                         worker.describe_exit(), f": {worker.error.strip().splitlines()[-1]}"
-                                         if worker.error else "")
+                            logger.error(
+                                "tensor-parallel rank %d (pid %d) %s%s",
+                                worker.rank,
+                                worker.process.pid,
+                                worker.describe_exit(),
+                                f": {worker.error.strip().splitlines()[-1]}" if worker.error else "",
+                            )
                 self._changed.notify_all()
 
     def _read_report(self, worker: _Worker) -> None:
@@ -258,10 +288,15 @@ class RankGroup:
         if timed_out:
             silent = [w for w in self.workers if w not in broken]
             if silent:
-                return "; ".join(f"tensor-parallel rank {w.rank} (pid {w.process.pid}) did not respond within the "
-                                 f"{self.timeout_s:.0f} s collective timeout (hung?)" for w in silent)
-        return "; ".join(f"tensor-parallel rank {w.rank} (pid {w.process.pid}) failed: "
-                         f"{(w.error.strip().splitlines() or ['?'])[-1]}" for w in broken)
+                return "; ".join(
+                    f"tensor-parallel rank {w.rank} (pid {w.process.pid}) did not respond within the "
+                    f"{self.timeout_s:.0f} s collective timeout (hung?)"
+                    for w in silent
+                )
+        return "; ".join(
+            f"tensor-parallel rank {w.rank} (pid {w.process.pid}) failed: {(w.error.strip().splitlines() or ['?'])[-1]}"
+            for w in broken
+        )
 
     def _fail(self, message: str) -> RankFailedError:
         """Record the error, stop every rank and leave the group (a new engine may then start)."""
@@ -290,10 +325,8 @@ class RankGroup:
         self._closed = self._stopping = True
         atexit.unregister(self.shutdown)
         if self.channel is not None and self.failed is None:
-            try:
+            with suppress(RankGoneError):
                 self.channel.publish(Command.STOP)
-            except RankGoneError:
-                pass
             self._wait_ended(STOP_GRACE_S)
         self._terminate()
         destroy_tensor_parallel()
@@ -336,7 +369,10 @@ class RankGroup:
 
     def _install_sigterm(self) -> None:
         """SIGTERM on rank 0 exits through Python (so atexit stops the workers) where nobody else handles it."""
-        if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        if (
+            threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        ):
             return
 
         def on_sigterm(signum: int, frame: object) -> None:

@@ -22,13 +22,19 @@ def check_launch(config: Any, platform: Any, source: Any, model_config: Any) -> 
     """The engine config (EngineConfig, resolved), the platform, the ModelSource and its ModelConfig."""
     world = int(config.tensor_parallel_size)
     if source.kind == "gguf":
-        raise EngineError(f"--tensor-parallel-size {world}: a GGUF model cannot be split over ranks (its blocks are not "
-                          "sharded); use a safetensors checkpoint or --tensor-parallel-size 1")
+        raise EngineError(
+            f"--tensor-parallel-size {world}: a GGUF model cannot be split over ranks (its blocks are not "
+            "sharded); use a safetensors checkpoint or --tensor-parallel-size 1"
+        )
     if config.quantization in ("fp8", "gguf"):
-        raise EngineError(f"--tensor-parallel-size {world} with --quantization {config.quantization}: quantized weights "
-                          "are not sharded yet; use --tensor-parallel-size 1")
+        raise EngineError(
+            f"--tensor-parallel-size {world} with --quantization {config.quantization}: quantized weights "
+            "are not sharded yet; use --tensor-parallel-size 1"
+        )
     available = device_count(platform)
     if available is not None and world > available:
-        raise EngineError(f"--tensor-parallel-size {world} needs {world} {platform.name} devices (one per rank); this "
-                          f"machine has {available}")
+        raise EngineError(
+            f"--tensor-parallel-size {world} needs {world} {platform.name} devices (one per rank); this "
+            f"machine has {available}"
+        )
     check_tensor_parallel(model_config, world)

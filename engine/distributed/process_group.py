@@ -28,12 +28,20 @@ def create_store(world_size: int, timeout_s: float) -> Any:
     """Rank 0's rendezvous store on a port the OS picks (`store.port` for the workers)."""
     import torch.distributed as dist
 
-    return dist.TCPStore(STORE_HOST, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return dist.TCPStore(
+        STORE_HOST, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
-def init_tensor_parallel(rank: int, world_size: int, backend: str, timeout_s: float, store: Any = None,
-                         store_port: int | None = None, device: torch.device | None = None) -> TensorParallelState:
+def init_tensor_parallel(
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+    store: Any = None,
+    store_port: int | None = None,
+    device: torch.device | None = None,
+) -> TensorParallelState:
     """Join the group as `rank` (rank 0 passes its store, the workers its port) and make it this
     process's tensor-parallel state. A first all-reduce on each group proves every rank is there and
     sets up the communicators before anything is captured."""
@@ -62,8 +70,13 @@ def init_tensor_parallel(rank: int, world_size: int, backend: str, timeout_s: fl
     dist.all_reduce(control_probe, group=control)
     if int(probe.item()) != world_size or int(control_probe.item()) != world_size:
         raise RuntimeError(f"tensor-parallel rank {rank}: the first all-reduce gave {probe.item()}, not {world_size}")
-    logger.info("tensor-parallel rank %d of %d joined (%s + gloo, %.0f s collective timeout)", rank, world_size,
-                backend, timeout_s)
+    logger.info(
+        "tensor-parallel rank %d of %d joined (%s + gloo, %.0f s collective timeout)",
+        rank,
+        world_size,
+        backend,
+        timeout_s,
+    )
     return state
 
 
@@ -74,6 +87,6 @@ def destroy_tensor_parallel() -> None:
     if tp_state().enabled and dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a peer may be gone already; leaving must still succeed
+        except Exception:
             logger.debug("destroy_process_group failed", exc_info=True)
     reset_tp_state()

@@ -21,7 +21,8 @@ as at world size 1 (engine.Engine._isolate_failure).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -48,8 +49,9 @@ class TensorParallelRunner(ModelRunner):
         with self.ranks.step():
             return self._forward_everywhere(step, message, samples=False)
 
-    def _forward_everywhere(self, step: ScheduledStep, message: StepMessage,
-                            samples: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _forward_everywhere(
+        self, step: ScheduledStep, message: StepMessage, samples: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """samples: rank 0 broadcasts the sampled tokens after this forward (launch)."""
         ranks = self.ranks
         ranks.raise_if_failed()
@@ -57,7 +59,7 @@ class TensorParallelRunner(ModelRunner):
         try:
             ranks.channel.publish(Command.STEP, encode_step(step, message, samples))
             return super().forward(step, message)
-        except Exception as exc:  # noqa: BLE001 - the ranks may be out of step: fatal, named by the group
+        except Exception as exc:
             raise ranks.failure(exc) from exc
 
     @torch.no_grad()
@@ -67,8 +69,9 @@ class TensorParallelRunner(ModelRunner):
         with self.ranks.step():
             return self._launch_everywhere(step, message, before_sampling)
 
-    def _launch_everywhere(self, step: ScheduledStep, message: StepMessage,
-                           before_sampling: Callable[[], None] | None) -> SampledTokens | None:
+    def _launch_everywhere(
+        self, step: ScheduledStep, message: StepMessage, before_sampling: Callable[[], None] | None
+    ) -> SampledTokens | None:
         logits, rows = self._forward_everywhere(step, message, samples=True)
         if logits is None:
             return None
@@ -91,7 +94,7 @@ class TensorParallelRunner(ModelRunner):
     def _broadcast(self, tokens: torch.Tensor | None, rows: torch.Tensor) -> None:
         try:
             broadcast_sampled(tokens, int(rows.shape[0]), self.device)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise self.ranks.failure(exc) from exc
 
     def check_ranks(self, engine: Any) -> None:
@@ -104,6 +107,6 @@ class TensorParallelRunner(ModelRunner):
         try:
             ranks.channel.publish(Command.CHECK)
             digests = gather_digests(engine)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise ranks.failure(exc) from exc
         check_ranks_agree(digests)

@@ -48,7 +48,9 @@ def kv_head_shard(num_kv_heads: int, rank: int, world: int) -> Shard:
     if num_kv_heads >= world:
         return even_shard(num_kv_heads, rank, world, "KV heads")
     if world % num_kv_heads:
-        raise EngineError(f"tensor parallel size {world} is neither a divisor nor a multiple of the {num_kv_heads} KV heads")
+        raise EngineError(
+            f"tensor parallel size {world} is neither a divisor nor a multiple of the {num_kv_heads} KV heads"
+        )
     return Shard(rank // (world // num_kv_heads), num_kv_heads, 1)
 
 
@@ -78,7 +80,10 @@ def check_tensor_parallel(config: Any, world: int) -> None:
     if world == 1:
         return
     problems: list[str] = []
-    for total, what in ((config.num_attention_heads, "attention heads"), (config.intermediate_size, "MLP intermediate size")):
+    for total, what in (
+        (config.num_attention_heads, "attention heads"),
+        (config.intermediate_size, "MLP intermediate size"),
+    ):
         if total % world:
             problems.append(f"the {total} {what}")
     kv = config.num_key_value_heads
@@ -90,5 +95,6 @@ def check_tensor_parallel(config: Any, world: int) -> None:
         if total % world:
             problems.append(f"the {total} {name.replace('_', ' ')}")
     if problems:
-        raise EngineError(f"--tensor-parallel-size {world} does not divide {'; '.join(problems)} of this "
-                          f"{config.model_type} model")
+        raise EngineError(
+            f"--tensor-parallel-size {world} does not divide {'; '.join(problems)} of this {config.model_type} model"
+        )

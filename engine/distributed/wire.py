@@ -60,7 +60,9 @@ def encode_step(step: ScheduledStep, message: StepMessage, samples: bool) -> Wir
     )
 
 
-def decode_step(wire: WireStep, host_page_table: torch.Tensor, device: torch.device) -> tuple[ScheduledStep, StepMessage]:
+def decode_step(
+    wire: WireStep, host_page_table: torch.Tensor, device: torch.device
+) -> tuple[ScheduledStep, StepMessage]:
     """The step (no Request objects: batches are sized from their metadata) and its message, on a rank > 0.
     host_page_table: this rank's host copy of the decode rows' pages, updated here from the diffs."""
     decode = None

@@ -14,6 +14,7 @@ parent process is no longer its parent.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -30,13 +31,23 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def worker_main(rank: int, world_size: int, store_port: int, config: Any, commands: Connection, reports: Connection,
-                threads: int, parent_pid: int, log_level: int) -> None:
+def worker_main(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    config: Any,
+    commands: Connection,
+    reports: Connection,
+    threads: int,
+    parent_pid: int,
+    log_level: int,
+) -> None:
     """The spawned process's entry point (torch.multiprocessing, spawn); threads and log_level: rank 0's."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
     signal.signal(signal.SIGTERM, _leave_soon)
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", stream=sys.stderr
+    )
     _exit_with_parent(parent_pid)
     torch.set_num_threads(threads)
     # tqdm's default lock is a multiprocessing semaphore; a worker that is killed leaves it behind (and a
@@ -48,13 +59,11 @@ def worker_main(rank: int, world_size: int, store_port: int, config: Any, comman
     try:
         reports.send(("started", os.getpid()))
         code = _serve(rank, world_size, store_port, config, commands, reports)
-    except BaseException:  # noqa: BLE001 - reported to rank 0, which names this rank in its error
+    except BaseException:
         text = traceback.format_exc()
         logger.error("tensor-parallel rank %d failed:\n%s", rank, text)
-        try:
+        with contextlib.suppress(OSError):
             reports.send(("failed", text))
-        except OSError:
-            pass
         code = 1
     finally:
         from engine.distributed.process_group import destroy_tensor_parallel
@@ -76,8 +85,9 @@ def _serve(rank: int, world_size: int, store_port: int, config: Any, commands: C
         # Rank r on accelerator r: the platform's device ("cuda", "npu", ...) is the current one from here on.
         getattr(torch, device.type).set_device(rank)
         device = torch.device(device.type, rank)
-    init_tensor_parallel(rank, world_size, platform.dist_backend, float(config.dist_timeout_s),
-                         store_port=store_port, device=device)
+    init_tensor_parallel(
+        rank, world_size, platform.dist_backend, float(config.dist_timeout_s), store_port=store_port, device=device
+    )
     engine = Engine(dataclasses.replace(config, warmup=False))  # rank 0 runs the warm-up request through us
     reports.send(("ready", None))
     receiver = StepReceiver(commands)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ class AttentionMetadata:
     platform_metadata: Any = None
 
 
-def step_context(backend: Any, meta: AttentionMetadata) -> ContextManager[Any]:
+def step_context(backend: Any, meta: AttentionMetadata) -> AbstractContextManager[Any]:
     """The backend's per-step context (backends without per-step shared work have none)."""
     enter = getattr(backend, "step_context", None)
     return enter(meta) if enter is not None else nullcontext()
@@ -47,7 +47,7 @@ def step_context(backend: Any, meta: AttentionMetadata) -> ContextManager[Any]:
 class AttentionBackend(Protocol):
     """Per-platform attention; chosen by Platform.attention_backend()."""
 
-    def step_context(self, meta: AttentionMetadata) -> ContextManager[Any]:
+    def step_context(self, meta: AttentionMetadata) -> AbstractContextManager[Any]:
         """Entered around one forward pass (eager, or a compiled step); per-step shared work goes here."""
         ...
 
@@ -66,8 +66,15 @@ class AttentionBackend(Protocol):
 class Attention(nn.Module):
     """Stores this step's k/v at the batch's slots and attends over the page table."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
-                 scale: float | None = None, softcap: float | None = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -117,14 +124,24 @@ class Attention(nn.Module):
         window = self.sliding_window or 0
         k_scale, v_scale = self.kv_scales_for(kv_cache[0])
         if meta.opaque_attention:
-            return torch.ops.engine.step_attention(q, k, v, kv_cache[0], kv_cache[1], self.scale, window, self.softcap,
-                                                     k_scale, v_scale)
-        return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                    **attention_extras(window, self.softcap, k_scale, v_scale))
+            return torch.ops.engine.step_attention(
+                q, k, v, kv_cache[0], kv_cache[1], self.scale, window, self.softcap, k_scale, v_scale
+            )
+        return self.backend.forward(
+            q,
+            k,
+            v,
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            self.scale,
+            **attention_extras(window, self.softcap, k_scale, v_scale),
+        )
 
 
-def attention_extras(window: int, softcap: float, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> dict[str, Any]:
+def attention_extras(
+    window: int, softcap: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
+) -> dict[str, Any]:
     """The optional backend arguments a layer uses: a backend without sliding windows, soft-capping or
     FP8 caches is never called with them (the engine keeps such models and caches off it)."""
     extras: dict[str, Any] = {}

@@ -22,7 +22,8 @@ ranks' partial products with one all-reduce.
 
 from __future__ import annotations
 
-from typing import Hashable, Protocol, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -49,13 +50,13 @@ class LinearMethod(Protocol):
 
     name: str
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor: ...
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class DenseLinearMethod:
     name = "dense"
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
 
@@ -65,8 +66,13 @@ DENSE = DenseLinearMethod()
 class Linear(nn.Linear):
     """nn.Linear whose matmul is `self.method`; `parts`: the row sizes of a fused projection."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 parts: Sequence[tuple[Hashable, int]] | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        parts: Sequence[tuple[Hashable, int]] | None = None,
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.method: LinearMethod = DENSE
         self.part_rows: dict[Hashable, tuple[int, int]] = {}
@@ -83,8 +89,9 @@ class Linear(nn.Linear):
         An FP8 layer's `weight_scale` (engine/quantization/fp8.py) takes per-part scales."""
         for name, param in self.named_parameters(recurse=False):
             if name == "weight_scale":
-                set_weight_loader(param, scale_loader(self.part_rows, self.out_features, SCALE_BLOCK),
-                                  self.part_rows or WHOLE)
+                set_weight_loader(
+                    param, scale_loader(self.part_rows, self.out_features, SCALE_BLOCK), self.part_rows or WHOLE
+                )
             elif self.part_rows:
                 set_weight_loader(param, row_shard_loader(self.part_rows), self.part_rows)
 
@@ -99,13 +106,19 @@ class ColumnParallelLinear(Linear):
     def __init__(self, in_features: int, parts: Sequence[tuple[Hashable, Shard]], bias: bool = False) -> None:
         self.shards = dict(parts)  # plain attributes may be set before nn.Module.__init__; loaders need them
         fused = list(self.shards) != [""]
-        super().__init__(in_features, sum(piece.size for piece in self.shards.values()), bias=bias,
-                         parts=[(key, piece.size) for key, piece in parts] if fused else None)
+        super().__init__(
+            in_features,
+            sum(piece.size for piece in self.shards.values()),
+            bias=bias,
+            parts=[(key, piece.size) for key, piece in parts] if fused else None,
+        )
 
     def attach_weight_loaders(self) -> None:
         rows = self.part_rows or {"": (0, self.out_features)}
         for _, param in self.named_parameters(recurse=False):
-            set_weight_loader(param, column_parallel_loader(rows, self.shards), self.part_rows or WHOLE, reads_lazily=True)
+            set_weight_loader(
+                param, column_parallel_loader(rows, self.shards), self.part_rows or WHOLE, reads_lazily=True
+            )
 
 
 class RowParallelLinear(Linear):
@@ -133,11 +146,18 @@ def column_parallel_linear(in_features: int, parts: Sequence[tuple[Hashable, Sha
     plain (fused) Linear."""
     if tp_state().world_size == 1:
         fused = [(key, piece.size) for key, piece in parts]
-        return Linear(in_features, sum(size for _, size in fused), bias=bias, parts=fused if [k for k, _ in fused] != [""] else None)
+        return Linear(
+            in_features,
+            sum(size for _, size in fused),
+            bias=bias,
+            parts=fused if [k for k, _ in fused] != [""] else None,
+        )
     return ColumnParallelLinear(in_features, parts, bias=bias)
 
 
-def row_parallel_linear(input_shard: Shard, out_features: int, bias: bool = False, reduce_results: bool = True) -> Linear:
+def row_parallel_linear(
+    input_shard: Shard, out_features: int, bias: bool = False, reduce_results: bool = True
+) -> Linear:
     """o_proj, down_proj: this rank's input columns. At world size 1 the plain Linear."""
     if tp_state().world_size == 1:
         return Linear(input_shard.total, out_features, bias=bias)

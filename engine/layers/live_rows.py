@@ -15,9 +15,9 @@ a compiled graph holds no branch on it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator
 
 _LIVE_ROWS: ContextVar[int | None] = ContextVar("engine_live_rows", default=None)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,9 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 # HF activation names -> functions (transformers' ACT2FN names).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu, "gelu_pytorch_tanh": gelu_tanh, "gelu_tanh": gelu_tanh,
+    "silu": F.silu,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_tanh": gelu_tanh,
 }
 
 
@@ -29,7 +31,9 @@ class GatedMLP(nn.Module):
     column-parallel, down row-parallel); reduce_output=False leaves the sum over ranks to the caller
     (Qwen2-MoE's shared expert, summed with the routed experts in one all-reduce)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", reduce_output: bool = True) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, activation: str = "silu", reduce_output: bool = True
+    ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ModelLoadError(f"unsupported hidden activation {activation!r} (supported: {', '.join(ACTIVATIONS)})")

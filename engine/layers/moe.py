@@ -30,7 +30,8 @@ outputs, the shared expert's included, are summed by one all-reduce.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Protocol
+from collections.abc import Hashable
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +69,7 @@ def moe_experts(
     return out
 
 
-def _moe_experts_fake(hidden, gate_up, down, expert_ids, weights):  # noqa: ANN001, ANN202
+def _moe_experts_fake(hidden, gate_up, down, expert_ids, weights):
     return torch.empty_like(hidden)
 
 
@@ -98,22 +99,30 @@ class ExpertWeights(nn.Module):
         experts = range(self.gate_up_proj.shape[0])
         sharded = self.shard.count > 1
         loader = self._load_expert_shard if sharded else self._load_expert
-        set_weight_loader(self.gate_up_proj, loader, [(e, half) for e in experts for half in ("gate", "up")],
-                          reads_lazily=sharded)
+        set_weight_loader(
+            self.gate_up_proj, loader, [(e, half) for e in experts for half in ("gate", "up")], reads_lazily=sharded
+        )
         set_weight_loader(self.down_proj, loader, [(e, None) for e in experts], reads_lazily=sharded)
 
-    def _load_expert_shard(self, param: nn.Parameter, tensor: torch.Tensor | LazyTensor, shard: Any = None) -> list[Hashable]:
+    def _load_expert_shard(
+        self, param: nn.Parameter, tensor: torch.Tensor | LazyTensor, shard: Any = None
+    ) -> list[Hashable]:
         """This rank's intermediate rows (gate, up: [I, H]) or columns (down: [H, I]) of the checkpoint's
         per-expert tensor, or of the stacked tensor of all experts (shard None: [E, 2I, H] / [E, H, I])."""
         piece, size = self.shard, self.shard.size
         is_down = param is self.down_proj
         if shard is None:
             if is_down:
-                copy_checked(param.data, tensor.narrow(2, piece.start, size), "this rank's columns of stacked down_proj")
+                copy_checked(
+                    param.data, tensor.narrow(2, piece.start, size), "this rank's columns of stacked down_proj"
+                )
             else:
                 for half, rows, offset in (("gate", slice(0, size), 0), ("up", slice(size, 2 * size), piece.total)):
-                    copy_checked(param.data[:, rows], tensor.narrow(1, offset + piece.start, size),
-                                 f"this rank's {half} rows of stacked gate_up_proj")
+                    copy_checked(
+                        param.data[:, rows],
+                        tensor.narrow(1, offset + piece.start, size),
+                        f"this rank's {half} rows of stacked gate_up_proj",
+                    )
             return list(fill_keys(param))
         expert, half = shard
         if not 0 <= expert < param.shape[0]:
@@ -157,9 +166,13 @@ class MoEMethod(Protocol):
     name: str
     capturable: bool  # no host sync and no data-dependent shape: may run inside a device graph
 
-    def select_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def select_experts(
+        self, logits: torch.Tensor, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def apply(self, layer: "SparseMoE", hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
+    def apply(
+        self, layer: SparseMoE, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 class TorchExpertsMethod:
@@ -169,8 +182,12 @@ class TorchExpertsMethod:
     def select_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_top_k(logits, top_k, renormalize)
 
-    def apply(self, layer: "SparseMoE", hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return torch.ops.engine.moe_experts(hidden, layer.experts.gate_up_proj, layer.experts.down_proj, expert_ids, weights)
+    def apply(
+        self, layer: SparseMoE, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.ops.engine.moe_experts(
+            hidden, layer.experts.gate_up_proj, layer.experts.down_proj, expert_ids, weights
+        )
 
 
 TORCH_EXPERTS = TorchExpertsMethod()
@@ -179,8 +196,15 @@ TORCH_EXPERTS = TorchExpertsMethod()
 class SparseMoE(nn.Module):
     """Routed experts, plus (Qwen2-MoE) a shared expert every token takes, scaled by a sigmoid gate."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 shared_intermediate_size: int = 0) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        shared_intermediate_size: int = 0,
+    ) -> None:
         super().__init__()
         self.method: MoEMethod = TORCH_EXPERTS
         self.top_k = top_k
@@ -190,7 +214,9 @@ class SparseMoE(nn.Module):
         self.shared_expert: GatedMLP | None = None
         if shared_intermediate_size:
             # Under tensor parallelism its partial output is summed with the routed experts' (one all-reduce).
-            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, reduce_output=tp_state().world_size == 1)
+            self.shared_expert = GatedMLP(
+                hidden_size, shared_intermediate_size, reduce_output=tp_state().world_size == 1
+            )
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,8 +242,14 @@ class TensorParallelSparseMoE(SparseMoE):
         return all_reduce(super().forward(hidden))
 
 
-def sparse_moe(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
-               shared_intermediate_size: int = 0) -> SparseMoE:
+def sparse_moe(
+    hidden_size: int,
+    intermediate_size: int,
+    num_experts: int,
+    top_k: int,
+    renormalize: bool,
+    shared_intermediate_size: int = 0,
+) -> SparseMoE:
     """A SparseMoE; its tensor-parallel form at world size > 1."""
     cls = SparseMoE if tp_state().world_size == 1 else TensorParallelSparseMoE
     return cls(hidden_size, intermediate_size, num_experts, top_k, renormalize, shared_intermediate_size)

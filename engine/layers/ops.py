@@ -9,7 +9,7 @@ schema (mutations marked with `!`) and a fake implementation for shapes.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

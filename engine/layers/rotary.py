@@ -36,8 +36,14 @@ def rope_inverse_frequencies(
 class RotaryEmbedding(nn.Module):
     """Applies RoPE (rotate-half convention, as HF Llama/Qwen) to q and k."""
 
-    def __init__(self, head_dim: int, max_positions: int, rope_parameters: dict[str, Any], hf_config: Any,
-                 layer_type: str | None = None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        rope_parameters: dict[str, Any],
+        hf_config: Any,
+        layer_type: str | None = None,
+    ) -> None:
         super().__init__()
         self._table_args = (head_dim, max_positions, rope_parameters, hf_config, layer_type)
         cos, sin = _cos_sin_tables(*self._table_args)
@@ -58,8 +64,9 @@ class RotaryEmbedding(nn.Module):
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def _cos_sin_tables(head_dim: int, max_positions: int, rope_parameters: dict[str, Any], hf_config: Any,
-                    layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _cos_sin_tables(
+    head_dim: int, max_positions: int, rope_parameters: dict[str, Any], hf_config: Any, layer_type: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     # Computed on the host even when the model is built on the meta device (transformers' rope init
     # functions copy to the CPU); the buffers move with the model.
     with torch.device("cpu"):

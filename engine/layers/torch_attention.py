@@ -9,9 +9,9 @@ contexts are, without recompiling.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +64,7 @@ class DecodePlan:
         return self.window_masks[window]
 
     @classmethod
-    def build(cls, page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dtype: torch.dtype) -> "DecodePlan":
+    def build(cls, page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dtype: torch.dtype) -> DecodePlan:
         lengths = seq_lens.tolist() if seq_lens.device.type == "cpu" else None
         max_len = max(lengths) if lengths is not None else int(seq_lens.max())
         positions = torch.arange(max_len, device=page_table.device)
@@ -138,16 +138,22 @@ def paged_decode_attention(
 
 
 def attention_over(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
-    softcap: float = 0.0, causal: bool = False,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float = 0.0,
+    causal: bool = False,
 ) -> torch.Tensor:
     """softmax(q k^T * scale [+ mask]) v over [..., heads, n, D] queries and [..., kv_heads, L, D] keys
     (GQA); mask additive or boolean (True: visible). SDPA, unless scores are soft-capped (Gemma 2:
     softcap * tanh(score / softcap), which SDPA cannot do): then in explicit float32 math."""
     gqa = query.shape[-3] != keys.shape[-3]
     if not softcap:
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
-                                              enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
     if gqa:
         group = query.shape[-3] // keys.shape[-3]
         keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
@@ -211,7 +217,7 @@ class TorchAttentionBackend:
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype  # of the KV cache (what q is cast to), for the additive mask
 
-    def step_context(self, meta: AttentionMetadata):  # noqa: ANN201
+    def step_context(self, meta: AttentionMetadata):
         """Around one forward pass: decode steps share one DecodePlan across layers."""
         return decode_plan(meta, self.dtype) if meta.is_decode else nullcontext()
 
@@ -254,6 +260,16 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """One query token per request, q already in the cache's dtype; subclasses swap the op."""
         return torch.ops.engine.paged_decode_attention(
-            q, k, v, k_cache, v_cache, meta.slot_indices, meta.page_table, meta.seq_lens, meta.page_size, scale, window,
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            meta.slot_indices,
+            meta.page_table,
+            meta.seq_lens,
+            meta.page_size,
+            scale,
+            window,
             softcap,
         )

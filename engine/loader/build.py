@@ -10,18 +10,22 @@ import torch
 
 from engine.distributed.state import tp_state
 from engine.errors import ModelLoadError
+from engine.loader.param_loading import attach_weight_loaders
 from engine.loader.resolve import ModelSource
 from engine.loader.weights import gguf_weights, safetensors_names, safetensors_weights
 from engine.model_config import ModelConfig
-from engine.loader.param_loading import attach_weight_loaders
 from engine.models.interface import CausalLM
 
 logger = logging.getLogger(__name__)
 
 
 def load_model(
-    source: ModelSource, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
-    quantization: str = "auto", kv_cache_dtype: torch.dtype | None = None,
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    quantization: str = "auto",
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """quantization: "auto" (the checkpoint's own: FP8 layers stay FP8), "fp8" (also quantize a dense
     checkpoint's linears at load), "none" (FP8 checkpoints dequantized to `dtype`), "gguf" (the CPU
@@ -38,7 +42,9 @@ def load_model(
     if source.kind == "hf" and load_format != "dummy":
         quant = checkpoint_quantization(source.hf_config, safetensors_names(source.path))
     if quantization == "fp8" and source.kind == "gguf":
-        raise ModelLoadError(f"{source.path}: --quantization fp8 takes a safetensors checkpoint or a preset, not a GGUF file")
+        raise ModelLoadError(
+            f"{source.path}: --quantization fp8 takes a safetensors checkpoint or a preset, not a GGUF file"
+        )
     world = tp_state().world_size
     if world > 1:
         _check_shardable(source, quant, quantization)
@@ -48,8 +54,12 @@ def load_model(
     model = model.to(dtype=dtype)
     if quant is not None:
         layers = make_fp8_layers(model, quant)
-        logger.info("checkpoint quantization %s: %d linear layers in FP8 (e4m3, %s scales)", quant.source, layers,
-                    "128x128 block" if quant.block_scale else "per-tensor/channel")
+        logger.info(
+            "checkpoint quantization %s: %d linear layers in FP8 (e4m3, %s scales)",
+            quant.source,
+            layers,
+            "128x128 block" if quant.block_scale else "per-tensor/channel",
+        )
     model = model.to_empty(device=device)
     attach_weight_loaders(model)  # materialising made new parameter objects
     model.after_materialize()
@@ -69,17 +79,27 @@ def load_model(
     model.eval().requires_grad_(False)
     apply_kv_scales(model, kv_scales, kv_cache_dtype, device)
     if quant is not None and quantization == "none":
-        logger.info("--quantization none: %d FP8 layers dequantized to %s at load", dequantize_fp8_linears(model, dtype), dtype)
+        logger.info(
+            "--quantization none: %d FP8 layers dequantized to %s at load", dequantize_fp8_linears(model, dtype), dtype
+        )
     elif quantization == "fp8" and quant is None:
         saved = quantize_linears_online(model)
-        logger.info("--quantization fp8: linear weights quantized to FP8 e4m3 per output channel at load "
-                    "(the LM head stays %s), %.0f MiB saved", dtype, saved / 2**20)
+        logger.info(
+            "--quantization fp8: linear weights quantized to FP8 e4m3 per output channel at load "
+            "(the LM head stays %s), %.0f MiB saved",
+            dtype,
+            saved / 2**20,
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the KV pool is sized from free memory next
     params = sum(p.numel() for p in model.parameters())
     logger.info(
         "loaded %s (%s, %.1fM params, %s) on %s in %.2f s",
-        config.model_type, source.kind if load_format != "dummy" else "dummy", params / 1e6, dtype, device,
+        config.model_type,
+        source.kind if load_format != "dummy" else "dummy",
+        params / 1e6,
+        dtype,
+        device,
         time.perf_counter() - start,
     )
     return model, config
@@ -89,11 +109,15 @@ def _check_shardable(source: ModelSource, quant: object, quantization: str) -> N
     """Tensor parallelism shards dense safetensors weights (and dummy ones); the rest is refused here, by name."""
     world = tp_state().world_size
     if source.kind == "gguf":
-        raise ModelLoadError(f"{source.path}: a GGUF model cannot be split over {world} tensor-parallel ranks (its "
-                             "blocks are not sharded); use a safetensors checkpoint or --tensor-parallel-size 1")
+        raise ModelLoadError(
+            f"{source.path}: a GGUF model cannot be split over {world} tensor-parallel ranks (its "
+            "blocks are not sharded); use a safetensors checkpoint or --tensor-parallel-size 1"
+        )
     if quant is not None or quantization == "fp8":
-        raise ModelLoadError(f"FP8 weights cannot be split over {world} tensor-parallel ranks yet (their scales are not "
-                             "sharded); use a bf16/fp16 checkpoint without --quantization fp8, or --tensor-parallel-size 1")
+        raise ModelLoadError(
+            f"FP8 weights cannot be split over {world} tensor-parallel ranks yet (their scales are not "
+            "sharded); use a bf16/fp16 checkpoint without --quantization fp8, or --tensor-parallel-size 1"
+        )
 
 
 @torch.no_grad()

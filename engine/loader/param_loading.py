@@ -21,7 +21,8 @@ is refused with both names.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Protocol
+from collections.abc import Callable, Hashable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -39,7 +40,9 @@ WHOLE: tuple[Hashable, ...] = ("",)  # the one fill key of a parameter that is n
 def copy_checked(dest: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
     """dest <- tensor, or a ModelLoadError naming `what` and both shapes."""
     if tuple(dest.shape) != tuple(tensor.shape):
-        raise ModelLoadError(f"shape mismatch for {what}: checkpoint {tuple(tensor.shape)} vs model {tuple(dest.shape)}")
+        raise ModelLoadError(
+            f"shape mismatch for {what}: checkpoint {tuple(tensor.shape)} vs model {tuple(dest.shape)}"
+        )
     if (dest.dtype == torch.float8_e4m3fn) != (tensor.dtype == torch.float8_e4m3fn):
         # An FP8 weight must come as FP8 (its scale beside it), and a dense one must not: a silent
         # cast would drop the scale.
@@ -90,7 +93,7 @@ def scale_loader(shard_rows: dict[Hashable, tuple[int, int]], out_features: int,
         if param.dim() == 2:  # block scales
             if start % block or (end % block and end != out_features):
                 raise ModelLoadError(f"{what} do not start and end on {block}-row blocks, as block-wise FP8 needs")
-            copy_checked(param.data[start // block:-(-end // block)], tensor.float(), what)
+            copy_checked(param.data[start // block : -(-end // block)], tensor.float(), what)
         elif tensor.numel() == 1:
             param.data[start:end] = tensor.float().reshape(())
         else:
@@ -112,7 +115,7 @@ class LazyTensor(Protocol):
         """The whole tensor."""
 
 
-def column_parallel_loader(part_rows: dict[Hashable, tuple[int, int]], shards: dict[Hashable, "Shard"]) -> WeightLoader:
+def column_parallel_loader(part_rows: dict[Hashable, tuple[int, int]], shards: dict[Hashable, Shard]) -> WeightLoader:
     """A column-parallel weight or bias (output rows split): part -> its rows here and this rank's piece of
     the checkpoint's part (a plain Linear: the one part ""). A checkpoint storing the parts fused (Phi-3,
     shard None) is cut into them first, in order."""
@@ -122,37 +125,50 @@ def column_parallel_loader(part_rows: dict[Hashable, tuple[int, int]], shards: d
             offset = 0
             for key, (start, end) in part_rows.items():
                 piece = shards[key]
-                copy_checked(param.data[start:end], tensor.narrow(0, offset + piece.start, piece.size),
-                             f"rank's rows of part {key!r} of a fused parameter")
+                copy_checked(
+                    param.data[start:end],
+                    tensor.narrow(0, offset + piece.start, piece.size),
+                    f"rank's rows of part {key!r} of a fused parameter",
+                )
                 offset += piece.total
             if offset != tensor.shape[0]:
-                raise ModelLoadError(f"fused checkpoint tensor has {tensor.shape[0]} rows; its parts add up to {offset}")
+                raise ModelLoadError(
+                    f"fused checkpoint tensor has {tensor.shape[0]} rows; its parts add up to {offset}"
+                )
             return list(part_rows)
         key = "" if shard is None else shard
         if key not in part_rows:
             raise ModelLoadError(f"fused parameter has parts {list(part_rows)}, not {shard!r}")
         (start, end), piece = part_rows[key], shards[key]
         if tensor.shape[0] != piece.total:
-            raise ModelLoadError(f"shape mismatch for part {key!r}: checkpoint has {tensor.shape[0]} rows, the model "
-                                 f"{piece.total} (split {piece.count} ways)")
-        copy_checked(param.data[start:end], tensor.narrow(0, piece.start, piece.size),
-                     f"rows {piece.start}-{piece.start + piece.size} of part {key!r}")
+            raise ModelLoadError(
+                f"shape mismatch for part {key!r}: checkpoint has {tensor.shape[0]} rows, the model "
+                f"{piece.total} (split {piece.count} ways)"
+            )
+        copy_checked(
+            param.data[start:end],
+            tensor.narrow(0, piece.start, piece.size),
+            f"rows {piece.start}-{piece.start + piece.size} of part {key!r}",
+        )
         return [key]
 
     return load
 
 
-def row_parallel_loader(piece: "Shard") -> WeightLoader:
+def row_parallel_loader(piece: Shard) -> WeightLoader:
     """A row-parallel weight (input columns split): this rank's columns of the checkpoint's [out, in]."""
 
     def load(param: nn.Parameter, tensor: torch.Tensor | LazyTensor, shard: Any = None) -> list[Hashable]:
         if shard is not None:
             raise ModelLoadError(f"row-parallel parameter is not fused, but was given shard {shard!r}")
         if len(tensor.shape) != 2 or tensor.shape[1] != piece.total:
-            raise ModelLoadError(f"shape mismatch: checkpoint {tuple(tensor.shape)}, the model [{param.shape[0]}, "
-                                 f"{piece.total}] split {piece.count} ways along its columns")
-        copy_checked(param.data, tensor.narrow(1, piece.start, piece.size),
-                     f"columns {piece.start}-{piece.start + piece.size}")
+            raise ModelLoadError(
+                f"shape mismatch: checkpoint {tuple(tensor.shape)}, the model [{param.shape[0]}, "
+                f"{piece.total}] split {piece.count} ways along its columns"
+            )
+        copy_checked(
+            param.data, tensor.narrow(1, piece.start, piece.size), f"columns {piece.start}-{piece.start + piece.size}"
+        )
         return list(WHOLE)
 
     return load
@@ -173,7 +189,7 @@ def first_rank_bias_loader(rank: int) -> WeightLoader:
     return load
 
 
-def vocab_parallel_loader(piece: "VocabShard") -> WeightLoader:
+def vocab_parallel_loader(piece: VocabShard) -> WeightLoader:
     """An embedding or LM head split by vocabulary: this rank's rows; the padding rows past the real
     vocabulary (the last rank's) are zero."""
 
@@ -181,18 +197,23 @@ def vocab_parallel_loader(piece: "VocabShard") -> WeightLoader:
         if shard is not None:
             raise ModelLoadError(f"vocabulary-parallel parameter is not fused, but was given shard {shard!r}")
         if tensor.shape[0] < piece.end:
-            raise ModelLoadError(f"shape mismatch: checkpoint has {tensor.shape[0]} vocabulary rows, the model "
-                                 f"{piece.end} or more")
-        copy_checked(param.data[: piece.size], tensor.narrow(0, piece.start, piece.size),
-                     f"vocabulary rows {piece.start}-{piece.end}")
+            raise ModelLoadError(
+                f"shape mismatch: checkpoint has {tensor.shape[0]} vocabulary rows, the model {piece.end} or more"
+            )
+        copy_checked(
+            param.data[: piece.size],
+            tensor.narrow(0, piece.start, piece.size),
+            f"vocabulary rows {piece.start}-{piece.end}",
+        )
         param.data[piece.size :].zero_()
         return list(WHOLE)
 
     return load
 
 
-def set_weight_loader(param: nn.Parameter, loader: WeightLoader, keys: Iterable[Hashable] = WHOLE,
-                      reads_lazily: bool = False) -> None:
+def set_weight_loader(
+    param: nn.Parameter, loader: WeightLoader, keys: Iterable[Hashable] = WHOLE, reads_lazily: bool = False
+) -> None:
     """reads_lazily: the loader takes a LazyTensor and reads only its slice (tensor-parallel loaders)."""
     param.weight_loader = loader  # type: ignore[attr-defined]
     param.fill_keys = tuple(keys)  # type: ignore[attr-defined]
@@ -228,12 +249,19 @@ class FillTracker:
         self.filled.setdefault(name, set()).update(keys)
 
     def check(self) -> None:
-        missing = [(name, sorted(map(str, keys - self.filled[name]))) for name, keys in self.expected.items()
-                   if keys - self.filled[name]]
+        missing = [
+            (name, sorted(map(str, keys - self.filled[name])))
+            for name, keys in self.expected.items()
+            if keys - self.filled[name]
+        ]
         if not missing:
             return
-        examples = ", ".join(name if parts == [""] else f"{name} (parts {', '.join(parts[:4])})" for name, parts in missing[:3])
-        raise ModelLoadError(f"checkpoint is missing tensors for {len(missing)} parameters (left unfilled), e.g. {examples}")
+        examples = ", ".join(
+            name if parts == [""] else f"{name} (parts {', '.join(parts[:4])})" for name, parts in missing[:3]
+        )
+        raise ModelLoadError(
+            f"checkpoint is missing tensors for {len(missing)} parameters (left unfilled), e.g. {examples}"
+        )
 
 
 def load_checkpoint(

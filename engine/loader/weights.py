@@ -6,7 +6,8 @@ import glob
 import json
 import os
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,7 +77,7 @@ def safetensors_weights(folder: str, lazy: bool = False) -> WeightIter:
         for path in files:
             try:
                 with safe_open(path, framework="pt") as handle:
-                    for name in handle.keys():
+                    for name in handle:
                         yield name, SafetensorsSlice(handle, name) if lazy else handle.get_tensor(name)
                         bar.update(1)
             except SafetensorError as exc:
@@ -160,7 +161,9 @@ def gguf_weights(path: str, hf_config: Any) -> WeightIter:
             continue
         hf_name = gguf_name_to_hf(tensor.name, arch)
         if hf_name is None:
-            raise ModelLoadError(f"{path}: GGUF tensor {tensor.name!r} has no counterpart in the {arch or 'unknown'} architecture")
+            raise ModelLoadError(
+                f"{path}: GGUF tensor {tensor.name!r} has no counterpart in the {arch or 'unknown'} architecture"
+            )
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except Exception as exc:

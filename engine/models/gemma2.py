@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata
+from engine.layers.mlp import GatedMLP
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.vocab_parallel import lm_head, vocab_embedding
 from engine.model_config import ModelConfig
-from engine.layers.mlp import GatedMLP
 from engine.models.llama import DecoderAttention, KVCache, LlamaForCausalLM
 from engine.models.registry import register_model
 
@@ -55,20 +55,32 @@ class GemmaConfig:
     hidden_activation: str
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> "GemmaConfig":
-        return cls(float(hf_config.query_pre_attn_scalar), hf_config.attn_logit_softcapping,
-                   hf_config.final_logit_softcapping, hf_config.hidden_activation or "gelu_pytorch_tanh")
+    def from_hf(cls, hf_config: Any) -> GemmaConfig:
+        return cls(
+            float(hf_config.query_pre_attn_scalar),
+            hf_config.attn_logit_softcapping,
+            hf_config.final_logit_softcapping,
+            hf_config.hidden_activation or "gelu_pytorch_tanh",
+        )
 
 
 class GemmaDecoderLayer(nn.Module):
     """qk_norm: Gemma 3's per-head q/k norms (Gemma's (1 + w) kind)."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, family: GemmaConfig, qk_norm: bool = False) -> None:
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, family: GemmaConfig, qk_norm: bool = False
+    ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.self_attn = DecoderAttention(config, rotary, scale=family.query_pre_attn_scalar**-0.5,
-                                          softcap=family.attn_logit_softcapping, norm_class=GemmaRMSNorm, qk_norm=qk_norm)
+        self.self_attn = DecoderAttention(
+            config,
+            rotary,
+            scale=family.query_pre_attn_scalar**-0.5,
+            softcap=family.attn_logit_softcapping,
+            norm_class=GemmaRMSNorm,
+            qk_norm=qk_norm,
+        )
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, family.hidden_activation)
@@ -87,13 +99,16 @@ class Gemma2Model(nn.Module):
         super().__init__()
         family: GemmaConfig = config.family_config
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_parameters,
-                                      config.hf_config)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, self.rotary, family) for _ in range(config.num_hidden_layers))
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_parameters, config.hf_config
+        )
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(config, self.rotary, family) for _ in range(config.num_hidden_layers)
+        )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rounded(value: float, dtype: torch.dtype) -> float:
     return float(torch.tensor(value, dtype=dtype))
 

@@ -13,7 +13,7 @@ from engine.errors import UnsupportedArchitectureError
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.vocab_parallel import vocab_embedding
 from engine.model_config import ModelConfig
-from engine.models.gemma2 import GemmaConfig, GemmaDecoderLayer, GemmaRMSNorm, Gemma2ForCausalLM
+from engine.models.gemma2 import Gemma2ForCausalLM, GemmaConfig, GemmaDecoderLayer, GemmaRMSNorm
 from engine.models.registry import register_model
 
 
@@ -32,7 +32,9 @@ class Gemma3Model(nn.Module):
         types = list(config.hf_config.layer_types)
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.rotaries = nn.ModuleDict({kind: _rotary(config, kind) for kind in sorted(set(types))})
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, self.rotaries[kind], family, qk_norm=True) for kind in types)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(config, self.rotaries[kind], family, qk_norm=True) for kind in types
+        )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -3,7 +3,8 @@ knowledge of a family's module tree (they used to reach into `model.model.layers
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -18,8 +19,9 @@ class CausalLM(Protocol):
     config: Any
     attention_backend: object | None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Hidden states [tokens, hidden] of every token of a (ragged) step."""
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ matmul each, as vLLM and SGLang do, so a decode step launches fewer kernels.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -44,8 +45,15 @@ class DecoderAttention(nn.Module):
     norm_class: the q/k norms' class (Gemma's norms scale by 1 + weight). With tensor parallelism
     num_heads and num_kv_heads are this rank's (engine/distributed/sharding.py)."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, scale: float | None = None,
-                 softcap: float | None = None, norm_class: type[nn.Module] = RMSNorm, qk_norm: bool | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        scale: float | None = None,
+        softcap: float | None = None,
+        norm_class: type[nn.Module] = RMSNorm,
+        qk_norm: bool | None = None,
+    ) -> None:
         super().__init__()
         state = tp_state()
         heads = even_shard(config.num_attention_heads, state.rank, state.world_size, "attention heads")
@@ -56,8 +64,9 @@ class DecoderAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         q_rows, kv_rows = _rows(heads, self.head_dim), _rows(kv_heads, self.head_dim)
-        self.qkv_proj = column_parallel_linear(config.hidden_size, [("q", q_rows), ("k", kv_rows), ("v", kv_rows)],
-                                               bias=config.attention_bias)
+        self.qkv_proj = column_parallel_linear(
+            config.hidden_size, [("q", q_rows), ("k", kv_rows), ("v", kv_rows)], bias=config.attention_bias
+        )
         self.o_proj = row_parallel_linear(q_rows, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm if qk_norm is None else qk_norm
         if self.qk_norm:
@@ -77,7 +86,9 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, meta)  # views of the fused projection: Attention makes them contiguous where needed
+        out = self.attn(
+            q, k, v, kv_cache, meta
+        )  # views of the fused projection: Attention makes them contiguous where needed
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -112,7 +123,9 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_parameters, config.hf_config
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, build_mlp(i)) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.rotary, build_mlp(i)) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -122,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
     Implements engine.models.interface.CausalLM."""
 
     # HF checkpoint names fused into our projections: (our param, part).
-    stacked_params: dict[str, tuple[str, str]] = {
+    stacked_params: ClassVar[dict[str, tuple[str, str]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),

@@ -20,18 +20,26 @@ from typing import Any
 
 from torch import nn
 
-from engine.layers.moe import SparseMoE, sparse_moe
 from engine.layers.mlp import GatedMLP
+from engine.layers.moe import SparseMoE, sparse_moe
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import register_model
 
 # (layer, expert, projection) of a per-expert checkpoint tensor.
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight$")
 # projection -> (our stacked parameter, its part: gate or up of gate_up_proj; None: down_proj)
-_PROJECTIONS = {"w1": ("gate_up_proj", "gate"), "gate_proj": ("gate_up_proj", "gate"), "w3": ("gate_up_proj", "up"),
-                "up_proj": ("gate_up_proj", "up"), "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
+_PROJECTIONS = {
+    "w1": ("gate_up_proj", "gate"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "w3": ("gate_up_proj", "up"),
+    "up_proj": ("gate_up_proj", "up"),
+    "w2": ("down_proj", None),
+    "down_proj": ("down_proj", None),
+}
 
 
 @dataclass(frozen=True)
@@ -44,22 +52,36 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> "MoEConfig":
+    def from_hf(cls, hf_config: Any) -> MoEConfig:
         layers = hf_config.num_hidden_layers
         if hf_config.model_type == "mixtral":
-            return cls(hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size,
-                       True, (True,) * layers)
+            return cls(
+                hf_config.num_local_experts,
+                hf_config.num_experts_per_tok,
+                hf_config.intermediate_size,
+                True,
+                (True,) * layers,
+            )
         step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
         dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
         experts = int(hf_config.num_experts)
         moe = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
-        return cls(experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
-                   bool(getattr(hf_config, "norm_topk_prob", False)), moe,
-                   int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0))
+        return cls(
+            experts,
+            hf_config.num_experts_per_tok,
+            hf_config.moe_intermediate_size,
+            bool(getattr(hf_config, "norm_topk_prob", False)),
+            moe,
+            int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
+        )
 
 
-@register_model("mixtral", "qwen2_moe", "qwen3_moe",
-                architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"))
+@register_model(
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"),
+)
 class MoEForCausalLM(LlamaForCausalLM):
     @classmethod
     def family_config(cls, hf_config: Any) -> MoEConfig:
@@ -69,8 +91,14 @@ class MoEForCausalLM(LlamaForCausalLM):
         moe: MoEConfig = self.config.family_config
         if not moe.moe_layers[layer_index]:
             return GatedMLP(self.config.hidden_size, self.config.intermediate_size, self.config.hidden_act)
-        return sparse_moe(self.config.hidden_size, moe.moe_intermediate_size, moe.num_experts,
-                          moe.num_experts_per_tok, moe.norm_topk_prob, moe.shared_expert_intermediate_size)
+        return sparse_moe(
+            self.config.hidden_size,
+            moe.moe_intermediate_size,
+            moe.num_experts,
+            moe.num_experts_per_tok,
+            moe.norm_topk_prob,
+            moe.shared_expert_intermediate_size,
+        )
 
     def supports_device_graphs(self, platform: str) -> bool:
         # The torch experts op looks at which experts were hit (engine/layers/moe.py): CPU compiled

@@ -11,6 +11,8 @@ rotary factor (Phi-4-mini) is refused.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from engine.errors import ModelLoadError
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
@@ -19,10 +21,12 @@ from engine.models.registry import register_model
 
 @register_model("phi3", architectures=("Phi3ForCausalLM",))
 class Phi3ForCausalLM(LlamaForCausalLM):
-    stacked_params: dict[str, tuple[str, str]] = {}  # nothing to fuse: the checkpoint is fused already
+    stacked_params: ClassVar[dict[str, tuple[str, str]]] = {}  # nothing to fuse: the checkpoint is fused already
 
     def __init__(self, config: ModelConfig) -> None:
         rotary_fraction = float(config.rope_parameters.get("partial_rotary_factor", 1.0) or 1.0)
         if rotary_fraction != 1.0:
-            raise ModelLoadError(f"partial rotary embeddings (partial_rotary_factor={rotary_fraction}) are not supported")
+            raise ModelLoadError(
+                f"partial rotary embeddings (partial_rotary_factor={rotary_fraction}) are not supported"
+            )
         super().__init__(config)

@@ -8,7 +8,8 @@ model code, so configs can ask what is supported without building anything.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T", bound=type)
 
@@ -22,7 +23,9 @@ def register_model(*model_types: str, architectures: tuple[str, ...] = ()) -> Ca
     def register(cls: T) -> T:
         for model_type in model_types:
             if model_type in _BY_MODEL_TYPE and _BY_MODEL_TYPE[model_type] is not cls:
-                raise ValueError(f"model_type {model_type!r} is registered twice ({_BY_MODEL_TYPE[model_type].__name__}, {cls.__name__})")
+                raise ValueError(
+                    f"model_type {model_type!r} is registered twice ({_BY_MODEL_TYPE[model_type].__name__}, {cls.__name__})"
+                )
             _BY_MODEL_TYPE[model_type] = cls
         for architecture in architectures:
             _BY_ARCHITECTURE[architecture] = cls

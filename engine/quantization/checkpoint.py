@@ -16,8 +16,9 @@ refused by name before any weight is read.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -55,7 +56,9 @@ def _fp8_format(qc: dict[str, Any]) -> tuple[bool, str]:
     if block is None:
         return False, "weight_scale"
     if list(block) != [128, 128]:
-        raise ModelLoadError(f"block-wise FP8 with weight_block_size {list(block)}: only [128, 128] blocks are supported")
+        raise ModelLoadError(
+            f"block-wise FP8 with weight_block_size {list(block)}: only [128, 128] blocks are supported"
+        )
     return True, "weight_scale_inv"
 
 
@@ -65,26 +68,33 @@ def _compressed_tensors_format(qc: dict[str, Any]) -> tuple[bool, str]:
         raise ModelLoadError(f"compressed-tensors format {fmt!r} is not supported (supported: {SUPPORTED})")
     groups = qc.get("config_groups") or {}
     if not groups:
-        raise ModelLoadError("compressed-tensors checkpoint without config_groups: nothing says how its weights are stored")
+        raise ModelLoadError(
+            "compressed-tensors checkpoint without config_groups: nothing says how its weights are stored"
+        )
     block = False
     for name, group in groups.items():
         weights = group.get("weights") or {}
         if weights.get("num_bits") != 8 or weights.get("type") != "float":
             raise ModelLoadError(
                 f"compressed-tensors group {name!r} stores {weights.get('num_bits')}-bit {weights.get('type')} weights: "
-                f"only 8-bit float (FP8) weights are supported (supported: {SUPPORTED})")
+                f"only 8-bit float (FP8) weights are supported (supported: {SUPPORTED})"
+            )
         strategy = weights.get("strategy", "tensor")
         if strategy == "block":
             if list(weights.get("block_structure") or []) != [128, 128]:
                 raise ModelLoadError(f"compressed-tensors group {name!r}: only [128, 128] weight blocks are supported")
             block = True
         elif strategy not in ("tensor", "channel"):
-            raise ModelLoadError(f"compressed-tensors group {name!r}: weight strategy {strategy!r} is not supported "
-                                 "(tensor, channel or block)")
+            raise ModelLoadError(
+                f"compressed-tensors group {name!r}: weight strategy {strategy!r} is not supported "
+                "(tensor, channel or block)"
+            )
         activations = group.get("input_activations")
         if activations and (activations.get("num_bits") != 8 or activations.get("type") != "float"):
-            raise ModelLoadError(f"compressed-tensors group {name!r} quantizes activations to "
-                                 f"{activations.get('num_bits')}-bit {activations.get('type')}: only FP8 is supported")
+            raise ModelLoadError(
+                f"compressed-tensors group {name!r} quantizes activations to "
+                f"{activations.get('num_bits')}-bit {activations.get('type')}: only FP8 is supported"
+            )
     return block, "weight_scale"
 
 
@@ -107,7 +117,9 @@ def checkpoint_quantization(hf_config: Any, tensor_names: Iterable[str]) -> Chec
     return CheckpointQuantization("fp8", source, block, suffix, modules)
 
 
-def rename_scales(weights: Iterable[tuple[str, torch.Tensor]], quant: CheckpointQuantization) -> Iterator[tuple[str, torch.Tensor]]:
+def rename_scales(
+    weights: Iterable[tuple[str, torch.Tensor]], quant: CheckpointQuantization
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors with scales under the engine's name (`weight_scale`), static activation and
     attention scales left out (counted in one log line)."""
     unused = 0
@@ -120,8 +132,11 @@ def rename_scales(weights: Iterable[tuple[str, torch.Tensor]], quant: Checkpoint
             name = name[: -len(tail)] + ".weight_scale"
         yield name, tensor
     if unused:
-        logger.info("%d static activation / attention scales in the checkpoint not used: activations are quantized "
-                    "per token at run time", unused)
+        logger.info(
+            "%d static activation / attention scales in the checkpoint not used: activations are quantized "
+            "per token at run time",
+            unused,
+        )
 
 
 def make_fp8_layers(model: torch.nn.Module, quant: CheckpointQuantization) -> int:
@@ -140,14 +155,18 @@ def make_fp8_layers(model: torch.nn.Module, quant: CheckpointQuantization) -> in
         param_name, part = route
         module_name = param_name.rsplit(".", 1)[0]
         if not isinstance(modules.get(module_name), Linear):
-            raise ModelLoadError(f"checkpoint tensor {name}.weight is FP8, but its home {param_name!r} is not a linear "
-                                 "layer (FP8 MoE experts are not supported yet)")
+            raise ModelLoadError(
+                f"checkpoint tensor {name}.weight is FP8, but its home {param_name!r} is not a linear "
+                "layer (FP8 MoE experts are not supported yet)"
+            )
         parts.setdefault(module_name, set()).add(part)
     for module_name, found in parts.items():
         layer = modules[module_name]
         expected = set(layer.part_rows) or {None}
         if found != expected:
-            raise ModelLoadError(f"{module_name} fuses parts {sorted(map(str, expected))} but the checkpoint has FP8 "
-                                 f"weights for {sorted(map(str, found))} only: the parts must all be FP8 or none")
+            raise ModelLoadError(
+                f"{module_name} fuses parts {sorted(map(str, expected))} but the checkpoint has FP8 "
+                f"weights for {sorted(map(str, found))} only: the parts must all be FP8 or none"
+            )
         make_fp8_parameters(layer, quant.block_scale)
     return len(parts)

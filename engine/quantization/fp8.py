@@ -18,7 +18,7 @@ then the layers carry FP8_REFERENCE, which is correct everywhere and is what the
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -54,8 +54,9 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (weight.float() * scale.float()[:, None]).to(dtype)
 
 
-def fp8_reference_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                         bias: torch.Tensor | None) -> torch.Tensor:
+def fp8_reference_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """x @ (weight * scale).T + bias in float32, rounded to x's dtype once: the numerics the kernels'
     weight-only path has (e4m3 values are exact in bf16; products summed in float32)."""
     if scale.dim() == 2:
@@ -95,7 +96,9 @@ def make_fp8_parameters(layer: Linear, block_scale: bool) -> None:
     checkpoint that stores them; the loaders attach in Linear.attach_weight_loaders."""
     out_features, in_features = layer.out_features, layer.in_features
     device = layer.weight.device
-    layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device), requires_grad=False)
+    layer.weight = nn.Parameter(
+        torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device), requires_grad=False
+    )
     if block_scale:
         shape: tuple[int, ...] = (-(-out_features // SCALE_BLOCK), -(-in_features // SCALE_BLOCK))
     else:
@@ -135,4 +138,3 @@ def dequantize_fp8_linears(model: nn.Module, dtype: torch.dtype) -> int:
         module.method = DENSE
         layers += 1
     return layers
-

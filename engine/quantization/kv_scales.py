@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -59,8 +59,9 @@ def _scale_value(name: str, tensor: object) -> float:
     if not isinstance(tensor, torch.Tensor):
         tensor = tensor.read()  # a tensor-parallel LazyTensor: a scale is whole on every rank
     if tensor.numel() != 1:
-        raise ModelLoadError(f"{name}: KV cache scale of shape {tuple(tensor.shape)}; only per-tensor (one value) "
-                             "scales are supported")
+        raise ModelLoadError(
+            f"{name}: KV cache scale of shape {tuple(tensor.shape)}; only per-tensor (one value) scales are supported"
+        )
     value = float(tensor.float().reshape(()))
     if not (math.isfinite(value) and value > 0):
         raise ModelLoadError(f"{name}: KV cache scale {value} is not a positive finite number")
@@ -82,8 +83,9 @@ def split_kv_scales(weights: Iterable[tuple[str, object]], found: KVScales) -> I
             found[(int(layer.group(1)), side)] = value
 
 
-def apply_kv_scales(model: torch.nn.Module, found: KVScales, kv_cache_dtype: torch.dtype | None,
-                    device: torch.device) -> int:
+def apply_kv_scales(
+    model: torch.nn.Module, found: KVScales, kv_cache_dtype: torch.dtype | None, device: torch.device
+) -> int:
     """Every Attention module gets float32 k/v scales on `device`: the checkpoint's for an FP8 cache,
     1.0 otherwise (always set: a model materialised from the meta device holds no values yet).
     Returns how many layers took a checkpoint scale."""
@@ -106,11 +108,18 @@ def _log_kv_scales(found: KVScales, kv_cache_dtype: torch.dtype | None, scaled: 
     """One line on what became of the checkpoint's scales, or of their absence under an FP8 cache."""
     fp8 = kv_cache_dtype == torch.float8_e4m3fn
     if found and not fp8:
-        logger.info("%d KV cache scales in the checkpoint ignored: they apply to an FP8 KV cache, this one is %s",
-                    len(found), kv_cache_dtype)
+        logger.info(
+            "%d KV cache scales in the checkpoint ignored: they apply to an FP8 KV cache, this one is %s",
+            len(found),
+            kv_cache_dtype,
+        )
     elif found:
         values = sorted(found.values())
-        logger.info("FP8 KV cache: checkpoint k/v scales for %d layers (%.4g to %.4g; any side without one: 1.0)",
-                    scaled, values[0], values[-1])
+        logger.info(
+            "FP8 KV cache: checkpoint k/v scales for %d layers (%.4g to %.4g; any side without one: 1.0)",
+            scaled,
+            values[0],
+            values[-1],
+        )
     elif fp8:
         logger.info("FP8 KV cache at unit scale: the checkpoint has no k/v scales (values past +-448 saturate)")

@@ -7,9 +7,9 @@ import copy
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -19,8 +19,8 @@ from engine.engine import Engine
 from engine.server.async_engine import AsyncEngine
 from engine.server.engine_process import EngineProcess
 from engine.server.engine_thread import EngineThread
-from engine.server.fields import check_request_fields
 from engine.server.errors import APIError, error_response, install_error_handlers
+from engine.server.fields import check_request_fields
 from engine.server.guard import GuardMiddleware, GuardSettings
 from engine.server.metrics import ServerMetrics
 from engine.server.params import ModelInfo, chat_prompt, check_prompt_size, check_token_ids
@@ -65,7 +65,10 @@ class ServerSettings:
 
 
 def build_app(
-    engine: Engine | EngineProcess, model_name: str | None = None, api_key: str | None = None, settings: ServerSettings | None = None,
+    engine: Engine | EngineProcess,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    settings: ServerSettings | None = None,
     engine_thread: EngineThread | None = None,
 ) -> FastAPI:
     """An app serving `engine` (an Engine, run on a thread, or a started EngineProcess); the engine
@@ -90,15 +93,23 @@ def build_app(
         async_engine = AsyncEngine(engine, thread=engine_thread)
     metrics = ServerMetrics(lambda: async_engine.snapshot, name)
     async_engine.observer = metrics.observer()
-    serving = Serving(async_engine, model, settings.max_pending_requests, settings.trust_request_chat_template,
-                      settings.tool_call_parser, settings.reasoning_parser)
+    serving = Serving(
+        async_engine,
+        model,
+        settings.max_pending_requests,
+        settings.trust_request_chat_template,
+        settings.tool_call_parser,
+        settings.reasoning_parser,
+    )
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         watcher = asyncio.ensure_future(_end_streams_before_the_deadline(app, async_engine))
-        logger.info("serving %s (context %d tokens)%s", name, model.max_model_len, ", API key required" if api_key else "")
+        logger.info(
+            "serving %s (context %d tokens)%s", name, model.max_model_len, ", API key required" if api_key else ""
+        )
         try:
             yield
         finally:
@@ -115,7 +126,9 @@ def build_app(
     app.state.settings = settings
     install_error_handlers(app)
     open_paths = {"/health"} | ({"/metrics"} if settings.open_metrics else set())
-    guard = GuardSettings(api_key, frozenset(open_paths), settings.allowed_hosts, settings.max_body_bytes, settings.body_timeout_s)
+    guard = GuardSettings(
+        api_key, frozenset(open_paths), settings.allowed_hosts, settings.max_body_bytes, settings.body_timeout_s
+    )
     app.add_middleware(GuardMiddleware, settings=guard)
 
     @app.get("/health")
@@ -138,7 +151,9 @@ def build_app(
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> ModelCard:
         if model_id != name:
-            raise APIError(f"The model `{model_id}` does not exist; this server serves `{name}`.", status=404, param="model")
+            raise APIError(
+                f"The model `{model_id}` does not exist; this server serves `{name}`.", status=404, param="model"
+            )
         return card()
 
     @app.post("/v1/completions")
@@ -162,7 +177,9 @@ def build_app(
             raise APIError("this model has no tokenizer", param="prompt")
         else:
             check_prompt_size(model, req.prompt, "prompt")
-            ids = await serving.off_loop(lambda: list(model.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)))
+            ids = await serving.off_loop(
+                lambda: list(model.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            )
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": model.max_model_len})
 
     @app.post("/detokenize")

@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from engine.engine import Engine
 from engine.request import RequestOutput
@@ -43,8 +44,13 @@ __all__ = ["AsyncEngine", "EngineDeadError", "RequestGroup", "StepObserver"]
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine | None, observer: StepObserver | None = None, thread: EngineThread | None = None,
-                 process: "EngineProcess | None" = None) -> None:
+    def __init__(
+        self,
+        engine: Engine | None,
+        observer: StepObserver | None = None,
+        thread: EngineThread | None = None,
+        process: EngineProcess | None = None,
+    ) -> None:
         """The thread transport for `engine`: `thread` is the thread that built it (engine/server/
         engine_thread.py says why it should run its loop too), by default a new one. With `process`
         (and engine None) the engine lives in that process instead."""
@@ -62,7 +68,7 @@ class AsyncEngine:
         self._stopped = False
 
     @classmethod
-    def over_process(cls, process: "EngineProcess", observer: StepObserver | None = None) -> "AsyncEngine":
+    def over_process(cls, process: EngineProcess, observer: StepObserver | None = None) -> AsyncEngine:
         return cls(None, observer, process=process)
 
     @property
@@ -146,7 +152,6 @@ class AsyncEngine:
         self._loop.run()
         # A request registered while the loop was ending never reached it: it must not wait forever.
         self.router.fail_everything(EngineDeadError("the engine is not running"))
-
 
     def _receive(self, timeout: float | None) -> list[Command]:
         """Commands for the engine thread: wait up to timeout for the first, then take what is there."""

@@ -24,10 +24,16 @@ from engine.server.errors import error_body
 
 logger = logging.getLogger(__name__)
 
+
 def _raw_response(status_line: bytes, body: bytes, headers: bytes = b"") -> bytes:
     return (
-        status_line + b"\r\ncontent-type: application/json\r\nconnection: close\r\n" + headers
-        + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        status_line
+        + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        + headers
+        + b"content-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
     )
 
 

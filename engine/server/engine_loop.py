@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from engine.engine import Engine
 from engine.errors import EngineError, EngineStoppedError, RequestFailedError
@@ -80,7 +81,9 @@ class EngineLoop:
             logger.exception("engine loop died")
             self.error = exc
         finally:
-            self.end(EngineDeadError("the server is shutting down" if self.error is None else f"engine failed: {self.error}"))
+            self.end(
+                EngineDeadError("the server is shutting down" if self.error is None else f"engine failed: {self.error}")
+            )
 
     def handle(self, command: Command) -> None:
         kind = command[0]
@@ -103,7 +106,7 @@ class EngineLoop:
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         try:
             self.engine.add_request(prompt_token_ids, params, request_id=request_id)
-        except Exception as exc:  # noqa: BLE001 - every refusal goes back to its handler
+        except Exception as exc:
             if not isinstance(exc, EngineError):
                 logger.exception("add_request failed for %s", request_id)
             self.events.accepted(request_id, exc)
@@ -116,7 +119,7 @@ class EngineLoop:
             outputs = self.engine.step()
         except EngineStoppedError:
             raise  # a tensor-parallel rank is gone: the engine cannot step again, so the loop ends (run())
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._fail_step(exc)
             return
         delivered = []
@@ -148,7 +151,7 @@ class EngineLoop:
             self.live.discard(request_id)
             try:
                 self.engine.abort(request_id)  # frees its pages; a no-op when the engine already dropped it
-            except Exception:  # noqa: BLE001 - the others must still be told
+            except Exception:
                 logger.exception("abort of %s failed", request_id)
         if request_ids:
             self.events.failed(request_ids, error)
@@ -158,7 +161,7 @@ class EngineLoop:
         self._fail(list(self.live), error)
         try:
             late = self.receive(None)
-        except Exception:  # noqa: BLE001 - the command source may be gone with the server
+        except Exception:
             late = []
         for command in late:
             if command[0] == "add":
@@ -172,5 +175,5 @@ class EngineLoop:
         self._stats_at = now
         try:
             self.events.stats(self.engine.stats())
-        except Exception:  # noqa: BLE001 - a broken engine may not report; the loop must still go on/end
+        except Exception:
             logger.exception("stats update failed")

@@ -26,6 +26,7 @@ ends with EngineDeadError and /health answers 503.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -38,8 +39,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import (EngineError, InvalidRequestError, ModelLoadError, RequestFailedError,
-                           UnsupportedArchitectureError)
+from engine.errors import (
+    EngineError,
+    InvalidRequestError,
+    ModelLoadError,
+    RequestFailedError,
+    UnsupportedArchitectureError,
+)
 from engine.request import RequestOutput
 from engine.server.engine_loop import Command, EngineDeadError, EngineLoop
 from engine.server.streams import StreamRouter
@@ -48,8 +54,15 @@ from engine.stats import EngineStats
 logger = logging.getLogger("engine.server.engine_process")
 
 _ERRORS: dict[str, type[BaseException]] = {
-    cls.__name__: cls for cls in (EngineError, InvalidRequestError, ModelLoadError, UnsupportedArchitectureError,
-                                  RequestFailedError, EngineDeadError)
+    cls.__name__: cls
+    for cls in (
+        EngineError,
+        InvalidRequestError,
+        ModelLoadError,
+        UnsupportedArchitectureError,
+        RequestFailedError,
+        EngineDeadError,
+    )
 }
 
 
@@ -78,17 +91,35 @@ def _decode_error(encoded: tuple[str, str] | None) -> BaseException | None:
 
 def _encode_output(output: RequestOutput) -> tuple:
     final = (output.text, output.token_ids, output.logprobs) if output.finished else None
-    return (output.request_id, output.new_token_ids, output.new_text, output.finish_reason, output.new_logprobs,
-            output.prompt_logprobs, output.error, final)
+    return (
+        output.request_id,
+        output.new_token_ids,
+        output.new_text,
+        output.finish_reason,
+        output.new_logprobs,
+        output.prompt_logprobs,
+        output.error,
+        final,
+    )
 
 
 def _decode_output(item: tuple) -> RequestOutput:
     request_id, new_token_ids, new_text, finish_reason, new_logprobs, prompt_logprobs, error, final = item
     text, token_ids, logprobs = final if final is not None else ("", [], None)
     return RequestOutput(
-        request_id=request_id, prompt=None, prompt_token_ids=[], token_ids=token_ids, text=text,
-        finished=finish_reason is not None, finish_reason=finish_reason, new_token_ids=new_token_ids,
-        new_text=new_text, logprobs=logprobs, new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs, error=error,
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=[],
+        token_ids=token_ids,
+        text=text,
+        finished=finish_reason is not None,
+        finish_reason=finish_reason,
+        new_token_ids=new_token_ids,
+        new_text=new_text,
+        logprobs=logprobs,
+        new_logprobs=new_logprobs,
+        prompt_logprobs=prompt_logprobs,
+        error=error,
     )
 
 
@@ -114,7 +145,7 @@ class _PipeEvents:
         self.conn.send(("stats", snapshot))
 
 
-def _pipe_receiver(conn: Connection):  # noqa: ANN202
+def _pipe_receiver(conn: Connection):
     def receive(timeout: float | None) -> list[Command]:
         try:
             if not conn.poll(timeout or 0):
@@ -132,8 +163,9 @@ def _pipe_receiver(conn: Connection):  # noqa: ANN202
 def run_engine_process(config: EngineConfig, conn: Connection, torch_threads: int | None, log_level: str) -> None:
     """The child's entry point: build the engine, report ready, run the loop until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s", stream=sys.stderr
+    )
     try:
         if torch_threads is not None:
             import torch
@@ -143,10 +175,11 @@ def run_engine_process(config: EngineConfig, conn: Connection, torch_threads: in
 
         start = time.perf_counter()
         engine = Engine(config)
-        info = EngineInfo(config.model, engine.max_model_len, int(engine.model_config.vocab_size), engine.tokenizer,
-                          engine.stats())
+        info = EngineInfo(
+            config.model, engine.max_model_len, int(engine.model_config.vocab_size), engine.tokenizer, engine.stats()
+        )
         logger.info("engine process %d ready in %.1f s", os.getpid(), time.perf_counter() - start)
-    except BaseException as exc:  # noqa: BLE001 - the server reports it and exits
+    except BaseException as exc:
         conn.send(("dead", _encode_error(exc)))
         if isinstance(exc, EngineError):
             sys.exit(1)  # a user's error (bad model, bad flag): the server prints it, no traceback here
@@ -179,8 +212,12 @@ class EngineProcess:
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        self._process = context.Process(target=run_engine_process, name="engine-core",
-                                        args=(self.config, child, self.torch_threads, level), daemon=True)
+        self._process = context.Process(
+            target=run_engine_process,
+            name="engine-core",
+            args=(self.config, child, self.torch_threads, level),
+            daemon=True,
+        )
         self._process.start()
         child.close()
         self._conn = parent
@@ -195,8 +232,9 @@ class EngineProcess:
         try:
             kind, payload = parent.recv()
         except EOFError:
-            raise RuntimeError(f"the engine process exited with code {self._process.join(5) or self._process.exitcode}"
-                               " while starting") from None
+            raise RuntimeError(
+                f"the engine process exited with code {self._process.join(5) or self._process.exitcode} while starting"
+            ) from None
         if kind != "ready":
             self._process.join(10)
             raise _decode_error(payload) or RuntimeError("the engine process failed to start")
@@ -249,10 +287,8 @@ class EngineProcess:
         self._stopping = True
         if self._process is None:
             return
-        try:
+        with contextlib.suppress(EngineDeadError):
             self.send(("stop",))
-        except EngineDeadError:
-            pass
         if self._reader is not None:
             self._reader.join(timeout)
         self._process.join(timeout)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -34,7 +35,7 @@ class EngineThread(threading.Thread):
             fn, result = job
             try:
                 result.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which re-raises it
+            except BaseException as exc:
                 result.set_exception(exc)
 
     def call(self, fn: Callable[[], T]) -> T:

@@ -39,7 +39,11 @@ class APIError(Exception):
     """Raised by route handlers; rendered by the handler registered in install_error_handlers."""
 
     def __init__(
-        self, message: str, status: int = 400, param: str | None = None, type_: str | None = None,
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        type_: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
@@ -54,7 +58,9 @@ def error_response(
     message: str, status: int, param: str | None = None, type_: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
     body = ErrorResponse(
-        error=ErrorInfo(message=message, type=type_ or _TYPES.get(status, "InternalServerError"), param=param, code=status)
+        error=ErrorInfo(
+            message=message, type=type_ or _TYPES.get(status, "InternalServerError"), param=param, code=status
+        )
     )
     headers = dict(headers or {})
     if status == 401:
@@ -66,7 +72,9 @@ def error_response(
 
 def error_body(message: str, status: int = 500) -> dict:
     """The error shape as a dict, for an SSE event when a stream fails after its headers are sent."""
-    return ErrorResponse(error=ErrorInfo(message=message, type=_TYPES.get(status, "InternalServerError"), code=status)).model_dump()
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type=_TYPES.get(status, "InternalServerError"), code=status)
+    ).model_dump()
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -27,9 +27,17 @@ from engine.server.errors import APIError
 from engine.server.structured_fields import STRUCTURED_FIELDS
 
 # Top-level fields that carry no generation semantics.
-HARMLESS = frozenset({
-    "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "logprobs_mode",
-})
+HARMLESS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+        "logprobs_mode",
+    }
+)
 
 # Fields of features not implemented here, and the values that ask for nothing (accepted).
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
@@ -69,8 +77,13 @@ def check_request_fields(request: BaseModel, allow_unknown: bool) -> None:
         _check(message.model_extra or {}, MESSAGE_NOT_IMPLEMENTED, frozenset(), allow_unknown, f"messages[{index}].")
 
 
-def _check(extra: dict[str, Any], refused: dict[str, tuple[Any, ...]], harmless: frozenset[str], allow_unknown: bool,
-           prefix: str) -> None:
+def _check(
+    extra: dict[str, Any],
+    refused: dict[str, tuple[Any, ...]],
+    harmless: frozenset[str],
+    allow_unknown: bool,
+    prefix: str,
+) -> None:
     for field, value in extra.items():
         name = prefix + field
         if field in harmless:
@@ -83,5 +96,6 @@ def _check(extra: dict[str, Any], refused: dict[str, tuple[Any, ...]], harmless:
         if not allow_unknown:
             raise APIError(
                 f"{name}: unknown field (this server refuses fields it does not implement; start it with "
-                "--allow-unknown-fields to ignore extras)", param=name,
+                "--allow-unknown-fields to ignore extras)",
+                param=name,
             )

@@ -23,8 +23,9 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from engine.server.errors import error_body
 
@@ -83,14 +84,18 @@ class GuardMiddleware:
         except _BodyTooLarge:
             if not started["response"]:
                 await _send_error(send, 413, f"request body exceeds {self.settings.max_body_bytes} bytes", close=True)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if not started["response"]:
-                await _send_error(send, 408, f"request body not received within {self.settings.body_timeout_s:g} s", close=True)
-        except Exception:  # noqa: BLE001 - a bug: the client still gets the JSON shape, the server lives on
+                await _send_error(
+                    send, 408, f"request body not received within {self.settings.body_timeout_s:g} s", close=True
+                )
+        except Exception:
             logger.exception("unexpected error serving %s %s", scope.get("method"), path)
             if not started["response"]:
                 await _send_error(send, 500, "internal server error", close=True)
-        logger.debug("%s %s -> %d (%.1f ms)", scope.get("method"), path, started["status"], 1000 * (time.perf_counter() - start))
+        logger.debug(
+            "%s %s -> %d (%.1f ms)", scope.get("method"), path, started["status"], 1000 * (time.perf_counter() - start)
+        )
 
     def _reject_before_body(self, path: str, headers: dict[str, str]) -> tuple[int, str, dict[str, str]] | None:
         settings = self.settings
@@ -101,7 +106,11 @@ class GuardMiddleware:
             scheme, _, token = header.partition(" ")
             # Constant-time compare: the key must not leak through response timing.
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
-                return 401, "invalid or missing API key (send Authorization: Bearer <key>)", {"www-authenticate": "Bearer"}
+                return (
+                    401,
+                    "invalid or missing API key (send Authorization: Bearer <key>)",
+                    {"www-authenticate": "Bearer"},
+                )
         length = headers.get("content-length")
         if length is not None:
             if not length.strip().isdigit():
@@ -119,7 +128,7 @@ class GuardMiddleware:
                 state["deadline"] = time.monotonic() + timeout
             remaining = state["deadline"] - time.monotonic()
             if remaining <= 0:
-                raise asyncio.TimeoutError
+                raise TimeoutError
             message = await receive() if remaining == float("inf") else await asyncio.wait_for(receive(), remaining)
             if message["type"] == "http.request":
                 state["bytes"] += len(message.get("body", b""))
@@ -145,7 +154,9 @@ def host_allowed(host_header: str, allowed: tuple[str, ...]) -> bool:
     return host in allowed
 
 
-async def _send_error(send: Send, status: int, message: str, extra: dict[str, str] | None = None, close: bool = False) -> None:
+async def _send_error(
+    send: Send, status: int, message: str, extra: dict[str, str] | None = None, close: bool = False
+) -> None:
     body = json.dumps(error_body(message, status)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]

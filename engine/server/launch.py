@@ -17,49 +17,96 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     group.add_argument("--port", type=int, default=30000)
-    group.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes (or set ENGINE_API_KEY)")
-    group.add_argument("--served-model-name", default=None, help="model id in the API (default: the model's file or folder name)")
-    group.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="on SIGINT/SIGTERM, seconds to let running requests finish before aborting them")
+    group.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes (or set ENGINE_API_KEY)"
+    )
+    group.add_argument(
+        "--served-model-name", default=None, help="model id in the API (default: the model's file or folder name)"
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGINT/SIGTERM, seconds to let running requests finish before aborting them",
+    )
     group.add_argument("--uvicorn-log-level", default="warning")
     limits = parser.add_argument_group("server limits and access (docs/server.md)")
-    limits.add_argument("--max-connections", type=int, default=2048,
-                        help="open connections beyond this get a 503 straight away (the open-files limit is raised to fit)")
-    limits.add_argument("--header-timeout", type=float, default=10.0,
-                        help="seconds a connection may take to send a complete request head (slowloris, idle sockets)")
     limits.add_argument(
-        "--timeout-keep-alive", type=float, default=30.0,
+        "--max-connections",
+        type=int,
+        default=2048,
+        help="open connections beyond this get a 503 straight away (the open-files limit is raised to fit)",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a complete request head (slowloris, idle sockets)",
+    )
+    limits.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=30.0,
         help="idle seconds before a keep-alive connection closes; longer than clients' own pool expiry (httpx 5 s, "
         "aiohttp 15 s), so a client never reuses a connection the server is closing (a dropped request)",
     )
-    limits.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408 after)")
+    limits.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408 after)"
+    )
     limits.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get a 413, unread")
-    limits.add_argument("--max-pending-requests", type=int, default=1024,
-                        help="engine requests (prompts x n) in flight; more get a 503 with Retry-After")
-    limits.add_argument("--allowed-hosts", default=None,
-                        help="comma-separated Host header values accepted (default: loopback names when bound to "
-                        "loopback, any otherwise; '*' for any)")
+    limits.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=1024,
+        help="engine requests (prompts x n) in flight; more get a 503 with Retry-After",
+    )
+    limits.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host header values accepted (default: loopback names when bound to "
+        "loopback, any otherwise; '*' for any)",
+    )
     limits.add_argument("--open-metrics", action="store_true", help="serve /metrics without the API key")
-    limits.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json (behind the key if one is set)")
-    limits.add_argument("--allow-unknown-fields", action="store_true",
-                        help="ignore request fields this server does not know instead of answering 400 "
-                        "(fields of unimplemented features, such as logit_bias, are refused either way)")
-    limits.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,  # engine/server/tool_parsers.py
-                        help="read tool calls out of the model's text for tool_choice \"auto\" (hermes: Qwen 2.5/3 "
-                        "and Hermes; llama3_json: Llama 3.x; mistral; glm45: GLM-4.5/4.6); \"required\" and named "
-                        "functions are forced by a grammar and need no parser")
-    limits.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=None,  # engine/server/reasoning.py
-                        help="split <think>...</think> into reasoning_content (deepseek_r1: the template opens the "
-                        "thought; qwen3: the model does)")
-    limits.add_argument("--trust-request-chat-template", action="store_true",
-                        help="let requests supply their own chat template through chat_template_kwargs")
+    limits.add_argument(
+        "--enable-docs", action="store_true", help="serve /docs and /openapi.json (behind the key if one is set)"
+    )
+    limits.add_argument(
+        "--allow-unknown-fields",
+        action="store_true",
+        help="ignore request fields this server does not know instead of answering 400 "
+        "(fields of unimplemented features, such as logit_bias, are refused either way)",
+    )
+    limits.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,  # engine/server/tool_parsers.py
+        help='read tool calls out of the model\'s text for tool_choice "auto" (hermes: Qwen 2.5/3 '
+        'and Hermes; llama3_json: Llama 3.x; mistral; glm45: GLM-4.5/4.6); "required" and named '
+        "functions are forced by a grammar and need no parser",
+    )
+    limits.add_argument(
+        "--reasoning-parser",
+        choices=("deepseek_r1", "qwen3"),
+        default=None,  # engine/server/reasoning.py
+        help="split <think>...</think> into reasoning_content (deepseek_r1: the template opens the "
+        "thought; qwen3: the model does)",
+    )
+    limits.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests supply their own chat template through chat_template_kwargs",
+    )
     group.add_argument(
-        "--engine-process", action=argparse.BooleanOptionalAction, default=None,
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="run the engine in a process of its own, so the HTTP side never holds the GIL its step loop needs "
         "(default: on for accelerators, off on the CPU, where two cores gain nothing from a second process)",
     )
     group.add_argument(
-        "--torch-threads", type=int, default=None,
+        "--torch-threads",
+        type=int,
+        default=None,
         help="intra-op threads for the engine (default: torch's). On a small CPU box, one fewer than the "
         "cores leaves a core to the HTTP side (vLLM's CPU backend likewise reserves cores for its frontend)",
     )
@@ -104,8 +151,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Built on the thread that will step it: one OpenMP team in the process (engine_thread.py says why).
         engine_thread = EngineThread()
         engine = engine_thread.call(lambda: Engine(config))
-    logger.info("engine ready in %.1f s (%s)", time.perf_counter() - start,
-                "its own process" if use_process else "a thread of the server process")
+    logger.info(
+        "engine ready in %.1f s (%s)",
+        time.perf_counter() - start,
+        "its own process" if use_process else "a thread of the server process",
+    )
     settings = ServerSettings(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         open_metrics=args.open_metrics,
@@ -141,8 +191,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # handlers in place that re-raise is a no-op, so a SIGTERM/SIGINT shutdown exits with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _after_shutdown)
-    logger.info("listening on http://%s:%d (max %d connections, open-files limit %d, header timeout %.0f s, body limit "
-                "%d bytes)", args.host, args.port, max_connections, fd_limit, args.header_timeout, args.max_body_bytes)
+    logger.info(
+        "listening on http://%s:%d (max %d connections, open-files limit %d, header timeout %.0f s, body limit "
+        "%d bytes)",
+        args.host,
+        args.port,
+        max_connections,
+        fd_limit,
+        args.header_timeout,
+        args.max_body_bytes,
+    )
     server.run()
     logger.info("server stopped")
     return 0

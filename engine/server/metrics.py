@@ -14,7 +14,7 @@ its snapshot; `engine tune-capture --metrics-url` reads them back.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -36,20 +36,35 @@ class ServerMetrics:
         labels = ["model_name"]
         r = self.registry
         r.register(_EngineStatsCollector(snapshot, model_name))
-        self.prompt_tokens = Counter("engine:prompt_tokens", "Prompt tokens admitted.", labels, registry=r).labels(model_name)
-        self.generation_tokens = Counter(
-            "engine:generation_tokens", "Tokens generated.", labels, registry=r
-        ).labels(model_name)
-        self._finished = Counter("engine:request_success", "Finished requests by reason.", labels + ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("engine:prompt_tokens", "Prompt tokens admitted.", labels, registry=r).labels(
+            model_name
+        )
+        self.generation_tokens = Counter("engine:generation_tokens", "Tokens generated.", labels, registry=r).labels(
+            model_name
+        )
+        self._finished = Counter(
+            "engine:request_success", "Finished requests by reason.", [*labels, "finished_reason"], registry=r
+        )
         self.ttft = Histogram(
-            "engine:time_to_first_token_seconds", "Time from arrival to first token.", labels, buckets=TTFT_BUCKETS, registry=r
+            "engine:time_to_first_token_seconds",
+            "Time from arrival to first token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
         ).labels(model_name)
         self.itl = Histogram(
-            "engine:inter_token_latency_seconds", "Time between consecutive tokens of a request.", labels,
-            buckets=ITL_BUCKETS, registry=r,
+            "engine:inter_token_latency_seconds",
+            "Time between consecutive tokens of a request.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
         ).labels(model_name)
         self.e2e = Histogram(
-            "engine:e2e_request_latency_seconds", "Time from arrival to the last token.", labels, buckets=E2E_BUCKETS, registry=r
+            "engine:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=r,
         ).labels(model_name)
         self.model_name = model_name
 
@@ -74,20 +89,46 @@ class ServerMetrics:
 def _engine_series(s: EngineStats) -> list[tuple[str, str, str, float]]:
     """(kind, name, help, value) of every series read from the engine's own counters."""
     return [
-        ("gauge", "engine:num_requests_running", "Requests in the running batch (a chunked prefill included).",
-         s.num_running + s.num_prefilling),
+        (
+            "gauge",
+            "engine:num_requests_running",
+            "Requests in the running batch (a chunked prefill included).",
+            s.num_running + s.num_prefilling,
+        ),
         ("gauge", "engine:num_requests_waiting", "Requests queued for admission.", s.num_waiting),
         ("gauge", "engine:kv_pages_used", "KV cache pages held by requests.", s.kv_pages_in_use),
         ("gauge", "engine:kv_pages_total", "KV cache pages in the pool.", s.kv_pages_total),
-        ("gauge", "engine:kv_cache_usage_perc", "Fraction of KV pages in use (0 to 1).",
-         s.kv_pages_in_use / s.kv_pages_total if s.kv_pages_total else 0.0),
+        (
+            "gauge",
+            "engine:kv_cache_usage_perc",
+            "Fraction of KV pages in use (0 to 1).",
+            s.kv_pages_in_use / s.kv_pages_total if s.kv_pages_total else 0.0,
+        ),
         ("gauge", "engine:kv_pages_cached", "KV pages held only by the prefix cache (evictable).", s.kv_pages_cached),
-        ("gauge", "engine:prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache, since start.",
-         s.prefix_cache_hit_rate),
-        ("counter", "engine:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_query_tokens),
-        ("counter", "engine:prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hit_tokens),
-        ("counter", "engine:prefill_computed_tokens", "Prompt tokens run through the model (redone work included).",
-         s.prefill_computed_tokens),
+        (
+            "gauge",
+            "engine:prefix_cache_hit_rate",
+            "Fraction of prompt tokens served from the prefix cache, since start.",
+            s.prefix_cache_hit_rate,
+        ),
+        (
+            "counter",
+            "engine:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_query_tokens,
+        ),
+        (
+            "counter",
+            "engine:prefix_cache_hits",
+            "Prompt tokens served from the prefix cache.",
+            s.prefix_cache_hit_tokens,
+        ),
+        (
+            "counter",
+            "engine:prefill_computed_tokens",
+            "Prompt tokens run through the model (redone work included).",
+            s.prefill_computed_tokens,
+        ),
         ("counter", "engine:kv_pages_evicted", "Cached KV pages evicted to make room.", s.evicted_pages),
         ("counter", "engine:num_preemptions", "Requests retracted under KV memory pressure.", s.num_retractions),
     ]
@@ -96,11 +137,21 @@ def _engine_series(s: EngineStats) -> list[tuple[str, str, str, float]]:
 def _step_histograms(s: EngineStats) -> list[tuple[str, str, HistogramSnapshot]]:
     """(name, help, counts) of the per-step size histograms."""
     return [
-        ("engine:decode_batch_size", "Rows of each decode step (the batch a decode graph serves, before padding).",
-         s.decode_batch_sizes),
-        ("engine:extend_step_tokens", "Tokens of each extend or mixed step (prefill chunks and decode rows riding along).",
-         s.extend_step_tokens),
-        ("engine:request_prompt_tokens", "Prompt tokens of each request added (what HPU prompt buckets serve).", s.prompt_tokens),
+        (
+            "engine:decode_batch_size",
+            "Rows of each decode step (the batch a decode graph serves, before padding).",
+            s.decode_batch_sizes,
+        ),
+        (
+            "engine:extend_step_tokens",
+            "Tokens of each extend or mixed step (prefill chunks and decode rows riding along).",
+            s.extend_step_tokens,
+        ),
+        (
+            "engine:request_prompt_tokens",
+            "Prompt tokens of each request added (what HPU prompt buckets serve).",
+            s.prompt_tokens,
+        ),
     ]
 
 

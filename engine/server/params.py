@@ -7,9 +7,10 @@ knows every prompt's length before queueing it, for usage and the context check.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.request import TokenLogprob
@@ -23,8 +24,8 @@ from engine.server.protocol import (
     SamplingFields,
     TopLogprob,
 )
-from engine.structured.spec import GrammarSpec
 from engine.server.tools import hermes_preamble, history_message, template_renders_tools
+from engine.structured.spec import GrammarSpec
 from engine.tokenizer import encode_prompt
 
 
@@ -66,8 +67,11 @@ class Tokens:
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed (printable stand-ins for the 256 byte values)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) \
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\u00a1"), ord("\u00ac") + 1))
         + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    )
     codes, extra = list(printable), 0
     for byte in range(256):
         if byte not in printable:
@@ -132,8 +136,18 @@ class TokenTextJoiner:
 MAX_CHARS_PER_TOKEN = 32
 # Keys of apply_chat_template a request may not set through chat_template_kwargs: the template
 # itself (unless the operator trusts requests with it) and the arguments the server decides.
-RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict", "return_tensors",
-                            "tokenizer_kwargs", "continue_final_message", "padding", "truncation", "max_length"}
+RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "tokenize",
+    "add_generation_prompt",
+    "return_dict",
+    "return_tensors",
+    "tokenizer_kwargs",
+    "continue_final_message",
+    "padding",
+    "truncation",
+    "max_length",
+}
 TEMPLATE_KWARGS = {"chat_template"}
 
 
@@ -141,8 +155,10 @@ def check_prompt_size(model: ModelInfo, text: str, param: str) -> None:
     """Text that cannot fit the context is refused before tokenizing it; so is unencodable text."""
     limit = model.max_model_len * MAX_CHARS_PER_TOKEN
     if len(text) > limit:
-        raise APIError(f"{param} has {len(text)} characters; at most {limit} fit the context of "
-                       f"{model.max_model_len} tokens", param=param)
+        raise APIError(
+            f"{param} has {len(text)} characters; at most {limit} fit the context of {model.max_model_len} tokens",
+            param=param,
+        )
     check_encodable(text, param)
 
 
@@ -151,10 +167,14 @@ def check_encodable(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise APIError(f"{param} is not valid Unicode text ({exc.reason} at character {exc.start})", param=param) from exc
+        raise APIError(
+            f"{param} is not valid Unicode text ({exc.reason} at character {exc.start})", param=param
+        ) from exc
 
 
-def check_chat_template_kwargs(kwargs: dict[str, Any] | None, trust_request_chat_template: bool) -> dict[str, Any] | None:
+def check_chat_template_kwargs(
+    kwargs: dict[str, Any] | None, trust_request_chat_template: bool
+) -> dict[str, Any] | None:
     """vLLM's and SGLang's rule: a request-supplied template only where the operator allows it."""
     if not kwargs:
         return kwargs
@@ -162,12 +182,17 @@ def check_chat_template_kwargs(kwargs: dict[str, Any] | None, trust_request_chat
     if reserved:
         raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
     if not trust_request_chat_template and set(kwargs) & TEMPLATE_KWARGS:
-        raise APIError("request-supplied chat templates are refused (the operator can allow them with "
-                       "--trust-request-chat-template)", param="chat_template_kwargs")
+        raise APIError(
+            "request-supplied chat templates are refused (the operator can allow them with "
+            "--trust-request-chat-template)",
+            param="chat_template_kwargs",
+        )
     return kwargs
 
 
-def completion_prompts(model: ModelInfo, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[str | None, list[int]]]:
+def completion_prompts(
+    model: ModelInfo, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[tuple[str | None, list[int]]]:
     """(text if given as text, token ids) of each prompt of a /v1/completions request."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
@@ -190,8 +215,13 @@ def completion_prompts(model: ModelInfo, prompt: str | list[str] | list[int] | l
     return prompts
 
 
-def chat_prompt(model: ModelInfo, messages: Sequence[ChatMessage], add_generation_prompt: bool, kwargs: dict | None,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
+def chat_prompt(
+    model: ModelInfo,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool,
+    kwargs: dict | None,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     """Token ids of a conversation through the model's chat template; `tools` shown to the model (the
     template's own `tools` where it renders them, else a Hermes-format system preamble: engine/server/tools.py)."""
     tokenizer = model.tokenizer
@@ -209,8 +239,15 @@ def chat_prompt(model: ModelInfo, messages: Sequence[ChatMessage], add_generatio
         total += len(content or "")
         check_encodable(content or "", f"messages[{index}].content")
         try:
-            conversation.append(history_message(message.role, content or "", message.tool_calls,
-                                                message.tool_call_id if message.role == "tool" else None, native))
+            conversation.append(
+                history_message(
+                    message.role,
+                    content or "",
+                    message.tool_calls,
+                    message.tool_call_id if message.role == "tool" else None,
+                    native,
+                )
+            )
         except InvalidRequestError as exc:
             raise APIError(f"messages[{index}].tool_calls: {exc}", param=f"messages[{index}].tool_calls") from exc
     if tools and native:
@@ -222,13 +259,16 @@ def chat_prompt(model: ModelInfo, messages: Sequence[ChatMessage], add_generatio
         else:
             conversation.insert(0, {"role": "system", "content": preamble})
     if total > model.max_model_len * MAX_CHARS_PER_TOKEN:
-        raise APIError(f"the messages have {total} characters; at most {model.max_model_len * MAX_CHARS_PER_TOKEN} "
-                       f"fit the context of {model.max_model_len} tokens", param="messages")
+        raise APIError(
+            f"the messages have {total} characters; at most {model.max_model_len * MAX_CHARS_PER_TOKEN} "
+            f"fit the context of {model.max_model_len} tokens",
+            param="messages",
+        )
     try:
         ids = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
         )
-    except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation is bad input
+    except Exception as exc:
         raise APIError(f"cannot apply the chat template: {exc}", param="messages") from exc
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
@@ -287,7 +327,11 @@ def derived_seed(seed: int | None, choice: int) -> int | None:
 
 
 def sampling_params(
-    req: SamplingFields, max_tokens: int, seed: int | None, logprobs: int | None, prompt_logprobs: int | None,
+    req: SamplingFields,
+    max_tokens: int,
+    seed: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
     grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -328,8 +372,12 @@ def _first_field(message: str) -> str | None:
 
 
 def completion_logprobs(
-    tokens: Tokens, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], offset: int,
-    joiner: TokenTextJoiner | None = None, final: bool = True,
+    tokens: Tokens,
+    token_ids: Sequence[int],
+    entries: Sequence[TokenLogprob | None],
+    offset: int,
+    joiner: TokenTextJoiner | None = None,
+    final: bool = True,
 ) -> tuple[CompletionLogprobs, int]:
     """The legacy shape for these tokens; text offsets start at `offset`. Returns it and the next offset.
 
@@ -357,7 +405,10 @@ def completion_logprobs(
 
 
 def chat_logprobs(
-    tokens: Tokens, entries: Sequence[TokenLogprob], top_k: int, joiner: TokenTextJoiner | None = None,
+    tokens: Tokens,
+    entries: Sequence[TokenLogprob],
+    top_k: int,
+    joiner: TokenTextJoiner | None = None,
     final: bool = True,
 ) -> ChatChoiceLogprobs:
     """OpenAI's chat shape: `bytes` are each token's own bytes; `token` texts join to the content."""
@@ -367,7 +418,9 @@ def chat_logprobs(
         text = joiner.piece(entry.token_id)
         if final and index == len(entries) - 1:
             text += joiner.flush()
-        top = [TopLogprob(token=tokens.text(t), logprob=lp, bytes=list(tokens.raw_bytes(t))) for t, lp in entry.top[:top_k]]
+        top = [
+            TopLogprob(token=tokens.text(t), logprob=lp, bytes=list(tokens.raw_bytes(t))) for t, lp in entry.top[:top_k]
+        ]
         raw = b"" if entry.token_id in joiner.skipped_ids else tokens.raw_bytes(entry.token_id)  # a skipped EOS: ""
         content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(raw), top_logprobs=top))
     return ChatChoiceLogprobs(content=content)

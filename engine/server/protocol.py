@@ -109,7 +109,7 @@ class ChatMessage(OpenAIBase):
     tool_call_id: str | None = None  # a tool message: the call it answers
 
     @model_validator(mode="after")
-    def _has_content(self) -> "ChatMessage":
+    def _has_content(self) -> ChatMessage:
         # OpenAI answers 400 for a message without content (an assistant's may be empty only beside
         # its tool_calls): generating from nothing would not be what was asked.
         if self.content is None and not (self.role == "assistant" and self.tool_calls):

@@ -31,15 +31,15 @@ def split_reasoning(parser: str, text: str, finished: bool = True) -> tuple[str,
             if not finished and OPEN.startswith(stripped):
                 return "", ""  # the output may still open a thought
             return "", text
-        text = stripped[len(OPEN):]
+        text = stripped[len(OPEN) :]
     elif text.lstrip().startswith(OPEN):
-        text = text.lstrip()[len(OPEN):]
+        text = text.lstrip()[len(OPEN) :]
     elif not finished and OPEN.startswith(text.lstrip()):
         return "", ""
     end = text.find(CLOSE)
     if end == -1:
         return (text if finished else _without_partial_tag(text)), ""
-    return text[:end], text[end + len(CLOSE):]  # raw, as vLLM's parsers give them
+    return text[:end], text[end + len(CLOSE) :]  # raw, as vLLM's parsers give them
 
 
 def _without_partial_tag(text: str) -> str:
@@ -62,6 +62,6 @@ class ReasoningStream:
         """(reasoning delta, content delta) for the text's next piece."""
         self.text += delta
         reasoning, content = split_reasoning(self.parser, self.text, finished)
-        new = reasoning[self.sent_reasoning:], content[self.sent_content:]
+        new = reasoning[self.sent_reasoning :], content[self.sent_content :]
         self.sent_reasoning, self.sent_content = len(reasoning), len(content)
         return new

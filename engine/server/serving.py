@@ -7,27 +7,23 @@ import copy
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, TypeVar
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.errors import InvalidRequestError, RequestFailedError
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.errors import InvalidRequestError, RequestFailedError
 from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestGroup
 from engine.server.errors import APIError, error_body
-from engine.server.structured_fields import grammar_from_request
-from engine.server.reasoning import ReasoningStream, split_reasoning
-from engine.server.tool_parsers import ToolCall
-from engine.server.tools import ToolPlan, calls_from_text, plan_tools, streamable_prefix, streams_calls_early
-from engine.structured.spec import GrammarSpec, validate_grammar
 from engine.server.params import (
     ModelInfo,
-    TokenTextJoiner,
     Tokens,
+    TokenTextJoiner,
     chat_logprobs,
     chat_prompt,
     check_chat_template_kwargs,
@@ -52,6 +48,11 @@ from engine.server.protocol import (
     UsageInfo,
     random_id,
 )
+from engine.server.reasoning import ReasoningStream, split_reasoning
+from engine.server.structured_fields import grammar_from_request
+from engine.server.tool_parsers import ToolCall
+from engine.server.tools import ToolPlan, calls_from_text, plan_tools, streamable_prefix, streams_calls_early
+from engine.structured.spec import GrammarSpec, validate_grammar
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,8 +85,13 @@ class Choice:
 
 class Serving:
     def __init__(
-        self, engine: AsyncEngine, model: ModelInfo, max_pending: int = 1024, trust_request_chat_template: bool = False,
-        tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+        self,
+        engine: AsyncEngine,
+        model: ModelInfo,
+        max_pending: int = 1024,
+        trust_request_chat_template: bool = False,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.tool_call_parser = tool_call_parser
@@ -128,17 +134,30 @@ class Serving:
         for p, (text, ids) in enumerate(prompts):
             max_tokens = resolve_max_tokens(self.model, len(ids), req.max_tokens)
             for i in range(req.n):
-                params = sampling_params(req, max_tokens, derived_seed(req.seed, i), req.logprobs, prompt_logprobs, grammar)
+                params = sampling_params(
+                    req, max_tokens, derived_seed(req.seed, i), req.logprobs, prompt_logprobs, grammar
+                )
                 choices.append(Choice(p * req.n + i, text, ids, params))
         request_id = random_id("cmpl")
         group = await self._start(request_id, choices)
         usage_prompt = sum(len(ids) for _, ids in prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._sse(group, choices, lambda c, o: self._completion_chunk(req, request_id, c, o), include_usage,
-                             lambda usage: {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                                            "model": self.model.name, "choices": [], "usage": usage.model_dump()},
-                             usage_prompt)
+            body = self._sse(
+                group,
+                choices,
+                lambda c, o: self._completion_chunk(req, request_id, c, o),
+                include_usage,
+                lambda usage: {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": self.model.name,
+                    "choices": [],
+                    "usage": usage.model_dump(),
+                },
+                usage_prompt,
+            )
             return StreamingResponse(body, media_type="text/event-stream")
         await self._collect(group, choices, raw)
 
@@ -168,14 +187,20 @@ class Serving:
             ids += final.token_ids
             entries += final.logprobs or []
             logprobs, _ = completion_logprobs(
-                self.worker_tokens, ids, entries, 0, TokenTextJoiner(self.worker_tokens, choice.params.skip_special_tokens)
+                self.worker_tokens,
+                ids,
+                entries,
+                0,
+                TokenTextJoiner(self.worker_tokens, choice.params.skip_special_tokens),
             )
         item = CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=final.finish_reason)
         if req.return_token_ids:
             item.prompt_token_ids, item.token_ids = list(choice.prompt_ids), list(final.token_ids)
         return item
 
-    def _completion_chunk(self, req: CompletionRequest, request_id: str, choice: Choice, output: RequestOutput) -> dict | None:
+    def _completion_chunk(
+        self, req: CompletionRequest, request_id: str, choice: Choice, output: RequestOutput
+    ) -> dict | None:
         text = output.new_text
         ids: list[int] = []
         entries: list = []
@@ -192,12 +217,19 @@ class Serving:
             ids += output.new_token_ids
             entries += output.new_logprobs or []
             choice.joiner = choice.joiner or TokenTextJoiner(self.tokens, choice.params.skip_special_tokens)
-            logprobs, choice.text_offset = completion_logprobs(self.tokens, ids, entries, choice.text_offset, choice.joiner,
-                                                               final=output.finished)
+            logprobs, choice.text_offset = completion_logprobs(
+                self.tokens, ids, entries, choice.text_offset, choice.joiner, final=output.finished
+            )
         # CompletionChoice's fields as a plain dict: one chunk per token per stream, and pydantic's
         # model_dump cost more than the JSON encoding itself (a CompletionChoice test holds the shape).
-        item = {"index": choice.index, "text": text, "logprobs": logprobs.model_dump() if logprobs is not None else None,
-                "finish_reason": output.finish_reason, "prompt_token_ids": None, "token_ids": None}
+        item = {
+            "index": choice.index,
+            "text": text,
+            "logprobs": logprobs.model_dump() if logprobs is not None else None,
+            "finish_reason": output.finish_reason,
+            "prompt_token_ids": None,
+            "token_ids": None,
+        }
         if req.return_token_ids:
             # vLLM's streaming form: each chunk's new token ids (the prompt's with the first), so a model
             # without a tokenizer, whose chunks carry no text, still streams.
@@ -205,8 +237,13 @@ class Serving:
                 choice.sent_prompt_ids = True
                 item["prompt_token_ids"] = list(choice.prompt_ids)
             item["token_ids"] = list(output.new_token_ids)
-        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model.name,
-                "choices": [item]}
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model.name,
+            "choices": [item],
+        }
 
     @staticmethod
     def _prompt_text(choice: Choice, tokens: Tokens) -> str:
@@ -221,13 +258,22 @@ class Serving:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         kwargs = check_chat_template_kwargs(req.chat_template_kwargs, self.trust_request_chat_template)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser)
-        ids = await self.off_loop(chat_prompt, self.model, req.messages, req.add_generation_prompt, kwargs,
-                                  plan.prompt_tools if plan is not None else None)
+        ids = await self.off_loop(
+            chat_prompt,
+            self.model,
+            req.messages,
+            req.add_generation_prompt,
+            kwargs,
+            plan.prompt_tools if plan is not None else None,
+        )
         grammar = await self.off_loop(grammar_from_request, req)
         if plan is not None and plan.grammar is not None:
             if grammar is not None:
-                raise APIError('tool_choice "required" or a named function constrains the output itself; it cannot '
-                               "be combined with response_format or another structured-output field", param="tool_choice")
+                raise APIError(
+                    'tool_choice "required" or a named function constrains the output itself; it cannot '
+                    "be combined with response_format or another structured-output field",
+                    param="tool_choice",
+                )
             grammar = plan.grammar
             await self.off_loop(_check_tool_grammar, grammar)
         if plan is not None and not plan.parses_calls:
@@ -238,8 +284,14 @@ class Serving:
         max_tokens = resolve_max_tokens(self.model, len(ids), budget, param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         choices = [
-            Choice(i, None, ids, sampling_params(req, max_tokens, derived_seed(req.seed, i), logprobs, None, grammar),
-                   tool_plan=plan, reasoning_parser=self.reasoning_parser if grammar is None else None)
+            Choice(
+                i,
+                None,
+                ids,
+                sampling_params(req, max_tokens, derived_seed(req.seed, i), logprobs, None, grammar),
+                tool_plan=plan,
+                reasoning_parser=self.reasoning_parser if grammar is None else None,
+            )
             for i in range(req.n)
         ]
         request_id = random_id("chatcmpl")
@@ -247,10 +299,16 @@ class Serving:
         group = await self._start(request_id, choices)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._sse(group, choices, lambda c, o: self._chat_chunk(req, request_id, created, c, o), include_usage,
-                             lambda usage: ChatCompletionChunk(id=request_id, created=created, model=self.model.name,
-                                                               choices=[], usage=usage).model_dump(),
-                             len(ids))
+            body = self._sse(
+                group,
+                choices,
+                lambda c, o: self._chat_chunk(req, request_id, created, c, o),
+                include_usage,
+                lambda usage: ChatCompletionChunk(
+                    id=request_id, created=created, model=self.model.name, choices=[], usage=usage
+                ).model_dump(),
+                len(ids),
+            )
             return StreamingResponse(body, media_type="text/event-stream")
         await self._collect(group, choices, raw)
 
@@ -263,11 +321,17 @@ class Serving:
                     ChatChoice(
                         index=c.index,
                         message=_assistant_message(c.tool_plan, c.reasoning_parser, c.final.text),
-                        logprobs=chat_logprobs(self.worker_tokens, c.final.logprobs or [], logprobs,
-                                               TokenTextJoiner(self.worker_tokens, c.params.skip_special_tokens))
-                        if logprobs is not None else None,
-                        finish_reason=_finish_reason(c.tool_plan, _content_text(c.reasoning_parser, c.final.text),
-                                                     c.final.finish_reason),
+                        logprobs=chat_logprobs(
+                            self.worker_tokens,
+                            c.final.logprobs or [],
+                            logprobs,
+                            TokenTextJoiner(self.worker_tokens, c.params.skip_special_tokens),
+                        )
+                        if logprobs is not None
+                        else None,
+                        finish_reason=_finish_reason(
+                            c.tool_plan, _content_text(c.reasoning_parser, c.final.text), c.final.finish_reason
+                        ),
                     )
                     for c in choices
                     if c.final is not None
@@ -277,7 +341,9 @@ class Serving:
 
         return JSONResponse(await self.off_loop(build))
 
-    def _chat_chunk(self, req: ChatCompletionRequest, request_id: str, created: int, choice: Choice, output: RequestOutput) -> dict | None:
+    def _chat_chunk(
+        self, req: ChatCompletionRequest, request_id: str, created: int, choice: Choice, output: RequestOutput
+    ) -> dict | None:
         delta = DeltaMessage(content=output.new_text)
         finish_reason = output.finish_reason
         if choice.reasoning_parser is not None:
@@ -294,10 +360,13 @@ class Serving:
         logprobs = None
         if req.logprobs:
             choice.joiner = choice.joiner or TokenTextJoiner(self.tokens, choice.params.skip_special_tokens)
-            logprobs = chat_logprobs(self.tokens, output.new_logprobs or [], req.top_logprobs or 0, choice.joiner,
-                                     final=output.finished)
+            logprobs = chat_logprobs(
+                self.tokens, output.new_logprobs or [], req.top_logprobs or 0, choice.joiner, final=output.finished
+            )
         chunk = ChatCompletionChunk(
-            id=request_id, created=created, model=self.model.name,
+            id=request_id,
+            created=created,
+            model=self.model.name,
             choices=[ChatStreamChoice(index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)],
         )
         return chunk.model_dump(exclude_none=True)
@@ -307,7 +376,8 @@ class Serving:
         if self.pending + len(choices) > self.max_pending:
             raise APIError(
                 f"the server has {self.pending} requests in flight (limit {self.max_pending}); retry later",
-                status=503, headers={"Retry-After": "1"},
+                status=503,
+                headers={"Retry-After": "1"},
             )
         self.pending += len(choices)
         group = RequestGroup(self.engine, on_done=lambda: self._release(len(choices)))
@@ -380,7 +450,6 @@ class Serving:
             group.abort()
         yield "data: [DONE]\n\n"
 
-
     def _release(self, count: int) -> None:
         self.pending -= count
 
@@ -404,8 +473,9 @@ def _assistant_message(plan: ToolPlan | None, reasoning_parser: str | None, text
     if plan is None:
         return AssistantMessage(content=text, reasoning_content=reasoning or None)
     content, calls = calls_from_text(plan, text)
-    return AssistantMessage(content=content, reasoning_content=reasoning or None,
-                            tool_calls=[call.as_dict() for call in calls] or None)
+    return AssistantMessage(
+        content=content, reasoning_content=reasoning or None, tool_calls=[call.as_dict() for call in calls] or None
+    )
 
 
 def _finish_reason(plan: ToolPlan | None, text: str, reason: str | None) -> str | None:
@@ -415,7 +485,9 @@ def _finish_reason(plan: ToolPlan | None, text: str, reason: str | None) -> str 
     return reason
 
 
-def _tool_delta(choice: Choice, new_text: str, output: RequestOutput) -> tuple[str | None, list[dict] | None, str | None]:
+def _tool_delta(
+    choice: Choice, new_text: str, output: RequestOutput
+) -> tuple[str | None, list[dict] | None, str | None]:
     """(content delta, tool-call deltas, finish reason) of a streamed chunk under a tool plan, given the
     chunk's new content text: content goes out until a call may start; each call goes out whole as soon
     as it is complete (formats whose calls are self-contained blocks, tool_parsers.incremental), else
@@ -426,15 +498,15 @@ def _tool_delta(choice: Choice, new_text: str, output: RequestOutput) -> tuple[s
     text = choice.streamed_text
     if not output.finished:
         end = streamable_prefix(plan, text)
-        content, choice.sent_chars = text[choice.sent_chars:end], max(choice.sent_chars, end)
+        content, choice.sent_chars = text[choice.sent_chars : end], max(choice.sent_chars, end)
         calls = calls_from_text(plan, text)[1] if streams_calls_early(plan) else []
         return content, _call_deltas(choice, calls), None
     final_content, calls = calls_from_text(plan, text)
     if not calls:
-        content, choice.sent_chars = text[choice.sent_chars:], len(text)
+        content, choice.sent_chars = text[choice.sent_chars :], len(text)
         return content, None, output.finish_reason
-    sent = text[:choice.sent_chars]
-    rest = final_content[len(sent):] if final_content and final_content.startswith(sent) else ""
+    sent = text[: choice.sent_chars]
+    rest = final_content[len(sent) :] if final_content and final_content.startswith(sent) else ""
     reason = "tool_calls" if output.finish_reason == "stop" else output.finish_reason
     return rest, _call_deltas(choice, calls), reason
 

@@ -12,10 +12,11 @@ handlers register and forget requests from the loop while events arrive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from engine.errors import RequestFailedError
 from engine.request import RequestOutput
@@ -148,7 +149,5 @@ def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: object) -> None:
-    try:
+    with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening any more
         loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the event loop is closed: nobody is listening any more
-        pass

@@ -21,15 +21,31 @@ from engine.server.errors import APIError
 from engine.structured.spec import GrammarSpec, validate_grammar
 
 # Top-level fields read here (engine/server/fields.py leaves them to this module).
-STRUCTURED_FIELDS = frozenset({
-    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "guided_whitespace_pattern", "json_schema", "regex", "ebnf",
-})
+STRUCTURED_FIELDS = frozenset(
+    {
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        "json_schema",
+        "regex",
+        "ebnf",
+    }
+)
 BACKENDS = (None, "auto", "xgrammar")  # guided_decoding_backend values honoured: this server runs xgrammar
 STRUCTURED_OUTPUTS_KEYS = {"json", "regex", "choice", "grammar", "json_object"}
-STRUCTURED_OUTPUTS_NEUTRAL = {"backend": BACKENDS, "disable_any_whitespace": (None, False, True),
-                              "disable_additional_properties": (None, False), "disable_fallback": (None, False, True),
-                              "whitespace_pattern": (None,), "structural_tag": (None,)}
+STRUCTURED_OUTPUTS_NEUTRAL = {
+    "backend": BACKENDS,
+    "disable_any_whitespace": (None, False, True),
+    "disable_additional_properties": (None, False),
+    "disable_fallback": (None, False, True),
+    "whitespace_pattern": (None,),
+    "structural_tag": (None,),
+}
 
 
 def grammar_from_request(request: BaseModel) -> GrammarSpec | None:
@@ -49,8 +65,7 @@ def grammar_from_request(request: BaseModel) -> GrammarSpec | None:
             found.append((field, spec))
     if len(found) > 1:
         names = ", ".join(field for field, _ in found)
-        raise APIError(f"at most one structured-output constraint per request; this one has {names}",
-                       param=found[1][0])
+        raise APIError(f"at most one structured-output constraint per request; this one has {names}", param=found[1][0])
     return found[0][1] if found else None
 
 
@@ -106,7 +121,9 @@ def _structured_outputs(value: Any) -> GrammarSpec | None:
             raise InvalidRequestError(f"{key}={value[key]!r} is not supported")
     asked = [key for key in sorted(STRUCTURED_OUTPUTS_KEYS) if value.get(key) not in (None, False)]
     if len(asked) > 1:
-        raise InvalidRequestError(f"at most one of {', '.join(sorted(STRUCTURED_OUTPUTS_KEYS))}; got {', '.join(asked)}")
+        raise InvalidRequestError(
+            f"at most one of {', '.join(sorted(STRUCTURED_OUTPUTS_KEYS))}; got {', '.join(asked)}"
+        )
     if not asked:
         return None
     key = asked[0]

@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass
@@ -35,7 +36,11 @@ class ToolCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
     def as_dict(self, index: int | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        body: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         if index is not None:
             body["index"] = index
         return body
@@ -80,7 +85,9 @@ def _join_content(*parts: str) -> str | None:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def _tagged_calls(text: str, block: re.Pattern[str], call_of: Callable[[str], ToolCall | None]) -> tuple[str | None, list[ToolCall]]:
+def _tagged_calls(
+    text: str, block: re.Pattern[str], call_of: Callable[[str], ToolCall | None]
+) -> tuple[str | None, list[ToolCall]]:
     """Calls from the blocks `block` matches (its group 1 read by `call_of`); blocks that are not calls
     and the text around the calls are the content."""
     calls: list[ToolCall] = []
@@ -90,7 +97,7 @@ def _tagged_calls(text: str, block: re.Pattern[str], call_of: Callable[[str], To
         call = call_of(match.group(1))
         if call is None:
             continue  # not a call: stays in the content
-        kept.append(text[cursor:match.start()])
+        kept.append(text[cursor : match.start()])
         cursor = match.end()
         calls.append(call)
     if not calls:
@@ -144,7 +151,7 @@ _PYTHON_TAG = "<|python_tag|>"
 def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     body = text.strip()
     if body.startswith(_PYTHON_TAG):
-        body = body[len(_PYTHON_TAG):].strip()
+        body = body[len(_PYTHON_TAG) :].strip()
     if not body.startswith("{"):
         return text, []
     decoder = json.JSONDecoder()
@@ -174,7 +181,7 @@ def llama3_content_end(text: str) -> int:
     stripped = text.lstrip()
     if not stripped:
         return 0
-    if stripped.startswith("{") or stripped.startswith(_PYTHON_TAG) or _PYTHON_TAG.startswith(stripped):
+    if stripped.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(stripped):
         return 0
     return len(text)
 
@@ -187,7 +194,7 @@ def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
     start = text.find(_MISTRAL)
     if start == -1:
         return text, []
-    before, body = text[:start], text[start + len(_MISTRAL):]
+    before, body = text[:start], text[start + len(_MISTRAL) :]
     calls: list[ToolCall] = []
     if body.lstrip().startswith("["):
         try:
@@ -217,7 +224,7 @@ def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
         calls.append(ToolCall(name.strip(), _json_arguments(arguments) or "{}"))
         rest = tail[end:]
         if rest.startswith(_MISTRAL):
-            rest = rest[len(_MISTRAL):]
+            rest = rest[len(_MISTRAL) :]
         elif not rest.strip():
             return _join_content(before), calls
         else:

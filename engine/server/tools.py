@@ -69,22 +69,28 @@ def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any, parser: s
         return ToolPlan(checked, "none", parallel=parallel)
     if choice == "auto":
         if parser is None:
-            raise APIError('tool_choice "auto" needs the server started with --tool-call-parser (one of '
-                           f'{", ".join(TOOL_CALL_PARSERS)}); "required" or a named function work with any model',
-                           param="tool_choice")
+            raise APIError(
+                'tool_choice "auto" needs the server started with --tool-call-parser (one of '
+                f'{", ".join(TOOL_CALL_PARSERS)}); "required" or a named function work with any model',
+                param="tool_choice",
+            )
         return ToolPlan(checked, "auto", parallel=parallel, parser=parser)
     if choice == "required":
         return ToolPlan(checked, "required", parallel=parallel, grammar=_required_grammar(checked, parallel))
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
-            raise APIError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})",
-                           param="tool_choice")
+            raise APIError(
+                f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})", param="tool_choice"
+            )
         tool = checked[names.index(name)]["function"]
-        return ToolPlan(checked, "function", function=name, parallel=parallel,
-                        grammar=GrammarSpec.json_schema(_parameters(tool)))
-    raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
-                   param="tool_choice")
+        return ToolPlan(
+            checked, "function", function=name, parallel=parallel, grammar=GrammarSpec.json_schema(_parameters(tool))
+        )
+    raise APIError(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
 
 
 def _check_tools(tools: Any) -> list[dict[str, Any]]:
@@ -117,9 +123,15 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
 
 
 def _required_grammar(tools: list[dict[str, Any]], parallel: bool) -> GrammarSpec:
-    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                               "parameters": _parameters(t["function"])},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t["function"])},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
@@ -139,15 +151,18 @@ def template_renders_tools(chat_template: str | None) -> bool:
 def hermes_preamble(tools: list[dict[str, Any]]) -> str:
     """The tools as a system message in the Hermes / Qwen format, for templates that take no `tools`."""
     listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-            f"{listed}\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-            "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        f"{listed}\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+        "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
 
-def history_message(role: str, content: str, tool_calls: list[dict[str, Any]] | None, tool_call_id: str | None,
-                    native: bool) -> dict[str, Any]:
+def history_message(
+    role: str, content: str, tool_calls: list[dict[str, Any]] | None, tool_call_id: str | None, native: bool
+) -> dict[str, Any]:
     """One conversation entry for the template. native: the template reads `tool_calls` itself (then the
     arguments go as objects, as HF templates expect); otherwise the calls become Hermes text."""
     message: dict[str, Any] = {"role": role, "content": content}
@@ -156,8 +171,10 @@ def history_message(role: str, content: str, tool_calls: list[dict[str, Any]] | 
         if native:
             message["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
         else:
-            text = "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
-                             for n, a in calls)
+            text = "\n".join(
+                f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
+                for n, a in calls
+            )
             message["content"] = f"{content}\n{text}" if content else text
     if tool_call_id is not None:
         if native:
@@ -169,7 +186,9 @@ def history_message(role: str, content: str, tool_calls: list[dict[str, Any]] | 
 
 def _history_call(call: Any) -> tuple[str, Any]:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise InvalidRequestError('each tool call must be {"id": ..., "type": "function", "function": {"name", "arguments"}}')
+        raise InvalidRequestError(
+            'each tool call must be {"id": ..., "type": "function", "function": {"name", "arguments"}}'
+        )
     function = call["function"]
     name, arguments = function.get("name"), function.get("arguments", "{}")
     if not isinstance(name, str) or not name:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.structured.spec import GrammarSpec, xgrammar_message, import_xgrammar
+from engine.structured.spec import GrammarSpec, import_xgrammar, xgrammar_message
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +58,22 @@ class GrammarCompiler:
         xgr = import_xgrammar()
         if self._compiler is None:
             start = time.perf_counter()
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            )
             self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads)
-            self._json_safe = {whitespace: _safe_tokens(info.decoded_vocab, self.vocab_size, whitespace)
-                               for whitespace in (True, False)}
-            logger.info("structured output: xgrammar %s over a %d-token vocabulary (%s, stop tokens %s), "
-                        "prepared in %.2f s", _version(), self.vocab_size,
-                        info.vocab_type.name.lower(), self.stop_token_ids, time.perf_counter() - start)
+            self._json_safe = {
+                whitespace: _safe_tokens(info.decoded_vocab, self.vocab_size, whitespace)
+                for whitespace in (True, False)
+            }
+            logger.info(
+                "structured output: xgrammar %s over a %d-token vocabulary (%s, stop tokens %s), prepared in %.2f s",
+                _version(),
+                self.vocab_size,
+                info.vocab_type.name.lower(),
+                self.stop_token_ids,
+                time.perf_counter() - start,
+            )
         start = time.perf_counter()
         try:
             if spec.is_json:

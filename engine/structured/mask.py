@@ -7,8 +7,9 @@ before sampling, so the decode graphs stay the same whether or not a request has
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

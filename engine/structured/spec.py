@@ -23,10 +23,12 @@ class GrammarSpec:
 
     kind: str
     text: str = ""
-    any_whitespace: bool = True  # JSON kinds: any whitespace between tokens (False: compact, vLLM's disable_any_whitespace)
+    any_whitespace: bool = (
+        True  # JSON kinds: any whitespace between tokens (False: compact, vLLM's disable_any_whitespace)
+    )
 
     @staticmethod
-    def json_schema(schema: dict[str, Any] | str, any_whitespace: bool = True) -> "GrammarSpec":
+    def json_schema(schema: dict[str, Any] | str, any_whitespace: bool = True) -> GrammarSpec:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -37,7 +39,7 @@ class GrammarSpec:
         return GrammarSpec("json_schema", json.dumps(schema), any_whitespace)  # key order kept: the properties' order
 
     @staticmethod
-    def choice(options: list[str]) -> "GrammarSpec":
+    def choice(options: list[str]) -> GrammarSpec:
         if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
             raise InvalidRequestError("a choice must be a non-empty list of non-empty strings")
         return GrammarSpec("choice", json.dumps(options))

@@ -4,12 +4,23 @@ import triton.language as tl
 
 @triton.jit
 def fp8_weight_matmul_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_wn, stride_om, stride_scale,
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_scale,
     HAS_BIAS: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
     """out[M, N] = x[M, K] @ (w[N, K] * scale).T (+ bias): FP8 weights, activations in their own dtype.
@@ -42,15 +53,16 @@ def fp8_weight_matmul_kernel(
         w = tl.load(w_ptr + rn[None, :] * stride_wn + k_idx[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
         partial = tl.dot(x, w.to(x.dtype))
         if SCALE_BLOCK > 0:
-            block_scale = tl.load(scale_ptr + (rn // SCALE_BLOCK) * stride_scale + k0 // SCALE_BLOCK, mask=n_mask, other=0.0)
+            block_scale = tl.load(
+                scale_ptr + (rn // SCALE_BLOCK) * stride_scale + k0 // SCALE_BLOCK, mask=n_mask, other=0.0
+            )
             acc += partial * block_scale[None, :]
         else:
             acc += partial
     if SCALE_BLOCK == 0:
         acc = acc * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        if pid_k == 0:
-            acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS and pid_k == 0:
+        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
@@ -60,8 +72,9 @@ def fp8_weight_matmul_kernel(
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_xm, stride_om, FP8_MAX: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+def quantize_rows_kernel(
+    x_ptr, out_ptr, scale_ptr, K, stride_xm, stride_om, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """Row m of x to e4m3 with its own scale (max |x| / FP8_MAX, at least 1e-12): one launch for the
     whole batch instead of torch's abs / amax / divide / clamp / cast (five kernels, ~4 us each)."""
     m = tl.program_id(0).to(tl.int64)

@@ -24,12 +24,22 @@ import triton.language as tl
 # strides are the model's and stay put.
 @triton.jit(do_not_specialize=["num_slots"])
 def moe_gate_up_kernel(
-    hidden_ptr, w_ptr, out_ptr,
-    sorted_slots_ptr, block_experts_ptr, num_blocks_ptr,
-    num_slots, hidden_size, inter_size,
-    stride_ht, stride_hk,
-    stride_we, stride_wn, stride_wk,
-    stride_ot, stride_on,
+    hidden_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_slots_ptr,
+    block_experts_ptr,
+    num_blocks_ptr,
+    num_slots,
+    hidden_size,
+    inter_size,
+    stride_ht,
+    stride_hk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_ot,
+    stride_on,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -88,12 +98,23 @@ def moe_gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_slots"])
 def moe_down_kernel(
-    act_ptr, w_ptr, out_ptr, routing_ptr,
-    sorted_slots_ptr, block_experts_ptr, num_blocks_ptr,
-    num_slots, hidden_size, inter_size,
-    stride_at, stride_ak,
-    stride_we, stride_wn, stride_wk,
-    stride_os, stride_on,
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    routing_ptr,
+    sorted_slots_ptr,
+    block_experts_ptr,
+    num_blocks_ptr,
+    num_slots,
+    hidden_size,
+    inter_size,
+    stride_at,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_os,
+    stride_on,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -152,11 +173,19 @@ def moe_down_kernel(
 
 @triton.jit
 def moe_slot_gate_up_kernel(
-    hidden_ptr, w_ptr, out_ptr, expert_ids_ptr,
-    hidden_size, inter_size,
-    stride_ht, stride_hk,
-    stride_we, stride_wn, stride_wk,
-    stride_os, stride_on,
+    hidden_ptr,
+    w_ptr,
+    out_ptr,
+    expert_ids_ptr,
+    hidden_size,
+    inter_size,
+    stride_ht,
+    stride_hk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_os,
+    stride_on,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -194,11 +223,20 @@ def moe_slot_gate_up_kernel(
 
 @triton.jit
 def moe_slot_down_kernel(
-    act_ptr, w_ptr, out_ptr, routing_ptr, expert_ids_ptr,
-    hidden_size, inter_size,
-    stride_as, stride_ak,
-    stride_we, stride_wn, stride_wk,
-    stride_os, stride_on,
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    routing_ptr,
+    expert_ids_ptr,
+    hidden_size,
+    inter_size,
+    stride_as,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_os,
+    stride_on,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -221,13 +259,19 @@ def moe_slot_down_kernel(
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
     acc = acc * tl.load(routing_ptr + slot).to(tl.float32)
-    tl.store(out_ptr + slot.to(tl.int64) * stride_os + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    tl.store(
+        out_ptr + slot.to(tl.int64) * stride_os + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=n_mask
+    )
 
 
 @triton.jit
 def moe_route_kernel(
-    logits_ptr, ids_ptr, weights_ptr,
-    num_experts, stride_lt, stride_le,
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    num_experts,
+    stride_lt,
+    stride_le,
     TOP_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -270,8 +314,14 @@ def moe_route_kernel(
 
 @triton.jit
 def moe_align_groups_kernel(
-    ids_ptr, sorted_slots_ptr, block_experts_ptr, num_blocks_ptr, group_start_ptr,
-    num_slots, num_experts, max_blocks,
+    ids_ptr,
+    sorted_slots_ptr,
+    block_experts_ptr,
+    num_blocks_ptr,
+    group_start_ptr,
+    num_slots,
+    num_experts,
+    max_blocks,
     BLOCK_M: tl.constexpr,
     BLOCK_S: tl.constexpr,
     EXPERT_BINS: tl.constexpr,
@@ -297,12 +347,16 @@ def moe_align_groups_kernel(
     tl.store(block_experts_ptr + blocks, tl.sum(ended.to(tl.int32), axis=1), mask=blocks < max_blocks)
     for start in range(0, max_blocks * BLOCK_M, FILL):
         fill = start + tl.arange(0, FILL)
-        tl.store(sorted_slots_ptr + fill, tl.zeros([FILL], dtype=tl.int32) + num_slots, mask=fill < max_blocks * BLOCK_M)
+        tl.store(
+            sorted_slots_ptr + fill, tl.zeros([FILL], dtype=tl.int32) + num_slots, mask=fill < max_blocks * BLOCK_M
+        )
 
 
 @triton.jit(do_not_specialize=["num_slots"])
 def moe_place_slots_kernel(
-    ids_ptr, sorted_slots_ptr, group_start_ptr,
+    ids_ptr,
+    sorted_slots_ptr,
+    group_start_ptr,
     num_slots,
     BLOCK: tl.constexpr,
     OTHERS: tl.constexpr,

@@ -15,8 +15,13 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["N", "K", "zero_rows"])
 def gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
-    N, K,
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
     stride_wn,
     zero_rows,
     HAS_SCALE: tl.constexpr,

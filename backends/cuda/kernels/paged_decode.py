@@ -13,21 +13,38 @@ from backends.cuda.kernels.softcap import softcap_scores
 # while capturing the decode sizes and again, without the fused store, by the first mixed steps.
 @triton.jit(do_not_specialize=["window", "stride_pb", "splits"])
 def paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-    k_new_ptr, v_new_ptr, slots_ptr,
-    k_scale_ptr, v_scale_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    page_table_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    lse_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    slots_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale,
     window,
     softcap,
     splits,
-    stride_qb, stride_qh,
-    stride_ks, stride_kh,
-    stride_vs, stride_vh,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
     stride_pb,
-    stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh,
-    stride_nkb, stride_nkh,
-    stride_nvb, stride_nvh,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_nkb,
+    stride_nkh,
+    stride_nvb,
+    stride_nvh,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -71,7 +88,8 @@ def paged_decode_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(
         q_ptr + batch * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
     new_pos = seq_len - 1
     k_scale = 1.0  # unscaled: dividing by 1.0 is exact, so these variants compute as before
@@ -88,8 +106,16 @@ def paged_decode_kernel(
                 k_new = tl.minimum(tl.maximum(k_new.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
                 v_new = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
             new_slot = tl.load(slots_ptr + batch).to(tl.int64)
-            tl.store(k_ptr + new_slot * stride_ks + kv_head * stride_kh + offs_d, k_new.to(k_ptr.dtype.element_ty), mask=d_mask)
-            tl.store(v_ptr + new_slot * stride_vs + kv_head * stride_vh + offs_d, v_new.to(v_ptr.dtype.element_ty), mask=d_mask)
+            tl.store(
+                k_ptr + new_slot * stride_ks + kv_head * stride_kh + offs_d,
+                k_new.to(k_ptr.dtype.element_ty),
+                mask=d_mask,
+            )
+            tl.store(
+                v_ptr + new_slot * stride_vs + kv_head * stride_vh + offs_d,
+                v_new.to(v_ptr.dtype.element_ty),
+                mask=d_mask,
+            )
         if FP8_MAX > 0:
             # The new row as every later step will read it back (saturated, rounded through e4m3), computed
             # once here: rounding it per tile inside the loop ([BLOCK_N, D] divides, clamps and two casts
@@ -161,13 +187,20 @@ def paged_decode_kernel(
         lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
         tl.store(lse_ptr + batch * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
+
 @triton.jit(do_not_specialize=["splits"])
 def combine_splits_kernel(
-    partial_ptr, lse_ptr, out_ptr,
+    partial_ptr,
+    lse_ptr,
+    out_ptr,
     splits,
-    stride_pb, stride_ph, stride_ps,
-    stride_lb, stride_lh,
-    stride_ob, stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
@@ -182,7 +215,8 @@ def combine_splits_kernel(
     weights = tl.exp(lse - tl.max(lse, 0))  # the first split is never empty: max is finite
     partial = tl.load(
         partial_ptr + batch * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
     out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
     tl.store(out_ptr + batch * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)

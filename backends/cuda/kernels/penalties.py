@@ -4,9 +4,19 @@ import triton.language as tl
 
 @triton.jit
 def apply_penalties_kernel(
-    logits_ptr, logits_stride, positions_ptr, rows_ptr, seen_ptr, counts_ptr, state_stride,
-    repetition_ptr, frequency_ptr, presence_ptr, vocab,
-    HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    logits_stride,
+    positions_ptr,
+    rows_ptr,
+    seen_ptr,
+    counts_ptr,
+    state_stride,
+    repetition_ptr,
+    frequency_ptr,
+    presence_ptr,
+    vocab,
+    HAS_COUNTS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """In place, for penalized request i and one vocabulary block: its logits row (positions[i]) with
     the repetition penalty where its decode row (rows[i]) has seen the token, then frequency and

@@ -23,10 +23,31 @@ def _find_request(query_start_ptr, num_requests, block, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, qk_scale, start, end, row_pos, window, softcap,
-    k_ptr, v_ptr, table_row_ptr, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-    offs_n, offs_d, d_mask,
-    PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, IEEE_FP32: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    qk_scale,
+    start,
+    end,
+    row_pos,
+    window,
+    softcap,
+    k_ptr,
+    v_ptr,
+    table_row_ptr,
+    kv_head,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    offs_n,
+    offs_d,
+    d_mask,
+    PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
     SOFTCAPPED: tl.constexpr,
 ):
     tokens = start + offs_n
@@ -35,7 +56,9 @@ def _attend_tile(
     slot = page.to(tl.int64) * PAGE_SIZE + tokens % PAGE_SIZE
     kv_mask = valid[:, None] & d_mask[None, :]
     # An FP8 cache (--kv-cache-dtype fp8_e4m3) is widened in registers: every e4m3 value is exact in q's dtype.
-    k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0).to(
+        q.dtype
+    )
     if IEEE_FP32:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -56,7 +79,9 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0).to(
+        q.dtype
+    )
     if IEEE_FP32:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -64,27 +89,40 @@ def _attend_tile(
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
+
 # Integers that change from step to step are not specialised on (Triton would compile a variant per
 # value class: 1, a multiple of 16, other). Cold, each variant is seconds of JIT in the middle of
 # serving: offline 1,000 requests ran at 7,365-7,725 tok/s on a cold cache and 9,606 on a warm one.
 # Nor are the metadata pointers' alignments: a mixed step passes views that start after its decode rows
 # (seq_lens[31:] is 4 bytes past a 16-byte boundary), and the first such step JIT-compiled a variant
 # in the middle of the offline run (1.1-1.3 s of one step on the H200). They are read a value at a time.
-@triton.jit(do_not_specialize=["num_requests", "window", "stride_pb"],
-            do_not_specialize_on_alignment=["query_start_ptr", "seq_lens_ptr", "page_table_ptr"])
+@triton.jit(
+    do_not_specialize=["num_requests", "window", "stride_pb"],
+    do_not_specialize_on_alignment=["query_start_ptr", "seq_lens_ptr", "page_table_ptr"],
+)
 def ragged_paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr,
-    query_start_ptr, seq_lens_ptr, page_table_ptr,
-    k_scale_ptr, v_scale_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    page_table_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_requests,
     qk_scale,
     window,
     softcap,
-    stride_qt, stride_qh,
-    stride_ks, stride_kh,
-    stride_vs, stride_vh,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
     stride_pb,
-    stride_ot, stride_oh,
+    stride_ot,
+    stride_oh,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -123,7 +161,8 @@ def ragged_paged_attention_kernel(
     row_pos = prefix + tl.minimum(token, q_len - 1)
     q = tl.load(
         q_ptr + (q_begin + token)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
     if KV_SCALED:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -137,23 +176,92 @@ def ragged_paged_attention_kernel(
         lowest = tl.maximum(prefix + first - window + 1, 0) // BLOCK_N * BLOCK_N
         for start in range(lowest, last, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, qk_scale, start, last, row_pos, window, softcap,
-                k_ptr, v_ptr, table_row_ptr, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-                offs_n, offs_d, d_mask, PAGE_SIZE, True, True, IEEE_FP32, SOFTCAPPED,
+                acc,
+                m_i,
+                l_i,
+                q,
+                qk_scale,
+                start,
+                last,
+                row_pos,
+                window,
+                softcap,
+                k_ptr,
+                v_ptr,
+                table_row_ptr,
+                kv_head,
+                stride_ks,
+                stride_kh,
+                stride_vs,
+                stride_vh,
+                offs_n,
+                offs_d,
+                d_mask,
+                PAGE_SIZE,
+                True,
+                True,
+                IEEE_FP32,
+                SOFTCAPPED,
             )
     else:
         unmasked_end = (prefix + first) // BLOCK_N * BLOCK_N  # every row sees all of [0, unmasked_end)
         for start in range(0, unmasked_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, qk_scale, start, unmasked_end, row_pos, window, softcap,
-                k_ptr, v_ptr, table_row_ptr, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-                offs_n, offs_d, d_mask, PAGE_SIZE, False, False, IEEE_FP32, SOFTCAPPED,
+                acc,
+                m_i,
+                l_i,
+                q,
+                qk_scale,
+                start,
+                unmasked_end,
+                row_pos,
+                window,
+                softcap,
+                k_ptr,
+                v_ptr,
+                table_row_ptr,
+                kv_head,
+                stride_ks,
+                stride_kh,
+                stride_vs,
+                stride_vh,
+                offs_n,
+                offs_d,
+                d_mask,
+                PAGE_SIZE,
+                False,
+                False,
+                IEEE_FP32,
+                SOFTCAPPED,
             )
         for start in range(unmasked_end, last, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, qk_scale, start, last, row_pos, window, softcap,
-                k_ptr, v_ptr, table_row_ptr, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-                offs_n, offs_d, d_mask, PAGE_SIZE, True, False, IEEE_FP32, SOFTCAPPED,
+                acc,
+                m_i,
+                l_i,
+                q,
+                qk_scale,
+                start,
+                last,
+                row_pos,
+                window,
+                softcap,
+                k_ptr,
+                v_ptr,
+                table_row_ptr,
+                kv_head,
+                stride_ks,
+                stride_kh,
+                stride_vs,
+                stride_vh,
+                offs_n,
+                offs_d,
+                d_mask,
+                PAGE_SIZE,
+                True,
+                False,
+                IEEE_FP32,
+                SOFTCAPPED,
             )
     out = acc / l_i[:, None]
     if KV_SCALED:
