@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from backends.cuda.triton_decode import DecodeTile, decode_splits, decode_tile, paged_decode_attention_triton
-from benchmarks.gemv_sweep import copy_bandwidth, graph_us
+from benchmarks.gpu_timing import copy_rate_bytes_per_s, graph_us
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -38,6 +38,22 @@ def parse_tiles(text: str) -> list[DecodeTile]:
 def decode_case(
     batch: int, context: int, page_size: int, tiles: list[DecodeTile], splits: int | None, verbose: bool = False
 ) -> dict[str, Any]:
+    rows, chosen_splits, kv_bytes = _time_tiles(batch, context, page_size, tiles, splits, verbose)
+    torch.cuda.empty_cache()  # the case's cache went with _time_tiles's frame
+    return {
+        "batch": batch,
+        "context": context,
+        "page_size": page_size,
+        "splits": chosen_splits,
+        "kv_bytes": kv_bytes,
+        "tiles": rows,
+    }
+
+
+def _time_tiles(
+    batch: int, context: int, page_size: int, tiles: list[DecodeTile], splits: int | None, verbose: bool
+) -> tuple[list[dict[str, Any]], int, int]:
+    """One layer's paged cache for (batch, context), each tile's launch timed over it: (rows, splits, KV bytes)."""
     from triton.runtime.errors import OutOfResources
 
     device = torch.device("cuda")
@@ -86,20 +102,11 @@ def decode_case(
             rows.append({"tile": vars(tile), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
             continue
         rows.append({"tile": vars(tile), "us": us, "tb_s": kv_bytes / (us * 1e-6) / 1e12})
-    del k_cache, v_cache
-    torch.cuda.empty_cache()
-    return {
-        "batch": batch,
-        "context": context,
-        "page_size": page_size,
-        "splits": chosen_splits,
-        "kv_bytes": kv_bytes,
-        "tiles": rows,
-    }
+    return rows, chosen_splits, kv_bytes
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", default="1,32,128,256,512")
     parser.add_argument("--contexts", default="512,1024,7000")
     parser.add_argument("--page-size", type=int, default=16)
@@ -114,7 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     default = decode_tile(HEAD_DIM)
     tiles = [default] + [t for t in parse_tiles(args.tiles) if t != default]
-    ceiling = copy_bandwidth()
+    ceiling = copy_rate_bytes_per_s() / 1e12
     print(f"device copy: {ceiling:.2f} TB/s; default tile {vars(default)}")
     results = []
     print(f"{'batch':>6}{'context':>8}{'splits':>7}{'default us':>11}{'TB/s':>6}{'best us':>9}{'TB/s':>6}  best tile")

@@ -10,8 +10,8 @@ A run builds the engine (KV pool of --kv-cache-tokens) and reports: the decode c
 modules the captures imported, dynamo/inductor's own timing table (every entry over 50 ms), and what the main thread was
 doing during the capture: its innermost Python frame and its innermost 14 frames sampled every 5 ms (a sampler
 thread, so it sees the main thread only when it can take the GIL), and when inductor's compile workers answered
-their first job (before that, inductor compiles its kernels on the main thread). The process's log (extend graphs, the warm-up request's
-extend step) is kept in the JSON too. Prints a table and writes JSON.
+their first job (before that, inductor compiles its kernels on the main thread). The process's log (extend
+graphs, the warm-up request's extend step) is kept in the JSON too. Prints a table and writes JSON.
 
 --drop-page-cache stands in for the first process on a fresh machine: before each run it asks the kernel to
 drop the page cache of every file under Python's, torch's and the CUDA driver's directories
@@ -213,7 +213,8 @@ def _run_fresh(args: argparse.Namespace, index: int) -> dict[str, Any]:
             child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout_s)
             if child.returncode != 0:
                 raise RuntimeError(f"run {index} failed ({child.returncode}):\n{child.stderr[-4000:]}")
-            run = json.load(open(result.name))
+            with open(result.name, encoding="utf-8") as handle:
+                run = json.load(handle)
     run["page_cache_dropped_files"] = dropped
     run["log"] = [
         line
@@ -243,7 +244,9 @@ def main() -> None:
     parser.add_argument("--child-output", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_output:
-        json.dump(_profile_one_run(args), open(args.child_output, "w"))
+        report = _profile_one_run(args)
+        with open(args.child_output, "w", encoding="utf-8") as handle:
+            json.dump(report, handle)
         return
     runs = [_run_fresh(args, i) for i in range(args.runs)]
     print(
@@ -253,7 +256,8 @@ def main() -> None:
     for i, run in enumerate(runs):
         spans = run["spans"]
         print(
-            f"{i:>3} {spans['decode_capture_s']:>8.2f} {spans['extend_capture_s']:>8.2f} {spans['all_captures_s']:>6.2f} "
+            f"{i:>3} {spans['decode_capture_s']:>8.2f} {spans['extend_capture_s']:>8.2f} "
+            f"{spans['all_captures_s']:>6.2f} "
             f"{run['decode_graph_memory_mib'] or 0:>9.0f} {run['extend_graph_memory_mib'] or 0:>10.0f} "
             f"{run['compile_times_s'].get('_compile.compile_inner', 0):>8.2f} {run['modules_imported_in_captures']:>7} "
             f"{spans['engine_build_s']:>7.2f}"
@@ -269,22 +273,23 @@ def main() -> None:
     import torch
 
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
-    json.dump(
-        {
-            "torch": torch.__version__,
-            "device": args.device,
-            "model": args.model,
-            "load_format": args.load_format,
-            "extend_capture_tokens": args.extend_capture_tokens,
-            "drop_page_cache": args.drop_page_cache,
-            "median_all_captures_s": median,
-            "median_graph_memory_mib": memory,
-            "budget": {"seconds": 10.0, "graph_memory_gib": 1.0},
-            "runs": runs,
-        },
-        open(args.output, "w"),
-        indent=1,
-    )
+    with open(args.output, "w", encoding="utf-8") as handle:
+        json.dump(
+            {
+                "torch": torch.__version__,
+                "device": args.device,
+                "model": args.model,
+                "load_format": args.load_format,
+                "extend_capture_tokens": args.extend_capture_tokens,
+                "drop_page_cache": args.drop_page_cache,
+                "median_all_captures_s": median,
+                "median_graph_memory_mib": memory,
+                "budget": {"seconds": 10.0, "graph_memory_gib": 1.0},
+                "runs": runs,
+            },
+            handle,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from engine.bench_args import add_renamed
 from engine.bench_throughput import make_requests
 from engine.cli import add_engine_args, engine_config_from_args
 from engine.engine import Engine
@@ -78,9 +79,9 @@ def analyse(prof: profile, gap_us: float, slow_op_us: float) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(parser)
-    parser.add_argument("--num-requests", type=int, default=1000)
+    add_renamed(parser, "--num-prompts", "--num-requests", type=int, default=1000, help="requests queued")
     parser.add_argument("--skip-steps", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--gap-ms", type=float, default=0.3)
@@ -91,7 +92,7 @@ def main() -> None:
         raise SystemExit("needs a CUDA or ROCm GPU (the trace's device side)")
     engine = Engine(engine_config_from_args(args))
     for prompt, output_len in make_requests(
-        args.num_requests, (256, 768), (128, 384), engine.model_config.vocab_size, 0
+        args.num_prompts, (256, 768), (128, 384), engine.model_config.vocab_size, 0
     ):
         engine.add_request(prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
     for _ in range(args.skip_steps):

@@ -176,7 +176,7 @@ def measure(device: str, new_tokens: int, prompts: list[str], variants: dict[str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # its first sentence is three lines
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--output", default="bench_results/fp8_accuracy.json")
@@ -184,14 +184,17 @@ def main() -> None:
     torch.manual_seed(0)
     report = measure(args.device, args.new_tokens, PROMPTS, VARIANTS)
     print(
-        f"{report['positions']} teacher-forced positions over {len(PROMPTS)} prompts; reference: float32 over bf16 weights"
+        f"{report['positions']} teacher-forced positions over {len(PROMPTS)} prompts; "
+        "reference: float32 over bf16 weights"
     )
     print(
-        f"{'variant':8} {'top-1 agree':>12} {'KL mean':>10} {'KL p99':>10} {'KL max':>10}  greedy tokens before the first difference"
+        f"{'variant':8} {'top-1 agree':>12} {'KL mean':>10} {'KL p99':>10} {'KL max':>10}  "
+        "greedy tokens before the first difference"
     )
     for name, row in report["variants"].items():
         print(
-            f"{name:8} {row['top1_agreement']:>12.4f} {row['kl_mean']:>10.2e} {row['kl_p99']:>10.2e} {row['kl_max']:>10.2e}  "
+            f"{name:8} {row['top1_agreement']:>12.4f} {row['kl_mean']:>10.2e} {row['kl_p99']:>10.2e} "
+            f"{row['kl_max']:>10.2e}  "
             f"{row['greedy_tokens_before_first_difference']}"
         )
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)

@@ -51,7 +51,7 @@ def sweep_configs(rows: int) -> list[KernelConfig]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,16,32,64,128,256")
     parser.add_argument("--sweep", action="store_true", help="time every Triton tile config, not only the chosen one")
     parser.add_argument("--output", default="bench_results/fp8_linear.json")
@@ -89,13 +89,15 @@ def main() -> None:
             for name in LLAMA3_8B_LAYER
         }
         entry: dict[str, Any] = {}
-        entry["bf16_us"] = sum(graph_us(lambda n=name: F.linear(inputs[n], weights[n][0])) for name in LLAMA3_8B_LAYER)
+        entry["bf16_us"] = sum(
+            graph_us(lambda n=name, i=inputs: F.linear(i[n], weights[n][0])) for name in LLAMA3_8B_LAYER
+        )
         entry["scaled_mm_us"] = sum(
-            graph_us(lambda n=name: fp8_scaled_mm(inputs[n], weights[n][1], weights[n][2], None))
+            graph_us(lambda n=name, i=inputs: fp8_scaled_mm(i[n], weights[n][1], weights[n][2], None))
             for name in LLAMA3_8B_LAYER
         )
         entry["triton_us"] = sum(
-            graph_us(lambda n=name: fp8_weight_only_matmul(inputs[n], weights[n][1], weights[n][2], None))
+            graph_us(lambda n=name, i=inputs: fp8_weight_only_matmul(i[n], weights[n][1], weights[n][2], None))
             for name in LLAMA3_8B_LAYER
         )
         entry["configs"] = {name: vars(choose_config(rows, *LLAMA3_8B_LAYER[name], device)) for name in LLAMA3_8B_LAYER}
@@ -113,8 +115,8 @@ def main() -> None:
                 for config in sweep_configs(rows):
                     try:
                         us = graph_us(
-                            lambda n=name, c=config: fp8_weight_only_matmul(
-                                inputs[n], weights[n][1], weights[n][2], None, c
+                            lambda n=name, c=config, i=inputs: fp8_weight_only_matmul(
+                                i[n], weights[n][1], weights[n][2], None, c
                             ),
                             replays=5,
                         )

@@ -2,9 +2,10 @@
 
     PYTHONPATH=. python benchmarks/gemv_sweep.py --output bench_results/gemv_sweep.json
 
-Llama-3-8B's shapes at batch 1 (`--model NAME`: a preset's under configs/models/, e.g. gemma-2-9b). Each candidate is timed under CUDA-graph replay over 8 distinct copies
-of the weight (more bytes than the L2 holds, as a model's layers are), so each call streams its weight
-from HBM as in a decode step; a device-to-device copy in the same run gives the bandwidth ceiling.
+Llama-3-8B's shapes at batch 1 (`--model NAME`: a preset's under configs/models/, e.g. gemma-2-9b). Each
+candidate is timed under CUDA-graph replay over 8 distinct copies of the weight (more bytes than the L2
+holds, as a model's layers are), so each call streams its weight from HBM as in a decode step; a
+device-to-device copy in the same run gives the bandwidth ceiling.
 Prints a table per shape (best GEMV tile, its time and TB/s against cuBLAS's) and writes JSON.
 """
 
@@ -48,7 +49,7 @@ def preset_shapes(name: str) -> dict[str, tuple[int, int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-n", default="4,8,16")
     parser.add_argument("--block-k", default="512,1024")
     parser.add_argument("--warps", default="4,8")
@@ -88,20 +89,20 @@ def main() -> None:
                 bytes_per_call = n * k
                 row["baseline"] = "triton fp8_weight_only_matmul"
                 row["baseline_us"] = graph_us(
-                    [lambda q=q: fp8_weight_only_matmul(xk, q[0], q[1], None) for q in quantized]
+                    [lambda q=q, xk=xk: fp8_weight_only_matmul(xk, q[0], q[1], None) for q in quantized]
                 )
                 chosen = choose_config(n, k, 1)
                 candidates = {
-                    c: [lambda q=q, c=c: gemv(xk, q[0], None, q[1], c) for q in quantized]
+                    c: [lambda q=q, c=c, xk=xk: gemv(xk, q[0], None, q[1], c) for q in quantized]
                     for c in dict.fromkeys([*configs, chosen])
                 }
             else:
                 bytes_per_call = 2 * n * k
                 row["baseline"] = "cublas F.linear"
-                row["baseline_us"] = graph_us([lambda w=w: torch.nn.functional.linear(xk, w) for w in weights])
+                row["baseline_us"] = graph_us([lambda w=w, xk=xk: torch.nn.functional.linear(xk, w) for w in weights])
                 chosen = choose_config(n, k, 2)
                 candidates = {
-                    c: [lambda w=w, c=c: gemv(xk, w, None, None, c) for w in weights]
+                    c: [lambda w=w, c=c, xk=xk: gemv(xk, w, None, None, c) for w in weights]
                     for c in dict.fromkeys([*configs, chosen])
                 }
             timings = []
@@ -123,8 +124,9 @@ def main() -> None:
             )
             results.append(row)
             print(
-                f"{dtype_name:5} {name:13} {row['baseline']:32} {row['baseline_us']:8.1f} us ({row['baseline_tbs']:.2f} TB/s)"
-                f" | GEMV best {best_us:8.1f} us ({row['best_tbs']:.2f} TB/s) {best} | engine's tile {chosen_us:8.1f} us"
+                f"{dtype_name:5} {name:13} {row['baseline']:32} {row['baseline_us']:8.1f} us "
+                f"({row['baseline_tbs']:.2f} TB/s) | GEMV best {best_us:8.1f} us ({row['best_tbs']:.2f} TB/s) {best} "
+                f"| engine's tile {chosen_us:8.1f} us"
             )
             del candidates
             torch.cuda.empty_cache()

@@ -4,10 +4,10 @@
 
 For every format with a native kernel (backends/cpu/gguf_linear.py FORMATS), a [out, in] weight of random
 blocks (scales set to sane fp16 values), cycled over --matrices distinct copies (raise it until their bytes
-outgrow the last-level cache when DRAM's rate is the question), multiplied by 1 and 16 activation rows (batch-1 and batch-16 decode) in the
-default activation mode (int8x2) and in float32. Beside each: torch's F.linear on the same matrices
-dequantized to float32 and to bfloat16 (what the engine did before, and HF's faster dtype). Prints ms per
-matmul, the weight bytes streamed per second, and writes JSON.
+outgrow the last-level cache when DRAM's rate is the question), multiplied by 1 and 16 activation rows
+(batch-1 and batch-16 decode) in the default activation mode (int8x2) and in float32. Beside each: torch's
+F.linear on the same matrices dequantized to float32 and to bfloat16 (what the engine did before, and HF's
+faster dtype). Prints ms per matmul, the weight bytes streamed per second, and writes JSON.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _no_sync() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-features", type=int, default=4096)
     parser.add_argument("--in-features", type=int, default=2048)
     parser.add_argument("--matrices", type=int, default=8, help="distinct matrices cycled through (outgrow the caches)")
@@ -65,7 +65,8 @@ def main() -> None:
     args = parser.parse_args()
     out_f, in_f, count = args.out_features, args.in_features, args.matrices
     print(
-        f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; kernels: {gl.describe_paths()}"
+        f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; "
+        f"kernels: {gl.describe_paths()}"
     )
     results: list[dict[str, Any]] = []
     dense_ms: dict[tuple[str, int], float] = {}
@@ -80,7 +81,9 @@ def main() -> None:
                 ms = (
                     steady_ms(
                         _no_sync,
-                        lambda: [gl.gguf_linear(x, [t], [fmt.code], [out_f], level) for t in tiles],
+                        lambda x=x, fmt=fmt, level=level, tiles=tiles: [
+                            gl.gguf_linear(x, [t], [fmt.code], [out_f], level) for t in tiles
+                        ],
                         args.repeats,
                     )
                     / count
@@ -100,7 +103,10 @@ def main() -> None:
                 if key not in dense_ms:
                     dense = [w.to(dtype) for w in weights]
                     xd = x.to(dtype)
-                    dense_ms[key] = steady_ms(_no_sync, lambda: [F.linear(xd, w) for w in dense], args.repeats) / count
+                    dense_ms[key] = (
+                        steady_ms(_no_sync, lambda xd=xd, dense=dense: [F.linear(xd, w) for w in dense], args.repeats)
+                        / count
+                    )
         del weights
     print(f"\n[{out_f} x {in_f}] weight, ms per matmul (median of 5 timed groups, {count} matrices cycled)")
     print(

@@ -138,7 +138,7 @@ def parity(model: str, device: str, dtype: str, steps: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", default=None)
     parser.add_argument("--load-format", default="auto")
@@ -225,7 +225,8 @@ def main() -> None:
             }
             report["runs"].append(run)
             print(
-                f"model {args.model} ({args.dtype}, quantization {quantization}, KV {kv_cache_dtype}, compile_decode={compile_decode}); start-up {run['startup_s']:.1f} s; "
+                f"model {args.model} ({args.dtype}, quantization {quantization}, KV {kv_cache_dtype}, "
+                f"compile_decode={compile_decode}); start-up {run['startup_s']:.1f} s; "
                 f"captured {len(runner.capture_sizes)} sizes in {runner.capture_seconds:.1f} s, "
                 f"graph memory {runner.graph_memory_bytes / 2**20:.0f} MiB"
             )
@@ -237,7 +238,8 @@ def main() -> None:
             )
             for row in run["decode"]:
                 steps = "".join(
-                    f" {row[f'engine_step_graph_ms_overlap_{m}']:>19.3f} {row[f'engine_step_graph_ms_overlap_{m}'] / row['graph_replay_ms']:>8.2f}"
+                    f" {row[f'engine_step_graph_ms_overlap_{m}']:>19.3f} "
+                    f"{row[f'engine_step_graph_ms_overlap_{m}'] / row['graph_replay_ms']:>8.2f}"
                     for m in modes
                 )
                 print(

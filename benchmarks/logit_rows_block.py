@@ -25,7 +25,7 @@ LADDER = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--queue-ms", type=float, default=80.0)

@@ -119,7 +119,7 @@ def tile_text(tile: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="qwen3-30b-a3b,mixtral-8x7b")
     parser.add_argument("--tokens", default="1,32,128")
     parser.add_argument("--layers", type=int, default=4, help="distinct weight copies per graph (bytes past L2)")
@@ -130,7 +130,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy rate {rate / 1e12:.2f} TB/s (read + write)")
     rows = []
     print(
-        f"{'model':>15} {'T':>5} {'experts':>7} {'floor':>7} {'fused':>7} {'torch':>7} {'fused/floor':>11}  best tile (ms)"
+        f"{'model':>15} {'T':>5} {'experts':>7} {'floor':>7} {'fused':>7} {'torch':>7} {'fused/floor':>11}  "
+        "best tile (ms)"
     )
     for name in args.models.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):

@@ -19,7 +19,7 @@ from engine.sampling_params import SamplingParams
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(parser)  # the engine's own flags: --model, --device, --dtype, --load-format, ...
     parser.add_argument("--batch-sizes", default="1,256")
     parser.add_argument("--context", type=int, default=512)

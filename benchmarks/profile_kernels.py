@@ -63,7 +63,7 @@ def kernel_table(engine: Engine, batch: int, context: int, replays: int) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(parser)
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--context", type=int, default=512)
@@ -77,7 +77,8 @@ def main() -> None:
         table = kernel_table(engine, batch, args.context, args.replays)
         results.append(table)
         print(
-            f"\n==== batch {batch} (graph {table['padded']}), context {args.context}: replay {table['replay_ms']:.3f} ms, "
+            f"\n==== batch {batch} (graph {table['padded']}), context {args.context}: "
+            f"replay {table['replay_ms']:.3f} ms, "
             f"kernels {table['kernel_us_sum'] / 1e3:.3f} ms in {table['launches']:.0f} launches"
         )
         print(f"{'us/replay':>10} {'launches':>9}  kernel")

@@ -41,7 +41,7 @@ def _requests(batch: int, vocab: int, context: int, params: SamplingParams) -> l
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=128256)
@@ -58,7 +58,7 @@ def main() -> None:
         requests = _requests(args.batch_size, args.vocab, args.context, SamplingParams(**values))
         penalties = PenaltyState(args.batch_size, args.vocab, device)
 
-        def call() -> None:
+        def call(requests=requests, penalties=penalties) -> None:
             sample(logits.clone(), requests, penalties, rows)
 
         for _ in range(3):

@@ -1,10 +1,10 @@
 """The server against the engine in-process, on the same requests: how much serving costs.
 
-    PYTHONPATH=. python benchmarks/serving_vs_offline.py --concurrency 64,256 --num-prompts 512 \
+    PYTHONPATH=. python benchmarks/serving_vs_offline.py --concurrencies 64,256 --num-prompts 512 \
         --input-len 512 --output-len 256 --engine-args "--device cuda --model llama-3-8b --load-format dummy" \
-        --output bench_results/serving_vs_offline.json
+        --output-json bench_results/serving_vs_offline.json
 
-1. Starts `engine serve` with --engine-args, runs `engine bench serving --token-ids` (streaming
+1. Starts `engine serve` with --engine-args, runs `engine bench serving --dataset-name random` (streaming
    /v1/completions of random token-id prompts, ignore_eos) at each concurrency, stops the server.
 2. Builds the same engine in this process and runs the very same requests, at most `concurrency`
    at a time (a new one starts when one finishes, as the clients do).
@@ -69,7 +69,7 @@ def serve_and_bench(
         _wait_for_health(url, server, ready_timeout)
         results = []
         for concurrency in concurrencies:
-            bench.base_url, bench.concurrency = url, concurrency
+            bench.base_url, bench.max_concurrency = url, concurrency
             summary = asyncio.run(run_benchmark(bench))
             summary.pop("requests")
             print(
@@ -135,12 +135,12 @@ def main() -> None:
     )
     add_bench_serving_args(parser)
     parser.set_defaults(
-        concurrency=None,
+        max_concurrency=None,  # --concurrencies instead: one run each
         num_prompts=512,
         input_len="512",
         output_len="256",
-        token_ids=True,
-        output="bench_results/serving_vs_offline.json",
+        dataset_name="random",
+        output_json="bench_results/serving_vs_offline.json",
     )
     parser.add_argument("--concurrencies", default="64,256", help="comma list of concurrencies")
     args = parser.parse_args()
@@ -182,12 +182,13 @@ def main() -> None:
             ratio = s["output_throughput"] / local
             s["ratio_to_in_process"] = ratio
             print(
-                f"{' '.join(variant['server_args']) or 'defaults':>22} {concurrency:>11} {s['output_throughput']:>13.0f} "
+                f"{' '.join(variant['server_args']) or 'defaults':>22} {concurrency:>11} "
+                f"{s['output_throughput']:>13.0f} "
                 f"{local:>17.0f} {ratio:>6.2f} {1e3 * s['ttft_s']['median']:>7.0f}/{1e3 * s['ttft_s']['p99']:<8.0f} "
                 f"{1e3 * s['itl_s']['median']:>6.1f}/{1e3 * s['itl_s']['p99']:<8.1f}"
             )
-    os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as handle:
+    os.makedirs(os.path.dirname(args.output_json) or ".", exist_ok=True)
+    with open(args.output_json, "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=2)
 
 

@@ -1,6 +1,6 @@
 """What structured output costs: the same requests with and without a JSON schema, in one engine.
 
-    PYTHONPATH=. python benchmarks/structured_output.py --engine-args="--device cpu" --num-requests 16
+    PYTHONPATH=. python benchmarks/structured_output.py --engine-args="--device cpu" --num-prompts 16
 
 Each request samples (temperature 0.8) up to --max-tokens tokens; the constrained run adds a JSON
 schema whose strings and arrays let the text run long, so both runs decode about as many tokens.
@@ -20,6 +20,7 @@ import shlex
 import statistics
 import time
 
+from engine.bench_args import add_renamed
 from engine.cli import add_engine_args, engine_config_from_args
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -71,8 +72,8 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine-args", default="", help="engine flags (engine run's), e.g. '--device cuda'")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=128)
+    add_renamed(parser, "--num-prompts", "--num-requests", type=int, default=64, help="requests per run")
+    add_renamed(parser, "--input-len", "--prompt-len", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--output", default="bench_results/structured_output.json")
     args = parser.parse_args()
@@ -81,15 +82,15 @@ def main() -> None:
     engine_args = engine_parser.parse_args(shlex.split(args.engine_args))
     engine = Engine(engine_config_from_args(engine_args))
     vocab = engine.model_config.vocab_size
-    prompts = [[(7 * i + 13 * j) % (vocab - 1) + 1 for j in range(args.prompt_len)] for i in range(args.num_requests)]
+    prompts = [[(7 * i + 13 * j) % (vocab - 1) + 1 for j in range(args.input_len)] for i in range(args.num_prompts)]
     free = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, ignore_eos=True)
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, grammar=GrammarSpec.json_schema(SCHEMA))
     _run(engine, prompts, free)  # warm both paths (a first shape compiles, the grammar compiles) once
     _run(engine, prompts, constrained)
     report = {
         "engine_args": args.engine_args,
-        "num_requests": args.num_requests,
-        "prompt_len": args.prompt_len,
+        "num_requests": args.num_prompts,
+        "prompt_len": args.input_len,
         "max_tokens": args.max_tokens,
         "runs": {},
     }

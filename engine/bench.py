@@ -25,18 +25,20 @@ from typing import Any
 
 import torch
 
+from engine.bench_args import add_renamed
+
 # Public-domain prose (Moby-Dick, ch. 1): real text gives realistic token ids; rows are
 # different windows over it, so no two rows of a batch are the same prompt.
 SOURCE_TEXT = (
     "Call me Ishmael. Some years ago - never mind how long precisely - having little or no money in my purse, and "
     "nothing particular to interest me on shore, I thought I would sail about a little and see the watery part of the "
-    "world. It is a way I have of driving off the spleen and regulating the circulation. Whenever I find myself growing "
-    "grim about the mouth; whenever it is a damp, drizzly November in my soul; whenever I find myself involuntarily "
-    "pausing before coffin warehouses, and bringing up the rear of every funeral I meet; and especially whenever my "
-    "hypos get such an upper hand of me, that it requires a strong moral principle to prevent me from deliberately "
-    "stepping into the street, and methodically knocking people's hats off - then, I account it high time to get to sea "
-    "as soon as I can. This is my substitute for pistol and ball. With a philosophical flourish Cato throws himself "
-    "upon his sword; I quietly take to the ship. There is nothing surprising in this."
+    "world. It is a way I have of driving off the spleen and regulating the circulation. Whenever I find myself "
+    "growing grim about the mouth; whenever it is a damp, drizzly November in my soul; whenever I find myself "
+    "involuntarily pausing before coffin warehouses, and bringing up the rear of every funeral I meet; and especially "
+    "whenever my hypos get such an upper hand of me, that it requires a strong moral principle to prevent me from "
+    "deliberately stepping into the street, and methodically knocking people's hats off - then, I account it high time "
+    "to get to sea as soon as I can. This is my substitute for pistol and ball. With a philosophical flourish Cato "
+    "throws himself upon his sword; I quietly take to the ship. There is nothing surprising in this."
 )
 
 # A sample that got less than this share of its threads' CPU time was slowed by other processes.
@@ -75,7 +77,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         help="llama.cpp's extra CPU buffer types (AMX, repacked weights); auto: off on a CPU with "
         "AMX-INT8, where ggml's AMX matmul faulted (SIGSEGV in ldtilecfg) on the 2026-12-02 VM",
     )
-    group.add_argument("--output", default="bench_results/cpu_bench.json", help="JSON file for results and raw samples")
+    add_renamed(
+        group,
+        "--output-json",
+        "--output",
+        default="bench_results/cpu_bench.json",
+        help="JSON file for results and raw samples",
+    )
 
 
 def build_prompts(tokenizer: Any | None, batch_size: int, input_len: int, vocab_size: int) -> list[list[int]]:
@@ -406,8 +414,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "max_num_seqs": max_seqs,
             "greedy": True,
             "ignore_eos": True,
-            "decode_timing": "from the step giving every row its first token (prefill) to the last token; engine: "
-            "Engine.stream timestamps; hf: no-op logits processor timestamps (subtraction_*: generate(N) - generate(1))",
+            "decode_timing": "from the step giving every row its first token (prefill) to the last token; "
+            "engine: Engine.stream timestamps; hf: no-op logits processor timestamps "
+            "(subtraction_*: generate(N) - generate(1))",
         },
         "rows": [],
     }
@@ -487,8 +496,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows.sort(key=lambda r: (dtypes.index(r["dtype"]), r["batch_size"], order.get(r["system"], 3)))
     results["machine"]["load_average_end"] = os.getloadavg()
     print_table(rows)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as handle:
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
+    with open(args.output_json, "w", encoding="utf-8") as handle:
         json.dump(results, handle, indent=2)
-    print(f"\nwrote {args.output}")
+    print(f"\nwrote {args.output_json}")
     return 0

@@ -1,7 +1,7 @@
 """`engine bench latency`: one static batch, as SGLang's bench_one_batch: prefill time, then decode ms/step.
 
     engine bench latency --device cuda --model llama-3-8b --load-format dummy \\
-        --batch-size 8 --input-len 2048 --output-len 8 [--prefix-len 4096] --output latency.json
+        --batch-size 8 --input-len 2048 --output-len 8 [--prefix-len 4096] --output-json latency.json
 
 B prompts of random token ids, `input_len` new tokens each (behind a shared
 `prefix_len`-token prefix that is prefilled and cached first, when given),
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from engine.bench_args import add_renamed
 from engine.cli import engine_config_from_args
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -49,7 +50,9 @@ def add_bench_latency_args(parser: argparse.ArgumentParser) -> None:
         help="several batches in one run, BATCHxINPUT[+PREFIX] comma-separated (e.g. 8x2048,1x8192,1x4096+4096); "
         "overrides --batch-size/--input-len/--prefix-len",
     )
-    group.add_argument("--output", default="bench_results/latency.json")
+    add_renamed(
+        group, "--output-json", "--output", default="bench_results/latency.json", help="JSON file for the results"
+    )
 
 
 def matmul_params(engine: Engine) -> int:
@@ -158,8 +161,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> None:
         )
     if peak:
         print(f"dense {engine.config.dtype} matmul on this GPU in the same run: {peak:.0f} TFLOP/s")
-    os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as handle:
+    os.makedirs(os.path.dirname(args.output_json) or ".", exist_ok=True)
+    with open(args.output_json, "w", encoding="utf-8") as handle:
         json.dump(
             {
                 "device": str(engine.device),

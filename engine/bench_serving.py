@@ -5,10 +5,13 @@ request rate and reports throughput, time to first token (TTFT), inter-token
 latency (ITL, the gaps between streamed chunks, as vLLM's benchmark_serving
 measures it) and end-to-end latency. Prompts are synthetic text of a chosen
 length range, so no dataset is needed; `--ignore-eos` (a vLLM/SGLang extension)
-makes every completion exactly --output-len tokens long. With `--token-ids` the
-prompts are random token ids (--input-len in tokens) and every chunk carries its
-token ids (`return_token_ids`, as vLLM streams them): the way to load a server
-whose model has no tokenizer (`--load-format dummy`), whose chunks carry no text.
+makes every completion exactly --output-len tokens long. `--dataset-name words`
+(the default) writes prompts of random words; with `--dataset-name random` (as vLLM
+and SGLang name it) the prompts are random token ids (--input-len in tokens) and
+every chunk carries its token ids (`return_token_ids`, as vLLM streams them): the
+way to load a server whose model has no tokenizer (`--load-format dummy`), whose
+chunks carry no text. The flags are named as in vLLM's and SGLang's benchmark
+scripts (engine/bench_args.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+
+from engine.bench_args import add_old_switch, add_renamed
 
 WORDS = [
     "graph",
@@ -80,12 +85,21 @@ def add_bench_serving_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root (without /v1)")
     parser.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=None, help="requests in flight at once")
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests to send")
+    add_renamed(parser, "--max-concurrency", "--concurrency", type=int, default=None, help="requests in flight at once")
     parser.add_argument(
         "--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)"
     )
-    parser.add_argument("--input-len", default="16,128", help="prompt length range in words, MIN,MAX")
+    parser.add_argument(
+        "--dataset-name",
+        choices=["words", "random"],
+        default="words",
+        help="words: prompts of random words; random: of random token ids, each chunk carrying its token ids",
+    )
+    add_old_switch(parser, "--token-ids", "dataset_name", "random", "--dataset-name random")
+    parser.add_argument(
+        "--input-len", default="16,128", help="prompt length range, MIN,MAX: in words (in tokens with random)"
+    )
     parser.add_argument("--output-len", default="32,128", help="completion length range in tokens, MIN,MAX")
     parser.add_argument(
         "--ignore-eos",
@@ -93,15 +107,10 @@ def add_bench_serving_args(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="send ignore_eos so completions have exactly the requested length",
     )
-    parser.add_argument(
-        "--token-ids",
-        action="store_true",
-        help="prompts of random token ids (--input-len in tokens); chunks counted by their token ids",
-    )
-    parser.add_argument("--vocab-size", type=int, default=32000, help="--token-ids: ids are drawn below this")
+    parser.add_argument("--vocab-size", type=int, default=32000, help="--dataset-name random: ids are drawn below this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--output", default=None, help="write the results as JSON here")
+    add_renamed(parser, "--output-json", "--output", default=None, help="write the results as JSON here")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -187,10 +196,11 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
             listing = await client.get(f"{base}/v1/models", headers=headers)
             listing.raise_for_status()
             model = listing.json()["data"][0]["id"]
+        token_ids = args.dataset_name == "random"
         workload = make_workload(
-            args.num_prompts, args.input_len, args.output_len, args.seed, args.vocab_size if args.token_ids else None
+            args.num_prompts, args.input_len, args.output_len, args.seed, args.vocab_size if token_ids else None
         )
-        gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+        gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         rng = random.Random(args.seed + 1)
 
         async def send(prompt: str | list[int], max_tokens: int) -> RequestResult:
@@ -204,7 +214,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
             }
             if args.ignore_eos:
                 body["ignore_eos"] = True
-            if args.token_ids:
+            if token_ids:
                 body["return_token_ids"] = True
             size = len(prompt) if isinstance(prompt, list) else len(prompt.split())
             if gate is None:
@@ -226,7 +236,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         "base_url": base,
         "model": model,
         "num_prompts": args.num_prompts,
-        "concurrency": args.concurrency,
+        "concurrency": args.max_concurrency,
         "request_rate": args.request_rate,
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -273,8 +283,8 @@ def cmd_bench_serving(args: argparse.Namespace) -> int:
     # The 1-minute load average around the run: on a shared box, a sign of contention.
     summary["load_avg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
     print(format_table(summary))
-    if args.output:
-        with open(args.output, "w") as f:
+    if args.output_json:
+        with open(args.output_json, "w") as f:
             json.dump(summary, f, indent=2)
     return 0 if summary["failed"] == 0 else 1
 

@@ -2,9 +2,9 @@
 `generate_batch` beside it.
 
     engine bench throughput --device cuda --model llama-3-8b --load-format dummy \
-        --num-requests 1000 --input-len 256,768 --output-len 128,384 --hf-requests 300 --output offline.json
+        --num-prompts 1000 --input-len 256,768 --output-len 128,384 --hf-requests 300 --output-json offline.json
 
-(`benchmarks/offline_throughput.py` runs the same.) Prints a table and writes JSON: output and
+(`python -m engine.bench_throughput` runs the same.) Prints a table and writes JSON: output and
 total tokens/s, wall time, the time spent in prefill, decode and mixed steps (on CUDA along the
 device's timeline; every step by kind and size class there, and with --profile-steps the kernels of a
 window of steps) with the decode steps' count and mean batch, to hold against
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from engine.bench_args import add_renamed
 from engine.bench_latency import matmul_params
 from engine.cli import add_engine_args, engine_config_from_args
 from engine.engine import Engine
@@ -290,7 +291,7 @@ def run_hf(
 
 def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("bench throughput")
-    group.add_argument("--num-requests", type=int, default=1000)
+    add_renamed(group, "--num-prompts", "--num-requests", type=int, default=1000, help="requests to run")
     group.add_argument("--input-len", default="256,768", help="prompt lengths: N, or MIN,MAX drawn uniformly")
     group.add_argument("--output-len", default="128,384", help="output lengths: N, or MIN,MAX drawn uniformly")
     group.add_argument(
@@ -303,7 +304,13 @@ def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
         metavar="FIRST,COUNT",
         help="CUDA: torch.profiler over COUNT steps from step FIRST; prints the top kernels",
     )
-    group.add_argument("--output", default="bench_results/offline_throughput.json")
+    add_renamed(
+        group,
+        "--output-json",
+        "--output",
+        default="bench_results/offline_throughput.json",
+        help="JSON file for the results",
+    )
 
 
 def _length_range(text: str) -> tuple[int, int]:
@@ -312,7 +319,7 @@ def _length_range(text: str) -> tuple[int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(parser)  # the engine's own flags: --model, --device, --dtype, --load-format, --max-num-seqs, ...
     add_bench_throughput_args(parser)
     cmd_bench_throughput(parser.parse_args())
@@ -323,7 +330,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     engine = Engine(engine_config_from_args(args, freeze_gc=args.freeze_gc is not False))  # shutdown() unfreezes
     dtype = engine.config.dtype
     requests = make_requests(
-        args.num_requests, input_len, output_len, engine.model_config.vocab_size, args.seed
+        args.num_prompts, input_len, output_len, engine.model_config.vocab_size, args.seed
     )  # --seed: the engine's flag
     report: dict[str, Any] = {
         "torch": torch.__version__,
@@ -346,14 +353,15 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     del engine
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    _write(args.output, report)  # the engine's figures survive a peer that runs out of time
+    _write(args.output_json, report)  # the engine's figures survive a peer that runs out of time
     e = report["engine"]
     print(
         f"engine: {e['output_tok_s']:.0f} output tok/s, {e['total_tok_s']:.0f} total tok/s in {e['wall_s']:.1f} s; "
         f"prefill steps {e['prefill_steps_s']:.1f} s, decode steps {e['decode_steps_s']:.1f} s, "
         f"mixed steps {e['mixed_steps_s']:.1f} s "
         f"({e['decode_steps']} steps, mean batch {e['mean_decode_batch']:.0f}; graph replays "
-        f"{e['decode_graph_replay_s'] or float('nan'):.1f} s, steps/replays {e['decode_steps_over_replay'] or float('nan'):.2f})",
+        f"{e['decode_graph_replay_s'] or float('nan'):.1f} s, "
+        f"steps/replays {e['decode_steps_over_replay'] or float('nan'):.2f})",
         flush=True,
     )
     if e["step_classes"]:
@@ -387,7 +395,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     if "hf_generate_batch" in report:
         h = report["hf_generate_batch"]
         print(f"{'HF generate_batch (paged|sdpa)':<32}{h['requests']:>9}{h['wall_s']:>9.1f}{h['output_tok_s']:>11.0f}")
-    _write(args.output, report)
+    _write(args.output_json, report)
 
 
 def _write(path: str, report: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""`engine run`, `engine serve`, `engine bench`, `engine bench serving` and `engine tune-capture` on the command line."""
+"""`engine run`, `engine serve`, `engine bench` (and its subcommands) and `engine tune-capture` on the command line."""
 
 from __future__ import annotations
 

@@ -413,7 +413,8 @@ class Engine:
         compiled decode step shares (one compile for both)."""
         kind = self.platform.capture_settings().kind
         if self.platform.name == "hpu":
-            # HPU's own default (hpu.strict / ENGINE_HPU_STRICT, on) holds in every graph mode; --strict-graphs forces it.
+            # HPU's own default (hpu.strict / ENGINE_HPU_STRICT, on) holds in every graph mode;
+            # --strict-graphs forces it.
             return {"strict": True} if self.config.strict_graphs else {}
         if kind == "compile":
             return {"strict": self.config.strict_graphs}

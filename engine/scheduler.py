@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from os.path import commonpath
+from os.path import commonprefix
 from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
@@ -369,7 +369,9 @@ class Scheduler:
         tokens = request.all_token_ids
         matchable = len(tokens) - 1  # a match always leaves one token to run
         for other, n in zip(admitted, lens):
-            common = min(len(commonpath([tokens, other.all_token_ids])), matchable, other.num_cached_tokens + n)
+            # commonprefix compares element by element, so it serves lists of token ids (commonpath takes paths).
+            shared = commonprefix([tokens, other.all_token_ids])  # noqa: RUF071
+            common = min(len(shared), matchable, other.num_cached_tokens + n)
             if common // self.page_size > request.num_cached_tokens // self.page_size:
                 return True
         return False

@@ -2,8 +2,8 @@
 
 Sizes are captured largest first into one shared memory pool on a side
 stream, after one warm-up run each (Triton JIT, dynamo's recompile for a new
-size and cuBLAS workspace happen outside capture; vLLM also warms up once). Python's GC is frozen during capture: it made SGLang's
-capture 2-4x faster (PR #8577).
+size and cuBLAS workspace happen outside capture; vLLM also warms up once). Python's GC is frozen during
+capture: it made SGLang's capture 2-4x faster (PR #8577).
 
 With `compile_step` the captured step is first compiled piecewise by
 torch.compile (graphs/compiled_step.py), which fuses the norms, rotary and
@@ -116,7 +116,7 @@ class CudaGraphRunner(DecodeGraphRunner):
         # since the caching allocator hands a pool's freed blocks only to allocations on the stream that freed them.
         self.capture_stream: torch.cuda.Stream | None = None
         # Benchmarks set a list here to get (start, end) CUDA events around every replay: the device
-        # time of each step's graph, read after the run (benchmarks/offline_throughput.py).
+        # time of each step's graph, read after the run (engine/bench_throughput.py).
         self.replay_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
     @torch.no_grad()

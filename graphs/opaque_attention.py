@@ -68,8 +68,8 @@ def _step_attention_fake(q, k, v, k_cache, v_cache, scale, window=0, softcap=0.0
 
 define_op(
     "step_attention",
-    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, float scale, int window=0, float softcap=0.0, "
-    "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor",
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, float scale, int window=0, "
+    "float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor",
     _step_attention,
     _step_attention_fake,
 )

@@ -34,8 +34,9 @@ def describe(evaluation: Evaluation, unit: str = "rows", uncaptured: str = "eage
     estimated = f"; interpolated costs for {list(evaluation.interpolated)}" if evaluation.interpolated else ""
     return (
         f"{evaluation.expected_ms:.3f} ms/step (padding {evaluation.padding_ms:.3f} ms, {evaluation.padding_rows:.2f} "
-        f"{unit}/step = {100 * evaluation.padded_fraction:.1f}% of replayed {unit}{eager}); {evaluation.graphs} graphs, "
-        f"~{evaluation.memory_mib:.0f} MiB, ~{evaluation.capture_s:.1f} s capture{estimated}"
+        f"{unit}/step = {100 * evaluation.padded_fraction:.1f}% of replayed {unit}{eager}); "
+        f"{evaluation.graphs} graphs, ~{evaluation.memory_mib:.0f} MiB, "
+        f"~{evaluation.capture_s:.1f} s capture{estimated}"
     )
 
 
@@ -47,8 +48,9 @@ def header_lines(info: dict[str, Any]) -> list[str]:
     lines = [
         f"Decode capture sizes tuned by `engine tune-capture` on {info['date']} for {info['model']} "
         f"({info['dtype']}, page size {info['page_size']}) on {info['device']}: {info['machine']}.",
-        f"Measured at candidate sizes {info['candidates']}: eager step, graph replay (median of {info['iters']} back-to-back "
-        f"steps at {info['context']}-token contexts), capture seconds and graph memory ({info['memory_source']}); "
+        f"Measured at candidate sizes {info['candidates']}: eager step, graph replay "
+        f"(median of {info['iters']} back-to-back steps at {info['context']}-token contexts), "
+        f"capture seconds and graph memory ({info['memory_source']}); "
         f"{info['cache']}.",
         f"Distribution: {info['distribution']}.",
         f"Budgets: {info['budget']}.",
@@ -186,14 +188,15 @@ def print_tables(
     print()
     rows = [("tuned", tuned), (default_label, default), *others]
     head = (
-        f"{'set':<10} {'ms/step':>9} {'padding ms':>11} {'pad ' + unit:>10} {'pad %':>7} {uncaptured[:6] + ' %':>8} {'graphs':>7} "
-        f"{'MiB':>8} {'capture s':>10}  sizes"
+        f"{'set':<10} {'ms/step':>9} {'padding ms':>11} {'pad ' + unit:>10} {'pad %':>7} "
+        f"{uncaptured[:6] + ' %':>8} {'graphs':>7} {'MiB':>8} {'capture s':>10}  sizes"
     )
     print(head + "\n" + "-" * len(head))
     for name, e in rows:
         note = " (interpolated: " + ",".join(map(str, e.interpolated)) + ")" if e.interpolated else ""
         print(
-            f"{name:<10} {e.expected_ms:>9.3f} {e.padding_ms:>11.3f} {e.padding_rows:>10.2f} {100 * e.padded_fraction:>6.1f}% "
-            f"{100 * e.eager_fraction:>7.1f}% {e.graphs:>7} {e.memory_mib:>8.1f} {e.capture_s:>10.2f}  "
+            f"{name:<10} {e.expected_ms:>9.3f} {e.padding_ms:>11.3f} {e.padding_rows:>10.2f} "
+            f"{100 * e.padded_fraction:>6.1f}% {100 * e.eager_fraction:>7.1f}% {e.graphs:>7} {e.memory_mib:>8.1f} "
+            f"{e.capture_s:>10.2f}  "
             f"{list(e.sizes)}{note}"
         )

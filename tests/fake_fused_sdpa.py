@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import sys
 import types
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -31,7 +31,7 @@ import torch
 class FakeFusedSDPA:
     """Records every call (calls: the keyword view of each) and computes the documented result."""
 
-    calls: list[dict[str, Any]] = []
+    calls: ClassVar[list[dict[str, Any]]] = []
 
     @staticmethod
     def apply(

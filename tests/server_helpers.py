@@ -107,24 +107,25 @@ def start_server(*extra: str, log_name: str = "server") -> ServerProcess:
     port = free_port()
     log_path = os.path.join(REPO_ROOT, ".pytest_cache", f"{log_name}-{port}.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    log = open(log_path, "w")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "engine.cli",
-            "--log-level",
-            "DEBUG",
-            "serve",
-            "--port",
-            str(port),
-            *SERVER_ARGS,
-            *extra,
-        ],
-        cwd=REPO_ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    # The child writes to its own copy of the descriptor: the parent's closes once it has started.
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "engine.cli",
+                "--log-level",
+                "DEBUG",
+                "serve",
+                "--port",
+                str(port),
+                *SERVER_ARGS,
+                *extra,
+            ],
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     server = ServerProcess(process, port, log_path)
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:

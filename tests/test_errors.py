@@ -135,7 +135,7 @@ def test_corrupt_safetensors_header(tiny_checkpoints: dict[str, str], tmp_path) 
     with open(path, "r+b") as handle:
         handle.seek(8)
         handle.write(b"\x00garbage-not-json")
-    with pytest.raises(ModelLoadError, match="model.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
         Engine(model=folder, **ENGINE_OPTIONS)
 
 

@@ -318,7 +318,8 @@ def test_online_fp8_quantization_of_a_dense_checkpoint(checkpoints: dict[str, tu
 
 def test_refused_checkpoints_name_the_problem(checkpoints: dict[str, tuple[str, str]], tmp_path: Any) -> None:
     fp8, _ = checkpoints["llama-ct-channel"]
-    config = json.load(open(os.path.join(fp8, "config.json"), encoding="utf-8"))
+    with open(os.path.join(fp8, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
     tensors = load_file(os.path.join(fp8, "model.safetensors"))
 
     def variant(
@@ -331,7 +332,8 @@ def test_refused_checkpoints_name_the_problem(checkpoints: dict[str, tuple[str, 
         folder.mkdir()
         edited = json.loads(json.dumps(config))
         edited["quantization_config"].update(config_edit or {})
-        json.dump(edited, open(folder / "config.json", "w", encoding="utf-8"))
+        with open(folder / "config.json", "w", encoding="utf-8") as f:
+            json.dump(edited, f)
         kept = {k: v for k, v in tensors.items() if not k.endswith(drop)}
         save_file({**kept, **(replace or {})}, str(folder / "model.safetensors"))
         return str(folder)

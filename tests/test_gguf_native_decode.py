@@ -5,8 +5,8 @@ block formats (tests/gguf_files.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 by its quantize
 and Q6_K by ours): plain Llama in Q4_K with Q6_K v/down/head (a Q4_K_M file's mix), the same in Q5_K (a
 Q5_K_M file's mix) with a Q5_1 k and a Q5_0 embedding, in Q3_K with Q4_K v, Q5_K down and a Q3_K
 embedding (a Q3_K_M file's kind of mix), in Q2_K with Q3_K v/down and a Q2_K embedding (a Q2_K file's),
-Qwen2's q/k/v bias in Q4_0 with a Q8_0 k, Qwen3's q/k norms in Q4_1 with a Q4_K o_proj, Mistral with a 24-token sliding window in Q6_K, and
-heads of 128 and 32 (the attention's other two code shapes) in Q8_0 and Q4_0. Each
+Qwen2's q/k/v bias in Q4_0 with a Q8_0 k, Qwen3's q/k norms in Q4_1 with a Q4_K o_proj, Mistral with a
+24-token sliding window in Q6_K, and heads of 128 and 32 (the attention's other two code shapes) in Q8_0 and Q4_0. Each
 decodes through the native step and is held to the same file dequantized at load (the dense path,
 itself held to HF in test_gguf_families.py and test_hf_parity.py): greedy ids over 32 tokens, prompts
 arriving at different steps, page sizes 1 and 16, prefix caching on, on every code path this CPU
@@ -161,8 +161,8 @@ def test_every_code_path_runs_the_native_step(
     tiny_ggufs: dict[str, str], name: str, code_path: str, activations: str
 ) -> None:
     """Llama with Q4_K, Q6_K and Q8_0 in one model (and with Q5_K, Q5_1, Q5_0 and Q6_K; with Q3_K, Q4_K, Q5_K
-    and Q6_K; with Q2_K, Q3_K and Q6_K), through AVX512, AVX2 and portable C kernels. int8 (one level, llama.cpp's numerics) is held to
-    the same file's eager engine with the same activations."""
+    and Q6_K; with Q2_K, Q3_K and Q6_K), through AVX512, AVX2 and portable C kernels. int8 (one level,
+    llama.cpp's numerics) is held to the same file's eager engine with the same activations."""
     from backends.cpu.gguf_linear import code_paths
 
     if code_path != "best":

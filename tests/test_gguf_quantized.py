@@ -222,8 +222,8 @@ def test_every_path_quantizes_activations_bit_for_bit_alike(
 @pytest.mark.parametrize("levels", [0, 1, 2])
 def test_one_projection_of_parts_in_different_formats(levels: int, names: tuple[str, str, str]) -> None:
     """A fused q/k/v whose v is Q6_K and q, k Q4_K (as Q4_K_M files are; or Q5_K and Q5_1; or Q3_K with a
-    Q4_K v, as Q3_K_M files are; Q2_K with a Q3_K v, as Q2_K files): one call, each part writing its own columns, one quantization of the
-    activations for all of them."""
+    Q4_K v, as Q3_K_M files are; Q2_K with a Q3_K v, as Q2_K files): one call, each part writing its own
+    columns, one quantization of the activations for all of them."""
     require_kernels()
     fmts = [gl.FORMATS[name] for name in names]
     parts = [random_blocks(fmt, rows, 256, seed=i) for i, (fmt, rows) in enumerate(zip(fmts, [48, 16, 21]))]

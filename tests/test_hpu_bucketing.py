@@ -180,7 +180,8 @@ def test_overflow_is_a_clear_error() -> None:
 
 
 def test_warmup_batches_land_exactly_on_their_bucket() -> None:
-    config = yaml.safe_load(open(os.path.join(CONFIG_DIR, "hpu.yaml"), encoding="utf-8"))
+    with open(os.path.join(CONFIG_DIR, "hpu.yaml"), encoding="utf-8") as f:
+        config = yaml.safe_load(f)
     resolved = resolve_bucket_config(config, env={})
     buckets = resolved.decode_pairs()
     for bucket in buckets:
@@ -191,7 +192,8 @@ def test_warmup_batches_land_exactly_on_their_bucket() -> None:
 
 
 def test_config_and_env_overrides() -> None:
-    config = yaml.safe_load(open(os.path.join(CONFIG_DIR, "hpu.yaml"), encoding="utf-8"))
+    with open(os.path.join(CONFIG_DIR, "hpu.yaml"), encoding="utf-8") as f:
+        config = yaml.safe_load(f)
     for key in (
         "page_size",
         "dtype",
@@ -433,7 +435,8 @@ def test_prompt_buckets_with_context_pages() -> None:
 
 
 def test_context_bucket_config_and_env() -> None:
-    config = yaml.safe_load(open(os.path.join(CONFIG_DIR, "hpu.yaml"), encoding="utf-8"))
+    with open(os.path.join(CONFIG_DIR, "hpu.yaml"), encoding="utf-8") as f:
+        config = yaml.safe_load(f)
     plain = resolve_bucket_config(config, env={})
     assert plain.prompt_ctx == linear_buckets(BucketRange(**config["hpu"]["prompt_ctx_bucket"]))
     triples = plain.prompt_ctx_triples(config["max_model_len"] - 1)

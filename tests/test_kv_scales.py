@@ -138,7 +138,8 @@ def test_float_cache_ignores_scales(
         model = load(folder, kv_cache_dtype)
     assert layer_scales(model) == [(1.0, 1.0)] * LAYERS
     assert [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()] == [
-        f"{2 * LAYERS} KV cache scales in the checkpoint ignored: they apply to an FP8 KV cache, this one is {kv_cache_dtype}"
+        f"{2 * LAYERS} KV cache scales in the checkpoint ignored: they apply to an FP8 KV cache, "
+        f"this one is {kv_cache_dtype}"
     ]
 
 

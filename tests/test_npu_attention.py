@@ -288,11 +288,16 @@ def test_npu_engine_runner_matches_torch_backend(tiny_llama: tuple[Any, Any]) ->
         slot_now = slots_of(table[rows], positions, page_size)
         ids = next_ids[rows]
 
-        def meta(slot_dtype: torch.dtype) -> AttentionMetadata:
+        def meta(
+            slot_dtype: torch.dtype,
+            slot_now: torch.Tensor = slot_now,
+            page_table: torch.Tensor = table[rows],
+            lens_now: torch.Tensor = lens_now,
+        ) -> AttentionMetadata:
             return AttentionMetadata(
                 is_decode=True,
                 slot_indices=slot_now.to(slot_dtype),
-                page_table=table[rows],
+                page_table=page_table,
                 seq_lens=lens_now,
                 page_size=page_size,
             )

@@ -250,7 +250,8 @@ def test_runner_replays_padded_and_slices(caplog: pytest.LogCaptureFixture) -> N
 
 
 def test_npu_config_and_from_config() -> None:
-    config = yaml.safe_load(open(os.path.join(CONFIG_DIR, "npu.yaml"), encoding="utf-8"))
+    with open(os.path.join(CONFIG_DIR, "npu.yaml"), encoding="utf-8") as f:
+        config = yaml.safe_load(f)
     assert config["page_size"] == 128 and config["dtype"] == "bfloat16"
     assert max(config["capture_sizes"]) == config["max_capture_size"] <= config["max_num_seqs"]
     runner = NpuDecodeGraphRunner.from_config(_step, config, num_layers=28, device="cpu", graph_api=EagerGraphs())

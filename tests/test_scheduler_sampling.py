@@ -161,7 +161,8 @@ def test_streamed_text_deltas_add_up_to_the_final_text(
     assert streamed == final
 
 
-@pytest.mark.parametrize("prompt", ["日本の首都は", "中文：你好，世界。我"])
+# Full-width CJK punctuation on purpose: multibyte characters that a byte-level tokenizer splits.
+@pytest.mark.parametrize("prompt", ["日本の首都は", "中文：你好，世界。我"])  # noqa: RUF001
 def test_streamed_text_deltas_with_multibyte_characters(smol_engine: Engine, prompt: str) -> None:
     """A character split over several byte-level tokens is streamed once, when it is complete.
 

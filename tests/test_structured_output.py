@@ -169,7 +169,7 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone(smol_engine: En
     assert finals[bad].finish_reason == "error" and "invalid regex" in (finals[bad].error or "")
     assert "parenthesis" in (finals[bad].error or "")
     assert finals[good].finish_reason == "length" and len(finals[good].token_ids) == 4
-    with pytest.raises(RequestFailedError, match="invalid json schema: .*nonsense"):
+    with pytest.raises(RequestFailedError, match=r"invalid json schema: .*nonsense"):
         smol_engine.generate(["Hi"], SamplingParams(grammar=GrammarSpec("json_schema", '{"type": "nonsense"}')))
     assert smol_engine.kv_pages_in_use() == 0 and not smol_engine.has_unfinished()
 

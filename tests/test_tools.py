@@ -181,7 +181,8 @@ def test_hermes_blocks_become_calls_and_the_rest_stays_content() -> None:
     plan = plan_tools(TOOLS, "auto", None, "hermes")
     assert isinstance(plan, ToolPlan)
     text = (
-        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>\n'
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n'
+        "</tool_call>\n"
         '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
     )
     content, calls = calls_from_text(plan, text)

@@ -177,8 +177,8 @@ def test_models_that_do_not_split_are_refused_naming_why(tiny_checkpoints: dict[
     _, moe = _load(tiny_checkpoints["qwen3_moe"])  # 4 heads, 2 KV heads, MLP 128, experts 48
     with pytest.raises(
         EngineError,
-        match="5 does not divide the 4 attention heads; the 128 MLP intermediate size; the 2 "
-        "KV heads .*; the 48 moe intermediate size of this qwen3_moe model",
+        match=r"5 does not divide the 4 attention heads; the 128 MLP intermediate size; the 2 "
+        r"KV heads .*; the 48 moe intermediate size of this qwen3_moe model",
     ):
         check_tensor_parallel(moe, 5)  # every reason at once
     check_tensor_parallel(llama, 4)  # 4 heads, 2 KV heads replicated twice: fine

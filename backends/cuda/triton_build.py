@@ -74,8 +74,8 @@ def start_runtime_warm_up(also_import: tuple[str, ...] = ()) -> None:
     """Ready Triton's runtime in a thread while the model loads: its driver, whose C utilities gcc compiles
     on a cold cache, and the hash of its own sources that every kernel's cache key starts with (~1.3 s
     together of a cold capture's main thread, on the H200); then import `also_import` (inductor's compiler:
-    seconds of imports the first compile would make on the main thread). One thread for both, so no two warm-up threads import
-    the same packages at once. Idempotent; nothing under the interpreter."""
+    seconds of imports the first compile would make on the main thread). One thread for both, so no two
+    warm-up threads import the same packages at once. Idempotent; nothing under the interpreter."""
     global _runtime_warm_up
     if _runtime_warm_up is not None or interpreted():
         return

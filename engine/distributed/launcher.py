@@ -192,7 +192,10 @@ class RankGroup:
                     hint = ""
                     if status == "started" and any(w.status == "spawned" and not w.error for w in broken):
                         # multiprocessing's spawn runs the main script again in the child, unless it is guarded.
-                        hint = '; a script that builds a tensor-parallel engine must do so under `if __name__ == "__main__":`'
+                        hint = (
+                            "; a script that builds a tensor-parallel engine must do so under "
+                            '`if __name__ == "__main__":`'
+                        )
                     raise self._fail(self._explain(broken, timed_out=False) + f" (before it could {what}){hint}")
                 if all(order.index(w.status) >= order.index(status) for w in self.workers if w.status in order):
                     return

@@ -77,7 +77,7 @@ def safetensors_weights(folder: str, lazy: bool = False) -> WeightIter:
         for path in files:
             try:
                 with safe_open(path, framework="pt") as handle:
-                    for name in handle:
+                    for name in handle.keys():  # noqa: SIM118 (a safe_open handle has keys() but is not iterable)
                         yield name, SafetensorsSlice(handle, name) if lazy else handle.get_tensor(name)
                         bar.update(1)
             except SafetensorError as exc:

@@ -24,7 +24,8 @@ def register_model(*model_types: str, architectures: tuple[str, ...] = ()) -> Ca
         for model_type in model_types:
             if model_type in _BY_MODEL_TYPE and _BY_MODEL_TYPE[model_type] is not cls:
                 raise ValueError(
-                    f"model_type {model_type!r} is registered twice ({_BY_MODEL_TYPE[model_type].__name__}, {cls.__name__})"
+                    f"model_type {model_type!r} is registered twice "
+                    f"({_BY_MODEL_TYPE[model_type].__name__}, {cls.__name__})"
                 )
             _BY_MODEL_TYPE[model_type] = cls
         for architecture in architectures:

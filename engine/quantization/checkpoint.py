@@ -9,8 +9,9 @@
 Which linears are FP8 is read from the checkpoint's tensor names (a layer is FP8 where its weight
 has a scale beside it), so `ignore` lists need no interpretation. Static activation scales
 (`input_scale`) are not used (docstring of engine/quantization/fp8.py), and the log says so; KV
-cache scales are taken out of the weights before this module sees them (engine/quantization/kv_scales.py). Every other method (AWQ, GPTQ, bitsandbytes, int4/int8 compressed-tensors, ...) is
-refused by name before any weight is read.
+cache scales are taken out of the weights before this module sees them (engine/quantization/kv_scales.py).
+Every other method (AWQ, GPTQ, bitsandbytes, int4/int8 compressed-tensors, ...) is refused by name before
+any weight is read.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def _compressed_tensors_format(qc: dict[str, Any]) -> tuple[bool, str]:
         weights = group.get("weights") or {}
         if weights.get("num_bits") != 8 or weights.get("type") != "float":
             raise ModelLoadError(
-                f"compressed-tensors group {name!r} stores {weights.get('num_bits')}-bit {weights.get('type')} weights: "
-                f"only 8-bit float (FP8) weights are supported (supported: {SUPPORTED})"
+                f"compressed-tensors group {name!r} stores {weights.get('num_bits')}-bit {weights.get('type')} "
+                f"weights: only 8-bit float (FP8) weights are supported (supported: {SUPPORTED})"
             )
         strategy = weights.get("strategy", "tensor")
         if strategy == "block":

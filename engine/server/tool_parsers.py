@@ -4,8 +4,9 @@ Each parser answers two questions about a text: what of it is content and which 
 (`parse`, on the finished text), and how much of a text still being streamed is surely content
 (`content_end`: the stream holds back from the first place a call may start). The stream sends
 content up to `content_end`; each call as soon as it is complete where calls are self-contained
-blocks (`incremental`: hermes, glm45), else once the output ends; then whatever content follows. So a stream cut into chunks of any size gives exactly the non-streamed
-answer (tests/test_tool_parsers.py holds every format to that over its table of texts).
+blocks (`incremental`: hermes, glm45), else once the output ends; then whatever content follows. So a
+stream cut into chunks of any size gives exactly the non-streamed answer (tests/test_tool_parsers.py holds
+every format to that over its table of texts).
 
 Only a complete call is a call: a call cut off by max_tokens, or one that does not parse (broken
 JSON, a GLM key without its value), stays in the content as the model wrote it.
