@@ -12,9 +12,12 @@ import abc
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.layers.attention import AttentionMetadata
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -119,8 +122,8 @@ class Platform(abc.ABC):
         started that must not run beside a compile (a thread importing the compiler). Nothing by default."""
 
     def kernel_precompiler(
-        self, model: torch.nn.Module, kv_caches: list
-    ) -> Callable[[list], Callable[[], None]] | None:
+        self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> Callable[[list[AttentionMetadata]], Callable[[], None]] | None:
         """A function the decode graph runner calls before its first compile: given the capture metadata
         of some sizes, it starts compiling the platform's own kernels in the background and returns the
         function that waits for them (called before the first graph is captured). None: nothing to do."""

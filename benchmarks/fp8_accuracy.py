@@ -23,6 +23,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import statistics
 import tempfile
 from collections.abc import Iterator
@@ -50,22 +51,22 @@ PROMPTS = [
 
 
 def bf16_checkpoint(gguf_path: str, folder: str) -> str:
-    """The GGUF's weights dequantized to bf16, with its tokenizer, as an HF folder (transformers reads GGUF)."""
+    """The GGUF's weights dequantized to bf16, with its config and tokenizer, as an HF folder: the tensors under
+    their HF names as the engine's own GGUF loader yields them (Q/K rows un-permuted, the tied LM head absent)."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory, name = os.path.split(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.bfloat16)
-    # transformers marks a GGUF-loaded model quantized and will not save it: write its tensors directly
-    # (the tied LM head is the embedding: saved once).
-    config = model.config
+    from engine.loader.resolve import gguf_config_and_tokenizer
+    from engine.loader.weights import gguf_weights
+
+    config, tokenizer_folder = gguf_config_and_tokenizer(gguf_path)
+    if tokenizer_folder is None:
+        raise ValueError(f"{gguf_path} carries no tokenizer")
+    shutil.copytree(tokenizer_folder, folder, dirs_exist_ok=True)  # tokenizer files and the config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.save_pretrained(folder)
-    tied = getattr(config, "tie_word_embeddings", False)
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    state = {name: tensor.to(torch.bfloat16).contiguous() for name, tensor in gguf_weights(gguf_path, config)}
     save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(folder)
     return folder
 
 

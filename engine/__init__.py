@@ -1,5 +1,7 @@
 """A graph-capture-centric LLM inference engine."""
 
+from typing import Any
+
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequestError, ModelLoadError, UnsupportedArchitectureError
 from engine.request import RequestOutput
@@ -17,7 +19,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # Engine pulls in torch models and backends; import it lazily so `import engine` stays light.
     if name == "Engine":
         from engine.engine import Engine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -52,6 +52,15 @@ def _with_capture_config(defaults: dict[str, Any], path: str, device: str, model
             merged[section] = {**(defaults.get(section) or {}), **tuned[section]}
     return merged
 
+
+# The settings resolve() requires to be positive integers (EngineConfig.positive_int reads them).
+PositiveIntSetting = Literal["page_size", "max_num_seqs", "max_model_len", "max_prefill_tokens"]
+POSITIVE_INT_SETTINGS: tuple[PositiveIntSetting, ...] = (
+    "page_size",
+    "max_num_seqs",
+    "max_model_len",
+    "max_prefill_tokens",
+)
 
 QUANTIZATIONS = ("auto", "fp8", "gguf", "none")
 GGUF_ACTIVATIONS = ("auto", "float32", "int8x2", "int8")
@@ -164,7 +173,7 @@ class EngineConfig:
             raise EngineError(
                 f"unknown kv_cache_dtype {resolved.kv_cache_dtype!r}; choose one of {', '.join(KV_DTYPES)} or auto"
             )
-        for name in ("page_size", "max_num_seqs", "max_model_len", "max_prefill_tokens"):
+        for name in POSITIVE_INT_SETTINGS:
             value = getattr(resolved, name)
             if value is None or int(value) < 1:
                 raise EngineError(f"{name} must be a positive integer, got {value!r}")
@@ -174,10 +183,23 @@ class EngineConfig:
         if not float(resolved.dist_timeout_s) > 0:
             raise EngineError(f"dist_timeout_s must be positive, got {resolved.dist_timeout_s!r}")
         sizes = parse_sizes(resolved.capture_sizes) or [1]
-        max_size = min(resolved.max_capture_size or sizes[-1], resolved.max_num_seqs)
+        max_size = min(resolved.max_capture_size or sizes[-1], resolved.positive_int("max_num_seqs"))
         # Never capture beyond what the scheduler can batch (vLLM caps at max_num_seqs too).
         resolved.capture_sizes = cap_sizes(sizes, max_size)
         return resolved
+
+    def positive_int(self, name: PositiveIntSetting) -> int:
+        """One of POSITIVE_INT_SETTINGS of a resolved config (resolve() fills and checks them)."""
+        value = getattr(self, name)
+        if value is None:
+            raise EngineError(f"{name} is not set: EngineConfig.resolve() fills it")
+        return int(value)
+
+    def resolved_capture_sizes(self) -> list[int]:
+        """The decode capture sizes of a resolved config (resolve() leaves them a sorted list)."""
+        if not isinstance(self.capture_sizes, list):
+            raise EngineError(f"capture_sizes {self.capture_sizes!r} are not resolved: EngineConfig.resolve() does it")
+        return list(self.capture_sizes)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -22,7 +22,8 @@ class IncrementalDetokenizer:
         self.read_offset = 0  # tokens whose text has been emitted
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        text: str = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return text
 
     def step(self, token_ids: list[int]) -> str:
         """The text the newest tokens add (empty while a character is still incomplete)."""

@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 import torch
 
@@ -33,7 +33,8 @@ from engine.layers.attention import Attention
 from engine.loader import ModelSource, load_model, resolve_model_source
 from engine.logit_rows import LogitRowLadder
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestOutput
+from engine.models.interface import as_module
+from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampler import SampledTokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import INIT_NEW_TOKEN_RATIO, MIN_TIMED_EXTEND, ScheduledStep, Scheduler
@@ -44,10 +45,12 @@ from engine.tokenizer import encode_prompt, load_tokenizer
 from graphs.buckets import parse_sizes
 
 if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
     from engine.distributed.launcher import RankGroup
     from graphs.compiled_extend import CompiledExtendStep
     from graphs.extend_graph_runner import ExtendGraphRunner
-    from graphs.runner import PrefillRunner
+    from graphs.runner import DecodeRunner, PrefillRunner
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,10 @@ Prompt = str | list[int]
 
 
 class Engine:
+    # Rank 0's worker ranks under tensor parallelism (set by _join_tensor_parallel); None otherwise. A class
+    # default rather than set in __init__, where mypy would take it for None for the rest of __init__.
+    tp_ranks: RankGroup | None = None
+
     def __init__(self, config: EngineConfig | None = None, **overrides: object) -> None:
         config = config or EngineConfig()
         if overrides:
@@ -75,7 +82,6 @@ class Engine:
         source = resolve_model_source(self.config.model, self.config.load_format)
         # Tensor parallelism (engine/distributed/): rank 0 spawns the other ranks here and they build this
         # same engine on their shard; a worker rank finds its group joined already. World size 1: nothing.
-        self.tp_ranks: RankGroup | None = None
         self.tp = self._join_tensor_parallel(source)
         try:
             self._build(config, source)
@@ -107,7 +113,7 @@ class Engine:
             )
         # Rank 0 owns the tokenizer (and the scheduler's requests); the other ranks only run steps.
         self.tokenizer = load_tokenizer(source.tokenizer_dir) if self.tp.is_driver else None
-        self.max_model_len = min(int(self.config.max_model_len), self.model_config.max_position_embeddings)
+        self.max_model_len = min(self.config.positive_int("max_model_len"), self.model_config.max_position_embeddings)
         self.context_limit_reason = ""
         limit = self.model_config.context_limit
         if limit is not None and limit[0] < self.max_model_len:
@@ -131,7 +137,7 @@ class Engine:
         self._apply_sliding_window(backend)
         self._choose_fp8_method()
         self.platform.prepare_model(
-            self.model,
+            as_module(self.model),
             {
                 **self.config.device_config,
                 **self.config.__dict__,
@@ -142,29 +148,29 @@ class Engine:
         self.kv_manager = KVCacheManager(
             self.kv_pool.allocator, self.kv_pool.page_size, self.config.enable_prefix_caching
         )
+        max_num_seqs = self.config.positive_int("max_num_seqs")
+        step_ms = self.config.max_extend_step_ms
         self.scheduler = Scheduler(
             self.kv_manager,
-            int(self.config.max_num_seqs),
-            int(self.config.max_prefill_tokens),
+            max_num_seqs,
+            self.config.positive_int("max_prefill_tokens"),
             self.config.chunked_prefill_size,
             self.max_model_len,
-            float(self.config.max_extend_step_ms) / 1000.0 if (self.config.max_extend_step_ms or 0) > 0 else None,
+            float(step_ms) / 1000.0 if step_ms is not None and step_ms > 0 else None,
             mixed_steps=bool(self.config.mixed_steps),
         )
         max_pages = -(-self.max_model_len // self.kv_pool.page_size)
         self.decode_state = DecodeBatchState(
-            int(self.config.max_num_seqs),
+            max_num_seqs,
             max_pages,
             self.kv_pool.page_size,
             self.device,
             self.platform.slot_index_dtype,
         )
-        self.decode_state.penalties = PenaltyState(
-            int(self.config.max_num_seqs), int(self.model_config.vocab_size), self.device
-        )
+        self.decode_state.penalties = PenaltyState(max_num_seqs, int(self.model_config.vocab_size), self.device)
         # The host side of the decode rows, and the builder of every step's message (engine/step_message.py).
         self.step_builder = StepBuilder(
-            int(self.config.max_num_seqs),
+            max_num_seqs,
             max_pages,
             self.kv_pool.page_size,
             self.device,
@@ -226,7 +232,7 @@ class Engine:
         collectives, so there the sizes are paid at their first step instead."""
         if not self.platform.pads_logit_rows:
             return
-        ladder = LogitRowLadder(parse_sizes(self.config.capture_sizes), int(self.config.max_num_seqs))
+        ladder = LogitRowLadder(self.config.resolved_capture_sizes(), self.config.positive_int("max_num_seqs"))
         self.runner.logit_rows = ladder
         if self.tp_ranks is None and not self.tp.enabled:
             ladder.warm(
@@ -311,12 +317,12 @@ class Engine:
         dequantized once to the model dtype where it has none."""
         from engine.quantization.fp8 import dequantize_fp8_linears, fp8_linears
 
-        layers = [layer for _, layer in fp8_linears(self.model)]
+        layers = [layer for _, layer in fp8_linears(as_module(self.model))]
         if not layers:
             return
         method = self.platform.fp8_linear_method()
         if method is None:
-            dequantize_fp8_linears(self.model, self.config.torch_dtype)
+            dequantize_fp8_linears(as_module(self.model), self.config.torch_dtype)
             logger.warning(
                 "FP8: %s has no FP8 matmul kernel; %d FP8 layers dequantized to %s once (no memory or speed gain here)",
                 self.platform.name,
@@ -369,10 +375,10 @@ class Engine:
 
     def _allocate_kv_pool(self) -> KVPool:
         cfg, mc = self.config, self.model_config
-        page_size = int(cfg.page_size)
+        page_size = cfg.positive_int("page_size")
         kv_heads = kv_head_shard(mc.num_key_value_heads, self.tp.rank, self.tp.world_size).size  # this rank's heads
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, mc.head_dim, cfg.kv_torch_dtype)
-        useful_tokens = int(cfg.max_num_seqs) * self.max_model_len
+        useful_tokens = cfg.positive_int("max_num_seqs") * self.max_model_len
         if cfg.kv_cache_tokens is not None:
             tokens = int(cfg.kv_cache_tokens)
         else:
@@ -421,21 +427,21 @@ class Engine:
         if kind == "cuda_graph":
             return {
                 "compile_step": bool(self.config.compile_decode),
-                "precompile": self.platform.kernel_precompiler(self.model, self.kv_pool.caches),
+                "precompile": self.platform.kernel_precompiler(as_module(self.model), self.kv_pool.caches),
                 "layer_fn": extend_step.layer_fn if extend_step is not None else None,
             }
         return {}
 
-    def _graph_runner(self, extend_step: CompiledExtendStep | None):
+    def _graph_runner(self, extend_step: CompiledExtendStep | None) -> DecodeRunner | None:
         if self.config.disable_graphs or self._graphs_unsupported():
             return None
         runner_cls = self.platform.graph_runner_class()
         max_pages = (self.max_model_len + self.kv_pool.page_size - 1) // self.kv_pool.page_size
         kwargs = self.graph_runner_options(extend_step)
-        runner = runner_cls(
+        runner: DecodeRunner = runner_cls(
             self.model,
             self.kv_pool.caches,
-            list(self.config.capture_sizes),
+            self.config.resolved_capture_sizes(),
             max_pages,
             self.kv_pool.page_size,
             self.device,
@@ -463,7 +469,7 @@ class Engine:
         factory = self.platform.prefill_runner_class()
         if factory is None or self.config.disable_graphs or self._graphs_unsupported():
             return None
-        runner = factory(
+        runner: PrefillRunner = factory(
             self.model,
             self.kv_pool.caches,
             self.kv_pool.page_size,
@@ -495,7 +501,7 @@ class Engine:
         runner = ExtendGraphRunner(
             step,
             buckets,
-            int(self.config.max_num_seqs),
+            self.config.positive_int("max_num_seqs"),
             max_pages,
             self.kv_pool.page_size,
             self.device,
@@ -725,6 +731,7 @@ class Engine:
         cut = None
         if request.grammar is not None and not request.grammar.accept_token(token):
             # Only a broken row (non-finite logits: the sampler's argmax fallback) can get here.
+            assert params.grammar is not None  # the request's matcher was compiled from it (GrammarWaitlist)
             self.scheduler.finish(request, "abort")
             self._requests.pop(request.request_id, None)
             return _output(
@@ -787,7 +794,7 @@ class Engine:
     # ---- batch APIs -------------------------------------------------------------------
     def stream(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat: bool = False,
     ) -> Iterator[RequestOutput]:
@@ -796,7 +803,7 @@ class Engine:
 
     def generate(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat: bool = False,
     ) -> list[RequestOutput]:
@@ -821,10 +828,10 @@ class Engine:
                 self.abort(request_id)
 
     def _add_all(
-        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None, chat: bool
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None, chat: bool
     ) -> list[str]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        if _is_one_prompt(prompts):
+            prompts = [prompts]
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
@@ -851,7 +858,10 @@ class Engine:
         consistency.py)."""
         self.kv_manager.check_invariant()
         if self.tp_ranks is not None:
-            self.runner.check_ranks(self)  # type: ignore[attr-defined]
+            from engine.distributed.runner import TensorParallelRunner
+
+            assert isinstance(self.runner, TensorParallelRunner)  # built with the ranks (_build)
+            self.runner.check_ranks(self)
 
     def kv_pages_in_use(self) -> int:
         """Pages held by live requests (cached pages nobody uses are free to evict, so not counted)."""
@@ -872,6 +882,11 @@ class _LaunchedStep:
     constrained: bool = False  # a request it samples has a grammar (its next mask needs this token)
 
 
+def _is_one_prompt(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
+    """A single prompt (text, or one list of token ids) rather than a batch of them."""
+    return isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+
+
 def _first_stop(text: str, stops: list[str], previous_len: int) -> int | None:
     """Index where the earliest stop string starts, searching only text that could be new."""
     best = None
@@ -882,7 +897,18 @@ def _first_stop(text: str, stops: list[str], previous_len: int) -> int | None:
     return best
 
 
-def _output(request: Request, finish_reason: str | None, **fields: object) -> RequestOutput:
+class _OutputFields(TypedDict, total=False):
+    """RequestOutput's optional fields, as _output passes them on."""
+
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[TokenLogprob] | None
+    new_logprobs: list[TokenLogprob] | None
+    prompt_logprobs: list[TokenLogprob | None] | None
+    error: str | None
+
+
+def _output(request: Request, finish_reason: str | None, **fields: Unpack[_OutputFields]) -> RequestOutput:
     """The request's output so far; finished when there is a finish reason."""
     return RequestOutput(
         request_id=request.request_id,
@@ -892,7 +918,7 @@ def _output(request: Request, finish_reason: str | None, **fields: object) -> Re
         text=request.output_text,
         finished=finish_reason is not None,
         finish_reason=finish_reason,
-        **fields,  # type: ignore[arg-type]
+        **fields,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,7 @@ def extend_forward_batch(
 ) -> ForwardBatch:
     """An extend message on the device: one transfer per tensor."""
 
-    def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+    def to_device(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
         return _to_device(values, dtype, device)
 
     meta = AttentionMetadata(

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import UnsupportedArchitectureError
 from engine.models.registry import model_class_for_type, supported_model_types
+
+if TYPE_CHECKING:
+    from engine.models.interface import CausalLM
 
 
 @dataclass
@@ -39,7 +42,7 @@ class ModelConfig:
     hf_config: Any = None  # the transformers config this was read from
 
     @property
-    def model_class(self) -> type:
+    def model_class(self) -> type[CausalLM]:
         """The class in engine/models/ that runs this config (engine/models/registry.py)."""
         cls = model_class_for_type(self.model_type, getattr(self.hf_config, "architectures", None))
         assert cls is not None, self.model_type  # from_hf refused the config otherwise
@@ -64,7 +67,7 @@ class ModelConfig:
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
-            model_type=model_type,
+            model_type=model_type or "",  # found by its architecture; transformers' configs always have one
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
             intermediate_size=hf_config.intermediate_size,

@@ -85,7 +85,7 @@ class RadixCache:
                 self.evictable_pages -= len(node.pages)
                 self.protected_pages += len(node.pages)
             node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
+            node = self._parent(node)
 
     def unlock(self, node: RadixNode) -> None:
         while node is not self.root:
@@ -95,7 +95,13 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.protected_pages -= len(node.pages)
                 self.evictable_pages += len(node.pages)
-            node = node.parent  # type: ignore[assignment]
+            node = self._parent(node)
+
+    @staticmethod
+    def _parent(node: RadixNode) -> RadixNode:
+        """The parent of a node below the root (only the root has none)."""
+        assert node.parent is not None, "radix cache: a node below the root without a parent"
+        return node.parent
 
     # ---- eviction ---------------------------------------------------------------------
     def evict(self, num_pages: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
@@ -64,7 +65,7 @@ class SamplingParams:
         bad_floats = [name for name in floats if not _is_finite_number(getattr(self, name))]
         for name in bad_floats:
             problems.append(f"{name} must be a finite number, got {getattr(self, name)!r}")
-        checks = {
+        checks: dict[str, tuple[Callable[[float], bool], str]] = {
             "temperature": (lambda v: v >= 0, "must be >= 0"),
             "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
             "min_p": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),

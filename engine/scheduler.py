@@ -64,7 +64,10 @@ def max_step_tokens(
 def max_step_tokens_for(config: EngineConfig) -> int:
     """max_step_tokens of the scheduler a resolved config builds."""
     return max_step_tokens(
-        int(config.max_num_seqs), int(config.max_prefill_tokens), config.chunked_prefill_size, bool(config.mixed_steps)
+        config.positive_int("max_num_seqs"),
+        config.positive_int("max_prefill_tokens"),
+        config.chunked_prefill_size,
+        bool(config.mixed_steps),
     )
 
 
@@ -268,10 +271,11 @@ class Scheduler:
 
     def _schedule_extend(self, decode_tokens: int = 0) -> ScheduledStep | None:
         """decode_tokens: tokens of this step already taken by decodes (a mixed step)."""
-        budget = min(self.max_prefill_tokens, self.chunked_prefill_size or self.max_prefill_tokens)
-        stall_budget = self._time_budget()
-        timed = stall_budget is not None and self.chunked_prefill_size is not None
-        if timed:
+        # Prompt tokens this step may still take; fractional once weighted tokens (_token_weight) are taken.
+        budget: float = min(self.max_prefill_tokens, self.chunked_prefill_size or self.max_prefill_tokens)
+        stall_budget = self._time_budget() if self.chunked_prefill_size is not None else None
+        timed = stall_budget is not None
+        if stall_budget is not None:
             budget = min(budget, stall_budget)
         if decode_tokens:
             # Never below MIN_EXTEND_BUDGET: a full decode batch must not starve prefill for good.
@@ -391,7 +395,11 @@ class Scheduler:
     def _cheapest_to_redo(self) -> Request:
         candidates = list(self.running) + ([self.chunked] if self.chunked is not None else [])
         # Fewest tokens to recompute; among equals the newest (it has waited least).
-        return min(reversed(candidates), key=lambda r: r.num_tokens if r is not self.chunked else r.num_cached_tokens)
+        return min(reversed(candidates), key=self._tokens_to_redo)
+
+    def _tokens_to_redo(self, request: Request) -> int:
+        """What retracting the request makes it compute again (the chunked one: its chunks so far)."""
+        return request.num_cached_tokens if request is self.chunked else request.num_tokens
 
     def _retract(self, request: Request) -> None:
         self.kv.release(request)  # computed pages stay cached; the decode row goes with the pages

@@ -13,6 +13,7 @@ waited on only when the values are needed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -21,13 +22,13 @@ def _pins(device: torch.device) -> bool:
     return device.type == "cuda"  # HIP builds report "cuda" too; pinned memory is a CUDA-runtime feature
 
 
-def host_tensor(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def host_tensor(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A CPU tensor of values, in pinned memory when it is going to a CUDA device."""
     tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     return tensor.pin_memory() if _pins(device) else tensor
 
 
-def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """values on `device` without waiting for the device's queued work."""
     tensor = host_tensor(values, dtype, device)
     if device.type == "cpu":

@@ -15,7 +15,7 @@ Triton and CPU backends inherit it unchanged).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, runtime_checkable
 
 import torch
 
@@ -106,8 +106,13 @@ HOOK_NAMES = (
 )
 
 
+def _implements_hooks(backend: object) -> TypeGuard[CaptureHooks]:
+    """Whether the backend has every hook of CaptureHooks (HOOK_NAMES), callable."""
+    return backend is not None and all(callable(getattr(backend, name, None)) for name in HOOK_NAMES)
+
+
 def capture_hooks_for(backend: object) -> CaptureHooks:
     """The backend itself where it implements every hook, else the default (StaticDecodeBuffers)."""
-    if backend is not None and all(callable(getattr(backend, name, None)) for name in HOOK_NAMES):
-        return backend  # type: ignore[return-value]
+    if _implements_hooks(backend):
+        return backend
     return DEFAULT_HOOKS

@@ -87,7 +87,7 @@ class CompiledExtendStep:
         ):
             for layer, (k_cache, v_cache) in zip(self.model.decoder_layers(), self.kv_caches):
                 hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, layer_meta)
-        if not self.guard.warm:
+        if compiled is not None:  # the first call: not warm
             graphs = compile_count() - before
             if graphs:
                 logger.info(

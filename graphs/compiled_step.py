@@ -74,7 +74,8 @@ def _layer_step(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    return layer(positions, hidden, (k_cache, v_cache), meta)
+    out: torch.Tensor = layer(positions, hidden, (k_cache, v_cache), meta)
+    return out
 
 
 def _head_step(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
@@ -109,7 +110,8 @@ def compile_limits(entries: int) -> AbstractContextManager[Any]:
         if name in names:
             wanted = entries if "accumulated" not in name else 8 * entries
             changes[name] = max(int(getattr(config, name)), wanted)
-    return config.patch(changes)
+    patch: AbstractContextManager[Any] = config.patch(changes)
+    return patch
 
 
 _copies = itertools.count()

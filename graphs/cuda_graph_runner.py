@@ -30,7 +30,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -40,6 +40,12 @@ from engine.layers.moe import SparseMoE
 from graphs.compile_report import compile_report
 from graphs.compiled_step import CompiledDecodeStep, compile_count
 from graphs.runner import DecodeGraphRunner
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # the type torch.cuda.graph_pool_handle() returns
+
+    from engine.layers.attention import AttentionMetadata
+    from engine.models.interface import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +83,7 @@ class CudaGraphRunner(DecodeGraphRunner):
         self,
         *args: Any,
         compile_step: bool = False,
-        precompile: Callable[[list], Callable[[], None]] | None = None,
+        precompile: Callable[[list[AttentionMetadata]], Callable[[], None]] | None = None,
         layer_fn: Callable[..., torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -111,7 +117,7 @@ class CudaGraphRunner(DecodeGraphRunner):
         # size's output always was for two steps of the same size).
         self.logits: torch.Tensor | None = None
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None
         # The stream the graphs were captured on: the extend buckets capture on it too (Engine._extend_graphs),
         # since the caching allocator hands a pool's freed blocks only to allocations on the stream that freed them.
         self.capture_stream: torch.cuda.Stream | None = None
@@ -205,7 +211,7 @@ class CudaGraphRunner(DecodeGraphRunner):
         return self.outputs[bs]
 
 
-def batch1_in_two_rows(model: torch.nn.Module) -> bool:
+def batch1_in_two_rows(model: CausalLM) -> bool:
     """Whether batch 1 is captured over two rows (see the module docstring): not for MoE models, and not
     with ENGINE_CUDA_BATCH1_IN_TWO_ROWS=0."""
     if os.environ.get(BATCH1_IN_TWO_ROWS_ENV, "1") == "0":

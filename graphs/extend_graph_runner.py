@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -37,12 +38,17 @@ from engine.layers.attention import AttentionMetadata, step_context
 from graphs.buckets import smallest_bucket_at_least
 from graphs.cuda_graph_runner import WARMUP_RUNS, free_device_memory, frozen_gc
 
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # the type torch.cuda.graph_pool_handle() returns
+
+    from engine.models.interface import CausalLM, KVCache
+
 logger = logging.getLogger(__name__)
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 
-def eager_extend_step(model: torch.nn.Module, kv_caches: list) -> StepFn:
+def eager_extend_step(model: CausalLM, kv_caches: list[KVCache]) -> StepFn:
     """The model's eager forward as a StepFn (what an extend graph captures when compile_extend is off)."""
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -110,7 +116,7 @@ class ExtendGraphRunner:
         self.page_table.zero_()
 
     @torch.no_grad()
-    def capture(self, pool: object | None = None, stream: torch.cuda.Stream | None = None) -> None:
+    def capture(self, pool: _POOL_HANDLE | None = None, stream: torch.cuda.Stream | None = None) -> None:
         """Capture every bucket, largest first, into `pool` (a new one when None) on `stream`. Pass the
         decode graphs' pool and capture stream together: the caching allocator reuses a pool's freed blocks
         only for allocations on the stream that freed them, so on a stream of their own the buckets' graphs

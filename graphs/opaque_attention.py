@@ -57,12 +57,24 @@ def _step_attention(
     if current is None:
         raise RuntimeError("engine::step_attention called outside attention_context (no step metadata)")
     backend, meta = current  # the step's own metadata, unmarked: the backend runs attention itself
-    return backend.forward(
+    out: torch.Tensor = backend.forward(
         q, k, v, k_cache, v_cache, meta, scale, **attention_extras(window, softcap, k_scale, v_scale)
     )
+    return out
 
 
-def _step_attention_fake(q, k, v, k_cache, v_cache, scale, window=0, softcap=0.0, k_scale=None, v_scale=None):
+def _step_attention_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     return torch.empty_like(q)
 
 

@@ -8,10 +8,12 @@ a check that the engine is idle and its KV pool balances (see `_kv_guard`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import importlib
 import importlib.util
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -355,7 +357,9 @@ _ENGINES: dict[tuple, Engine] = {}
 
 
 def _key(model: str | None, kwargs: dict[str, Any]) -> tuple:
-    return (model, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+    # The CPU fast-path switches decide what an engine is built with (cpu_fast_paths_off), so they are part of it.
+    switches = tuple(os.environ.get(name, "") for name in FAST_PATHS_OFF)
+    return (model, tuple(sorted((k, str(v)) for k, v in kwargs.items())), switches)
 
 
 @pytest.fixture(scope="session")
@@ -471,6 +475,26 @@ def pytest_configure(config: pytest.Config) -> None:
     device = selected_device()
     if device in DEVICES and (why := device_missing(device)):
         raise pytest.UsageError(f"{TEST_DEVICE_ENV}={device}, but this machine cannot run the {device} tests: {why}")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the native CPU kernels once, in the main process, before any xdist worker starts: each library is
+    cached by the hash of its sources and this CPU's flags (backends/cpu/native.py), so the workers and the
+    servers they start load it instead of each compiling it at once (~25 s of gcc on a cold 2-core machine)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    from backends.cpu import native
+
+    if native.native_kernels_enabled() and shutil.which("gcc"):
+        with concurrent.futures.ThreadPoolExecutor() as pool:  # each build waits on gcc processes
+            list(pool.map(native.build, native.library_names()))
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (setup.cfg): one worker per core, at least 2 and at most 4. Many tests wait on a server or a
+    subprocess rather than the CPU, so 2 workers pay off even on one core; each worker holds its own engines
+    (~1 GiB), so more than 4 costs memory for little."""
+    return max(2, min(4, os.cpu_count() or 1))
 
 
 def device_skip_reason(item: pytest.Item, selected: str | None) -> str | None:

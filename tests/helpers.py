@@ -28,11 +28,23 @@ def graph_options(page_size: int, capture_sizes: str = "1,2,4") -> dict[str, Any
     )
 
 
-def get_engine(engine_cache: Callable[..., Engine], model: str | None, mode: str, page_size: int) -> Engine:
+# The two step loops: the CPU default (each step's tokens read before the next is scheduled, decode and prefill
+# in steps of their own) and the CUDA default (step N+1 launched before step N's tokens are read, decode rows
+# and prefill chunks in one step), with the KV invariant checked after every step. A test of something the
+# loop could change (tokens, stops, retraction, failure isolation) runs under both.
+LOOPS: dict[str, dict[str, Any]] = {
+    "sync": {},
+    "overlap+mixed": {"overlap_schedule": True, "mixed_steps": True, "debug_kv_invariant": True},
+}
+
+
+def get_engine(
+    engine_cache: Callable[..., Engine], model: str | None, mode: str, page_size: int, **options: Any
+) -> Engine:
     """The shared engine of a (model, eager|graphs, page size) case; max 4 sequences in both modes."""
     if mode == "graphs":
-        return engine_cache(model, **graph_options(page_size))
-    return engine_cache(model, page_size=page_size, max_num_seqs=4)
+        return engine_cache(model, **graph_options(page_size), **options)
+    return engine_cache(model, page_size=page_size, max_num_seqs=4, **options)
 
 
 def greedy(max_tokens: int = NEW_TOKENS, **kwargs: Any) -> SamplingParams:

@@ -8,10 +8,12 @@ the tokens it would have had alone (float32, eager: batch-invariant here).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from helpers import LOOPS
 
 import engine.model_runner as model_runner
 from engine.engine import Engine
@@ -104,11 +106,12 @@ def _params(index: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.mark.parametrize("culprit", [0, 5, 7])
+@pytest.mark.parametrize("culprit,loop", [(0, "sync"), (5, "sync"), (7, "sync"), (5, "overlap+mixed")])
 def test_a_step_that_fails_fails_only_its_culprit(
-    smol_engine: Engine, monkeypatch: pytest.MonkeyPatch, culprit: int
+    engine_cache: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch, culprit: int, loop: str
 ) -> None:
     """8 requests in one batch, one of which makes sampling raise (in prefill, then in decode)."""
+    smol_engine = engine_cache(None, **LOOPS[loop])
     solo = [_solo(smol_engine, prompt, _params(i)) for i, prompt in enumerate(PROMPTS)]
     real_sample = model_runner.sample
     poisoned_id = f"poisoned-{culprit}"

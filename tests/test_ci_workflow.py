@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-
-from tests.test_docker_lint import linter, shellcheck_available
+from test_docker_lint import linter, shellcheck_available
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"

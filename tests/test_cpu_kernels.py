@@ -1,9 +1,10 @@
 """The CPU's native kernels (backends/cpu/kernels/*.c) against torch references.
 
 No skips: gcc is already a requirement of the CPU graph path (inductor compiles C++ with it), so
-the kernels must build wherever the tests run, unless the environment switches them off
-(ENGINE_CPU_NATIVE_KERNELS=0, as CI's second pass does), and then the same tests check the torch
-fallback. Which paths exist is asked exactly as the engine asks (backends/cpu/features.py): the bf16
+the kernels must build wherever the tests run. Every test runs twice: with this CPU's fast paths, and with
+them all switched off (`cpu_fast_paths_off`: no native kernels, no oneDNN packing, no CPU features), where
+the same assertions hold the torch fallbacks a bare CPU takes. Which paths exist is asked exactly as the
+engine asks (backends/cpu/features.py): the bf16
 GEMV where the CPU has AVX512-BF16, oneDNN bf16 packing where it has AVX512BW/VL/DQ or
 AVX-NE-CONVERT; the linear tests go through the engine's op, so they check whichever path runs.
 """
@@ -30,6 +31,12 @@ from backends.cpu.packed_linear import (
 )
 from engine.layers.linear import Linear
 from engine.layers.torch_attention import paged_decode_attention
+
+
+@pytest.fixture(autouse=True, params=["fast-paths-on", "fast-paths-off"])
+def fast_paths(request: pytest.FixtureRequest) -> None:
+    if request.param == "fast-paths-off":
+        request.getfixturevalue("cpu_fast_paths_off")
 
 
 def test_the_kernels_build_here() -> None:

@@ -227,9 +227,10 @@ def test_extend_graphs_give_the_tokens_of_compiled_and_eager_extend_steps(tmp_pa
     eager extend steps, float32."""
     import random
 
+    from helpers import run_staggered
+
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
-    from tests.helpers import run_staggered
 
     model = _tiny_llama(tmp_path, max_positions=4096)
     rng = random.Random(5)
@@ -274,10 +275,11 @@ def test_strict_mode_never_recompiles_over_a_long_mixed_workload_on_cuda_graphs(
     dynamo compiles nothing after warm-up, and strict mode would raise if it did."""
     import random
 
+    from helpers import run_staggered
+
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
     from graphs.compiled_step import compile_count
-    from tests.helpers import run_staggered
 
     engine = Engine(
         model=_tiny_llama(tmp_path, max_positions=4096),
@@ -313,10 +315,11 @@ def test_decode_steps_above_the_graphs_run_the_compiled_layers_on_cuda(tmp_path)
     mixed steps on; the tokens of eager steps (float32)."""
     import random
 
+    from helpers import run_staggered
+
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
     from graphs.compiled_step import compile_count
-    from tests.helpers import run_staggered
 
     model = _tiny_llama(tmp_path)
     rng = random.Random(11)
@@ -354,11 +357,12 @@ def test_decode_steps_above_the_graphs_run_the_compiled_layers_on_cuda(tmp_path)
 def test_moe_model_replays_cuda_graphs_with_the_fused_experts(tmp_path) -> None:
     """Mixtral (tiny, random) on CUDA: the fused Triton experts inside captured decode graphs and compiled
     extend steps give the tokens of eager steps, and of the torch experts op."""
+    from conftest import build_tiny_checkpoint
+
     from backends.cuda.moe_method import TRITON_FUSED_MOE
     from engine.engine import Engine
     from engine.layers.moe import TORCH_EXPERTS, SparseMoE
     from engine.sampling_params import SamplingParams
-    from tests.conftest import build_tiny_checkpoint
 
     model = build_tiny_checkpoint("mixtral", str(tmp_path / "mixtral"))
     prompts = [[1, 5, 9], [7] * 40, list(range(3, 90)), [2, 4, 8, 16, 32, 64, 128]]
@@ -390,11 +394,11 @@ def test_moe_model_replays_cuda_graphs_with_the_fused_experts(tmp_path) -> None:
 def test_gemma2_soft_capped_attention_on_cuda_graphs(tmp_path) -> None:
     """Gemma 2 (tiny, random): the Triton kernels' soft-capped scores and per-layer windows inside decode
     graphs and compiled extend steps, against eager steps and against transformers, float32 greedy."""
+    from conftest import build_tiny_checkpoint
     from transformers import AutoModelForCausalLM
 
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
-    from tests.conftest import build_tiny_checkpoint
 
     model = build_tiny_checkpoint("gemma2", str(tmp_path / "gemma2"))
     prompts = [[1, 5, 9], [7] * 40, list(range(3, 90)), [2, 4, 8, 16, 32, 64, 128]]

@@ -11,13 +11,13 @@ the padding must write nowhere but slot 0.
 from __future__ import annotations
 
 import torch
+from test_triton_kernels import DEVICE, kernel_mode
 
 from engine.forward_batch import build_forward_batch
 from engine.layers.attention import AttentionMetadata
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from graphs.extend_graph_runner import ExtendGraphRunner
-from tests.test_triton_kernels import DEVICE, kernel_mode
 
 HEADS, KV_HEADS, DIM, PAGE = 4, 2, 32, 16
 

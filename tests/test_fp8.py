@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import build_tiny_checkpoint
 from safetensors.torch import load_file, save_file
+from triton_interpreter import interpreter_mode
 
 from engine import Engine, SamplingParams
 from engine.errors import ModelLoadError
@@ -30,8 +32,6 @@ from engine.quantization.fp8 import (
     fp8_reference_linear,
     quantize_per_channel,
 )
-from tests.conftest import build_tiny_checkpoint
-from tests.triton_interpreter import interpreter_mode
 
 ON_GPU = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability() >= (8, 9)
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -231,7 +231,7 @@ PROMPTS = [[5, 17, 33, 2, 91, 14, 7], [40, 41, 42, 43, 3, 9, 11, 60, 61, 62, 63]
 
 def _run(model: str, **options: Any) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy ids of PROMPTS and the last-position logits of the first, eager on the CPU (float32)."""
-    from tests.helpers import engine_logits
+    from helpers import engine_logits
 
     engine = Engine(
         model=model,
@@ -306,7 +306,7 @@ def test_online_fp8_quantization_of_a_dense_checkpoint(checkpoints: dict[str, tu
     # On the CPU the FP8 weights are dequantized once: exactly quantize_per_channel's values.
     assert torch.equal(layer.mlp.down_proj.weight, dequantize(quantized, scale, torch.float32))
     assert torch.equal(engine.model.lm_head.weight, checkpoint_tensors(dense)["lm_head.weight"])
-    from tests.helpers import engine_logits
+    from helpers import engine_logits
 
     logits, _ = engine_logits(engine, PROMPTS[0], 3)
     _, reference = _run(dense)
@@ -431,7 +431,7 @@ def test_fp8_kv_cache_on_cuda(checkpoints: dict[str, tuple[str, str]]) -> None:
     bf16 the compiled graphs and eager round differently, and e4m3 turns such a difference into a
     different cached value often enough to change a random tiny model's argmax.)"""
     _, dense = checkpoints["llama-dense"]
-    from tests.helpers import engine_logits
+    from helpers import engine_logits
 
     logits = {}
     for kv_dtype, graphs in (("bfloat16", False), ("fp8_e4m3", False), ("fp8_e4m3", True)):

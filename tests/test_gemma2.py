@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from conftest import track
 
 from engine.engine import Engine
 from engine.errors import UnsupportedArchitectureError
 from engine.layers.attention import Attention
 from engine.layers.torch_attention import TorchAttentionBackend
-from tests.conftest import track
 
 
 def test_each_layer_gets_its_window_and_the_caps(tiny_checkpoints: dict[str, str]) -> None:

@@ -10,8 +10,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn.functional as F
-
-from tests.triton_interpreter import interpreter_mode
+from triton_interpreter import interpreter_mode
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

@@ -11,13 +11,13 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import build_tiny_checkpoint, track
+from gguf_files import write_gguf
+from helpers import run_staggered
 
 from engine.engine import Engine
 from engine.errors import ModelLoadError
 from engine.sampling_params import SamplingParams
-from tests.conftest import build_tiny_checkpoint, track
-from tests.gguf_files import write_gguf
-from tests.helpers import run_staggered
 
 # (tiny spec, overrides). Gemma's query scale is not in GGUF metadata: llama.cpp uses key_length. A Gemma 3
 # GGUF cannot say which layers are global (llama.cpp fixes every sixth) nor the local rope base (10k).

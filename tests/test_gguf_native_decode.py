@@ -20,15 +20,15 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import build_tiny_checkpoint, track
+from gguf_files import write_gguf
+from helpers import engine_logits, run_staggered
 
 from backends.cpu.gguf_decode import NativeDecodeRunner
 from backends.cpu.platform import forget_cpu_paths
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from graphs.compiled_runner import CompiledDecodeRunner, compile_count
-from tests.conftest import build_tiny_checkpoint, track
-from tests.gguf_files import write_gguf
-from tests.helpers import engine_logits, run_staggered
 
 
 def require_kernels() -> None:

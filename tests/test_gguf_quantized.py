@@ -21,11 +21,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import track
 
 from backends.cpu import gguf_linear as gl
 from engine.engine import Engine
 from engine.errors import EngineError
-from tests.conftest import track
 
 FLOAT_PATHS = {"portable": 0, "avx2": 1, "avx512": 3}
 INT8_PATHS = {"portable": 0, "avx2": 1, "vnni256": 2, "avx512": 3}

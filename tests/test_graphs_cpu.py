@@ -31,12 +31,25 @@ def tiny_prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in (5, 16, 29, 2)]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("batch", [1, 3, 4])
-@pytest.mark.parametrize("model_name", ["smollm2", "qwen3"])
+@pytest.mark.parametrize(
+    "model_name,batch,page_size,loop",
+    [
+        *((name, batch, page, "sync") for name in ("smollm2", "qwen3") for batch in (1, 3, 4) for page in (1, 16)),
+        # The fallbacks inside the compiled graphs: the same tokens as the eager fallbacks.
+        ("qwen3", 3, 16, "fast-paths-off"),
+    ],
+)
 def test_compiled_decode_matches_eager(
-    engine_cache: Callable[..., Engine], tiny_checkpoints: dict[str, str], model_name: str, batch: int, page_size: int
+    request: pytest.FixtureRequest,
+    engine_cache: Callable[..., Engine],
+    tiny_checkpoints: dict[str, str],
+    model_name: str,
+    batch: int,
+    page_size: int,
+    loop: str,
 ) -> None:
+    if loop == "fast-paths-off":
+        request.getfixturevalue("cpu_fast_paths_off")
     model = None if model_name == "smollm2" else tiny_checkpoints[model_name]
     graphs = get_engine(engine_cache, model, "graphs", page_size)
     eager = get_engine(engine_cache, model, "eager", page_size)

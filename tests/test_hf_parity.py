@@ -4,6 +4,11 @@ Every comparison batches 4 prompts of different lengths that arrive at different
 (add_request between step() calls), at page sizes 1 and 16, eagerly and through the
 compiled decode graphs (capture sizes 1,2,4: decode batches of 1, 2 and 4 replay a graph of
 their own size, batches of 3 are padded to 4). The HF side runs each prompt alone, unpadded.
+
+Greedy cases also run in two variants of the CPU engine: `overlap+mixed` (the CUDA defaults' step loop:
+step N+1 launched before step N's tokens are read, decodes and prefill chunks in one step) and
+`fast-paths-off` (no native kernels, no oneDNN packing, no CPU features: the torch fallbacks a bare x86-64
+or aarch64 CPU takes). Every family runs both eagerly; a few run them through the compiled graphs too.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import (
+    LOOPS,
     NEW_TOKENS,
     engine_logits,
     get_engine,
@@ -31,6 +37,16 @@ from graphs.compiled_runner import compile_count
 MODES = [("eager", 16), ("eager", 1), ("graphs", 16)]
 # Graphs at page size 1 for the embedded model and two tiny families (compiles are the slow part).
 GRAPHS_PAGE_1 = ("graphs", 1)
+# The engine's variants besides its CPU defaults ("default"); see the module's docstring.
+VARIANTS = ("default", "overlap+mixed", "fast-paths-off")
+
+
+def variant_options(request: pytest.FixtureRequest, variant: str) -> dict[str, Any]:
+    """Engine options of a variant; fast-paths-off switches the CPU's fast paths off for this test."""
+    if variant == "fast-paths-off":
+        request.getfixturevalue("cpu_fast_paths_off")
+        return {}
+    return LOOPS["overlap+mixed"] if variant == "overlap+mixed" else {}
 
 
 def first_divergence(ours: list[int], theirs: list[int]) -> str:
@@ -81,11 +97,24 @@ def smol_reference(smol_hf: tuple[Any, Any]) -> tuple[list[list[int]], list[list
     return prompt_ids, [hf_greedy(model, ids) for ids in prompt_ids]
 
 
-@pytest.mark.parametrize("mode,page_size", [*MODES, GRAPHS_PAGE_1])
+@pytest.mark.parametrize(
+    "mode,page_size,variant",
+    [
+        *((*case, "default") for case in [*MODES, GRAPHS_PAGE_1]),
+        ("eager", 16, "overlap+mixed"),
+        ("graphs", 16, "overlap+mixed"),
+    ],
+)
 def test_smollm2_greedy_matches_hf(
-    engine_cache: Callable[..., Engine], smol_hf: tuple[Any, Any], smol_reference: tuple, mode: str, page_size: int
+    request: pytest.FixtureRequest,
+    engine_cache: Callable[..., Engine],
+    smol_hf: tuple[Any, Any],
+    smol_reference: tuple,
+    mode: str,
+    page_size: int,
+    variant: str,
 ) -> None:
-    engine = get_engine(engine_cache, None, mode, page_size)
+    engine = get_engine(engine_cache, None, mode, page_size, **variant_options(request, variant))
     prompt_ids, expected = smol_reference
     run = check_run(engine, mode, SMOL_PROMPTS, SMOL_ARRIVALS, expected)
     _, tokenizer = smol_hf
@@ -135,9 +164,16 @@ TINY_NAMES = [
 ]
 TINY_PROMPT_LENGTHS = [1, 7, 16, 37]  # one token, under a page, exactly a page, several pages
 TINY_ARRIVALS = [0, 2, 2, 5]
-TINY_CASES = [(name, mode, page) for name in TINY_NAMES for mode, page in MODES] + [
-    ("qwen2", *GRAPHS_PAGE_1),
-    ("qwen3", *GRAPHS_PAGE_1),
+TINY_CASES = [
+    *((name, mode, page, "default") for name in TINY_NAMES for mode, page in MODES),
+    ("qwen2", *GRAPHS_PAGE_1, "default"),
+    ("qwen3", *GRAPHS_PAGE_1, "default"),
+    # Each family in both variants eagerly; through the graphs, a dense and an MoE family with the step loop
+    # changed, and Gemma 2 (soft-caps, a sliding window) on the fallbacks.
+    *((name, "eager", 16, variant) for name in TINY_NAMES for variant in VARIANTS[1:]),
+    ("llama", "graphs", 16, "overlap+mixed"),
+    ("qwen3_moe", "graphs", 16, "overlap+mixed"),
+    ("gemma2", "graphs", 16, "fast-paths-off"),
 ]
 
 
@@ -161,17 +197,19 @@ def tiny_reference(hf_tiny: Callable[[str], Any]) -> Callable[[str], tuple[list[
     return get
 
 
-@pytest.mark.parametrize("name,mode,page_size", TINY_CASES)
+@pytest.mark.parametrize("name,mode,page_size,variant", TINY_CASES)
 def test_tiny_greedy_matches_hf(
+    request: pytest.FixtureRequest,
     engine_cache: Callable[..., Engine],
     tiny_checkpoints: dict[str, str],
     tiny_reference: Callable,
     name: str,
     mode: str,
     page_size: int,
+    variant: str,
 ) -> None:
     prompts, expected = tiny_reference(name)
-    engine = get_engine(engine_cache, tiny_checkpoints[name], mode, page_size)
+    engine = get_engine(engine_cache, tiny_checkpoints[name], mode, page_size, **variant_options(request, variant))
     check_run(engine, mode, prompts, TINY_ARRIVALS, expected)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import load_tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.hpu.attention import HpuAttentionBackend, HpuFlatMetadata, flat_paged_attention
@@ -21,7 +22,6 @@ from backends.hpu.graph_runner import HpuDecodeRunner, expected_shapes
 from backends.hpu.platform import HpuEngineRunner, HpuPlatform
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import TorchAttentionBackend, paged_decode_attention
-from tests.helpers import load_tiny_llama
 
 HEADS, KV_HEADS, DIM = 4, 2, 16  # GQA: two query heads per kv head
 SCALE = DIM**-0.5

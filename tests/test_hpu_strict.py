@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import load_tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.hpu.attention import (
@@ -30,7 +31,6 @@ from backends.hpu.graph_runner import HpuDecodeRunner, RecompileAfterWarmupError
 from backends.hpu.platform import HpuEngineRunner, HpuPlatform, configure_fp32_softmax
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import TorchAttentionBackend
-from tests.helpers import load_tiny_llama
 
 
 class FakeBridge:

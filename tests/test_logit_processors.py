@@ -6,13 +6,12 @@ from collections.abc import Callable
 
 import pytest
 from fastapi.testclient import TestClient
+from helpers import LOOPS
 
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.server.app import build_app
-
-LOOPS = {"sync": {}, "overlap+mixed": {"overlap_schedule": True, "mixed_steps": True, "debug_kv_invariant": True}}
 
 
 @pytest.fixture(params=list(LOOPS))

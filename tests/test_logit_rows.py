@@ -9,13 +9,13 @@ import random
 
 import pytest
 import torch
+from conftest import track
+from helpers import run_staggered
 
 from backends.cpu.platform import CpuPlatform
 from engine.engine import Engine
 from engine.logit_rows import LogitRowLadder
 from engine.sampling_params import SamplingParams
-from tests.conftest import track
-from tests.helpers import run_staggered
 
 
 def test_ladder_pads_to_the_next_size_and_keeps_rows_past_the_top() -> None:

@@ -13,12 +13,12 @@ import random
 from collections.abc import Callable
 
 import pytest
+from conftest import track
+from helpers import run_staggered
+from test_prefix_cache import shared_prefix_workload
 
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from tests.conftest import track
-from tests.helpers import run_staggered
-from tests.test_prefix_cache import shared_prefix_workload
 
 
 def tiny(path: str, **options: object) -> Engine:

@@ -6,12 +6,12 @@ import os
 
 import pytest
 import torch
+from conftest import build_tiny_checkpoint, track
 from safetensors.torch import load_file, save_file
 
 from engine.engine import Engine
 from engine.errors import ModelLoadError
 from engine.layers.moe import SparseMoE, moe_experts
-from tests.conftest import build_tiny_checkpoint, track
 
 
 def test_experts_op_equals_every_expert_weighted_densely() -> None:
@@ -61,9 +61,10 @@ def test_a_missing_expert_tensor_is_one_error_naming_it(tmp_path) -> None:
 def test_the_fused_triton_experts_give_the_torch_method_s_tokens(tiny_checkpoints: dict[str, str], model: str) -> None:
     """The CUDA experts method (backends/cuda/moe_method.py, here in Triton's CPU interpreter) in a whole
     engine: the same greedy tokens as the torch experts op, and the model then counts as capturable."""
+    from helpers import greedy
+    from triton_interpreter import interpreter_mode
+
     from backends.cuda.moe_method import use_fused_moe
-    from tests.helpers import greedy
-    from tests.triton_interpreter import interpreter_mode
 
     prompts = [[5, 9, 14, 200], list(range(3, 40)), [7] * 11]
     tokens = {}

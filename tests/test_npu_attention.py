@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import load_tiny_llama
 
 import backends.npu.attention as npu_attention
 from backends.npu.attention import NpuDecodeMetadata, paged_attention_args, paged_attention_reference
 from backends.npu.platform import NpuEngineRunner, NpuPlatform
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import TorchAttentionBackend, paged_decode_attention
-from tests.helpers import load_tiny_llama
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 SCALE = DIM**-0.5

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from conftest import build_tiny_checkpoint, track
+from test_sliding_window import hf_greedy
 
 from engine.engine import Engine
 from engine.errors import ModelLoadError
 from engine.sampling_params import SamplingParams
-from tests.conftest import build_tiny_checkpoint, track
-from tests.test_sliding_window import hf_greedy
 
 HALF_DIM = 8  # head_dim 16 (hidden 64 / 4 heads) -> 8 rotary frequencies
 

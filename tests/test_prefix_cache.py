@@ -13,12 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from conftest import build_tiny_checkpoint, track
+from helpers import LOOPS, StepRecorder
 
 from engine.engine import Engine
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from tests.conftest import build_tiny_checkpoint, track
-from tests.helpers import StepRecorder
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -69,11 +69,13 @@ def tiny_engine(path: str, **options: Any) -> Engine:
     return track(Engine(model=path, **{**kwargs, **options}))
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_prefix_cache_gives_identical_tokens_and_less_prefill(tiny_checkpoints: dict[str, str], page_size: int) -> None:
+@pytest.mark.parametrize("page_size,loop", [(1, "sync"), (16, "sync"), (16, "overlap+mixed")])
+def test_prefix_cache_gives_identical_tokens_and_less_prefill(
+    tiny_checkpoints: dict[str, str], page_size: int, loop: str
+) -> None:
     path = tiny_checkpoints["llama"]
-    cached = tiny_engine(path, page_size=page_size)
-    plain = tiny_engine(path, page_size=page_size, enable_prefix_caching=False)
+    cached = tiny_engine(path, page_size=page_size, **LOOPS[loop])
+    plain = tiny_engine(path, page_size=page_size, enable_prefix_caching=False, **LOOPS[loop])
     prompts, arrivals = shared_prefix_workload(cached.model_config.vocab_size)
     with_cache = run_arrivals(cached, prompts, arrivals, GREEDY)
     without = run_arrivals(plain, prompts, arrivals, GREEDY)
@@ -203,9 +205,12 @@ def test_decode_runs_between_the_chunks_of_a_long_prompt(long_context_model: str
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("page_size,prefix_cache", [(1, True), (16, True), (16, False)])
+@pytest.mark.parametrize(
+    "page_size,prefix_cache,loop",
+    [(1, True, "sync"), (16, True, "sync"), (16, False, "sync"), (16, True, "overlap+mixed")],
+)
 def test_tight_pool_retracts_and_still_gives_the_same_tokens(
-    tiny_checkpoints: dict[str, str], page_size: int, prefix_cache: bool
+    tiny_checkpoints: dict[str, str], page_size: int, prefix_cache: bool, loop: str
 ) -> None:
     path = tiny_checkpoints["qwen3"]
     rng = random.Random(4)
@@ -213,7 +218,9 @@ def test_tight_pool_retracts_and_still_gives_the_same_tokens(
     params = [SamplingParams(max_tokens=rng.randint(20, 48), temperature=0.0, ignore_eos=True) for _ in prompts]
     params[3] = SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True)  # seeded sampling survives too
     roomy = tiny_engine(path, page_size=page_size, enable_prefix_caching=prefix_cache)
-    tight = tiny_engine(path, page_size=page_size, kv_cache_tokens=96, enable_prefix_caching=prefix_cache)
+    tight = tiny_engine(
+        path, page_size=page_size, kv_cache_tokens=96, enable_prefix_caching=prefix_cache, **LOOPS[loop]
+    )
     expected = [o.token_ids for o in roomy.generate(prompts, params)]
     got = tight.generate(prompts, params)
     assert [o.token_ids for o in got] == expected

@@ -9,13 +9,13 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from triton_interpreter import interpreter_mode
 
 from backends.cuda.triton_penalties import apply_penalties_
 from engine.batch_state import PenaltyState
 from engine.request import Request
 from engine.sampler import _apply_penalties
 from engine.sampling_params import SamplingParams
-from tests.triton_interpreter import interpreter_mode
 
 # CUDA or ROCm: HIP devices are torch "cuda" devices, and Triton compiles the kernels for both.
 ON_GPU = torch.cuda.is_available()

@@ -15,12 +15,12 @@ import random
 
 import pytest
 import torch
+from conftest import build_tiny_checkpoint, track
+from helpers import run_staggered
 
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
-from tests.conftest import build_tiny_checkpoint, track
-from tests.helpers import run_staggered
 
 WINDOW = 24
 

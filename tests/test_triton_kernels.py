@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from triton_interpreter import interpreter_mode
 
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import extend_attention
-from tests.triton_interpreter import interpreter_mode
 
 # CUDA or ROCm: HIP devices are torch "cuda" devices, and Triton compiles the kernels for both.
 ON_GPU = torch.cuda.is_available()

@@ -15,10 +15,10 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from triton_interpreter import interpreter_mode
 
 from backends.cuda.triton_moe import MoeTile, fused_moe, max_sorted_blocks, moe_align_block_size
 from engine.layers.moe import moe_experts
-from tests.triton_interpreter import interpreter_mode
 
 # CUDA or ROCm: HIP devices are torch "cuda" devices, and Triton compiles the kernels for both.
 ON_GPU = torch.cuda.is_available()

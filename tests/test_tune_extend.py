@@ -182,10 +182,11 @@ def test_memory_budget_limits_the_extend_buckets(tmp_path) -> None:
 
 @pytest.mark.cuda
 def test_tune_capture_extend_measures_and_the_engine_captures_exactly_its_buckets(tmp_path) -> None:
+    from test_cuda import ENGINE_DEVICE, _tiny_llama
+
     from engine.cli import main
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
-    from tests.test_cuda import ENGINE_DEVICE, _tiny_llama
 
     model = _tiny_llama(tmp_path / "model")
     output = str(tmp_path / "extend.yaml")

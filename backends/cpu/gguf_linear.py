@@ -313,11 +313,9 @@ def keep_gguf_blocks(model: nn.Module, path: str, activations: str = "float32") 
     decode kernels take their inputs (ACTIVATIONS)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"GGUF activations must be one of {ACTIVATIONS}, got {activations!r}")
-    import gguf
+    from engine.loader.weights import gguf_arch, gguf_name_to_hf, open_gguf, unpermute_rope_rows
 
-    from engine.loader.weights import gguf_arch, gguf_name_to_hf, unpermute_rope_rows
-
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     arch = gguf_arch(reader)
     config = model.config
     parts: dict[str, dict[Any, tuple[str, np.ndarray]]] = {}

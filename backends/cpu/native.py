@@ -65,6 +65,12 @@ LIBRARIES = {
 }
 
 
+def library_names() -> list[str]:
+    """Every library kernels/ builds: the groups of LIBRARIES, then each other .c file alone."""
+    grouped = {part for parts in LIBRARIES.values() for part in parts}
+    return [*LIBRARIES, *sorted(p.stem for p in KERNEL_DIR.glob("*.c") if p.stem not in grouped)]
+
+
 def _sources(name: str) -> list[Path]:
     return [KERNEL_DIR / f"{part}.c" for part in LIBRARIES.get(name, (name,))]
 

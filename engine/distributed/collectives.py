@@ -56,12 +56,14 @@ define_op("tp_all_gather", "(Tensor x) -> Tensor", _all_gather, _all_gather_fake
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of x over the tensor-parallel ranks (every rank gets it)."""
-    return torch.ops.engine.tp_all_reduce(x)
+    total: torch.Tensor = torch.ops.engine.tp_all_reduce(x)
+    return total
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Every rank's x side by side along the last dimension, in rank order."""
-    return torch.ops.engine.tp_all_gather(x)
+    gathered: torch.Tensor = torch.ops.engine.tp_all_gather(x)
+    return gathered
 
 
 def min_over_ranks(value: int) -> int:

@@ -168,7 +168,8 @@ class RankGroup:
                 self._changed.wait(0.5)
         if "error" in outcome:
             raise self.failure(outcome["error"])
-        return outcome["state"]
+        state: TensorParallelState = outcome["state"]
+        return state
 
     def wait_ready(self) -> None:
         """Every worker has built its engine (model, KV pool, graphs) and waits for steps."""

@@ -12,6 +12,7 @@ so the message stays O(batch) per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import torch
@@ -37,6 +38,14 @@ class WireStep:
 
 def _pack(tensor: torch.Tensor | None) -> bytes | None:
     return None if tensor is None else tensor.numpy().tobytes()
+
+
+@overload
+def _unpack(data: bytes, rows: int, device: torch.device) -> torch.Tensor: ...
+
+
+@overload
+def _unpack(data: bytes | None, rows: int, device: torch.device) -> torch.Tensor | None: ...
 
 
 def _unpack(data: bytes | None, rows: int, device: torch.device) -> torch.Tensor | None:

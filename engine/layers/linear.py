@@ -66,6 +66,9 @@ DENSE = DenseLinearMethod()
 class Linear(nn.Linear):
     """nn.Linear whose matmul is `self.method`; `parts`: the row sizes of a fused projection."""
 
+    # An FP8 layer's scale parameter (engine/quantization/fp8.py sets it; others have none).
+    weight_scale: torch.Tensor
+
     def __init__(
         self,
         in_features: int,

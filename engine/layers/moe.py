@@ -69,7 +69,9 @@ def moe_experts(
     return out
 
 
-def _moe_experts_fake(hidden, gate_up, down, expert_ids, weights):
+def _moe_experts_fake(
+    hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     return torch.empty_like(hidden)
 
 

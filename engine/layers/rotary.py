@@ -36,6 +36,10 @@ def rope_inverse_frequencies(
 class RotaryEmbedding(nn.Module):
     """Applies RoPE (rotate-half convention, as HF Llama/Qwen) to q and k."""
 
+    # float32 [max_positions, head_dim] tables: buffers, registered in __init__.
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -217,7 +217,7 @@ class TorchAttentionBackend:
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype  # of the KV cache (what q is cast to), for the additive mask
 
-    def step_context(self, meta: AttentionMetadata):
+    def step_context(self, meta: AttentionMetadata) -> AbstractContextManager[DecodePlan | None]:
         """Around one forward pass: decode steps share one DecodePlan across layers."""
         return decode_plan(meta, self.dtype) if meta.is_decode else nullcontext()
 

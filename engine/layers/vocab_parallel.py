@@ -60,7 +60,11 @@ class ParallelLMHead(Linear):
         return logits
 
 
-def vocab_embedding(vocab_size: int, hidden_size: int) -> nn.Module:
+# The token embedding vocab_embedding gives.
+TokenEmbedding = nn.Embedding | VocabParallelEmbedding
+
+
+def vocab_embedding(vocab_size: int, hidden_size: int) -> TokenEmbedding:
     """The token embedding: nn.Embedding at world size 1, split by vocabulary otherwise."""
     if tp_state().world_size == 1:
         return nn.Embedding(vocab_size, hidden_size)

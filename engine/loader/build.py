@@ -51,6 +51,8 @@ def load_model(
     # Built on the meta device, then materialised once on the target: no wasted random init.
     with torch.device("meta"):
         model = config.model_class(config)
+    if not isinstance(model, torch.nn.Module):
+        raise ModelLoadError(f"{type(model).__name__} is not a torch.nn.Module, as every model family must be")
     model = model.to(dtype=dtype)
     if quant is not None:
         layers = make_fp8_layers(model, quant)

@@ -115,12 +115,20 @@ class LazyTensor(Protocol):
         """The whole tensor."""
 
 
-def column_parallel_loader(part_rows: dict[Hashable, tuple[int, int]], shards: dict[Hashable, Shard]) -> WeightLoader:
+# What a checkpoint's weight iterators yield: a tensor, or (tensor parallelism) one not read yet.
+CheckpointTensor = torch.Tensor | LazyTensor
+# A WeightLoader for a parameter set to read lazily (set_weight_loader's reads_lazily): the tensor may come unread.
+LazyWeightLoader = Callable[[nn.Parameter, CheckpointTensor, Any], list[Hashable]]
+
+
+def column_parallel_loader(
+    part_rows: dict[Hashable, tuple[int, int]], shards: dict[Hashable, Shard]
+) -> LazyWeightLoader:
     """A column-parallel weight or bias (output rows split): part -> its rows here and this rank's piece of
     the checkpoint's part (a plain Linear: the one part ""). A checkpoint storing the parts fused (Phi-3,
     shard None) is cut into them first, in order."""
 
-    def load(param: nn.Parameter, tensor: torch.Tensor | LazyTensor, shard: Any = None) -> list[Hashable]:
+    def load(param: nn.Parameter, tensor: CheckpointTensor, shard: Any = None) -> list[Hashable]:
         if shard is None and list(part_rows) != [""]:
             offset = 0
             for key, (start, end) in part_rows.items():
@@ -155,10 +163,10 @@ def column_parallel_loader(part_rows: dict[Hashable, tuple[int, int]], shards: d
     return load
 
 
-def row_parallel_loader(piece: Shard) -> WeightLoader:
+def row_parallel_loader(piece: Shard) -> LazyWeightLoader:
     """A row-parallel weight (input columns split): this rank's columns of the checkpoint's [out, in]."""
 
-    def load(param: nn.Parameter, tensor: torch.Tensor | LazyTensor, shard: Any = None) -> list[Hashable]:
+    def load(param: nn.Parameter, tensor: CheckpointTensor, shard: Any = None) -> list[Hashable]:
         if shard is not None:
             raise ModelLoadError(f"row-parallel parameter is not fused, but was given shard {shard!r}")
         if len(tensor.shape) != 2 or tensor.shape[1] != piece.total:
@@ -174,11 +182,11 @@ def row_parallel_loader(piece: Shard) -> WeightLoader:
     return load
 
 
-def first_rank_bias_loader(rank: int) -> WeightLoader:
+def first_rank_bias_loader(rank: int) -> LazyWeightLoader:
     """A row-parallel layer's bias: every rank adds its bias before the sum over ranks, so only rank 0
     holds it (the others hold zeros) and the sum adds it once."""
 
-    def load(param: nn.Parameter, tensor: torch.Tensor | LazyTensor, shard: Any = None) -> list[Hashable]:
+    def load(param: nn.Parameter, tensor: CheckpointTensor, shard: Any = None) -> list[Hashable]:
         full = tensor if isinstance(tensor, torch.Tensor) else tensor.read()
         if rank == 0:
             copy_checked(param.data, full, f"a bias of shape {tuple(param.shape)}")
@@ -189,11 +197,11 @@ def first_rank_bias_loader(rank: int) -> WeightLoader:
     return load
 
 
-def vocab_parallel_loader(piece: VocabShard) -> WeightLoader:
+def vocab_parallel_loader(piece: VocabShard) -> LazyWeightLoader:
     """An embedding or LM head split by vocabulary: this rank's rows; the padding rows past the real
     vocabulary (the last rank's) are zero."""
 
-    def load(param: nn.Parameter, tensor: torch.Tensor | LazyTensor, shard: Any = None) -> list[Hashable]:
+    def load(param: nn.Parameter, tensor: CheckpointTensor, shard: Any = None) -> list[Hashable]:
         if shard is not None:
             raise ModelLoadError(f"vocabulary-parallel parameter is not fused, but was given shard {shard!r}")
         if tensor.shape[0] < piece.end:
@@ -212,9 +220,11 @@ def vocab_parallel_loader(piece: VocabShard) -> WeightLoader:
 
 
 def set_weight_loader(
-    param: nn.Parameter, loader: WeightLoader, keys: Iterable[Hashable] = WHOLE, reads_lazily: bool = False
+    param: torch.Tensor, loader: WeightLoader, keys: Iterable[Hashable] = WHOLE, reads_lazily: bool = False
 ) -> None:
-    """reads_lazily: the loader takes a LazyTensor and reads only its slice (tensor-parallel loaders)."""
+    """param: a parameter (nn.Linear's stubs declare its weight a Tensor). reads_lazily: the loader is a
+    LazyWeightLoader, which takes a LazyTensor and reads only its slice (tensor-parallel loaders)."""
+    # Plain attributes on the parameter object, which torch's stubs do not declare.
     param.weight_loader = loader  # type: ignore[attr-defined]
     param.fill_keys = tuple(keys)  # type: ignore[attr-defined]
     param.reads_lazily = reads_lazily  # type: ignore[attr-defined]
@@ -231,6 +241,12 @@ def attach_weight_loaders(model: nn.Module) -> None:
 
 def weight_loader(param: nn.Parameter) -> WeightLoader:
     return getattr(param, "weight_loader", default_weight_loader)
+
+
+def lazy_weight_loader(param: nn.Parameter) -> LazyWeightLoader:
+    """The loader of a parameter set to read lazily (set_weight_loader's reads_lazily)."""
+    loader: LazyWeightLoader = getattr(param, "weight_loader")  # noqa: B009 (torch's stubs do not declare it)
+    return loader
 
 
 def fill_keys(param: nn.Parameter) -> tuple[Hashable, ...]:
@@ -266,7 +282,7 @@ class FillTracker:
 
 def load_checkpoint(
     params: dict[str, nn.Parameter],
-    weights: Iterable[tuple[str, torch.Tensor | LazyTensor]],
+    weights: Iterable[tuple[str, CheckpointTensor]],
     route: Callable[[str], tuple[str, Any] | None],
     skip: Iterable[str] = (),
 ) -> None:
@@ -284,7 +300,10 @@ def load_checkpoint(
         if not isinstance(tensor, torch.Tensor) and not getattr(param, "reads_lazily", False):
             tensor = tensor.read()
         try:
-            keys = weight_loader(param)(param, tensor, shard)
+            if isinstance(tensor, torch.Tensor):
+                keys = weight_loader(param)(param, tensor, shard)
+            else:  # still unread: the parameter reads lazily
+                keys = lazy_weight_loader(param)(param, tensor, shard)
         except ModelLoadError as exc:
             raise ModelLoadError(f"checkpoint tensor {name!r} -> {param_name}: {exc}") from exc
         tracker.record(param_name, keys)

@@ -168,10 +168,10 @@ GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 def _gguf_fields(path: str) -> dict[str, Any]:
     """The GGUF's metadata, key -> value (token lists and other arrays left out: only scalars)."""
-    import gguf
+    from engine.loader.weights import open_gguf
 
-    reader = gguf.GGUFReader(path)
-    values = {}
+    reader = open_gguf(path)
+    values: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.model":
             values[key] = None  # present; the vocabulary itself is read by transformers

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.vocab_parallel import lm_head, vocab_embedding
 from engine.model_config import ModelConfig
-from engine.models.llama import DecoderAttention, KVCache, LlamaForCausalLM
+from engine.models.llama import DecoderAttention, DecoderStack, KVCache, LlamaForCausalLM
 from engine.models.registry import register_model
 
 
@@ -115,12 +116,12 @@ def _rounded(value: float, dtype: torch.dtype) -> float:
 
 @register_model("gemma2", architectures=("Gemma2ForCausalLM",))
 class Gemma2ForCausalLM(LlamaForCausalLM):
-    model_class: type[nn.Module] = Gemma2Model
+    model_class: Callable[[ModelConfig], DecoderStack] = Gemma2Model
 
     def __init__(self, config: ModelConfig) -> None:
         nn.Module.__init__(self)
         self.config = config
-        self.attention_backend: object | None = None
+        self.attention_backend = None
         self.model = self.model_class(config)
         self.lm_head = lm_head(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:

@@ -31,10 +31,9 @@ class Gemma3Model(nn.Module):
         family: GemmaConfig = config.family_config
         types = list(config.hf_config.layer_types)
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
-        self.rotaries = nn.ModuleDict({kind: _rotary(config, kind) for kind in sorted(set(types))})
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, self.rotaries[kind], family, qk_norm=True) for kind in types
-        )
+        rotaries = {kind: _rotary(config, kind) for kind in sorted(set(types))}
+        self.rotaries = nn.ModuleDict(rotaries)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, rotaries[kind], family, qk_norm=True) for kind in types)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

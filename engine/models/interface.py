@@ -3,13 +3,17 @@ knowledge of a family's module tree (they used to reach into `model.model.layers
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.loader.param_loading import CheckpointTensor
+    from engine.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -17,7 +21,14 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 @runtime_checkable
 class CausalLM(Protocol):
     config: Any
-    attention_backend: object | None
+    attention_backend: AttentionBackend | None
+
+    def __init__(self, config: ModelConfig) -> None:
+        """Built from the config alone (ModelConfig.model_class(config), on the meta device)."""
+
+    @classmethod
+    def family_config(cls, hf_config: Any) -> Any:
+        """The family's own hyper-parameters (ModelConfig.family_config), read from the HF config; None for most."""
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
@@ -27,7 +38,7 @@ class CausalLM(Protocol):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream entering the first decoder layer."""
 
-    def decoder_layers(self) -> Sequence[nn.Module]:
+    def decoder_layers(self) -> nn.ModuleList:
         """The layers, each called as layer(positions, hidden, kv_cache, meta) -> hidden; compiled steps
         compile one graph per distinct layer kind (dynamo guards on a layer's own attributes)."""
 
@@ -35,14 +46,14 @@ class CausalLM(Protocol):
         """Float32 logits [rows, vocab] of the rows that sample; written into `out` when given (the CUDA
         decode graphs' one logits buffer: no float32 copy of them is left in the graphs' pool)."""
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Fill every parameter from (checkpoint name, tensor) pairs, or raise ModelLoadError naming both."""
 
     def checkpoint_route(self, name: str) -> tuple[str, Any] | None:
         """HF checkpoint name -> (our parameter, its part or None), or None for a tensor the model
         computes itself; what the loaders (and the CPU's GGUF blocks) use to find a tensor's home."""
 
-    def set_attention_backend(self, backend: object) -> None: ...
+    def set_attention_backend(self, backend: AttentionBackend) -> None: ...
 
     def set_layer_windows(self, windows: Sequence[int | None]) -> None:
         """Each decoder layer's sliding window (None: full attention)."""
@@ -52,3 +63,19 @@ class CausalLM(Protocol):
 
     def supports_device_graphs(self, platform: str) -> bool:
         """Whether a step of this model may be captured in a CUDA/HIP/NPU graph on this platform."""
+
+    # What the engine uses of the nn.Module every family is: the call runs forward().
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]: ...
+
+
+def as_module(model: CausalLM) -> nn.Module:
+    """The model as the nn.Module every family is, for what takes any module (the platforms' hooks)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{type(model).__name__} is not a torch.nn.Module, as every model family must be")
+    return model

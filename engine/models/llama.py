@@ -8,22 +8,25 @@ matmul each, as vLLM and SGLang do, so a decode step launches fewer kernels.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
 from engine.distributed.sharding import Shard, even_shard, kv_head_shard
 from engine.distributed.state import tp_state
-from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from engine.layers.linear import column_parallel_linear, row_parallel_linear
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.layers.vocab_parallel import lm_head, vocab_embedding
+from engine.layers.vocab_parallel import TokenEmbedding, lm_head, vocab_embedding
 from engine.loader.param_loading import load_checkpoint
 from engine.model_config import ModelConfig
 from engine.models.registry import register_model
+
+if TYPE_CHECKING:
+    from engine.loader.param_loading import CheckpointTensor
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # The CUDA decode graphs write the head's output into their one float32 logits buffer this many rows at a
@@ -113,6 +116,20 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class DecoderStack(Protocol):
+    """What LlamaForCausalLM (and the families built on it) use of its `model`: DecoderModel here,
+    Gemma's own elsewhere."""
+
+    @property
+    def embed_tokens(self) -> TokenEmbedding: ...
+
+    @property
+    def layers(self) -> nn.ModuleList: ...
+
+    @property
+    def norm(self) -> nn.Module: ...
+
+
 class DecoderModel(nn.Module):
     """Embedding, layers and final norm; build_mlp(layer index) gives each layer its MLP (a family
     with MoE layers gives some of them a SparseMoE)."""
@@ -146,8 +163,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.attention_backend: object | None = None
-        self.model = DecoderModel(config, self.build_mlp)
+        self.attention_backend: AttentionBackend | None = None
+        self.model: DecoderStack = DecoderModel(config, self.build_mlp)
         self.lm_head = lm_head(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -175,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def decoder_layers(self) -> Sequence[nn.Module]:
+    def decoder_layers(self) -> nn.ModuleList:
         return self.model.layers
 
     def supports_device_graphs(self, platform: str) -> bool:
@@ -199,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(module, Attention):
                     module.sliding_window = window
 
-    def set_attention_backend(self, backend: object) -> None:
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Every Attention layer runs through this platform's backend."""
         self.attention_backend = backend
         for module in self.modules():
@@ -215,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RotaryEmbedding):
                 module.rebuild()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Every HF-named tensor through its parameter's weight loader; every parameter must be filled."""
         load_checkpoint(dict(self.named_parameters()), weights, self.checkpoint_route)
 

@@ -9,12 +9,15 @@ model code, so configs can ask what is supported without building anything.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-T = TypeVar("T", bound=type)
+if TYPE_CHECKING:
+    from engine.models.interface import CausalLM
 
-_BY_MODEL_TYPE: dict[str, type] = {}
-_BY_ARCHITECTURE: dict[str, type] = {}
+T = TypeVar("T", bound="type[CausalLM]")
+
+_BY_MODEL_TYPE: dict[str, type[CausalLM]] = {}
+_BY_ARCHITECTURE: dict[str, type[CausalLM]] = {}
 
 
 def register_model(*model_types: str, architectures: tuple[str, ...] = ()) -> Callable[[T], T]:
@@ -44,7 +47,7 @@ def supported_model_types() -> list[str]:
     return sorted(_BY_MODEL_TYPE)
 
 
-def model_class_for_type(model_type: str | None, architectures: list[str] | None = None) -> type | None:
+def model_class_for_type(model_type: str | None, architectures: list[str] | None = None) -> type[CausalLM] | None:
     """The class for a checkpoint: by model_type, else by one of its architectures; None if neither."""
     _families_loaded()
     if model_type in _BY_MODEL_TYPE:

@@ -19,11 +19,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from engine.loader.param_loading import CheckpointTensor
+    from engine.models.interface import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,8 @@ def _as_dict(config: Any) -> dict[str, Any] | None:
     if config is None or isinstance(config, dict):
         return config
     to_dict = getattr(config, "to_dict", None)
-    return to_dict() if to_dict else vars(config)
+    values: dict[str, Any] = to_dict() if to_dict else vars(config)
+    return values
 
 
 def _fp8_format(qc: dict[str, Any]) -> tuple[bool, str]:
@@ -119,8 +122,8 @@ def checkpoint_quantization(hf_config: Any, tensor_names: Iterable[str]) -> Chec
 
 
 def rename_scales(
-    weights: Iterable[tuple[str, torch.Tensor]], quant: CheckpointQuantization
-) -> Iterator[tuple[str, torch.Tensor]]:
+    weights: Iterable[tuple[str, CheckpointTensor]], quant: CheckpointQuantization
+) -> Iterator[tuple[str, CheckpointTensor]]:
     """Checkpoint tensors with scales under the engine's name (`weight_scale`), static activation and
     attention scales left out (counted in one log line)."""
     unused = 0
@@ -140,7 +143,7 @@ def rename_scales(
         )
 
 
-def make_fp8_layers(model: torch.nn.Module, quant: CheckpointQuantization) -> int:
+def make_fp8_layers(model: CausalLM, quant: CheckpointQuantization) -> int:
     """Before materialising (meta device): every Linear whose checkpoint weights are FP8 gets FP8
     parameters. A fused Linear (q/k/v, gate/up) must have all of its parts in FP8 or none; FP8
     weights whose home is not a Linear (MoE experts) are refused. Returns how many layers."""
@@ -163,6 +166,7 @@ def make_fp8_layers(model: torch.nn.Module, quant: CheckpointQuantization) -> in
         parts.setdefault(module_name, set()).add(part)
     for module_name, found in parts.items():
         layer = modules[module_name]
+        assert isinstance(layer, Linear)  # each one checked above
         expected = set(layer.part_rows) or {None}
         if found != expected:
             raise ModelLoadError(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -81,14 +82,14 @@ class Fp8ReferenceMethod:
 FP8_REFERENCE = Fp8ReferenceMethod()
 
 
-def is_fp8_linear(module: nn.Module) -> bool:
+def is_fp8_linear(module: nn.Module) -> TypeGuard[Linear]:
     return isinstance(module, Linear) and module.weight.dtype == FP8_DTYPE
 
 
 def fp8_linears(model: nn.Module) -> Iterator[tuple[str, Linear]]:
     for name, module in model.named_modules():
         if is_fp8_linear(module):
-            yield name, module  # type: ignore[misc]
+            yield name, module
 
 
 def make_fp8_parameters(layer: Linear, block_scale: bool) -> None:

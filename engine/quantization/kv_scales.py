@@ -23,10 +23,15 @@ import logging
 import math
 import re
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from engine.loader.param_loading import CheckpointTensor
+    from engine.models.interface import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +59,7 @@ def kv_scale_sides(name: str) -> tuple[str, ...]:
     return ()
 
 
-def _scale_value(name: str, tensor: object) -> float:
+def _scale_value(name: str, tensor: CheckpointTensor) -> float:
     """The one positive, finite value of a per-tensor scale (read from the file if still lazy)."""
     if not isinstance(tensor, torch.Tensor):
         tensor = tensor.read()  # a tensor-parallel LazyTensor: a scale is whole on every rank
@@ -68,7 +73,9 @@ def _scale_value(name: str, tensor: object) -> float:
     return value
 
 
-def split_kv_scales(weights: Iterable[tuple[str, object]], found: KVScales) -> Iterator[tuple[str, object]]:
+def split_kv_scales(
+    weights: Iterable[tuple[str, CheckpointTensor]], found: KVScales
+) -> Iterator[tuple[str, CheckpointTensor]]:
     """The checkpoint's tensors without its KV cache scales, which go into `found` as they pass."""
     for name, tensor in weights:
         sides = kv_scale_sides(name)
@@ -83,9 +90,7 @@ def split_kv_scales(weights: Iterable[tuple[str, object]], found: KVScales) -> I
             found[(int(layer.group(1)), side)] = value
 
 
-def apply_kv_scales(
-    model: torch.nn.Module, found: KVScales, kv_cache_dtype: torch.dtype | None, device: torch.device
-) -> int:
+def apply_kv_scales(model: CausalLM, found: KVScales, kv_cache_dtype: torch.dtype | None, device: torch.device) -> int:
     """Every Attention module gets float32 k/v scales on `device`: the checkpoint's for an FP8 cache,
     1.0 otherwise (always set: a model materialised from the meta device holds no values yet).
     Returns how many layers took a checkpoint scale."""

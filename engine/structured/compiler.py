@@ -36,11 +36,11 @@ class GrammarCompiler:
         self.threads = threads
         self._compiler: Any = None  # made in the worker: preparing the vocabulary takes 0.1-0.5 s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._cache: OrderedDict[GrammarSpec, Future[Any]] = OrderedDict()
         # Bitmasks of the tokens a JSON text may contain raw, with and without \t \n \r (see json_guard).
         self._json_safe: dict[bool, torch.Tensor] = {}
 
-    def submit(self, spec: GrammarSpec) -> Future:
+    def submit(self, spec: GrammarSpec) -> Future[Any]:
         future = self._cache.get(spec)
         if future is None:
             future = self._pool.submit(self._compile, spec)

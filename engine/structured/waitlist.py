@@ -24,7 +24,7 @@ class GrammarWaitlist:
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self._compiler: GrammarCompiler | None = None  # made on the first grammar: xgrammar is imported then
-        self._waiting: dict[str, tuple[Request, Future]] = {}
+        self._waiting: dict[str, tuple[Request, Future[Any]]] = {}
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -43,7 +43,7 @@ class GrammarWaitlist:
         entry = self._waiting.pop(request_id, None)
         return entry[0] if entry is not None else None
 
-    def take_ready(self, idle: bool) -> tuple[list[Request], list[tuple[Request, Exception]]]:
+    def take_ready(self, idle: bool) -> tuple[list[Request], list[tuple[Request, BaseException]]]:
         """(requests whose matcher is ready, requests whose grammar failed with the error).
         idle: nothing else can run, so wait up to IDLE_WAIT_S for a compile rather than spin."""
         if not self._waiting:
@@ -51,7 +51,7 @@ class GrammarWaitlist:
         if idle:
             wait([future for _, future in self._waiting.values()], timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
         ready: list[Request] = []
-        failed: list[tuple[Request, Exception]] = []
+        failed: list[tuple[Request, BaseException]] = []
         for request_id, (request, future) in list(self._waiting.items()):
             if not future.done():
                 continue
