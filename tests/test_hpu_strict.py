@@ -179,6 +179,8 @@ def test_engine_passes_strict_to_hpu_only_when_forced() -> None:
     be overridden with False); CPU's compiled runner keeps False."""
     from engine.engine import Engine
 
+    model = torch.nn.Identity()  # the engine hands its model to the platform's hooks as the nn.Module it is
+
     def options(platform_name: str, kind: str, strict_graphs: bool) -> dict[str, Any]:
         this = types.SimpleNamespace(
             config=types.SimpleNamespace(strict_graphs=strict_graphs, compile_decode=False),
@@ -187,7 +189,7 @@ def test_engine_passes_strict_to_hpu_only_when_forced() -> None:
                 capture_settings=lambda: types.SimpleNamespace(kind=kind),
                 kernel_precompiler=lambda model, caches: ("precompiler", model, caches),
             ),
-            model="model",
+            model=model,
             kv_pool=types.SimpleNamespace(caches="caches"),
         )
         return Engine.graph_runner_options(this)  # type: ignore[arg-type]
@@ -199,7 +201,7 @@ def test_engine_passes_strict_to_hpu_only_when_forced() -> None:
     # CUDA graphs: the platform's kernel precompiler over this engine's model and KV caches.
     assert options("cuda", "cuda_graph", strict_graphs=False) == {
         "compile_step": False,
-        "precompile": ("precompiler", "model", "caches"),
+        "precompile": ("precompiler", model, "caches"),
         "layer_fn": None,
     }
     # A compiled extend step's layer graph is shared with the CUDA decode graphs (graphs/opaque_attention.py).
@@ -213,7 +215,7 @@ def test_engine_passes_strict_to_hpu_only_when_forced() -> None:
                     capture_settings=lambda: types.SimpleNamespace(kind="cuda_graph"),
                     kernel_precompiler=lambda model, caches: None,
                 ),
-                model="model",
+                model=model,
                 kv_pool=types.SimpleNamespace(caches="caches"),
             ),
             this_extend_step,
