@@ -139,13 +139,6 @@ class EngineConfig:
             if getattr(self, f.name) is None and f.name in defaults:
                 values[f.name] = defaults[f.name]
         resolved = replace(self, **values, device_config=defaults)
-        overlap_env = os.environ.get("ENGINE_OVERLAP_SCHEDULE", "")
-        if self.overlap_schedule is None and overlap_env:
-            # Between the YAML and an explicit setting: CI runs whole test files with overlap on.
-            resolved.overlap_schedule = overlap_env not in ("0", "false", "off")
-        mixed_env = os.environ.get("ENGINE_MIXED_STEPS", "")
-        if self.mixed_steps is None and mixed_env:
-            resolved.mixed_steps = mixed_env not in ("0", "false", "off")
         if resolved.freeze_gc is None:
             resolved.freeze_gc = os.environ.get("ENGINE_FREEZE_GC", "0") not in ("0", "false", "off", "")
         if resolved.dtype == "auto":

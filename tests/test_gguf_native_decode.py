@@ -35,8 +35,8 @@ def require_kernels() -> None:
     from backends.cpu.gguf_linear import gguf_kernels_available
     from backends.cpu.native import native_kernels_enabled
 
-    if not native_kernels_enabled():  # a failure, not a skip: gcc is a test requirement (CI's second pass
-        # runs only the files that test the fallbacks with the kernels off)
+    if not native_kernels_enabled():  # a failure, not a skip: gcc is a test requirement (the fallbacks are
+        # tested by the suite's fast-paths-off cases)
         pytest.fail("ENGINE_CPU_NATIVE_KERNELS=0 switches the native decode step off: run this file with it on")
     assert gguf_kernels_available(), "the GGUF kernels did not build (gcc is a test requirement)"
 

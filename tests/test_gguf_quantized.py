@@ -33,8 +33,8 @@ INT8_PATHS = {"portable": 0, "avx2": 1, "vnni256": 2, "avx512": 3}
 
 def require_kernels() -> None:
     """The GGUF kernels must build (gcc is a test requirement). With every native kernel switched off by
-    the environment this file cannot test them: a failure saying so, not a skip (CI's second pass, which
-    switches them off, runs only the files that test the fallbacks)."""
+    the environment this file cannot test them: a failure saying so, not a skip (the fallbacks are tested by
+    the suite's fast-paths-off cases, which switch them off for one test at a time)."""
     from backends.cpu.native import native_kernels_enabled
 
     if not native_kernels_enabled():

@@ -358,7 +358,7 @@ def test_512_concurrent_clients_are_all_served(server: ServerProcess) -> None:
     _raise_client_fd_limit(4096)
 
     async def one(client: httpx.AsyncClient, index: int) -> int:
-        body = {"prompt": f"Client {index}:", "max_tokens": 2, "ignore_eos": True, "stream": True}
+        body = {"prompt": f"Client {index}:", "max_tokens": 1, "ignore_eos": True, "stream": True}
         async with client.stream("POST", f"{server.base_url}/v1/completions", json=body) as response:
             lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
         assert response.status_code == 200 and lines[-1] == "data: [DONE]"
