@@ -390,6 +390,16 @@ def engine_cache() -> Callable[..., Engine]:
     return get
 
 
+def reset_dynamo() -> None:
+    """torch._dynamo.reset(), for a test that counts a fresh compile. It throws away every compiled graph in
+    the process, the shared engines' too, whose next step would then recompile (an error in strict mode):
+    those engines leave the cache, so later tests build them anew, whichever order the files run in. Tests
+    call this rather than torch._dynamo.reset()."""
+    torch._dynamo.reset()
+    for key in [key for key, engine in _ENGINES.items() if not engine.config.disable_graphs]:
+        del _ENGINES[key]
+
+
 @pytest.fixture(scope="session")
 def smol_engine(engine_cache: Callable[..., Engine]) -> Engine:
     """SmolLM2 eager, page size 16: the workhorse for text-level tests."""

@@ -5,12 +5,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from conftest import reset_dynamo
 
 from graphs.compile_report import compile_report
 
 
 def test_dynamo_phases_of_a_compile_inside_the_report() -> None:
-    torch._dynamo.reset()
+    reset_dynamo()
     fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="eager")
     with compile_report() as report:
         fn(torch.randn(8))

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from conftest import reset_dynamo
 
 from backends.base import CONFIG_DIR, DeviceUnavailableError
 from backends.hpu.attention import block_mapping
@@ -232,7 +233,7 @@ def _step_with_scale(state: dict[str, int]) -> Any:
 
 
 def test_runner_on_cpu_pads_slices_and_is_strict() -> None:
-    torch._dynamo.reset()
+    reset_dynamo()
     state = {"scale": 1}
     step = _step_with_scale(state)
     page_size, max_pages = 4, 4

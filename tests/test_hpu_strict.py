@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import reset_dynamo
 from helpers import load_tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -324,7 +325,7 @@ def test_regional_compilation_compiles_one_layer_per_bucket(
             counter[0] += len(gm.graph.nodes)  # this iteration's counter, bound when the backend is made
             return gm.forward
 
-        torch._dynamo.reset()
+        reset_dynamo()
         pool = KVPool(
             mc.num_hidden_layers,
             num_pages,
