@@ -287,34 +287,42 @@ def random_model_with_a_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> s
     return str(folder)
 
 
-def test_smollm2_at_temperature_1_over_50_seeds_always_gives_valid_json(smol_engine: Engine) -> None:
+# Seeds: three full batches of the shared engine's 8 sequences (a mask applied to the wrong row or token shows
+# in most samples, not in one of many).
+SMOL_SEEDS = range(24)
+
+
+def test_smollm2_at_temperature_1_over_24_seeds_always_gives_valid_json(smol_engine: Engine) -> None:
     spec = GrammarSpec.json_schema(NESTED, any_whitespace=False)
     outputs = smol_engine.generate(
-        ["Describe a record as JSON."] * 50,
-        [SamplingParams(max_tokens=160, temperature=1.0, seed=s, grammar=spec) for s in range(50)],
+        ["Describe a record as JSON."] * len(SMOL_SEEDS),
+        [SamplingParams(max_tokens=160, temperature=1.0, seed=s, grammar=spec) for s in SMOL_SEEDS],
         chat=True,
     )
     for output in outputs:
         assert output.finish_reason == "stop", output.text
         _nested(json.loads(output.text))
-    assert len({o.text for o in outputs}) > 25
+    assert len({o.text for o in outputs}) > len(SMOL_SEEDS) // 2
     assert smol_engine.kv_pages_in_use() == 0
 
 
-def test_a_random_model_at_temperature_1_over_50_seeds_always_gives_valid_json(
+def test_a_random_model_at_temperature_1_over_32_seeds_always_gives_valid_json(
     engine_cache: Callable[..., Engine], random_model_with_a_tokenizer: str
 ) -> None:
     engine = engine_cache(random_model_with_a_tokenizer, max_num_seqs=16)
-    seeds = range(50)
+    seeds = range(32)  # two full batches of 16
     spec = GrammarSpec.json_schema(NESTED, any_whitespace=False)
     constrained = engine.generate(
-        ["Some JSON:"] * 50, [SamplingParams(max_tokens=160, temperature=1.0, seed=s, grammar=spec) for s in seeds]
+        ["Some JSON:"] * len(seeds),
+        [SamplingParams(max_tokens=160, temperature=1.0, seed=s, grammar=spec) for s in seeds],
     )
     for output in constrained:
         assert output.finish_reason == "stop", output.text
         _nested(json.loads(output.text))
-    assert len({o.text for o in constrained}) > 40  # random, not one answer
-    free = engine.generate(["Some JSON:"] * 50, [SamplingParams(max_tokens=60, temperature=1.0, seed=s) for s in seeds])
+    assert len({o.text for o in constrained}) > 25  # random, not one answer
+    free = engine.generate(
+        ["Some JSON:"] * len(seeds), [SamplingParams(max_tokens=60, temperature=1.0, seed=s) for s in seeds]
+    )
     parsed = 0
     for output in free:
         try:
