@@ -37,7 +37,7 @@ from engine.models.interface import as_module
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampler import SampledTokens
 from engine.sampling_params import SamplingParams
-from engine.scheduler import INIT_NEW_TOKEN_RATIO, MIN_TIMED_EXTEND, ScheduledStep, Scheduler
+from engine.scheduler import INIT_NEW_TOKEN_RATIO, MIN_TIMED_CHUNK, ScheduledStep, Scheduler
 from engine.stats import EngineStats, StatsLogger
 from engine.step_message import StepBuilder
 from engine.structured.waitlist import GrammarWaitlist
@@ -285,13 +285,13 @@ class Engine:
         Whatever is lazy on a first call (oneDNN's JIT for a new shape, lazily
         imported modules, first touch of the KV pool, a graph's first replay) is
         paid here, at start-up, and not by the first user; the log says how long
-        it took. Its prompt is long enough (MIN_TIMED_EXTEND tokens) to give the
+        it took. Its prompt is a chunk of MIN_TIMED_CHUNK tokens, which gives the
         scheduler a first measure of the prefill speed, so the extend-step time
         budget holds from the first request on. Otherwise it leaves no trace: the
         prefix cache, its counters, the step counters and the scheduler's
         admission ratio are reset afterwards.
         """
-        prompt_len = min(MIN_TIMED_EXTEND, self.max_model_len - 2)  # room for two new tokens: prefill, then one decode
+        prompt_len = min(MIN_TIMED_CHUNK, self.max_model_len - 2)  # room for two new tokens: prefill, then one decode
         if prompt_len < 1:
             return
         start = time.perf_counter()

@@ -31,6 +31,7 @@ from os.path import commonprefix
 from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
+from engine.extend_timing import ExtendStepTime
 from engine.kv_manager import KVCacheManager, pages_needed
 from engine.request import Request, RequestStatus
 
@@ -42,7 +43,9 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 MIN_EXTEND_BUDGET = 32  # prompt tokens per extend step however slow the steps are: prefill must progress
-MIN_TIMED_EXTEND = 128  # extend steps this long or longer measure the prefill speed per token
+# The time limit never cuts a prefill chunk below this many tokens: under it a step's fixed cost dominates, so a
+# smaller chunk would stall the decodes almost as long and make the prompt take many more steps.
+MIN_TIMED_CHUNK = 128
 # A prompt token whose logprobs were asked for (echo) costs this many plain ones until measured: its
 # step also runs the LM head, a log-softmax and a top-k at every position, and builds an entry for
 # each (4.5 ms against 1.15 ms a token for SmolLM2 on a 2-core CPU).
@@ -139,12 +142,12 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
         self._decode_owed = False  # an extend just ran: decode the running requests before the next one
-        # Fairness and responsiveness: an extend step may take at most this long, so running decodes,
-        # new arrivals and aborts wait at most that. The engine reports how long extend steps take per
-        # token (extend_seconds_per_token, an EMA), and the prompt-token budget shrinks to fit (never
-        # below MIN_EXTEND_BUDGET tokens).
+        # Fairness and responsiveness: while other requests decode or wait, an extend step may take at most
+        # this long, so they wait at most that. The engine reports how long every extend step took; the
+        # fitted cost (fixed + per token) says how many prompt tokens fit, never fewer than MIN_TIMED_CHUNK.
+        # A request alone is never split for time: nobody would wait for it.
         self.max_extend_step_s = max_extend_step_s
-        self.extend_seconds_per_token: float | None = None
+        self.extend_time = ExtendStepTime()
         self.prompt_logprob_token_weight = PROMPT_LOGPROB_TOKEN_WEIGHT  # measured once such steps have run
 
     def add(self, request: Request) -> None:
@@ -241,33 +244,30 @@ class Scheduler:
         """How long an extend step of `tokens` prompt tokens took (fed by the engine); `logprob_tokens`
         of them belonged to requests that asked for prompt logprobs.
 
-        Plain steps under MIN_TIMED_EXTEND tokens are not counted: their time is mostly fixed per-step
-        cost, and per token it would shrink the budget of a long prompt far below what its step can
-        take. Steps with prompt-logprob tokens teach their weight (their cost per token over the plain
-        one) instead, from MIN_EXTEND_BUDGET tokens on: the budget keeps those steps down to 32 tokens,
-        and the fixed cost only makes the weight err on the slow, safe side.
+        Every plain step teaches the step-time model (engine/extend_timing.py), whatever its size. Steps
+        with prompt-logprob tokens teach their weight instead (their cost per token over a plain one, the
+        plain part and the fixed cost taken off), from MIN_EXTEND_BUDGET such tokens on.
         """
-        per_token = self.extend_seconds_per_token
         if logprob_tokens:
-            if per_token and logprob_tokens >= MIN_EXTEND_BUDGET:
-                plain = (tokens - logprob_tokens) * per_token
+            plain = self.extend_time.predict(tokens - logprob_tokens)
+            per_token = self.extend_time.per_token_s
+            if plain is not None and per_token and logprob_tokens >= MIN_EXTEND_BUDGET:
                 weight = max(1.0, (seconds - plain) / logprob_tokens / per_token)
                 self.prompt_logprob_token_weight = 0.5 * self.prompt_logprob_token_weight + 0.5 * weight
             return
-        if tokens < MIN_TIMED_EXTEND:
-            return
-        measured = seconds / tokens
-        self.extend_seconds_per_token = measured if per_token is None else 0.7 * per_token + 0.3 * measured
+        self.extend_time.observe(tokens, seconds)
 
     def _token_weight(self, request: Request, timed: bool) -> float:
         """What one prompt token of this request costs in the extend budget, in plain tokens."""
         return self.prompt_logprob_token_weight if timed and request.params.prompt_logprobs is not None else 1.0
 
     def _time_budget(self) -> int | None:
-        """Prompt tokens one extend step may take to stay within max_extend_step_s (None: no limit)."""
-        if self.max_extend_step_s is None or not self.extend_seconds_per_token:
+        """Prompt tokens one extend step may take to stay within max_extend_step_s: None without a limit, before
+        the first step, or when one request is all there is (it is never split for time)."""
+        if self.max_extend_step_s is None or (not self.running and len(self.waiting) + (self.chunked is not None) <= 1):
             return None
-        return max(MIN_EXTEND_BUDGET, int(self.max_extend_step_s / self.extend_seconds_per_token))
+        fit = self.extend_time.tokens_within(self.max_extend_step_s)
+        return None if fit is None else max(MIN_TIMED_CHUNK, fit)
 
     def _schedule_extend(self, decode_tokens: int = 0) -> ScheduledStep | None:
         """decode_tokens: tokens of this step already taken by decodes (a mixed step)."""
