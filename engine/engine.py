@@ -37,7 +37,7 @@ from engine.models.interface import as_module
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampler import SampledTokens
 from engine.sampling_params import SamplingParams
-from engine.scheduler import INIT_NEW_TOKEN_RATIO, MIN_TIMED_CHUNK, ScheduledStep, Scheduler
+from engine.scheduler import INIT_NEW_TOKEN_RATIO, ScheduledStep, Scheduler
 from engine.stats import EngineStats, StatsLogger
 from engine.step_message import StepBuilder
 from engine.structured.waitlist import GrammarWaitlist
@@ -51,6 +51,9 @@ if TYPE_CHECKING:
     from graphs.compiled_extend import CompiledExtendStep
     from graphs.extend_graph_runner import ExtendGraphRunner
     from graphs.runner import DecodeRunner, PrefillRunner
+
+# The start-up warm-up request's prompt: a prefill of a typical chunk size, the extend-step time model's first point.
+WARM_UP_PROMPT_TOKENS = 256
 
 logger = logging.getLogger(__name__)
 
@@ -285,13 +288,14 @@ class Engine:
         Whatever is lazy on a first call (oneDNN's JIT for a new shape, lazily
         imported modules, first touch of the KV pool, a graph's first replay) is
         paid here, at start-up, and not by the first user; the log says how long
-        it took. Its prompt is a chunk of MIN_TIMED_CHUNK tokens, which gives the
-        scheduler a first measure of the prefill speed, so the extend-step time
-        budget holds from the first request on. Otherwise it leaves no trace: the
+        it took. Its prompt (WARM_UP_PROMPT_TOKENS) gives the scheduler a first
+        measure of the prefill speed, so the extend-step time budget holds from
+        the first request on. Otherwise it leaves no trace: the
         prefix cache, its counters, the step counters and the scheduler's
         admission ratio are reset afterwards.
         """
-        prompt_len = min(MIN_TIMED_CHUNK, self.max_model_len - 2)  # room for two new tokens: prefill, then one decode
+        # Room for two new tokens: prefill, then one decode.
+        prompt_len = min(WARM_UP_PROMPT_TOKENS, self.max_model_len - 2)
         if prompt_len < 1:
             return
         start = time.perf_counter()

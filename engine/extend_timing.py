@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW = 8  # recent extend steps the fit reads
+TRUSTED_STEPS = 3  # a budget grows to at most twice the largest of these last steps
 
 
 @dataclass
@@ -52,8 +53,11 @@ class ExtendStepTime:
         return None if self.per_token_s is None else self.fixed_s + self.per_token_s * tokens
 
     def tokens_within(self, seconds: float) -> int | None:
-        """The most prompt tokens a step may take to last at most `seconds` (0 when even its fixed part is over);
-        None before the first step."""
+        """The most prompt tokens a step may take to last at most `seconds` (0 when even its fixed part is over),
+        and at most twice the largest of the last TRUSTED_STEPS steps: the line is only trusted near the sizes it
+        was just measured at (while the window mixes a busy spell with quiet steps, its slope can come out far too
+        low). None before the first step."""
         if self.per_token_s is None:
             return None
-        return max(0, int((seconds - self.fixed_s) / self.per_token_s + 1e-6))  # 199.9999 is 200
+        fit = max(0, int((seconds - self.fixed_s) / self.per_token_s + 1e-6))  # 199.9999 is 200
+        return min(fit, 2 * max(n for n, _ in list(self.steps)[-TRUSTED_STEPS:]))

@@ -640,7 +640,9 @@ def test_logprob_tokens_join_to_the_text_and_bytes_are_the_tokens_own(server: Se
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_clients_that_hang_up_during_prefill_free_everything(server: ServerProcess, stream: bool) -> None:
-    """A long prompt still in its chunked prefill when the client leaves: its pages are freed within 1 s."""
+    """A long prompt still in its chunked prefill when the client leaves: its pages are freed within 2 s. Alone,
+    its steps may take three times the 300 ms limit (nobody else waits for them), and the hang-up is seen once
+    the step in flight ends."""
     server.wait_idle()
     body = json.dumps({"prompt": "story " * 1800, "max_tokens": 64, "ignore_eos": True, "stream": stream}).encode()
     request = (
@@ -658,5 +660,5 @@ def test_clients_that_hang_up_during_prefill_free_everything(server: ServerProce
     sock.close()
     hung_up = time.monotonic()
     while server.metrics()["engine:kv_pages_used"] > 0:
-        assert time.monotonic() - hung_up < 1.0, "an abandoned prefill still holds KV pages"
+        assert time.monotonic() - hung_up < 2.0, "an abandoned prefill still holds KV pages"
         time.sleep(0.02)
