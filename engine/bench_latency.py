@@ -50,6 +50,12 @@ def add_bench_latency_args(parser: argparse.ArgumentParser) -> None:
         help="several batches in one run, BATCHxINPUT[+PREFIX] comma-separated (e.g. 8x2048,1x8192,1x4096+4096); "
         "overrides --batch-size/--input-len/--prefix-len",
     )
+    group.add_argument(
+        "--peers",
+        action="store_true",
+        help="CPU, batch 1: time to first token beside HF transformers (float32 and bf16) and llama.cpp "
+        "(llama-cpp-python, GGUF models) in alternating rounds",
+    )
     add_renamed(
         group, "--output-json", "--output", default="bench_results/latency.json", help="JSON file for the results"
     )
@@ -137,6 +143,9 @@ def parse_cases(args: argparse.Namespace) -> list[tuple[int, int, int]]:
 
 def cmd_bench_latency(args: argparse.Namespace) -> None:
     engine = Engine(engine_config_from_args(args))
+    if args.peers:
+        bench_against_peers(engine, args)
+        return
     peak = measured_matmul_tflops(engine.device, engine.config.torch_dtype)
     cases = parse_cases(args)
     too_long = [c for c in cases if c[1] + c[2] + args.output_len > engine.max_model_len]
@@ -214,3 +223,44 @@ def run_case(
         "decode_ms_per_step": statistics.median(decode) * 1e3 if decode else None,
         "decode_steps": len(decode),
     }
+
+
+def bench_against_peers(engine: Engine, args: argparse.Namespace) -> None:
+    """--peers: each case's time to first token on the engine, HF transformers and llama.cpp, one prompt at a
+    time in alternating rounds (engine/bench_latency_peers.py)."""
+    from engine.bench_latency_peers import cpu_path, engine_first_token, load_peers, print_table, time_first_tokens
+
+    if engine.device.type != "cpu":
+        raise ValueError("--peers compares CPU prefill with HF transformers and llama.cpp: use --device cpu")
+    cases = parse_cases(args)
+    if any(batch != 1 or prefix for batch, _, prefix in cases):
+        raise ValueError("--peers times one prompt at a time: give cases 1xN (no prefix)")
+    path = cpu_path(engine)
+    print(f"engine CPU path: {path}", flush=True)
+    systems = {"engine": engine_first_token(engine), **load_peers(args, engine.max_model_len)}
+    vocab = engine.model_config.vocab_size
+    reports = []
+    for _, input_len, _ in cases:
+        rng = random.Random(f"{args.seed}:peers:{input_len}")
+        prompts = [[rng.randrange(3, vocab) for _ in range(input_len)] for _ in range(args.repeats + 1)]
+        reports.append({"input_len": input_len, "systems": time_first_tokens(systems, prompts, args.repeats)})
+        print(
+            f"input {input_len}: "
+            + ", ".join(f"{n} {r['ttft_s'] * 1e3:.0f} ms" for n, r in reports[-1]["systems"].items()),
+            flush=True,
+        )
+    print_table(reports, list(systems))
+    os.makedirs(os.path.dirname(args.output_json) or ".", exist_ok=True)
+    with open(args.output_json, "w", encoding="utf-8") as handle:
+        json.dump(
+            {
+                "device": "cpu",
+                "cpu_path": path,
+                "torch": torch.__version__,
+                "model": args.model,
+                "rounds": args.repeats,
+                "cases": reports,
+            },
+            handle,
+            indent=2,
+        )
