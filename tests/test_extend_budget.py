@@ -65,6 +65,15 @@ def test_a_chunk_fits_the_time_budget_by_its_kind_of_token(prompt_logprobs: int 
     assert step.extend_lens == [int(expected)]
 
 
+def test_prompt_logprob_steps_teach_their_weight_and_not_the_plain_speed() -> None:
+    scheduler = _scheduler()
+    plain = scheduler.extend_time.tokens_within(0.3)
+    # 40 prompt-logprob tokens in 0.9 s: 0.1 s fixed, 20 ms a token: 20x a plain one.
+    scheduler.record_extend_time(40, FIXED_S + 40 * 0.02, logprob_tokens=40)
+    assert scheduler.prompt_logprob_token_weight == pytest.approx(0.5 * PROMPT_LOGPROB_TOKEN_WEIGHT + 0.5 * 20)
+    assert scheduler.extend_time.tokens_within(0.3) == plain
+
+
 def test_a_request_alone_gets_three_times_the_limit_and_never_less_than_its_floor() -> None:
     scheduler = _scheduler()
     scheduler.add(Request("alone", list(range(1, 2001)), SamplingParams(max_tokens=4)))
