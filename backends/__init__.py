@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from backends.base import DeviceUnavailableError, Platform
+from engine.platform import DeviceUnavailableError, Platform
 
 # device flag -> (module, class). rocm lives in backends/hip.
 _PLATFORMS: dict[str, tuple[str, str]] = {

@@ -372,9 +372,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from engine.capture_sizes import parse_sizes
     from engine.cli import engine_config_from_args
     from engine.engine import Engine
-    from graphs.buckets import parse_sizes
 
     batch_sizes, dtypes = parse_sizes(args.batch_sizes) or [], [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if args.output_len < 2 or args.input_len < 1 or args.repeats < 1 or not batch_sizes:

@@ -7,8 +7,8 @@ import logging
 import sys
 import time
 
-from backends.base import DeviceUnavailableError
 from engine.errors import EngineError
+from engine.platform import DeviceUnavailableError
 
 DEFAULT_PROMPT = "The capital of France is"
 

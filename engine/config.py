@@ -9,9 +9,9 @@ from typing import Any, Literal
 
 import torch
 
-from backends.base import Platform, load_yaml_config
+from engine.capture_sizes import cap_sizes, parse_sizes
 from engine.errors import EngineError
-from graphs.buckets import cap_sizes, parse_sizes
+from engine.platform import Platform, load_yaml_config
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ import torch
 
 from backends import get_platform
 from engine.batch_state import DecodeBatchState, PenaltyState
+from engine.capture_sizes import parse_sizes
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.collectives import min_over_ranks
@@ -32,7 +33,6 @@ from engine.kv_manager import KVCacheManager, PrefixCacheStats
 from engine.layers.attention import Attention
 from engine.loader import ModelSource, load_model, resolve_model_source
 from engine.logit_rows import LogitRowLadder
-from engine.model_runner import ModelRunner
 from engine.models.interface import as_module
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampler import SampledTokens
@@ -42,7 +42,7 @@ from engine.stats import EngineStats, StatsLogger
 from engine.step_message import StepBuilder
 from engine.structured.waitlist import GrammarWaitlist
 from engine.tokenizer import encode_prompt, load_tokenizer
-from graphs.buckets import parse_sizes
+from graphs.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -197,7 +197,7 @@ class Engine:
             self._prefill_runner(),
         )
         if self.tp_ranks is not None:
-            from engine.distributed.runner import TensorParallelRunner
+            from graphs.tensor_parallel_runner import TensorParallelRunner
 
             self.runner: ModelRunner = TensorParallelRunner(*runner_args, ranks=self.tp_ranks)
         else:
@@ -248,7 +248,7 @@ class Engine:
 
     def _join_tensor_parallel(self, source: ModelSource) -> TensorParallelState:
         """This engine's rank: rank 0 of 1 (no tensor parallelism), a worker's (its group joined by
-        engine/distributed/worker.py), or rank 0 of N after spawning the workers and joining them."""
+        engine/tp_worker.py), or rank 0 of N after spawning the workers and joining them."""
         world = int(self.config.tensor_parallel_size)
         current = tp_state()
         if world == 1:
@@ -263,9 +263,12 @@ class Engine:
         from engine.distributed.launcher import RankGroup
         from engine.distributed.preflight import check_launch
         from engine.model_config import ModelConfig
+        from engine.tp_worker import worker_main
 
         check_launch(self.config, self.platform, source, ModelConfig.from_hf(source.hf_config))
-        self.tp_ranks = RankGroup(world, self.platform.dist_backend, float(self.config.dist_timeout_s), self.device)
+        self.tp_ranks = RankGroup(
+            world, self.platform.dist_backend, float(self.config.dist_timeout_s), self.device, worker_main
+        )
         try:
             return self.tp_ranks.start(self.config)
         except BaseException:
@@ -862,7 +865,7 @@ class Engine:
         consistency.py)."""
         self.kv_manager.check_invariant()
         if self.tp_ranks is not None:
-            from engine.distributed.runner import TensorParallelRunner
+            from graphs.tensor_parallel_runner import TensorParallelRunner
 
             assert isinstance(self.runner, TensorParallelRunner)  # built with the ranks (_build)
             self.runner.check_ranks(self)

@@ -7,15 +7,22 @@ generator so a seed reproduces regardless of batch composition.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from backends.cuda.triton_penalties import apply_penalties_
 from engine.batch_state import PenaltyState
 from engine.logit_processors import edit_logits
 from engine.request import Request, TokenLogprob
 from engine.transfer import HostCopy, to_device
+
+# (logits [batch, vocab] float32, batch positions, decode rows, seen, counts or None, repetition, frequency,
+# presence) -> logits penalized in place: one launch for the whole batch.
+PenaltyKernel = Callable[..., torch.Tensor]
+# A device's penalty kernel, by torch device type: a backend registers its own when its platform module loads
+# (backends/cuda/platform.py: Triton, for CUDA and HIP devices alike). Elsewhere the torch ops below run.
+PENALTY_KERNELS: dict[str, PenaltyKernel] = {}
 
 
 def _apply_penalties(
@@ -55,9 +62,10 @@ def _apply_penalties(
     )
     repetition, frequency, presence = values[0], values[1], values[2]
     has_counts = any(r.params.frequency_penalty or r.params.presence_penalty for r in penalized)
-    if logits.is_cuda and logits.dtype == torch.float32:
+    kernel = PENALTY_KERNELS.get(device.type)
+    if kernel is not None and logits.dtype == torch.float32:
         batch_positions = torch.arange(len(requests), device=device) if index is None else index
-        apply_penalties_(
+        kernel(
             logits,
             batch_positions,
             penalty_rows,

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from engine.capture_sizes import smallest_bucket_at_least
 from engine.forward_batch import ForwardBatch
 from engine.layers.attention import AttentionMetadata, step_context
-from graphs.buckets import smallest_bucket_at_least
 from graphs.cuda_graph_runner import WARMUP_RUNS, free_device_memory, frozen_gc
 
 if TYPE_CHECKING:

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from engine.capture_sizes import smallest_bucket_at_least
 from engine.layers.attention import AttentionMetadata, step_context
 from engine.models.interface import CausalLM
-from graphs.buckets import smallest_bucket_at_least
 from graphs.capture_hooks import CaptureHooks, capture_hooks_for
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from graphs.buckets import cap_sizes, parse_sizes
+from engine.capture_sizes import cap_sizes, parse_sizes
 from graphs.tune_distribution import SizeDistribution, load_distribution
 from graphs.tune_measure import MEASURABLE_KINDS, MeasureReport, describe_machine
 from graphs.tune_output import decode_values, header_lines, print_tables, write_json, write_tuned_yaml

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from graphs.buckets import parse_sizes
+from engine.capture_sizes import parse_sizes
 from graphs.tune_distribution import TOKENS_HISTOGRAM, SizeDistribution, load_distribution
 from graphs.tune_measure import MeasureReport, SizeMeasurement, machine_info, steady_ms
 from graphs.tune_output import print_tables, write_json, write_tuned_yaml

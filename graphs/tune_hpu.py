@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from backends.hpu.bucketing import BucketRange, HpuBucketConfig, make_buckets, read_bucket_range, resolve_bucket_config
-from graphs.buckets import parse_sizes
+from engine.capture_sizes import parse_sizes
 from graphs.tune_buckets import PlaneCost, evaluate_hpu, propose_hpu_buckets, step_distribution
 from graphs.tune_distribution import SizeDistribution
 from graphs.tune_output import decode_values, write_json, write_tuned_yaml

@@ -1,7 +1,7 @@
 """Which decode sizes to capture: expected step time under a batch-size distribution, and the subset of the
 measured candidates that minimises it within memory, capture-time and graph-count budgets.
 
-A batch of b replays the smallest captured size s >= b (graphs/buckets.py), so it costs replay(s): the
+A batch of b replays the smallest captured size s >= b (engine/capture_sizes.py), so it costs replay(s): the
 replay of its own size plus the rows padded from b to s. A batch above the largest captured size runs
 eagerly (ModelRunner: `runner.can_run(b)` is false) and costs eager(b). The expected decode step time
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphs.buckets import default_capture_sizes, smallest_bucket_at_least
+from engine.capture_sizes import default_capture_sizes, smallest_bucket_at_least
 from graphs.tune_distribution import SizeDistribution
 
 DISTRIBUTION_QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)

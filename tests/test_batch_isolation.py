@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import LOOPS
 
-import engine.model_runner as model_runner
+import graphs.model_runner as model_runner
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams

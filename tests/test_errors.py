@@ -1,6 +1,6 @@
 """Bad input gets one clear error: the right exception class, a message naming the problem.
 
-The API raises engine.errors.* / backends.base.DeviceUnavailableError; the CLI exits with
+The API raises engine.errors.* / engine.platform.DeviceUnavailableError; the CLI exits with
 status 2 and prints a single `error: ...` line (no traceback).
 """
 
@@ -17,9 +17,9 @@ import pytest
 from conftest import REPO_ROOT, track
 from helpers import greedy
 
-from backends.base import DeviceUnavailableError
 from engine.engine import Engine
 from engine.errors import InvalidRequestError, ModelLoadError, UnsupportedArchitectureError
+from engine.platform import DeviceUnavailableError
 from engine.sampling_params import SamplingParams
 
 ENGINE_OPTIONS = dict(device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=1024)

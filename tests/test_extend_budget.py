@@ -12,10 +12,10 @@ from engine.engine import Engine
 from engine.extend_timing import ExtendStepTime
 from engine.kv_cache import PageAllocator
 from engine.kv_manager import KVCacheManager
-from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import LONE_MIN_CHUNK, MIN_EXTEND_BUDGET, PROMPT_LOGPROB_TOKEN_WEIGHT, Scheduler
+from graphs.model_runner import ModelRunner
 
 # A CPU's extend step in these tests: 100 ms fixed, 1 ms a prompt token (300 ms fit 200 tokens).
 FIXED_S, PER_TOKEN_S = 0.1, 0.001

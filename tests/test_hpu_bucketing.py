@@ -13,7 +13,6 @@ import torch
 import yaml
 from conftest import reset_dynamo
 
-from backends.base import CONFIG_DIR, DeviceUnavailableError
 from backends.hpu.attention import block_mapping
 from backends.hpu.bucketing import (
     PAD_SEQ_LEN,
@@ -41,6 +40,7 @@ from backends.hpu.graph_runner import (
     warmup_batch,
 )
 from backends.hpu.platform import HpuPlatform, graph_mode_from_env
+from engine.platform import CONFIG_DIR, DeviceUnavailableError
 
 
 def test_linear_buckets_hand_computed() -> None:

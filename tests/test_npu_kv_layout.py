@@ -15,7 +15,6 @@ import pytest
 import torch
 import yaml
 
-from backends.base import CONFIG_DIR, DeviceUnavailableError
 from backends.npu.graph_runner import (
     NpuDecodeGraphRunner,
     capture_order,
@@ -33,6 +32,7 @@ from backends.npu.kv_store import (
     updates_for,
 )
 from backends.npu.platform import NpuPlatform
+from engine.platform import CONFIG_DIR, DeviceUnavailableError
 from graphs.static_buffers import StaticDecodeBuffers
 
 

@@ -25,7 +25,7 @@ import torch
 from conftest import REPO_ROOT, build_tiny_checkpoint
 from helpers import greedy, run_staggered
 
-import engine.distributed.runner as tp_runner
+import graphs.tensor_parallel_runner as tp_runner
 from engine.distributed.state import tp_state
 from engine.engine import Engine
 from engine.errors import EngineError, EngineStoppedError, RankFailedError

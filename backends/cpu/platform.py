@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from backends.base import CaptureSettings, MemoryInfo, Platform
 from engine.errors import EngineError
+from engine.platform import CaptureSettings, MemoryInfo, Platform
 
 logger = logging.getLogger(__name__)
 

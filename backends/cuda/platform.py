@@ -8,7 +8,12 @@ from typing import Any
 
 import torch
 
-from backends.base import CaptureSettings, MemoryInfo, Platform
+from backends.cuda.triton_penalties import apply_penalties_
+from engine.platform import CaptureSettings, MemoryInfo, Platform
+from engine.sampler import PENALTY_KERNELS
+
+# The sampler's penalties on CUDA (and HIP: torch's "cuda" device type) tensors: one Triton launch a batch.
+PENALTY_KERNELS["cuda"] = apply_penalties_
 
 logger = logging.getLogger(__name__)
 

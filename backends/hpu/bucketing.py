@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from graphs.buckets import smallest_bucket_at_least
+from engine.capture_sizes import smallest_bucket_at_least
 
 # Padded rows: write k/v to slot 0 (inside page 0, never handed out) and attend to
 # exactly that one slot. seq_len 1 rather than 0 keeps every softmax non-empty, so

@@ -49,8 +49,8 @@ def fused_sdpa_setting(setting: str | bool | None = None, env: Mapping[str, str]
         env = os.environ if env is None else env
         setting = env.get(FUSED_SDPA_ENV, "").strip() or None
     if setting is None:
-        from backends.base import load_yaml_config
         from backends.hpu.platform import HpuPlatform
+        from engine.platform import load_yaml_config
 
         setting = (load_yaml_config(HpuPlatform().default_config()).get("hpu") or {}).get("fused_sdpa", "auto")
     if isinstance(setting, bool):

@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from backends.base import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform, load_yaml_config
 from engine.layers.attention import AttentionMetadata
+from engine.platform import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform, load_yaml_config
 from engine.transfer import to_device
 
 logger = logging.getLogger(__name__)

@@ -140,10 +140,10 @@ class HpuPrefillRunner:
         """Buckets, mode and warm-up from configs/hpu.yaml plus ENGINE_* env overrides, for the engine's page
         size and context length (no bucket longer than the first that holds a max_model_len - 1 token prompt;
         buckets with context pages from hpu.prompt_ctx_bucket, within hpu.max_prompt_ctx_buckets)."""
-        from backends.base import load_yaml_config
         from backends.hpu.bucketing import resolve_bucket_config
         from backends.hpu.graph_runner import _env_flag
         from backends.hpu.platform import HpuPlatform, bridge_is_lazy, graph_mode_from_env
+        from engine.platform import load_yaml_config
 
         config = load_yaml_config(HpuPlatform().default_config())
         hpu = dict(config.get("hpu") or {})

@@ -48,8 +48,8 @@ from backends.npu.attention import (  # noqa: F401  (the capture/replay metadata
     fill_static_inputs,
 )
 from backends.npu.platform import MAX_ACLGRAPH_GRAPHS, torch_npu_version
+from engine.capture_sizes import cap_sizes, default_capture_sizes, smallest_bucket_at_least
 from engine.errors import EngineError
-from graphs.buckets import cap_sizes, default_capture_sizes, smallest_bucket_at_least
 from graphs.static_buffers import StaticDecodeBuffers  # noqa: F401  (the buffers every platform's graphs read)
 
 logger = logging.getLogger(__name__)

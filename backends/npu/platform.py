@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from backends.base import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform, load_yaml_config
 from backends.npu.kv_store import slot_scatter_indices, store_kv_reference, updates_for
+from engine.platform import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform, load_yaml_config
 
 logger = logging.getLogger(__name__)
 MAX_ACLGRAPH_GRAPHS = 1800  # vllm-ascend: 2048 streams minus 248 kept in reserve

@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -71,10 +71,20 @@ class _Worker:
         return f"exited with code {code}"
 
 
-class RankGroup:
-    """The worker ranks (1..world-1) of the tensor-parallel engine whose rank 0 is this process."""
+# A rank that got SIGTERM finishes its step in flight and leaves within this long (engine/tp_worker.py).
+TERM_GRACE_S = 5.0
 
-    def __init__(self, world_size: int, backend: str, timeout_s: float, device: torch.device) -> None:
+
+class RankGroup:
+    """The worker ranks (1..world-1) of the tensor-parallel engine whose rank 0 is this process.
+
+    worker_main: each spawned rank's process entry (engine/tp_worker.py, which builds an Engine: it sits above
+    this module in the layers, so the Engine hands it in)."""
+
+    def __init__(
+        self, world_size: int, backend: str, timeout_s: float, device: torch.device, worker_main: Callable[..., None]
+    ) -> None:
+        self.worker_main = worker_main
         self.world_size = world_size
         self.backend = backend
         self.timeout_s = timeout_s
@@ -96,8 +106,6 @@ class RankGroup:
         """Spawn the workers (each builds the same engine from `config`), join the group with them."""
         import torch.multiprocessing as mp
 
-        from engine.distributed.worker import worker_main
-
         context = mp.get_context("spawn")
         threads = torch.get_num_threads()
         if self.device.type == "cpu" and threads * self.world_size > (os.cpu_count() or 1):
@@ -116,7 +124,7 @@ class RankGroup:
             command_recv, command_send = context.Pipe(duplex=False)
             report_recv, report_send = context.Pipe(duplex=False)
             process = context.Process(
-                target=worker_main,
+                target=self.worker_main,
                 name=f"engine-tp-rank{rank}",
                 args=(
                     rank,
@@ -342,8 +350,6 @@ class RankGroup:
         """Workers still running: SIGTERM (a worker leaves TERM_GRACE_S after it), then SIGKILL (a stopped,
         SIGSTOP'd one takes only that). After a failure straight to SIGKILL: a rank that hangs would not act
         on SIGTERM either."""
-        from engine.distributed.worker import TERM_GRACE_S
-
         running = [w for w in self.workers if not w.ended]
         for worker in running:
             worker.process.kill() if self.failed is not None else worker.process.terminate()

@@ -1,6 +1,6 @@
 """Rank 0's model runner under tensor parallelism: every step goes to the other ranks first.
 
-The same ModelRunner (engine/model_runner.py) with two additions, and nothing
+The same ModelRunner (graphs/model_runner.py) with two additions, and nothing
 changed for world size 1, which keeps the plain class: before a forward, the
 step's WireStep goes to every worker (so all ranks run the same forward, graph
 replay and collectives); after sampling, the sampled tokens are broadcast so
@@ -30,11 +30,11 @@ from engine.distributed.channel import Command
 from engine.distributed.collectives import broadcast_sampled
 from engine.distributed.launcher import RankGroup
 from engine.distributed.wire import encode_step
-from engine.model_runner import ModelRunner
 from engine.sampler import SampledTokens, sample
 from engine.scheduler import ScheduledStep
 from engine.step_message import StepMessage
 from engine.transfer import to_device
+from graphs.model_runner import ModelRunner
 
 
 class TensorParallelRunner(ModelRunner):

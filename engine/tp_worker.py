@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from engine.distributed.launcher import TERM_GRACE_S
+
 logger = logging.getLogger(__name__)
 
 
@@ -122,9 +124,6 @@ def run_step(engine: Any, wire: Any) -> None:
             rows = to_device(message.sample_rows, torch.int64, runner.device)
         tokens = broadcast_sampled(None, int(rows.shape[0]), runner.device)
         state.record_sampled(rows, received_tokens(tokens, state.last_tokens.index_select(0, rows)))
-
-
-TERM_GRACE_S = 5.0
 
 
 def _leave_soon(signum: int, frame: object) -> None:
