@@ -32,6 +32,25 @@ from engine.server.app import ServerSettings, build_app
 MSG = [{"role": "user", "content": "hi"}]
 SURROGATE = "\ud800"
 
+
+def _nested_arrays(levels: int) -> dict[str, Any]:
+    """A JSON schema nesting `levels` deep: issue #48's attack is 900 (25 KB; 73 s to parse and compile)."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def _wide_object(properties: int, tag: str) -> dict[str, Any]:
+    """Within every size and depth limit, slow to compile: 2,000 properties (99 KB) take ~28 s of CPU."""
+    fields = {f"{tag}_{i}": {"type": ["string", "integer", "null"]} for i in range(properties)}
+    return {"type": "object", "properties": fields}
+
+
+def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
 # Sampling poisons, each sent to both endpoints.
 POISONED_FIELDS: list[tuple[str, Any]] = [
     ("temperature", "NaN"),
@@ -224,6 +243,26 @@ OTHER_CASES: list[tuple[str, str, str, Any, int]] = [
     ("deeply nested json", "POST", "/v1/completions", "[" * 100_000 + "]" * 100_000, 400),
     ("invalid utf-8 body", "POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400),
     ("NaN bare in prompt list", "POST", "/v1/completions", '{"prompt": [NaN]}', 400),
+    # Grammars (issue #48): refused by the limits before any parse, or by the compiler process, never a 500.
+    (
+        "schema of arrays 900 deep",
+        "POST",
+        "/v1/completions",
+        {"prompt": "hi", "response_format": _schema_format(_nested_arrays(900))},
+        400,
+    ),
+    ("schema text too deep to read", "POST", "/v1/completions", {"prompt": "hi", "json_schema": "[" * 10**5}, 400),
+    ("regex 100 groups deep", "POST", "/v1/completions", {"prompt": "hi", "regex": "(" * 100 + ")" * 100}, 400),
+    ("regex over a megabyte", "POST", "/v1/completions", {"prompt": "hi", "regex": "a" * (2**20 + 1)}, 400),
+    ("regex of no character", "POST", "/v1/completions", {"prompt": "hi", "regex": "[^\\s\\S]", "max_tokens": 3}, 400),
+    (
+        "schema pattern of no character",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": MSG, "response_format": _schema_format({"type": "string", "pattern": "[^\\s\\S]"})},
+        400,
+    ),
+    ("ebnf of no character", "POST", "/v1/completions", {"prompt": "hi", "ebnf": "root ::= [^\\0-\\U0010FFFF]"}, 400),
 ]
 
 CASES = BASIC_CASES + _poison_cases() + OTHER_CASES
@@ -662,3 +701,179 @@ def test_clients_that_hang_up_during_prefill_free_everything(server: ServerProce
     while server.metrics()["engine:kv_pages_used"] > 0:
         assert time.monotonic() - hung_up < 2.0, "an abandoned prefill still holds KV pages"
         time.sleep(0.02)
+
+
+# ---- grammars (issue #48): each attack with a well-formed canary beside it -------------------------------------
+
+CANARY = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+CANARY_WORST_S = 2.0  # a canary's worst latency behind any grammar attack (idle: ~0.1 s)
+
+
+@contextlib.contextmanager
+def _canaries(server: ServerProcess) -> Any:
+    """While the block runs, one request at a time: a plain completion, then one with a small schema never seen
+    before (it needs a check and a compile of its own), and so on. Yields the (kind, seconds, status) list."""
+    seen: list[tuple[str, float, int]] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        for index in itertools.count():
+            if stop.is_set():
+                return
+            body: dict[str, Any] = dict(CANARY)
+            if index % 2:
+                schema = {"type": "object", "properties": {f"canary_{index}_{random.random()}": {"type": "integer"}}}
+                body["response_format"] = _schema_format(schema)
+            start = time.monotonic()
+            status = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).status_code
+            seen.append(("schema" if index % 2 else "plain", time.monotonic() - start, status))
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join(120)
+
+
+def _assert_canaries_were_served(seen: list[tuple[str, float, int]]) -> None:
+    assert {kind for kind, _, _ in seen} == {"plain", "schema"}, seen
+    assert all(status == 200 for _, _, status in seen), seen
+    for kind in ("plain", "schema"):
+        worst = max(seconds for k, seconds, _ in seen if k == kind)
+        assert worst <= CANARY_WORST_S, f"a {kind} canary waited {worst:.2f} s behind the attack: {seen}"
+
+
+def _hang_up_after(port: int, body: dict[str, Any], seconds: float) -> None:
+    payload = json.dumps(body).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(head + payload)
+        time.sleep(seconds)
+
+
+def test_three_schemas_900_deep_at_once_are_refused_by_the_depth_limit_beside_a_canary(server: ServerProcess) -> None:
+    """Issue #48: each took 73 s to parse and compile on threads every request shares; a plain request beside
+    three timed out at 60 s. Now each is a 400 naming the limit before anything parses it."""
+    server.wait_idle()
+    body = {"prompt": "hi", "max_tokens": 3, "response_format": _schema_format(_nested_arrays(900))}
+    with _canaries(server) as seen, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        time.sleep(0.3)
+        responses = list(pool.map(lambda _: _send_any(server.base_url, "POST", "/v1/completions", body), range(3)))
+        time.sleep(1.0)
+    for response in responses:
+        error = assert_openai_error(response, 400)
+        assert error["param"] == "response_format", error
+        assert "nests 900 levels deep; at most 64 (--grammar-max-depth)" in error["message"], error
+    _assert_canaries_were_served(seen)
+    server.wait_idle()
+
+
+def test_grammars_past_the_compile_deadline_are_refused_and_delay_no_one(server: ServerProcess) -> None:
+    """Three schemas within every size and depth limit that take ~28 s each to compile: killed at the 5 s CPU
+    deadline, a 400 "grammar too complex" each; plain and schema canaries beside them stay fast."""
+    server.wait_idle()
+    timed_out = server.metrics()["engine:grammar_checks_timed_out_total"]
+    bodies = [
+        {"prompt": "hi", "max_tokens": 3, "response_format": _schema_format(_wide_object(2000, f"deadline{i}"))}
+        for i in range(3)
+    ]
+    with _canaries(server) as seen, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        time.sleep(0.3)
+        responses = list(pool.map(lambda b: _send_any(server.base_url, "POST", "/v1/completions", b), bodies))
+    for response in responses:
+        error = assert_openai_error(response, 400)
+        assert error["message"] == (
+            "response_format: grammar too complex: the json schema did not compile within 5 s "
+            "(--grammar-compile-timeout)"
+        ), error
+    _assert_canaries_were_served(seen)
+    assert server.metrics()["engine:grammar_checks_timed_out_total"] == timed_out + 3
+    server.wait_idle()
+
+
+def test_grammar_checks_of_clients_that_hang_up_are_cancelled_at_once(server: ServerProcess) -> None:
+    """Issue #48: twenty slow schemas whose clients left after 0.3 s were all still parsed and compiled, and
+    the next request waited 47 s. Now the queued checks are dropped and the running ones' processes killed."""
+    server.wait_idle()
+    cancelled = server.metrics()["engine:grammar_checks_cancelled_total"]
+    bodies = [
+        {"prompt": "hi", "max_tokens": 3, "response_format": _schema_format(_wide_object(2000, f"left{i}"))}
+        for i in range(20)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        list(pool.map(lambda b: _hang_up_after(server.port, b, 0.3), bodies))
+    hung_up = time.monotonic()
+    while True:
+        values = server.metrics()
+        if values["engine:grammar_checks_running"] == 0 and values["engine:grammar_checks_queued"] == 0:
+            break
+        assert time.monotonic() - hung_up < 2.0, f"checks for clients that left still run: {values}"
+        time.sleep(0.05)
+    assert values["engine:grammar_checks_cancelled_total"] == cancelled + 20
+    with _canaries(server) as seen:
+        time.sleep(2.0)
+    _assert_canaries_were_served(seen)
+    server.wait_idle()
+
+
+UNSATISFIABLE_GRAMMARS = [
+    ("regex", "/v1/completions", {"prompt": "hi", "regex": "[^\\s\\S]", "max_tokens": 3}),
+    (
+        "response_format",
+        "/v1/chat/completions",
+        {"messages": MSG, "response_format": _schema_format({"type": "string", "pattern": "[^\\s\\S]"})},
+    ),
+    ("ebnf", "/v1/completions", {"prompt": "hi", "ebnf": "root ::= [^\\0-\\U0010FFFF]", "stream": True}),
+    (
+        "structured_outputs",
+        "/v1/completions",
+        {"prompt": "hi", "structured_outputs": {"grammar": 'root ::= "a" [^\\x00-\\U0010ffff]'}},
+    ),
+]
+
+
+@pytest.mark.parametrize("field,path,body", UNSATISFIABLE_GRAMMARS, ids=[f for f, _, _ in UNSATISFIABLE_GRAMMARS])
+def test_a_grammar_no_text_can_match_is_a_400_naming_its_field(
+    server: ServerProcess, field: str, path: str, body: dict[str, Any]
+) -> None:
+    """Issue #48: these were a 500 after generation had begun (every token masked), which the OpenAI client
+    retries. Now a 400 before anything is queued, streaming too (no 200 and an error event)."""
+    with _canaries(server) as seen:
+        time.sleep(0.3)
+        response = _send_any(server.base_url, "POST", path, body)
+        time.sleep(0.5)
+    error = assert_openai_error(response, 400)
+    assert error["param"] == field and "can never be matched" in error["message"], error
+    assert "a character class in it matches no character" in error["message"], error
+    _assert_canaries_were_served(seen)
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("limit", ["depth", "size"])
+def test_grammar_limits_accept_just_under_and_refuse_just_over_with_the_message(
+    server: ServerProcess, limit: str
+) -> None:
+    """The server's defaults: 64 levels of nesting, 1 MiB of schema text."""
+    if limit == "depth":
+        under, over = _nested_arrays(64), _nested_arrays(65)
+        message = "response_format: the json schema nests 65 levels deep; at most 64 (--grammar-max-depth)"
+    else:
+        bare = len(json.dumps({"type": "string", "description": ""}))
+        under = {"type": "string", "description": "x" * (2**20 - bare)}
+        over = {"type": "string", "description": "x" * (2**20 - bare + 1)}
+        assert len(json.dumps(under)) == 2**20
+        message = "response_format: the json schema has 1,048,577 characters; at most 1,048,576 (--grammar-max-chars)"
+    accepted = _send_any(
+        server.base_url, "POST", "/v1/completions", {**CANARY, "response_format": _schema_format(under)}
+    )
+    assert accepted.status_code == 200, accepted.text
+    error = assert_openai_error(
+        _send_any(server.base_url, "POST", "/v1/completions", {**CANARY, "response_format": _schema_format(over)}), 400
+    )
+    assert error["message"] == message and error["param"] == "response_format", error
+    server.wait_idle()

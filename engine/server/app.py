@@ -9,7 +9,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -33,6 +33,7 @@ from engine.server.protocol import (
     TokenizeRequest,
 )
 from engine.server.serving import Serving
+from engine.structured.limits import GrammarLimits
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class ServerSettings:
     allow_unknown_fields: bool = False  # ignore request fields this server does not know (engine/server/fields.py)
     tool_call_parser: str | None = None  # how tool calls are read for tool_choice "auto" (engine/server/tools.py)
     reasoning_parser: str | None = None  # how reasoning_content is split from content (engine/server/reasoning.py)
+    # Request grammars: size, nesting, compile deadline, compiler processes (docs/structured_output.md).
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
 
 def build_app(
@@ -100,7 +103,9 @@ def build_app(
         settings.trust_request_chat_template,
         settings.tool_call_parser,
         settings.reasoning_parser,
+        settings.grammar_limits,
     )
+    metrics.grammar_counts = serving.grammars.counts
     created = int(time.time())
 
     @asynccontextmanager

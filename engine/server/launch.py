@@ -9,6 +9,13 @@ import signal
 import time
 
 from engine.server.tool_parsers import PARSERS
+from engine.structured.limits import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_CHARS,
+    DEFAULT_MAX_DEPTH,
+    DEFAULT_WORKERS,
+    GrammarLimits,
+)
 
 logger = logging.getLogger("engine.server")
 
@@ -92,6 +99,31 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "thought; qwen3: the model does)",
     )
     limits.add_argument(
+        "--grammar-max-chars",
+        type=int,
+        default=DEFAULT_MAX_CHARS,
+        help="longer structured-output schemas, regexes and grammars get a 400 before anything parses them",
+    )
+    limits.add_argument(
+        "--grammar-max-depth",
+        type=int,
+        default=DEFAULT_MAX_DEPTH,
+        help="a schema nesting deeper (JSON levels; parentheses of a regex or EBNF) gets a 400 before parsing",
+    )
+    limits.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=DEFAULT_COMPILE_TIMEOUT_S,
+        help="CPU seconds a request grammar may take to parse and compile; its compiler process is killed then and "
+        'the request gets a 400 "grammar too complex"',
+    )
+    limits.add_argument(
+        "--grammar-workers",
+        type=int,
+        default=DEFAULT_WORKERS,
+        help="compiler processes that check request grammars (at nice +10), so that one slow grammar delays no other",
+    )
+    limits.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="let requests supply their own chat template through chat_template_kwargs",
@@ -122,10 +154,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.server.engine_process import EngineProcess
     from engine.server.engine_thread import EngineThread
 
-    for name in ("max_connections", "max_body_bytes", "max_pending_requests"):
+    for name in ("max_connections", "max_body_bytes", "max_pending_requests", "grammar_max_chars", "grammar_max_depth"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("header_timeout", "timeout_keep_alive", "body_timeout"):
+    if args.grammar_workers < 1:
+        raise ValueError(f"--grammar-workers must be >= 1, got {args.grammar_workers}")
+    for name in ("header_timeout", "timeout_keep_alive", "body_timeout", "grammar_compile_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
 
@@ -168,6 +202,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_unknown_fields=args.allow_unknown_fields,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        grammar_limits=GrammarLimits(
+            args.grammar_max_chars, args.grammar_max_depth, args.grammar_compile_timeout, args.grammar_workers
+        ),
     )
     app = build_app(engine, args.served_model_name, settings=settings, engine_thread=engine_thread)
     # Each connection holds a descriptor: lift the soft limit so the connection cap, not EMFILE, decides.

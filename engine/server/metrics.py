@@ -22,6 +22,7 @@ from prometheus_client.utils import floatToGoString
 
 from engine.server.async_engine import StepObserver
 from engine.stats import EngineStats, HistogramSnapshot
+from engine.structured.pool import PoolCounts
 
 # Buckets in seconds: CPU steps are tens of ms, a queued first token can take many seconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -36,6 +37,9 @@ class ServerMetrics:
         labels = ["model_name"]
         r = self.registry
         r.register(_EngineStatsCollector(snapshot, model_name))
+        # The grammar checks' counts (engine/structured/pool.py); build_app points this at its checker.
+        self.grammar_counts: Callable[[], PoolCounts] = PoolCounts
+        r.register(_GrammarCollector(lambda: self.grammar_counts(), model_name))
         self.prompt_tokens = Counter("engine:prompt_tokens", "Prompt tokens admitted.", labels, registry=r).labels(
             model_name
         )
@@ -184,3 +188,43 @@ class _EngineStatsCollector:
             yield family
         for name, doc, histogram in _step_histograms(snapshot):
             yield _histogram_family(name, doc, histogram, self.model_name)
+
+
+class _GrammarCollector:
+    """The compiler processes' queue and what they refused or dropped (engine/structured/pool.py)."""
+
+    def __init__(self, counts: Callable[[], PoolCounts], model_name: str) -> None:
+        self.counts = counts
+        self.model_name = model_name
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.counts()
+        series = [
+            (GaugeMetricFamily, "engine:grammar_checks_queued", "Request grammars waiting for a compiler.", c.queued),
+            (GaugeMetricFamily, "engine:grammar_checks_running", "Request grammars being compiled.", c.running),
+            (
+                CounterMetricFamily,
+                "engine:grammar_checks_timed_out",
+                "Request grammars refused at the compile deadline (their process killed).",
+                c.timed_out,
+            ),
+            (
+                CounterMetricFamily,
+                "engine:grammar_checks_cancelled",
+                "Request grammar checks dropped or killed because every client waiting for them left.",
+                c.cancelled,
+            ),
+            (
+                CounterMetricFamily,
+                "engine:grammar_checks_crashed",
+                "Request grammars whose compiler process died on them.",
+                c.crashed,
+            ),
+        ]
+        for family_type, name, doc, value in series:
+            family = family_type(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family

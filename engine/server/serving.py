@@ -20,6 +20,7 @@ from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestGroup
 from engine.server.errors import APIError, error_body
+from engine.server.grammar_gate import await_verdict
 from engine.server.params import (
     ModelInfo,
     Tokens,
@@ -49,10 +50,12 @@ from engine.server.protocol import (
     random_id,
 )
 from engine.server.reasoning import ReasoningStream, split_reasoning
-from engine.server.structured_fields import grammar_from_request
+from engine.server.structured_fields import AskedGrammar, grammar_from_request
 from engine.server.tool_parsers import ToolCall
 from engine.server.tools import ToolPlan, calls_from_text, plan_tools, streamable_prefix, streams_calls_early
-from engine.structured.spec import GrammarSpec, validate_grammar
+from engine.structured.checker import GrammarChecker, tokenizer_info_json
+from engine.structured.limits import GrammarLimits, validate_grammar
+from engine.structured.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,6 +95,7 @@ class Serving:
         trust_request_chat_template: bool = False,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        grammar_limits: GrammarLimits | None = None,
     ) -> None:
         self.engine = engine
         self.tool_call_parser = tool_call_parser
@@ -108,6 +112,10 @@ class Serving:
         # /health with it). One worker thread: the server's tokenizer copy is used by one thread at a
         # time, and HF tokenizers release the GIL while they encode.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        # Request grammars are judged in compiler processes before admission (engine/server/grammar_gate.py);
+        # the vocabulary's description for them is made once, on this tokenizer's own thread.
+        self.grammar_limits = grammar_limits or GrammarLimits()
+        self.grammars = GrammarChecker(self._tokenizer_info_json, self.grammar_limits)
 
     async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
         """fn(*args) on the tokenizer thread."""
@@ -115,6 +123,10 @@ class Serving:
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
+
+    def _tokenizer_info_json(self) -> str:
+        return self._worker.submit(tokenizer_info_json, self.model.tokenizer, self.model.vocab_size).result()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model.name:
@@ -126,7 +138,8 @@ class Serving:
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
         prompts = await self.off_loop(completion_prompts, self.model, req.prompt)
-        grammar = await self.off_loop(grammar_from_request, req)
+        asked = await self.off_loop(grammar_from_request, req, self.grammar_limits)
+        grammar = asked.spec if asked is not None else None
         if len(prompts) * req.n > MAX_CHOICES:
             raise APIError(f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
@@ -139,7 +152,7 @@ class Serving:
                 )
                 choices.append(Choice(p * req.n + i, text, ids, params))
         request_id = random_id("cmpl")
-        group = await self._start(request_id, choices)
+        group = await self._start(request_id, choices, raw, asked)
         usage_prompt = sum(len(ids) for _, ids in prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -266,16 +279,17 @@ class Serving:
             kwargs,
             plan.prompt_tools if plan is not None else None,
         )
-        grammar = await self.off_loop(grammar_from_request, req)
+        asked = await self.off_loop(grammar_from_request, req, self.grammar_limits)
         if plan is not None and plan.grammar is not None:
-            if grammar is not None:
+            if asked is not None:
                 raise APIError(
                     'tool_choice "required" or a named function constrains the output itself; it cannot '
                     "be combined with response_format or another structured-output field",
                     param="tool_choice",
                 )
-            grammar = plan.grammar
-            await self.off_loop(_check_tool_grammar, grammar)
+            asked = AskedGrammar(plan.grammar, "tools")
+            await self.off_loop(_check_tool_grammar, plan.grammar, self.grammar_limits)
+        grammar = asked.spec if asked is not None else None
         if plan is not None and not plan.parses_calls:
             plan = None  # tool_choice "none": plain text
         budget, param = req.max_tokens, "max_tokens"
@@ -296,7 +310,7 @@ class Serving:
         ]
         request_id = random_id("chatcmpl")
         created = int(time.time())
-        group = await self._start(request_id, choices)
+        group = await self._start(request_id, choices, raw, asked)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = self._sse(
@@ -372,7 +386,11 @@ class Serving:
         return chunk.model_dump(exclude_none=True)
 
     # ---- shared -----------------------------------------------------------------------------------
-    async def _start(self, request_id: str, choices: list[Choice]) -> RequestGroup:
+    async def _start(
+        self, request_id: str, choices: list[Choice], raw: Request, asked: AskedGrammar | None
+    ) -> RequestGroup:
+        """Admit the choices: a place among the pending requests (the grammar's check holds one too, so
+        checks queue no further than requests do), the grammar's verdict, then the engine."""
         if self.pending + len(choices) > self.max_pending:
             raise APIError(
                 f"the server has {self.pending} requests in flight (limit {self.max_pending}); retry later",
@@ -382,6 +400,12 @@ class Serving:
         self.pending += len(choices)
         group = RequestGroup(self.engine, on_done=lambda: self._release(len(choices)))
         try:
+            if asked is not None:
+                if self.model.tokenizer is None:
+                    raise APIError(
+                        "structured output needs the model's tokenizer, and this model has none", param=asked.field
+                    )
+                await await_verdict(self.grammars, asked.spec, asked.field, raw, DISCONNECT_POLL_S)
             for choice in choices:
                 choice.request_id = f"{request_id}-{choice.index}"
                 await group.add(choice.request_id, choice.prompt_ids, choice.params)
@@ -454,10 +478,11 @@ class Serving:
         self.pending -= count
 
 
-def _check_tool_grammar(grammar: GrammarSpec) -> None:
-    """The grammar made from the tools' parameter schemas parses (a bad schema is a 400 on `tools`)."""
+def _check_tool_grammar(grammar: GrammarSpec, limits: GrammarLimits) -> None:
+    """The grammar made from the tools' parameter schemas is within the limits (a 400 on `tools`); whether
+    it parses and compiles is the gate's to say (engine/server/grammar_gate.py)."""
     try:
-        validate_grammar(grammar)
+        validate_grammar(grammar, limits)
     except InvalidRequestError as exc:
         raise APIError(f"tools: {exc}", param="tools") from exc
 

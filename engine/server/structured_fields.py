@@ -12,13 +12,14 @@ whitespace pattern, another backend) is a 400 naming the field, never silently d
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
 from engine.errors import InvalidRequestError
 from engine.server.errors import APIError
-from engine.structured.spec import GrammarSpec, validate_grammar
+from engine.structured.limits import GrammarLimits, validate_grammar
+from engine.structured.spec import GrammarSpec
 
 # Top-level fields read here (engine/server/fields.py leaves them to this module).
 STRUCTURED_FIELDS = frozenset(
@@ -48,25 +49,36 @@ STRUCTURED_OUTPUTS_NEUTRAL = {
 }
 
 
-def grammar_from_request(request: BaseModel) -> GrammarSpec | None:
-    """The one constraint the request asks for, parsed, or None; APIError (400) naming the field otherwise.
-    Off the event loop (the tokenizer thread): a big schema takes milliseconds to parse."""
+class AskedGrammar(NamedTuple):
+    """The constraint a request asks for, and the field that asked (named by every error about it)."""
+
+    spec: GrammarSpec
+    field: str
+
+
+def grammar_from_request(request: BaseModel, limits: GrammarLimits) -> AskedGrammar | None:
+    """The one constraint the request asks for, within the size and nesting limits, or None; APIError (400)
+    naming the field otherwise. Not parsed here: that runs in a compiler process under the deadline
+    (engine/server/grammar_gate.py). Off the event loop (the tokenizer thread): a megabyte schema takes
+    milliseconds to serialize and scan."""
     extra: dict[str, Any] = request.model_extra or {}
-    found: list[tuple[str, GrammarSpec]] = []
+    found: list[AskedGrammar] = []
     for field in sorted(STRUCTURED_FIELDS & extra.keys()):
         value = extra[field]
         try:
             spec = _spec_of(field, value)
             if spec is not None:
-                validate_grammar(spec)
+                validate_grammar(spec, limits)
         except InvalidRequestError as exc:
             raise APIError(f"{field}: {exc}", param=field) from exc
         if spec is not None:
-            found.append((field, spec))
+            found.append(AskedGrammar(spec, field))
     if len(found) > 1:
-        names = ", ".join(field for field, _ in found)
-        raise APIError(f"at most one structured-output constraint per request; this one has {names}", param=found[1][0])
-    return found[0][1] if found else None
+        names = ", ".join(asked.field for asked in found)
+        raise APIError(
+            f"at most one structured-output constraint per request; this one has {names}", param=found[1].field
+        )
+    return found[0] if found else None
 
 
 def _spec_of(field: str, value: Any) -> GrammarSpec | None:

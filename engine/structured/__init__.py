@@ -1,5 +1,6 @@
 """Structured output: grammars (JSON schema, JSON, regex, EBNF, choice) that constrain sampling."""
 
-from engine.structured.spec import GrammarSpec, validate_grammar
+from engine.structured.limits import GrammarLimits, validate_grammar
+from engine.structured.spec import GrammarSpec
 
-__all__ = ["GrammarSpec", "validate_grammar"]
+__all__ = ["GrammarLimits", "GrammarSpec", "validate_grammar"]

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from engine.structured.satisfiable import unsatisfiable_reason
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
 JSON_OBJECT_SCHEMA = '{"type": "object", "additionalProperties": true}'
-MAX_GRAMMAR_CHARS = 1 << 20  # a schema or grammar larger than a megabyte is refused before parsing
 
 
 @dataclass(frozen=True)
@@ -29,14 +29,22 @@ class GrammarSpec:
 
     @staticmethod
     def json_schema(schema: dict[str, Any] | str, any_whitespace: bool = True) -> GrammarSpec:
+        # RecursionError: JSON nested deeper than Python's recursion limit (~1,000) is refused here, before the
+        # nesting limit could name it (engine/structured/limits.py); it must not become a 500.
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}") from exc
+            except RecursionError as exc:
+                raise InvalidRequestError("the JSON schema nests too deep to be read") from exc
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return GrammarSpec("json_schema", json.dumps(schema), any_whitespace)  # key order kept: the properties' order
+        try:
+            text = json.dumps(schema)  # key order kept: the properties' order
+        except RecursionError as exc:
+            raise InvalidRequestError("the JSON schema nests too deep to be read") from exc
+        return GrammarSpec("json_schema", text, any_whitespace)
 
     @staticmethod
     def choice(options: list[str]) -> GrammarSpec:
@@ -64,16 +72,6 @@ class GrammarSpec:
         return self.kind.replace("_", " ")
 
 
-def validate_grammar(spec: GrammarSpec) -> None:
-    """Parse the spec (no tokenizer needed, milliseconds): an invalid schema, regex or grammar is one
-    InvalidRequestError naming the problem, raised before the request is queued."""
-    if spec.kind not in KINDS:
-        raise InvalidRequestError(f"unknown structured-output kind {spec.kind!r} (one of {', '.join(KINDS)})")
-    if len(spec.text) > MAX_GRAMMAR_CHARS:
-        raise InvalidRequestError(f"the {spec.describe()} has {len(spec.text)} characters; at most {MAX_GRAMMAR_CHARS}")
-    parse_grammar(spec)
-
-
 def parse_grammar(spec: GrammarSpec) -> Any:
     """The xgrammar Grammar of a spec; InvalidRequestError if it does not parse."""
     xgr = import_xgrammar()
@@ -85,6 +83,21 @@ def parse_grammar(spec: GrammarSpec) -> Any:
         return xgr.Grammar.from_ebnf(spec.ebnf())
     except (RuntimeError, ValueError, TypeError) as exc:
         raise InvalidRequestError(f"invalid {spec.describe()}: {xgrammar_message(exc)}") from exc
+
+
+def compile_spec(compiler: Any, spec: GrammarSpec) -> Any:
+    """The spec parsed and compiled by an xgrammar GrammarCompiler (against its vocabulary), refused if no text
+    can ever match it: the one way both the engine (engine/structured/compiler.py) and the deadline's
+    worker (engine/structured/worker.py) compile. InvalidRequestError naming the problem otherwise."""
+    grammar = parse_grammar(spec)
+    try:
+        compiled = compiler.compile_grammar(grammar)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"invalid {spec.describe()}: {xgrammar_message(exc)}") from exc
+    reason = unsatisfiable_reason(compiled)
+    if reason is not None:
+        raise InvalidRequestError(f"the {spec.describe()} can never be matched: {reason}")
+    return compiled
 
 
 def import_xgrammar() -> Any:

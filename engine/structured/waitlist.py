@@ -2,7 +2,8 @@
 
 A request with a grammar is not scheduled before its matcher exists (its first sampled token
 already needs the mask), but it does not hold anyone else up: the compile runs in the compiler's
-thread, and each engine step takes whichever grammars have finished since the last one.
+threads, and each engine step takes whichever grammars have finished since the last one. A request
+aborted while it waits releases its compile, which is dropped if no other request waits for it.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ class GrammarWaitlist:
 
     def remove(self, request_id: str) -> Request | None:
         entry = self._waiting.pop(request_id, None)
-        return entry[0] if entry is not None else None
+        if entry is None:
+            return None
+        self._release(entry[0])
+        return entry[0]
 
     def take_ready(self, idle: bool) -> tuple[list[Request], list[tuple[Request, BaseException]]]:
         """(requests whose matcher is ready, requests whose grammar failed with the error).
@@ -56,6 +60,7 @@ class GrammarWaitlist:
             if not future.done():
                 continue
             del self._waiting[request_id]
+            self._release(request)
             error = future.exception()
             if error is None:
                 request.grammar = new_matcher(future.result())
@@ -64,6 +69,10 @@ class GrammarWaitlist:
             else:
                 failed.append((request, error))
         return ready, failed
+
+    def _release(self, request: Request) -> None:
+        assert self._compiler is not None and request.params.grammar is not None
+        self._compiler.release(request.params.grammar)
 
     def close(self) -> None:
         if self._compiler is not None:
