@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from engine.distributed.launcher import RankGroup
     from graphs.compiled_extend import CompiledExtendStep
     from graphs.extend_graph_runner import ExtendGraphRunner
-    from graphs.runner import DecodeRunner, PrefillRunner
+    from graphs.step_runner import DecodeStepRunner, StepRunner
 
 # The start-up warm-up request's prompt: a prefill of a typical chunk size, the extend-step time model's first point.
 WARM_UP_PROMPT_TOKENS = 256
@@ -185,23 +185,25 @@ class Engine:
             self.platform.wait_for_compile_workers()  # its compiler imports done before the main thread compiles
         extend_step = self._extend_step()  # first: the CUDA decode graphs compile its layer graph for both
         graph_runner = self._graph_runner(extend_step)
-        runner_args = (
-            self.model,
-            self.kv_pool,
-            self.device,
-            self.platform.slot_index_dtype,
-            graph_runner,
-            self.decode_state,
-            extend_step,
-            self._extend_graphs(extend_step, graph_runner, max_pages),
-            self._prefill_runner(),
-        )
+        # The step runners, most specialised first (graphs/step_runner.py); the ModelRunner adds the eager one.
+        step_runners: list[StepRunner] = [
+            runner
+            for runner in (
+                graph_runner,
+                self._prefill_runner(),
+                self._extend_graphs(extend_step, graph_runner, max_pages),
+                self._compiled_runner(extend_step),
+            )
+            if runner is not None
+        ]
+        runner_args = (self.model, self.kv_pool, self.device, self.platform.slot_index_dtype, self.decode_state)
         if self.tp_ranks is not None:
             from graphs.tensor_parallel_runner import TensorParallelRunner
 
-            self.runner: ModelRunner = TensorParallelRunner(*runner_args, ranks=self.tp_ranks)
+            self.runner: ModelRunner = TensorParallelRunner(*runner_args, step_runners, ranks=self.tp_ranks)
         else:
-            self.runner = ModelRunner(*runner_args)
+            self.runner = ModelRunner(*runner_args, step_runners)
+        logger.info("step runners, in the order they are offered a step: %s", self.runner.describe())
         self._pad_logit_rows()
         # Debug mode: the pool invariant after every step (ENGINE_DEBUG_KV=1 or debug_kv_invariant).
         self.debug_kv = bool(self.config.debug_kv_invariant) or os.environ.get("ENGINE_DEBUG_KV", "") not in ("", "0")
@@ -312,7 +314,7 @@ class Engine:
         self.kv_manager.reset_prefix_cache()
         self.kv_manager.stats = PrefixCacheStats()
         self.scheduler.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self.runner.graph_steps = self.runner.eager_steps = 0
+        self.runner.reset_counts()
         self.stats_logger.step_sizes.reset()
         logger.info(
             "warm-up request (%d-token prefill, 1 decode step) took %.2f s", prompt_len, time.perf_counter() - start
@@ -439,13 +441,13 @@ class Engine:
             }
         return {}
 
-    def _graph_runner(self, extend_step: CompiledExtendStep | None) -> DecodeRunner | None:
+    def _graph_runner(self, extend_step: CompiledExtendStep | None) -> DecodeStepRunner | None:
         if self.config.disable_graphs or self._graphs_unsupported():
             return None
         runner_cls = self.platform.graph_runner_class()
         max_pages = (self.max_model_len + self.kv_pool.page_size - 1) // self.kv_pool.page_size
         kwargs = self.graph_runner_options(extend_step)
-        runner: DecodeRunner = runner_cls(
+        runner: DecodeStepRunner = runner_cls(
             self.model,
             self.kv_pool.caches,
             self.config.resolved_capture_sizes(),
@@ -470,13 +472,21 @@ class Engine:
         )
         return CompiledExtendStep(self.model, self.kv_pool.caches, strict=bool(self.config.strict_graphs))
 
-    def _prefill_runner(self) -> PrefillRunner | None:
+    def _compiled_runner(self, extend_step: CompiledExtendStep | None) -> StepRunner | None:
+        """Every step the runners before it did not take, through the compiled layers; None: eager."""
+        if extend_step is None:
+            return None
+        from graphs.compiled_extend import CompiledStepRunner
+
+        return CompiledStepRunner(extend_step)
+
+    def _prefill_runner(self) -> StepRunner | None:
         """The platform's own prefill runner (HPU: extend steps padded to prompt buckets), warmed up; None where
         the platform has none, or with graphs off (then every extend step takes the paths above)."""
         factory = self.platform.prefill_runner_class()
         if factory is None or self.config.disable_graphs or self._graphs_unsupported():
             return None
-        runner: PrefillRunner = factory(
+        runner: StepRunner = factory(
             self.model,
             self.kv_pool.caches,
             self.kv_pool.page_size,
@@ -488,7 +498,7 @@ class Engine:
         return runner
 
     def _extend_graphs(
-        self, extend_step: CompiledExtendStep | None, decode_graphs: object, max_pages: int
+        self, extend_step: CompiledExtendStep | None, decode_graphs: DecodeStepRunner | None, max_pages: int
     ) -> ExtendGraphRunner | None:
         """CUDA graphs of extend and mixed steps per token bucket (extend_capture_tokens), or None."""
         buckets = parse_sizes(self.config.extend_capture_tokens) if self.config.extend_capture_tokens else []
@@ -502,9 +512,12 @@ class Engine:
         # No bucket above what one step can hold (the prompt-token budget, plus the decodes of a mixed step).
         step_tokens = self.scheduler.max_step_tokens()
         buckets = sorted({min(b, step_tokens) for b in buckets})
+        from graphs.cuda_graph_runner import CudaGraphRunner
         from graphs.extend_graph_runner import ExtendGraphRunner, eager_extend_step
 
         step = extend_step if extend_step is not None else eager_extend_step(self.model, self.kv_pool.caches)
+        # Into the decode graphs' pool, on their capture stream (ExtendGraphRunner.capture says why).
+        shared = decode_graphs if isinstance(decode_graphs, CudaGraphRunner) else None
         runner = ExtendGraphRunner(
             step,
             buckets,
@@ -513,8 +526,10 @@ class Engine:
             self.kv_pool.page_size,
             self.device,
             self.platform.slot_index_dtype,
+            pool=shared.pool if shared is not None else None,
+            stream=shared.capture_stream if shared is not None else None,
         )
-        runner.capture(pool=getattr(decode_graphs, "pool", None), stream=getattr(decode_graphs, "capture_stream", None))
+        runner.capture()
         return runner
 
     # ---- requests ---------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""The model hyper-parameters our model code needs, read from a transformers config."""
+"""The model hyper-parameters our model code needs, read from a transformers config: the shapes every
+decoder has here, what is particular to a family through that family's declaration (its `read_hf` and
+traits, engine/models/family.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import UnsupportedArchitectureError
-from engine.models.registry import model_class_for_type, supported_model_types
+from engine.models.family import Family, SlidingWindow
+from engine.models.registry import family_for, supported_model_types
 
 if TYPE_CHECKING:
     from engine.models.interface import CausalLM
@@ -25,13 +28,15 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
-    qk_norm: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    qk_norm: bool  # per-head q/k norms (a family that norms them otherwise says so in its own classes)
     hidden_act: str
     rope_parameters: dict[str, Any]
+    family: Family  # who serves this checkpoint: its class, its traits, its GGUF layout
     eos_token_ids: list[int] = field(default_factory=list)
     # Attention reaches back at most this many tokens (Mistral-7B-v0.1: 4096; Qwen2/3 with
-    # use_sliding_window). None: full causal attention.
+    # use_sliding_window: the family's SlidingWindow trait says which). None: full causal attention.
     sliding_window: int | None = None
     layer_windows: list[int | None] = field(default_factory=list)  # each layer's window (None: full attention)
     # (tokens, why): the context up to which this engine computes exactly what the checkpoint's
@@ -43,10 +48,8 @@ class ModelConfig:
 
     @property
     def model_class(self) -> type[CausalLM]:
-        """The class in engine/models/ that runs this config (engine/models/registry.py)."""
-        cls = model_class_for_type(self.model_type, getattr(self.hf_config, "architectures", None))
-        assert cls is not None, self.model_type  # from_hf refused the config otherwise
-        return cls
+        """The class in engine/models/ that runs this config (its family's)."""
+        return self.family.model_class
 
     @property
     def rope_theta(self) -> float:
@@ -56,8 +59,8 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any) -> ModelConfig:
         model_type = getattr(hf_config, "model_type", None)
         archs = getattr(hf_config, "architectures", None)
-        model_class = model_class_for_type(model_type, archs)
-        if model_class is None:
+        family = family_for(model_type, archs)
+        if family is None:
             raise UnsupportedArchitectureError(
                 f"unsupported architecture: model_type={model_type!r} architectures={archs}; "
                 f"supported model types: {supported_model_types()}"
@@ -66,6 +69,8 @@ class ModelConfig:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        settings = family.read_hf(hf_config)
+        window = _sliding_window(hf_config, family.traits.sliding_window)
         return cls(
             model_type=model_type or "",  # found by its architecture; transformers' configs always have one
             vocab_size=hf_config.vocab_size,
@@ -78,27 +83,28 @@ class ModelConfig:
             rms_norm_eps=hf_config.rms_norm_eps,
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias; Llama-family configs say so with attention_bias.
-            attention_bias=model_type == "qwen2"
-            or bool(getattr(hf_config, "attention_bias", False))
-            or bool(getattr(hf_config, "qkv_bias", False)),  # Qwen2-MoE's name for it
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qkv_bias=settings.qkv_bias,
+            o_proj_bias=settings.o_proj_bias,
+            qk_norm=settings.qk_norm,
             hidden_act=getattr(hf_config, "hidden_act", "silu"),
             rope_parameters=_rope_parameters(hf_config),
+            family=family,
             eos_token_ids=eos_ids,
-            sliding_window=_sliding_window(hf_config),
-            layer_windows=_layer_windows(hf_config),
+            sliding_window=window,
+            layer_windows=_layer_windows(hf_config, window),
             context_limit=_context_limit(hf_config),
-            family_config=model_class.family_config(hf_config),
+            family_config=settings.family_config,
             hf_config=hf_config,
         )
 
 
-def _sliding_window(hf_config: Any) -> int | None:
-    """The window the config puts in effect: Mistral's `sliding_window` unless None; Qwen2/Qwen3's
-    only with `use_sliding_window` (their configs carry a window they do not use by default)."""
+def _sliding_window(hf_config: Any, rule: SlidingWindow) -> int | None:
+    """The window the config puts in effect, by the family's rule: the config's `sliding_window` when
+    set (CONFIG), only with `use_sliding_window` (OPT_IN), never (NONE)."""
     window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:  # Gemma 2 leaves it None
+    if not window or rule is SlidingWindow.NONE:
+        return None
+    if rule is SlidingWindow.OPT_IN and not getattr(hf_config, "use_sliding_window", False):
         return None
     return int(window)
 
@@ -117,10 +123,9 @@ def _context_limit(hf_config: Any) -> tuple[int, str] | None:
     return int(original), "LongRoPE's long-context factors are not implemented"
 
 
-def _layer_windows(hf_config: Any) -> list[int | None]:
+def _layer_windows(hf_config: Any, window: int | None) -> list[int | None]:
     """Which layers the window applies to: the config's `layer_types` where it has them
     ("sliding_attention"), else every layer (Mistral)."""
-    window = _sliding_window(hf_config)
     types = getattr(hf_config, "layer_types", None)
     if window is None:
         return [None] * hf_config.num_hidden_layers

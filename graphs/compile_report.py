@@ -58,6 +58,15 @@ class CompileReport:
     triton_cache_hits: int = 0
     triton_compile_s: float = 0.0
     triton_kernels: dict[str, float] = field(default_factory=dict)  # kernel name -> seconds compiling it
+    started: float = field(default_factory=time.perf_counter)
+    phases_before: dict[str, float] = field(default_factory=dict)
+
+    def update(self) -> None:
+        """Wall time and dynamo's phases so far (done on leaving compile_report(); call it to read them inside)."""
+        self.wall_s = time.perf_counter() - self.started
+        self.phases_s = {
+            name: seconds - self.phases_before.get(name, 0.0) for name, seconds in compile_phase_seconds().items()
+        }
 
     def summary(self, top: int = 3) -> str:
         phases = [(PHASE_LABELS[n], self.phases_s[n]) for n in PHASES if self.phases_s.get(n, 0.0) >= 0.05]
@@ -73,9 +82,7 @@ class CompileReport:
 def compile_report() -> Iterator[CompileReport]:
     """Around a capture: what it compiled, read from dynamo's timing table and Triton's compilation listener
     (any listener already installed keeps being called)."""
-    report = CompileReport()
-    before = compile_phase_seconds()
-    started = time.perf_counter()
+    report = CompileReport(phases_before=compile_phase_seconds())
     knobs: Any = None
     previous = None
     try:
@@ -105,5 +112,4 @@ def compile_report() -> Iterator[CompileReport]:
     finally:
         if knobs is not None:
             knobs.listener = previous
-        report.wall_s = time.perf_counter() - started
-        report.phases_s = {name: seconds - before.get(name, 0.0) for name, seconds in compile_phase_seconds().items()}
+        report.update()

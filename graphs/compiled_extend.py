@@ -36,6 +36,7 @@ from graphs.compiled_step import (
     compiled_layer_step,
 )
 from graphs.opaque_attention import attention_context
+from graphs.step_runner import StepInputs, StepResult, StepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -104,3 +105,21 @@ class CompiledExtendStep:
                 )
             self.guard.warm = True
         return hidden
+
+
+class CompiledStepRunner(StepRunner):
+    """Every step through the compiled layers (token count dynamic): extend and mixed steps, and decode steps
+    past the largest decode graph (vLLM's piecewise mode past its capture sizes: the layer graph is token-count
+    dynamic and attention opaque, so such a step compiles nothing new)."""
+
+    name = "compiled layers"
+
+    def __init__(self, step: CompiledExtendStep) -> None:
+        self.step = step
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return True
+
+    def run(self, inputs: StepInputs) -> StepResult:
+        batch = inputs.batch()
+        return StepResult(hidden=self.step(batch.input_ids, batch.positions, batch.meta))

@@ -13,7 +13,6 @@ import logging
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from graphs.compiled_step import CompiledDecodeStep, CompileGuard, RecompileError, compile_count
 from graphs.runner import DecodeGraphRunner
@@ -24,6 +23,11 @@ __all__ = ["CompiledDecodeRunner", "RecompileError", "compile_count"]
 
 
 class CompiledDecodeRunner(DecodeGraphRunner):
+    capture_what = "compiled decode sizes (cpu)"
+    # Smallest first: the bs=1 entry is what a single prompt needs soonest, and on CPU there is no memory
+    # pool that would favour largest first.
+    capture_largest_first = False
+
     def __init__(
         self,
         *args: Any,
@@ -55,16 +59,16 @@ class CompiledDecodeRunner(DecodeGraphRunner):
         buffers = self.buffers
         return self.step(buffers.input_ids[:bs], buffers.positions[:bs], self.capture_metadata(bs))
 
-    def _capture_all(self, sizes_largest_first: list[int]) -> None:
-        # Smallest first here: the bs=1 graph is what a single prompt needs soonest,
-        # and on CPU there is no memory pool that would favour largest first.
-        for bs in tqdm(sorted(sizes_largest_first), desc="Compiling decode (cpu)", unit="size", disable=None):
-            self.hooks.prepare_for_capture(self.buffers, bs)
-            with torch.no_grad():
-                for _ in range(2):
-                    self._run_size(bs)
-            self.hooks.after_capture(self.buffers, bs, None)  # no graph object: the compiled entries
-        self.guard.warm = True
+    def capture(self, sizes: list[int] | None = None) -> None:
+        super().capture(sizes)
+        self.guard.warm = True  # from now on a compile is a recompile (CompileGuard)
+
+    def _capture_size(self, bs: int) -> None:
+        self.hooks.prepare_for_capture(self.buffers, bs)
+        with torch.no_grad():
+            for _ in range(2):
+                self._run_size(bs)
+        self.hooks.after_capture(self.buffers, bs, None)  # no graph object: the compiled entries
 
     def _replay(self, bs: int) -> torch.Tensor:
         # After warm-up only the guards that tell the sizes apart are evaluated

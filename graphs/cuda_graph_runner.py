@@ -33,11 +33,10 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tqdm import tqdm
 
 from engine.layers.live_rows import only_first_rows_live
 from engine.layers.moe import SparseMoE
-from graphs.compile_report import compile_report
+from graphs.compile_report import CompileReport, compile_report
 from graphs.compiled_step import CompiledDecodeStep, compile_count
 from graphs.runner import DecodeGraphRunner
 
@@ -124,63 +123,69 @@ class CudaGraphRunner(DecodeGraphRunner):
         # Benchmarks set a list here to get (start, end) CUDA events around every replay: the device
         # time of each step's graph, read after the run (engine/bench_throughput.py).
         self.replay_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        # Of the capture in progress (_capturing): warm-up seconds per size, compiles, the kernel precompile's wait.
+        self._warmup_s: dict[int, float] = {}
+        self._compiles_before = 0
+        self._compiled = CompileReport()
+        self._wait_for_precompile: Callable[[], None] | None = None
 
-    @torch.no_grad()
-    def _capture_all(self, sizes_largest_first: list[int]) -> None:
-        free_before = free_device_memory()
+    @contextmanager
+    def _capturing(self) -> Iterator[None]:
+        """Around the loop: one pool and one side stream for every size, the GC frozen, dynamo's compiles
+        counted, and the platform's kernels compiling in the background until the first capture."""
         self.pool = torch.cuda.graph_pool_handle()
-        stream = self.capture_stream = torch.cuda.Stream()
-        warmup_s: dict[int, float] = {}  # per size: the eager run before capture (compiles and kernel JIT land here)
-        capture_s = 0.0
-        compiles_before = compile_count()
-        with frozen_gc(), compile_report() as compiled:
+        self.capture_stream = torch.cuda.Stream()
+        self._warmup_s = {}  # per size: the eager runs before capture (compiles and JIT land here)
+        self._compiles_before = compile_count()
+        sizes = sorted(self.capture_sizes, reverse=True)
+        with torch.no_grad(), frozen_gc(), compile_report() as self._compiled:
             # Kernels compiled ahead for the largest size (one pass) and the smallest (split-K decode).
-            wait_for_precompile = (
-                self.precompile(
-                    [
-                        self.capture_metadata(self.graph_rows(bs))
-                        for bs in (sizes_largest_first[0], sizes_largest_first[-1])
-                    ]
-                )
+            self._wait_for_precompile = (
+                self.precompile([self.capture_metadata(self.graph_rows(bs)) for bs in (sizes[0], sizes[-1])])
                 if self.precompile is not None
                 else None
             )
             try:
-                for bs in tqdm(sizes_largest_first, desc="Capturing CUDA graphs", unit="graph", disable=None):
-                    started = time.perf_counter()
-                    with torch.cuda.stream(stream):
-                        self.hooks.prepare_for_capture(self.buffers, self.graph_rows(bs))
-                        for _ in range(WARMUP_RUNS):
-                            warm_logits = self._captured_step(bs)
-                    stream.synchronize()
-                    if wait_for_precompile is not None:  # no compile thread may touch the device during a capture
-                        wait_for_precompile()
-                        wait_for_precompile = None
-                    warmup_s[bs] = time.perf_counter() - started
-                    started = time.perf_counter()
-                    if self.logits is None:  # sized by the largest batch, outside the pool
-                        self.logits = torch.empty_like(warm_logits)
-                    del warm_logits
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                        self._captured_step(bs, out=self.logits[:bs])
-                    self.outputs[bs] = self.logits[:bs]
-                    self.graphs[bs] = graph
-                    self.hooks.after_capture(self.buffers, bs, graph)
-                    stream.synchronize()
-                    capture_s += time.perf_counter() - started
+                yield
             finally:
-                if wait_for_precompile is not None:  # a warm-up that raised: the compile threads still stop
-                    wait_for_precompile()
-        self.graph_memory_bytes = max(0, free_before - free_device_memory())
-        slowest = sorted(warmup_s.items(), key=lambda item: -item[1])[:3]
-        logger.info(
-            "decode capture: warm-up runs %.1f s (slowest: %s), graph captures %.1f s; %d dynamo graphs compiled; %s",
-            sum(warmup_s.values()),
-            ", ".join(f"size {bs} {s:.1f} s" for bs, s in slowest),
-            capture_s,
-            compile_count() - compiles_before,
-            compiled.summary(),
+                if self._wait_for_precompile is not None:  # a warm-up that raised: the compile threads still stop
+                    self._wait_for_precompile()
+                    self._wait_for_precompile = None
+
+    def _capture_size(self, bs: int) -> None:
+        stream = self.capture_stream
+        assert stream is not None
+        started = time.perf_counter()
+        with torch.cuda.stream(stream):
+            self.hooks.prepare_for_capture(self.buffers, self.graph_rows(bs))
+            for _ in range(WARMUP_RUNS):
+                warm_logits = self._captured_step(bs)
+        stream.synchronize()
+        if self._wait_for_precompile is not None:  # no compile thread may touch the device during a capture
+            self._wait_for_precompile()
+            self._wait_for_precompile = None
+        self._warmup_s[bs] = time.perf_counter() - started
+        if self.logits is None:  # sized by the largest batch, outside the pool
+            self.logits = torch.empty_like(warm_logits)
+        del warm_logits
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            self._captured_step(bs, out=self.logits[:bs])
+        self.outputs[bs] = self.logits[:bs]
+        self.graphs[bs] = graph
+        self.hooks.after_capture(self.buffers, bs, graph)
+        stream.synchronize()
+
+    def _free_memory(self) -> Callable[[], int]:
+        return free_device_memory
+
+    def _capture_summary(self) -> str:
+        slowest = sorted(self._warmup_s.items(), key=lambda item: -item[1])[:3]
+        self._compiled.update()
+        sizes = ", ".join(f"size {bs} {s:.1f} s" for bs, s in slowest)
+        return (
+            f"warm-up runs {sum(self._warmup_s.values()):.1f} s (slowest: {sizes}); "
+            f"{compile_count() - self._compiles_before} dynamo graphs compiled; {self._compiled.summary()}"
         )
 
     def graph_rows(self, bs: int) -> int:

@@ -26,17 +26,17 @@ warm-up runs each, with Python's GC frozen, as the decode graphs are.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from tqdm import tqdm
 
 from engine.capture_sizes import smallest_bucket_at_least
 from engine.forward_batch import ForwardBatch
 from engine.layers.attention import AttentionMetadata, step_context
+from graphs.capture_loop import CaptureReport, capture_loop
 from graphs.cuda_graph_runner import WARMUP_RUNS, free_device_memory, frozen_gc
+from graphs.step_runner import StepInputs, StepKind, StepResult, StepRunner
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE  # the type torch.cuda.graph_pool_handle() returns
@@ -58,7 +58,13 @@ def eager_extend_step(model: CausalLM, kv_caches: list[KVCache]) -> StepFn:
     return step
 
 
-class ExtendGraphRunner:
+class ExtendGraphRunner(StepRunner):
+    """Extend and mixed steps of up to max_requests requests and the largest bucket's tokens, replayed."""
+
+    name = "extend graphs"
+    kinds = frozenset({StepKind.EXTEND, StepKind.MIXED})
+    replays_graphs = True
+
     def __init__(
         self,
         step_fn: StepFn,
@@ -68,9 +74,14 @@ class ExtendGraphRunner:
         page_size: int,
         device: torch.device,
         slot_dtype: torch.dtype = torch.int64,
+        pool: _POOL_HANDLE | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
-        """step_fn(input_ids, positions, meta) -> hidden states [tokens, hidden]: the forward captured."""
+        """step_fn(input_ids, positions, meta) -> hidden states [tokens, hidden]: the forward captured.
+        pool, stream: the decode graphs' memory pool and capture stream, to capture into (see capture)."""
         self.step_fn = step_fn
+        self.pool = pool
+        self.stream = stream
         self.buckets = sorted(set(token_buckets))
         self.max_tokens = self.buckets[-1]
         self.max_requests = max_requests
@@ -87,12 +98,16 @@ class ExtendGraphRunner:
         self.pad_positions = torch.arange(self.max_tokens, dtype=torch.int64, device=device) % page_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.capture_seconds = 0.0
-        self.graph_memory_bytes = 0
         self.replays = 0
 
-    def can_run(self, batch: ForwardBatch) -> bool:
+    def fits(self, batch: ForwardBatch) -> bool:
         return batch.input_ids.shape[0] <= self.max_tokens and batch.batch_size <= self.max_requests
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return self.fits(inputs.batch())
+
+    def run(self, inputs: StepInputs) -> StepResult:
+        return StepResult(hidden=self.replay(inputs.batch()))
 
     def _meta(self, tokens: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -116,19 +131,16 @@ class ExtendGraphRunner:
         self.page_table.zero_()
 
     @torch.no_grad()
-    def capture(self, pool: _POOL_HANDLE | None = None, stream: torch.cuda.Stream | None = None) -> None:
-        """Capture every bucket, largest first, into `pool` (a new one when None) on `stream`. Pass the
-        decode graphs' pool and capture stream together: the caching allocator reuses a pool's freed blocks
-        only for allocations on the stream that freed them, so on a stream of their own the buckets' graphs
-        took memory of their own (102-120 MiB for 16-512 tokens on Llama-3-8B)."""
-        free_before = free_device_memory()
-        start = time.perf_counter()
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        stream = stream if stream is not None else torch.cuda.Stream()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into the pool given (a new one when None) on the stream given.
+        Give the decode graphs' pool and capture stream together: the caching allocator reuses a pool's freed
+        blocks only for allocations on the stream that freed them, so on a stream of their own the buckets'
+        graphs took memory of their own (102-120 MiB for 16-512 tokens on Llama-3-8B)."""
+        self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
+        stream = self.stream = self.stream if self.stream is not None else torch.cuda.Stream()
+        self.report = CaptureReport("extend graphs (token counts)")
         with frozen_gc():
-            for tokens in tqdm(
-                sorted(self.buckets, reverse=True), desc="Capturing extend graphs", unit="graph", disable=None
-            ):
+            for tokens in capture_loop(self.report, self.buckets, free_memory=free_device_memory):
                 self._fill_dummy(tokens)
                 with torch.cuda.stream(stream):
                     for _ in range(WARMUP_RUNS):
@@ -140,15 +152,7 @@ class ExtendGraphRunner:
                         self.input_ids[:tokens], self.positions[:tokens], self._meta(tokens)
                     )
                 self.graphs[tokens] = graph
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        self.graph_memory_bytes = max(0, free_before - free_device_memory())
-        logger.info(
-            "captured extend graphs for token counts %s in %.1f s, graph memory %.1f MiB",
-            self.buckets,
-            self.capture_seconds,
-            self.graph_memory_bytes / 2**20,
-        )
+                torch.cuda.synchronize()
 
     def fill(self, batch: ForwardBatch, tokens: int) -> None:
         """The batch's n tokens and r requests into the buffers; tokens n..bucket become the padding
@@ -174,7 +178,7 @@ class ExtendGraphRunner:
         self.page_table[:r, :width].copy_(meta.page_table, non_blocking=True)
         self.page_table[r].zero_()
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [n tokens, hidden] of the batch (a view of the bucket's static output)."""
         n = batch.input_ids.shape[0]
         tokens = smallest_bucket_at_least(self.buckets, n)

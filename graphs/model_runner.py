@@ -1,24 +1,32 @@
-"""Runs one scheduled step: build the batch, run graphs or eager, sample."""
+"""Runs one scheduled step: the first step runner that takes it (graphs/step_runner.py), then sampling."""
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from engine.batch_state import DecodeBatchState
 from engine.forward_batch import ForwardBatch, extend_forward_batch, mixed_forward_batch
 from engine.kv_cache import KVPool
-from engine.layers.attention import step_context
 from engine.logit_rows import LogitRowLadder
 from engine.models.interface import CausalLM
 from engine.sampler import SampledTokens, record_prompt_logprobs, sample
 from engine.scheduler import ScheduledStep
 from engine.step_message import ExtendMessage, StepMessage
 from engine.transfer import to_device
-from graphs.runner import DecodeRunner, PrefillRunner
+from graphs.step_runner import (
+    DecodeStepRunner,
+    EagerStepRunner,
+    StepInputs,
+    StepKind,
+    StepRunner,
+    StepShape,
+    first_that_runs,
+)
 
 if TYPE_CHECKING:
     from graphs.compiled_extend import CompiledExtendStep
@@ -27,13 +35,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions per full-vocabulary logits slice (echo + logprobs)
+R = TypeVar("R", bound=StepRunner)
 
 
 class ModelRunner:
-    """Runs a step's message on the device: the decode rows through the platform's graph runner (one
-    contract for every platform: `run_decode(message, state)`), prefills through the platform's prefill
-    runner where it has one and takes the step (`run_prefill(message)`), everything else eagerly or
-    through the compiled/graphed extend step; then samples."""
+    """Runs a step's message on the device through one contract: the step runners, most specialised first
+    (the platform's decode graphs, its own prefill, extend graphs, compiled layers), and the eager forward
+    last, which takes any step; then samples. Where a runner hands back hidden states, the prompt logprobs
+    that were asked for and the logits of the rows that sample are computed here."""
 
     def __init__(
         self,
@@ -41,24 +50,68 @@ class ModelRunner:
         kv_pool: KVPool,
         device: torch.device,
         slot_dtype: torch.dtype,
-        graph_runner: DecodeRunner | None,
         decode_state: DecodeBatchState,
-        extend_step: CompiledExtendStep | None = None,
-        extend_graphs: ExtendGraphRunner | None = None,
-        prefill_runner: PrefillRunner | None = None,
+        step_runners: list[StepRunner],
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.device = device
         self.slot_dtype = slot_dtype
-        self.graph_runner = graph_runner
         self.decode_state = decode_state
-        self.extend_step = extend_step  # compiled prefill/mixed steps; None: eager
-        self.extend_graphs = extend_graphs  # their CUDA graphs per token bucket; None: none
-        self.prefill_runner = prefill_runner  # the platform's own prefill (HPU prompt buckets); None: none
+        self.step_runners = [*step_runners, EagerStepRunner(model, kv_pool)]
         self.logit_rows: LogitRowLadder | None = None  # the platform pads the eager LM head's rows (Engine sets it)
-        self.graph_steps = 0
-        self.eager_steps = 0
+        self.steps_run: Counter[str] = Counter()  # steps per runner name
+
+    def runner_of(self, kind: type[R]) -> R | None:
+        """The step runner of this class, if the engine has one (benchmarks and tests look inside)."""
+        return next((r for r in self.step_runners if isinstance(r, kind)), None)
+
+    @property
+    def graph_runner(self) -> DecodeStepRunner | None:
+        """The platform's decode-graph runner, if any."""
+        return next((r for r in self.step_runners if isinstance(r, DecodeStepRunner)), None)
+
+    @graph_runner.setter
+    def graph_runner(self, runner: DecodeStepRunner | None) -> None:
+        """Another decode-graph runner (or none) in the first place (capture-size tuning times several)."""
+        others = [r for r in self.step_runners if not isinstance(r, DecodeStepRunner)]
+        self.step_runners = [runner, *others] if runner is not None else others
+
+    @property
+    def extend_graphs(self) -> ExtendGraphRunner | None:
+        """The CUDA graphs of extend and mixed steps per token count, if any."""
+        from graphs.extend_graph_runner import ExtendGraphRunner
+
+        return self.runner_of(ExtendGraphRunner)
+
+    @property
+    def extend_step(self) -> CompiledExtendStep | None:
+        """The compiled layers' step (extend, mixed and decode steps past the graphs), if any."""
+        from graphs.compiled_extend import CompiledStepRunner
+
+        runner = self.runner_of(CompiledStepRunner)
+        return runner.step if runner is not None else None
+
+    @property
+    def graph_steps(self) -> int:
+        """Decode steps that replayed the decode graphs."""
+        return sum(self.steps_run[r.name] for r in self.step_runners if isinstance(r, DecodeStepRunner))
+
+    @property
+    def eager_steps(self) -> int:
+        return self.steps_run[EagerStepRunner.name]
+
+    def describe(self) -> str:
+        """The runners in the order they are offered a step, with what each captured."""
+        parts = []
+        for runner in self.step_runners:
+            report = runner.report
+            captured = f" ({len(report.sizes)} sizes, {report.seconds:.1f} s)" if report is not None else ""
+            parts.append(f"{runner.name} [{type(runner).__name__}]{captured}")
+        return " -> ".join(parts)
+
+    def reset_counts(self) -> None:
+        self.steps_run.clear()
 
     @torch.no_grad()
     def logits(self, step: ScheduledStep, message: StepMessage) -> torch.Tensor | None:
@@ -72,34 +125,14 @@ class ModelRunner:
         state = self.decode_state
         if message.decode is not None:
             state.apply(message.decode)
-        runner = self.graph_runner
-        if step.is_decode:
-            assert message.decode is not None
-            if runner is not None and runner.can_run(message.decode.batch_size):
-                self.graph_steps += 1
-                return runner.run_decode(message.decode, state)
-            batch = state.decode_batch(message.decode, step.requests)
-        elif (
-            (prefill := self.prefill_runner) is not None
-            and not step.is_mixed
-            and message.extend is not None
-            and prefill.can_run(message.extend)
-        ):
-            # Decided from the message alone (no Request objects), as every tensor-parallel rank decides it.
-            return prefill.run_prefill(message.extend), None
-        else:
-            batch = self._extend_batch(step, message)
-        if not step.is_decode and self.extend_graphs is not None and self.extend_graphs.can_run(batch):
-            hidden = self.extend_graphs.run(batch)
-        elif self.extend_step is not None:
-            # A decode step too large for the graphs runs the compiled layers without a graph (vLLM's
-            # piecewise mode past its capture sizes): the layer graph is token-count dynamic and attention
-            # opaque, so it compiles nothing new.
-            hidden = self.extend_step(batch.input_ids, batch.positions, batch.meta)
-        else:
-            self.eager_steps += 1
-            with step_context(self.model.attention_backend, batch.meta):
-                hidden = self.model(batch.input_ids, batch.positions, self.kv_pool.caches, batch.meta)
+        inputs = StepInputs(_shape(step, message), message, state, lambda: self._batch(step, message))
+        runner = first_that_runs(self.step_runners, inputs)
+        self.steps_run[runner.name] += 1
+        result = runner.run(inputs)
+        if result.hidden is None:
+            return result.logits, result.decode_rows
+        hidden = result.hidden
+        batch = inputs.batch()
         if not step.is_decode:
             assert message.extend is not None
             self._record_prompt_logprobs(hidden, batch, message.extend)
@@ -109,6 +142,13 @@ class ModelRunner:
         if self.logit_rows is not None:
             return self.logit_rows.logits(self.model.compute_logits, hidden), batch.decode_rows
         return self.model.compute_logits(hidden), batch.decode_rows
+
+    def _batch(self, step: ScheduledStep, message: StepMessage) -> ForwardBatch:
+        """The step as one ragged batch on the device, for the runners that take one."""
+        if step.is_decode:
+            assert message.decode is not None
+            return self.decode_state.decode_batch(message.decode, step.requests)
+        return self._extend_batch(step, message)
 
     def _extend_batch(self, step: ScheduledStep, message: StepMessage) -> ForwardBatch:
         """An extend step's batch; a mixed step's decode rows come from the persistent state, first."""
@@ -161,3 +201,17 @@ class ModelRunner:
         sampled = sample(logits, step.sampled_requests, state.penalties, rows)
         state.record_sampled(rows, sampled.token_ids)
         return sampled
+
+
+def _shape(step: ScheduledStep, message: StepMessage) -> StepShape:
+    """The step's kind, requests and query tokens, from the message (the same on every tensor-parallel rank)."""
+    decodes = message.decode.batch_size if message.decode is not None else 0
+    extend = message.extend
+    prompts, prompt_tokens = (len(extend.seq_lens), len(extend.input_ids)) if extend is not None else (0, 0)
+    if step.is_decode:
+        kind = StepKind.DECODE
+    elif decodes:
+        kind = StepKind.MIXED
+    else:
+        kind = StepKind.EXTEND
+    return StepShape(kind, decodes + prompts, decodes + prompt_tokens)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import abc
 import logging
-import time
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,49 +14,26 @@ from engine.capture_sizes import smallest_bucket_at_least
 from engine.layers.attention import AttentionMetadata, step_context
 from engine.models.interface import CausalLM
 from graphs.capture_hooks import CaptureHooks, capture_hooks_for
+from graphs.capture_loop import CaptureReport, capture_loop
+from graphs.step_runner import DecodeStepRunner
 
 if TYPE_CHECKING:
     from engine.batch_state import DecodeBatchState
-    from engine.step_message import DecodeMessage, ExtendMessage
+    from engine.step_message import DecodeMessage
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeRunner(Protocol):
-    """What every platform's decode runner offers the engine (CUDA/HIP graphs, CPU compiled graphs,
-    HPU buckets, NPU graphs): the same decode message from the persistent state, in every case."""
-
-    def can_run(self, batch_size: int) -> bool: ...
-
-    def capture(self) -> None:
-        """Capture (or compile and warm up) every size once, before serving."""
-
-    def run_decode(self, message: DecodeMessage, state: DecodeBatchState) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [n, vocab] float32, the decode rows [n] on the device) of the message's n rows."""
-        ...
-
-
-class PrefillRunner(Protocol):
-    """A platform's own prefill (HPU: extend steps padded to warmed prompt buckets). The engine offers it each
-    extend step that is not mixed; a step it cannot run goes through the usual extend path."""
-
-    def capture(self) -> None:
-        """Compile (warm up) every shape once, before serving."""
-
-    def can_run(self, message: ExtendMessage) -> bool: ...
-
-    def run_prefill(self, message: ExtendMessage) -> torch.Tensor | None:
-        """Logits [sampled, vocab] of the message's sampled requests in its order (its logits_indices), after
-        every token's k/v is stored; None when no request samples."""
-        ...
-
-
-class DecodeGraphRunner(abc.ABC):
+class DecodeGraphRunner(DecodeStepRunner):
     """Captures the decode step (forward through logits) per batch size; replays padded batches.
 
     What the graphs read, and how a step reaches it, belongs to the attention backend's capture hooks
-    (graphs/capture_hooks.py); subclasses own only the capture mechanism (_capture_all, _replay).
+    (graphs/capture_hooks.py); subclasses own only the capture mechanism: what one size's capture is
+    (_capture_size), what surrounds the loop (_capturing), and a replay (_replay).
     """
+
+    capture_what = "decode graphs"
+    capture_largest_first = True  # into one memory pool: smaller graphs reuse the largest's blocks
 
     def __init__(
         self,
@@ -77,10 +55,8 @@ class DecodeGraphRunner(abc.ABC):
         self.buffers = self.hooks.init_capture_state(
             self.max_batch_size, max_pages_per_seq, page_size, device, slot_dtype
         )
-        self.capture_seconds = 0.0
-        self.graph_memory_bytes = 0
 
-    def can_run(self, batch_size: int) -> bool:
+    def fits(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch_size
 
     def graph_rows(self, bs: int) -> int:
@@ -94,18 +70,19 @@ class DecodeGraphRunner(abc.ABC):
             raise ValueError(f"batch of {batch_size} exceeds the largest captured size {self.max_batch_size}")
         return size
 
-    def capture(self) -> None:
-        """Capture every size, largest first (so smaller graphs reuse the largest's memory pool)."""
-        start = time.perf_counter()
-        self._capture_all(sorted(self.capture_sizes, reverse=True))
-        self.capture_seconds = time.perf_counter() - start
-        logger.info(
-            "%s captured decode sizes %s in %.1f s, graph memory %.1f MiB",
-            type(self).__name__,
-            self.capture_sizes,
-            self.capture_seconds,
-            self.graph_memory_bytes / 2**20,
-        )
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Capture every size through the shared loop (graphs/capture_loop.py); sizes: only these (capture-size
+        tuning captures one size a call, to time each and read its memory from the report)."""
+        self.report = CaptureReport(self.capture_what)
+        with self._capturing():
+            for bs in capture_loop(
+                self.report,
+                self.capture_sizes if sizes is None else sizes,
+                largest_first=self.capture_largest_first,
+                free_memory=self._free_memory(),
+                extra=self._capture_summary,
+            ):
+                self._capture_size(bs)
 
     def run_decode(self, message: DecodeMessage, state: DecodeBatchState) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [n, vocab], decode rows [n]) of the message's rows: the backend's prepare_for_replay
@@ -127,8 +104,20 @@ class DecodeGraphRunner(abc.ABC):
         """The attention metadata the graph of size bs reads (the backend's capture_metadata hook)."""
         return self.hooks.capture_metadata(self.buffers, bs)
 
+    def _capturing(self) -> AbstractContextManager[object]:
+        """What surrounds the whole loop (the GC frozen, compile threads, a capture stream); nothing here."""
+        return nullcontext()
+
+    def _free_memory(self) -> Callable[[], int] | None:
+        """The device's free bytes, where the captures hold device memory (None: the log says nothing)."""
+        return None
+
+    def _capture_summary(self) -> str:
+        """More for the capture's log line (compiles, warm-up time); nothing here."""
+        return ""
+
     @abc.abstractmethod
-    def _capture_all(self, sizes_largest_first: list[int]) -> None: ...
+    def _capture_size(self, bs: int) -> None: ...
 
     @abc.abstractmethod
     def _replay(self, bs: int) -> torch.Tensor: ...

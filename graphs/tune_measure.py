@@ -3,7 +3,7 @@ replay time, and eager step time.
 
 The model, KV pool and platform are a real Engine's (built with graphs off, so it captures nothing of its
 own); the runner is the class that engine would build (`platform.graph_runner_class()`, the arguments of
-Engine._graph_runner). Each size is captured on its own call of the runner's `_capture_all`, so its
+Engine._graph_runner). Each size is captured on its own call of the runner's `capture([size])`, so its
 seconds and memory are its own:
 
 - CPU (`compile`: one torch.compile entry per size) pays a compile per size, so a size costs its first
@@ -222,13 +222,13 @@ def measure_candidates(
     memory: dict[int, float] = {}
     cache: dict[int, tuple[int, int]] = {}
     for number, times in enumerate([first, second] if two_pass else [first]):
-        for size in sorted(sizes, reverse=True):  # largest first, as DecodeGraphRunner.capture orders them
+        for size in sorted(sizes, reverse=True):  # largest first, as the capture loop orders them
             bar.set_postfix_str(f"capture {size}" + (" (again)" if number else ""))
             rss, hits = rss_bytes(), _fx_cache_counts()
             sync()
             began = time.perf_counter()
             with torch.no_grad():
-                runner._capture_all([size])  # one size per call: its own seconds and memory
+                runner.capture([size])  # one size per call: its own seconds and memory
             sync()
             times[size] = time.perf_counter() - began
             if number == 0:  # a second capture replaces the first's graph: its memory delta means nothing

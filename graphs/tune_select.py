@@ -3,7 +3,7 @@ measured candidates that minimises it within memory, capture-time and graph-coun
 
 A batch of b replays the smallest captured size s >= b (engine/capture_sizes.py), so it costs replay(s): the
 replay of its own size plus the rows padded from b to s. A batch above the largest captured size runs
-eagerly (ModelRunner: `runner.can_run(b)` is false) and costs eager(b). The expected decode step time
+eagerly (ModelRunner: `runner.fits(b)` is false) and costs eager(b). The expected decode step time
 
     E(S) = sum_b p(b) * (replay(smallest s in S with s >= b)  if b <= max S  else  eager(b))
 

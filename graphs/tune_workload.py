@@ -139,7 +139,7 @@ def replay_workload(
     for name, runner in runners.items():
         padded = computed = eager = 0
         for size, count in drawn.items():
-            if runner is not None and runner.can_run(size):
+            if runner is not None and runner.fits(size):
                 served = runner.padded_size(size)
                 padded += count * (served - size)
                 computed += count * served

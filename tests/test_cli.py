@@ -31,9 +31,11 @@ def test_run_eager_completes_the_prompt() -> None:
 def test_run_with_graphs_by_default() -> None:
     result = run_cli("run", "--prompt", "The capital of France is", "--max-tokens", "8", "--strict-graphs")
     assert "Paris" in result.stdout[len("The capital of France is") :]
-    # The default path captured decode graphs (CPU: torch.compile); --strict-graphs would have
-    # failed the run had anything compiled while serving.
-    assert "Compil" in result.stderr or "captured decode sizes" in result.stderr, result.stderr[-2000:]
+    # The default path put a decode-graph runner first (CPU: the native GGUF step, or compiled sizes) and
+    # captured through the capture loop; --strict-graphs would have failed the run had anything compiled
+    # while serving.
+    runners = "step runners, in the order they are offered a step: decode graphs"
+    assert runners in result.stderr and "INFO graphs.capture_loop: captured " in result.stderr, result.stderr[-2000:]
 
 
 def test_run_chat_and_several_prompts() -> None:

@@ -358,7 +358,7 @@ def test_hpu_engine_runner_matches_torch_backend(tiny_llama: tuple[Any, Any], mo
             ref = model.compute_logits(model(ids, positions, ref_caches, meta))
             set_backend(model, Recording())
             seen.clear()
-            logits = runner.run(ids, positions, meta)
+            logits = runner.run_batch(ids, positions, meta)
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
         if rows != [0, 2]:
             assert seen and all(s in runner.inner.buckets for s in seen)  # attention only saw bucket shapes

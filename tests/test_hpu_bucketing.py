@@ -364,7 +364,7 @@ def test_engine_adapter_pads_to_slot_zero(monkeypatch: pytest.MonkeyPatch) -> No
     kv = [(torch.zeros(40 * page_size, 1, 2), torch.zeros(40 * page_size, 1, 2))]
     runner = HpuEngineRunner(model, kv, [1, 2, 4], max_pages, page_size, torch.device("cpu"), show_progress=False)
     runner.capture()
-    assert runner.can_run(4) and not runner.can_run(5) and runner.inner.warmed == set(runner.inner.buckets)
+    assert runner.fits(4) and not runner.fits(5) and runner.inner.warmed == set(runner.inner.buckets)
     kv[0][0].zero_()
     rng = random.Random(5)
     raw = _random_batch(rng, 3, page_size, max_pages, width=max_pages)
@@ -377,7 +377,7 @@ def test_engine_adapter_pads_to_slot_zero(monkeypatch: pytest.MonkeyPatch) -> No
         seq_lens=raw["seq_lens"],
         page_size=page_size,
     )
-    logits = runner.run(raw["input_ids"], raw["positions"], meta)
+    logits = runner.run_batch(raw["input_ids"], raw["positions"], meta)
     expected = model.compute_logits(model(raw["input_ids"], raw["positions"], [(kv[0][0].clone(), None)], meta))
     assert torch.equal(logits, expected)
     written = kv[0][0].abs().sum(dim=(1, 2)).nonzero().flatten().tolist()

@@ -328,7 +328,7 @@ def test_engine_with_hpu_prompt_buckets_gives_the_same_tokens(
     engine = hpu_engine_on_cpu(
         monkeypatch, options, {"PROMPT_BS": (1, 1, 2), "PROMPT_SEQ": (8, 16, 32), "DECODE_BLOCK": (4, 4, 32)}
     )
-    runner = engine.runner.prefill_runner
+    runner = engine.runner.runner_of(HpuPrefillRunner)
     assert isinstance(runner, HpuPrefillRunner) and runner.buckets == [
         (1, 8),
         (1, 16),
@@ -497,7 +497,7 @@ def test_prefix_prefill_equals_unpadded(tiny: tuple[Any, Any, str], monkeypatch:
     monkeypatch.setattr(runner, "_run", recorded)
     for seed, ((lengths, cached), bucket) in enumerate(PREFIX_CASES):
         message, requests = _message(lengths, seed, cached)
-        assert runner.can_run(message)
+        assert runner.fits(message)
         ref_caches = [(k.clone(), v.clone()) for k, v in pool.caches]
         with torch.no_grad():
             logits = runner.run_prefill(message)
@@ -600,7 +600,7 @@ def test_engine_with_prefix_caching_and_prompt_buckets_gives_the_same_tokens(
         options,
         {"PROMPT_BS": (1, 1, 2), "PROMPT_SEQ": (8, 16, 32), "PROMPT_CTX": (1, 2, 4), "DECODE_BLOCK": (4, 4, 32)},
     )
-    runner = engine.runner.prefill_runner
+    runner = engine.runner.runner_of(HpuPrefillRunner)
     assert isinstance(runner, HpuPrefillRunner) and {c for _, _, c in runner.ctx_buckets} == {1, 2, 4}
     used = record_buckets(monkeypatch)
     eager_before = engine.runner.eager_steps

@@ -371,7 +371,7 @@ def test_regional_compilation_compiles_one_layer_per_bucket(
                 model.set_attention_backend(TorchAttentionBackend())
                 ref = model.compute_logits(model(ids, positions, ref_caches, meta))
                 model.set_attention_backend(HpuPlatform().attention_backend())
-                got = runner.run(ids, positions, meta)
+                got = runner.run_batch(ids, positions, meta)
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     # Per bucket, the regional graphs hold one layer (and the head); the whole step holds all three layers.
     assert 0 < nodes[True] < nodes[False] * 0.75, nodes

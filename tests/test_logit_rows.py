@@ -84,9 +84,9 @@ def test_logits_written_into_a_buffer_in_row_chunks_match_the_plain_head(
     tiny_checkpoints: dict[str, str], name: str
 ) -> None:
     """The CUDA decode graphs' head writes into their float32 logits buffer HEAD_ROWS_INTO_OUT rows at a time
-    (engine/models/llama.py): the same logits as the head over all rows at once, Gemma 2's soft cap included,
+    (engine/models/decoder.py): the same logits as the head over all rows at once, Gemma 2's soft cap included,
     for a row count that ends inside a chunk."""
-    from engine.models.llama import HEAD_ROWS_INTO_OUT
+    from engine.models.decoder import HEAD_ROWS_INTO_OUT
 
     engine = track(
         Engine(

@@ -306,7 +306,7 @@ def test_npu_engine_runner_matches_torch_backend(tiny_llama: tuple[Any, Any]) ->
             set_backend(model, TorchAttentionBackend())
             ref = model.compute_logits(model(ids, positions, ref_caches, meta(torch.int64)))
             set_backend(model, NpuPlatform().attention_backend())
-            logits = runner.run(ids, positions, meta(torch.int32)).clone()
+            logits = runner.run_batch(ids, positions, meta(torch.int32)).clone()
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
         (record,) = api.updates[-1]  # SGLang's MHA form: an int32 host tensor, padded rows 0
         bs = 4 if len(rows) > 2 else 2
@@ -343,7 +343,7 @@ def _decode_once(
         )
         ref = model.compute_logits(model(ids, positions, ref_caches, ref_meta))
         set_backend(model, NpuPlatform().attention_backend())
-        got = runner.run(ids, positions, meta).clone()
+        got = runner.run_batch(ids, positions, meta).clone()
     return got, ref
 
 

@@ -313,7 +313,7 @@ def test_engine_adapter_and_int32_slots() -> None:
         seq_lens=torch.tensor([2, 9, 30], dtype=torch.int32),
         page_size=16,
     )
-    out = runner.run(torch.tensor([5, 6, 7]), torch.tensor([1, 8, 29]), meta)
+    out = runner.run_batch(torch.tensor([5, 6, 7]), torch.tensor([1, 8, 29]), meta)
     assert out.tolist() == [[502.0] * 3, [609.0] * 3, [730.0] * 3]
     (update,) = api.updates[-1]  # SGLang's MHA form: context_lens as an int32 host tensor, padded with 0
     assert list(update) == ["context_lens"] and update["context_lens"].tolist() == [2, 9, 30, 0]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +28,7 @@ from backends.cpu.gguf_linear import (
     code_paths,
     gguf_tiles,
 )
+from graphs.capture_loop import CaptureReport, capture_loop
 from graphs.runner import DecodeGraphRunner
 
 if TYPE_CHECKING:
@@ -98,16 +98,14 @@ def native_step_unsupported(model: torch.nn.Module, kv_caches: list[tuple[torch.
     from engine.distributed.state import tp_world_size
     from engine.layers.mlp import GatedMLP
     from engine.layers.norm import RMSNorm
-    from engine.models.llama import DecoderLayer, LlamaForCausalLM
-    from engine.models.qwen2 import Qwen2ForCausalLM
-    from engine.models.qwen3 import Qwen3ForCausalLM
+    from engine.models.decoder import DecoderLayer
 
     if _library() is None:
         return "the native GGUF kernels are not built here"
     if tp_world_size() > 1:
         return "tensor parallelism (the step holds no collectives)"
-    if type(model) not in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):
-        return f"{type(model).__name__} is not a Llama-family decoder"
+    if not model.config.family.traits.native_cpu_step:  # the family's file says whether the kernels implement it
+        return f"{model.config.model_type}: its family's block is not the one kernels/gguf_decode.c implements"
     if any(k.dtype != torch.float32 or not k.is_contiguous() or not v.is_contiguous() for k, v in kv_caches):
         return "the KV cache is not float32"
     if type(model.model.norm) is not RMSNorm:
@@ -245,21 +243,22 @@ class NativeDecodeRunner(DecodeGraphRunner):
             float(attn0.attn.scale),
         )
 
-    def _capture_all(self, sizes_largest_first: list[int]) -> None:
-        """Nothing to compile: one step of the largest size over the dummy rows (slot 0, page 0) pages the
-        weights and the scratch in before the first request."""
-        start = time.perf_counter()
-        size = sizes_largest_first[0]
-        self.hooks.prepare_for_capture(self.buffers, size)
-        self._replay(size)
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Nothing to compile: one step of the largest size (of `sizes` when given) over the dummy rows (slot 0,
+        page 0) pages the weights and the scratch in before the first request."""
+        self.report = CaptureReport("native GGUF decode step (no graphs: one warm step)")
         paths = code_paths()
-        logger.info(
-            "native GGUF decode step (%s activations, %s kernels): a %d-row step took %.1f ms",
-            self.activations,
-            PATH_NAMES[paths.float32 if self.activations == "float32" else paths.int8],
-            size,
-            (time.perf_counter() - start) * 1e3,
-        )
+        kernels = PATH_NAMES[paths.float32 if self.activations == "float32" else paths.int8]
+        for size in capture_loop(
+            self.report,
+            [max(sizes) if sizes else self.max_batch_size],
+            extra=lambda: f"{self.activations} activations, {kernels} kernels",
+        ):
+            self._capture_size(size)
+
+    def _capture_size(self, bs: int) -> None:
+        self.hooks.prepare_for_capture(self.buffers, bs)
+        self._replay(bs)
 
     def run_decode(self, message: DecodeMessage, state: DecodeBatchState) -> tuple[torch.Tensor, torch.Tensor]:
         """The contract of graphs/runner.py, without padding: the hooks fill the first n rows only."""

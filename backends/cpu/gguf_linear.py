@@ -318,7 +318,7 @@ def keep_gguf_blocks(model: nn.Module, path: str, activations: str = "float32") 
     decode kernels take their inputs (ACTIVATIONS)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"GGUF activations must be one of {ACTIVATIONS}, got {activations!r}")
-    from engine.loader.weights import gguf_arch, gguf_name_to_hf, open_gguf, unpermute_rope_rows
+    from engine.loader.weights import gguf_arch, gguf_name_to_hf, gguf_rope_permuted, open_gguf, unpermute_rope_rows
 
     reader = open_gguf(path)
     arch = gguf_arch(reader)
@@ -331,7 +331,7 @@ def keep_gguf_blocks(model: nn.Module, path: str, activations: str = "float32") 
         if hf_name is None or not hf_name.endswith(".weight"):
             continue
         data = np.asarray(tensor.data)
-        if arch in ("llama", "mistral") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if gguf_rope_permuted(arch) and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
             data = unpermute_rope_rows(data, heads)  # whole rows move: blocks run along the input dim
         if hf_name == "model.embed_tokens.weight":

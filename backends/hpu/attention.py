@@ -21,7 +21,7 @@ usage >= 1 (padded rows read one slot of page 0), so the denominator is never 0.
 The host sends only three [blocks] vectors (block_list, block_groups, block_usage); the
 [blocks, bs] mapping and the [blocks, page_size] bias are built on the device inside the
 step. The math runs in the model dtype (bf16 on Gaudi), with the softmax statistics in fp32
-only for the model types that need it (FP32_SOFTMAX_MODEL_TYPES), as vllm-hpu-extension does.
+only for the families that need it (FamilyTraits.fp32_softmax_on_hpu), as vllm-hpu-extension does.
 
 UNTESTED ON GAUDI HARDWARE: checked on CPU against engine.layers.torch_attention.
 """
@@ -46,6 +46,7 @@ from backends.hpu.fused_sdpa import fused_prompt_attention
 from backends.hpu.prompt_attention import HpuPromptMetadata, padded_prompt_attention
 from engine.layers.attention import AttentionMetadata
 from engine.layers.torch_attention import extend_attention
+from engine.models.registry import family_for
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
@@ -55,15 +56,9 @@ if TYPE_CHECKING:
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-# Model types whose decode softmax runs in fp32 on Gaudi: vllm-hpu-extension's features.py enables its
-# fp32_softmax feature for ModelType('qwen2') (later releases add qwen2_5_vl; one release notes "may manually
-# enable this flag for Qwen2 and Qwen2-MoE models to get better accuracy"). Every other model runs it in bf16.
-FP32_SOFTMAX_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe"})
-
-
 def fp32_softmax_for(model_type: str | None, setting: str | bool | None = "auto") -> bool:
     """Whether decode attention keeps its softmax in fp32: `setting` true/false forces it; "auto" (or None)
-    follows FP32_SOFTMAX_MODEL_TYPES."""
+    follows the model type's family (FamilyTraits.fp32_softmax_on_hpu: Qwen2, Qwen2-MoE)."""
     if isinstance(setting, bool):
         return setting
     text = str(setting or "auto").strip().lower()
@@ -73,7 +68,8 @@ def fp32_softmax_for(model_type: str | None, setting: str | bool | None = "auto"
         return False
     if text != "auto":
         raise ValueError(f"hpu.fp32_softmax / ENGINE_HPU_FP32_SOFTMAX must be auto, true or false, got {setting!r}")
-    return (model_type or "").lower() in FP32_SOFTMAX_MODEL_TYPES
+    family = family_for((model_type or "").lower())
+    return family is not None and family.traits.fp32_softmax_on_hpu
 
 
 def block_mapping(block_groups: torch.Tensor, batch_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -156,7 +152,7 @@ def flat_paged_attention(
     The math runs in the query's dtype (bf16 on Gaudi), as vllm-hpu-extension's flat_pa does, so the
     matmuls stay on bf16 MME paths and nothing is upcast per block; fp32_softmax keeps the softmax
     statistics (scores, maxima, exponentials, sums) in fp32 for the models that need it
-    (FP32_SOFTMAX_MODEL_TYPES).
+    (FamilyTraits.fp32_softmax_on_hpu).
     """
     bs, heads, dim = q.shape
     kv_heads = k_cache.shape[1]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -39,6 +38,7 @@ from backends.hpu.attention import (  # noqa: F401  (the bucket/block metadata l
     warmup_batch,
 )
 from backends.hpu.bucketing import PaddedDecodeBatch, page_table_width, resolve_bucket_config
+from graphs.capture_loop import CaptureReport, capture_loop
 from graphs.compiled_step import compile_count, compile_limits
 
 logger = logging.getLogger(__name__)
@@ -167,6 +167,7 @@ class HpuDecodeRunner:
             max(bs for bs, _ in self.buckets), max_blocks_per_seq, page_size, self.device, slot_dtype
         )
         self.warmed: set[tuple[int, int]] = set()
+        self.report: CaptureReport | None = None  # of warmup()
         self.dynamo_compiles = 0  # dynamo frames compiled inside this runner's decode regions (warm-up included)
         self.bridge_compiles = 0  # the bridge's graph (recipe) compiles inside them
         self._warm = False
@@ -263,34 +264,30 @@ class HpuDecodeRunner:
         ENGINE_HPU_SKIP_WARMUP=1 (or skip=True) skips it for development; buckets
         then compile on first use and strict mode stays off.
         """
-        from tqdm import tqdm
-
         if _env_flag("ENGINE_HPU_SKIP_WARMUP", self.skip_warmup) if skip is None else skip:
             logger.warning("HPU decode warm-up skipped: buckets compile on first use, strict mode is off")
             return 0.0
-        start = time.perf_counter()
         shapes_done: set[tuple[int, int]] = set()
-        for bucket in tqdm(self.buckets, desc="HPU decode warm-up", disable=not self.show_progress):
+        self.report = CaptureReport("HPU decode buckets (batch size, blocks)")
+        for bucket in capture_loop(
+            self.report,
+            self.buckets,
+            progress=self.show_progress,
+            extra=lambda: (
+                f"{len(shapes_done)} distinct shapes, mode={self.mode}, "
+                f"{self.dynamo_compiles} dynamo / {self.bridge_compiles} bridge compiles"
+            ),
+        ):
             if self.shape_key(bucket) not in shapes_done:  # buckets can share shapes; run each shape once
                 batch = self.hooks.capture_inputs(bucket)
                 for _ in range(2):
                     self._counted_call(batch)
                 shapes_done.add(self.shape_key(bucket))
+                if self._on_hpu:
+                    torch.hpu.synchronize()
             self.warmed.add(bucket)
-        if self._on_hpu:
-            torch.hpu.synchronize()
-        seconds = time.perf_counter() - start
         self._warm = True
-        logger.info(
-            "HPU decode warm-up: %d buckets (%d distinct shapes) in %.1f s (mode=%s, %d dynamo / %d bridge compiles)",
-            len(self.buckets),
-            len(shapes_done),
-            seconds,
-            self.mode,
-            self.dynamo_compiles,
-            self.bridge_compiles,
-        )
-        return seconds
+        return self.report.seconds
 
     # ---- serving ------------------------------------------------------------------------
     def pad(

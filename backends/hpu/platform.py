@@ -49,6 +49,7 @@ import torch
 from engine.layers.attention import AttentionMetadata
 from engine.platform import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform, load_yaml_config
 from engine.transfer import to_device
+from graphs.step_runner import DecodeStepRunner
 
 logger = logging.getLogger(__name__)
 GRAPH_MODES = ("compile", "lazy", "eager")
@@ -212,7 +213,7 @@ def require_hpu() -> HpuPlatform:
 
 def configure_fp32_softmax(model: Any, setting: str | bool | None = None) -> bool:
     """Set fp32_softmax on the model's HPU attention backends from `setting` (default: ENGINE_HPU_FP32_SOFTMAX,
-    else hpu.fp32_softmax, else "auto": by model type, backends/hpu/attention.py FP32_SOFTMAX_MODEL_TYPES)."""
+    else hpu.fp32_softmax, else "auto": by the model's family, FamilyTraits.fp32_softmax_on_hpu)."""
     from backends.hpu.attention import HpuAttentionBackend, fp32_softmax_for
     from engine.layers.attention import Attention
 
@@ -272,8 +273,8 @@ def model_step(
     return step
 
 
-class HpuEngineRunner:
-    """HpuDecodeRunner behind the engine's runner interface (engine/engine.py, graphs/runner.py)."""
+class HpuEngineRunner(DecodeStepRunner):
+    """HpuDecodeRunner as the engine's decode step runner (graphs/step_runner.py DecodeStepRunner)."""
 
     def __init__(
         self,
@@ -337,18 +338,19 @@ class HpuEngineRunner:
         self.inner = HpuDecodeRunner.from_config(step, config, pool_pages, **options)
         self.max_batch_size = max(bs for bs, _ in self.inner.buckets)
 
-    def can_run(self, batch_size: int) -> bool:
+    def fits(self, batch_size: int) -> bool:
         return 1 <= batch_size <= self.max_batch_size
 
     def capture(self) -> None:
         with torch.no_grad():
             self.inner.warmup()
+        self.report = self.inner.report
 
     def run_decode(self, message: Any, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The engine's decode contract (graphs/runner.py DecodeRunner), through the attention backend's
-        hooks (HpuGraphHooks.prepare_for_replay: bucket chosen and batch padded on the host, from the
+        """The decode step runner's contract (graphs/step_runner.py DecodeStepRunner), through the attention
+        backend's hooks (HpuGraphHooks.prepare_for_replay: bucket chosen and batch padded on the host, from the
         message's host tensors, so no step copies its inputs back from the device); a batch past every
-        block bucket runs eagerly, as run() does."""
+        block bucket runs eagerly, as run_batch() does."""
         from backends.hpu.bucketing import BucketOverflowError
 
         try:
@@ -356,9 +358,10 @@ class HpuEngineRunner:
         except BucketOverflowError:
             ids, positions, slots, page_table, seq_lens = message.host_batch()
             rows = to_device(message.inputs[3], torch.int64, state.device)
-            return self.run(ids, positions, AttentionMetadata(True, slots, page_table, seq_lens, state.page_size)), rows
+            meta = AttentionMetadata(True, slots, page_table, seq_lens, state.page_size)
+            return self.run_batch(ids, positions, meta), rows
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+    def run_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         """Logits of one decode batch given as (host or device) tensors."""
         from backends.hpu.bucketing import BucketOverflowError
 

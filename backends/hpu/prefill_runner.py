@@ -23,7 +23,6 @@ On CPU (tests) `mode="eager"` or `compile_backend="eager"` run the same code.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,7 +39,9 @@ from backends.hpu.prefill import (
 from backends.hpu.prompt_attention import HpuPromptMetadata
 from engine.layers.attention import AttentionMetadata
 from engine.step_message import ExtendMessage
+from graphs.capture_loop import CaptureReport, capture_loop
 from graphs.compiled_step import compile_count, compile_limits, private_copy
+from graphs.step_runner import StepInputs, StepKind, StepResult, StepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +87,13 @@ def prompt_model_step(model: Any, kv_caches: KVCaches, page_size: int, bias_dtyp
     return step
 
 
-class HpuPrefillRunner:
+class HpuPrefillRunner(StepRunner):
     """Bucketed prefill on Gaudi: ``capture()`` (warm-up) once, then ``run_prefill(message)`` for each extend
-    step that ``can_run``; ModelRunner runs the others unpadded."""
+    step that ``fits``; the runners after it in the ModelRunner's list run the others unpadded."""
+
+    name = "HPU prefill buckets"
+    kinds = frozenset({StepKind.EXTEND})
+    replays_graphs = True
 
     def __init__(
         self,
@@ -193,37 +198,36 @@ class HpuPrefillRunner:
         """Run every prompt bucket, with context pages or not, before serving (twice when compiled: the second
         run catches guards that fail only on reuse), on batches that write only the dummy slot and read only
         the dummy page. ENGINE_HPU_SKIP_WARMUP / skip_warmup: buckets compile on first use instead."""
-        from tqdm import tqdm
-
         if self.skip_warmup:
             logger.warning("HPU prefill warm-up skipped: prompt buckets compile on first use")
             self._warm = True
             return
-        start = time.perf_counter()
         compiles = compile_count()
+        self.report = CaptureReport("HPU prefill buckets (rows, tokens[, context pages])")
         buckets: list[tuple[int, ...]] = [*self.buckets, *self.ctx_buckets]
         with torch.no_grad():
-            for bucket in tqdm(buckets, desc="HPU prefill warm-up", disable=not self.show_progress):
+            for bucket in capture_loop(
+                self.report,
+                buckets,
+                progress=self.show_progress,
+                extra=lambda: f"mode={self.mode}, {compile_count() - compiles} dynamo compiles",
+            ):
                 batch = warmup_prompt_batch(bucket, self.slot_dtype, self.page_size)
                 for _ in range(2 if self.mode == "compile" else 1):
                     self._run(batch)
-        if self.device.type == "hpu":
-            torch.hpu.synchronize()
+                if self.device.type == "hpu":
+                    torch.hpu.synchronize()
         self._warm = True
-        logger.info(
-            "HPU prefill warm-up: %d prompt buckets %s and %d with context pages %s in %.1f s (mode=%s, "
-            "%d dynamo compiles)",
-            len(self.buckets),
-            self.buckets,
-            len(self.ctx_buckets),
-            self.ctx_buckets,
-            time.perf_counter() - start,
-            self.mode,
-            compile_count() - compiles,
-        )
 
     # ---- serving ------------------------------------------------------------------------
-    def can_run(self, message: ExtendMessage) -> bool:
+    def can_run(self, inputs: StepInputs) -> bool:
+        return inputs.message.extend is not None and self.fits(inputs.message.extend)
+
+    def run(self, inputs: StepInputs) -> StepResult:
+        assert inputs.message.extend is not None
+        return StepResult(logits=self.run_prefill(inputs.message.extend))
+
+    def fits(self, message: ExtendMessage) -> bool:
         """Whether this extend step can run padded; the first step turned away for each reason is logged."""
         reason = unbucketable_reason(message, self.buckets, self.ctx_buckets, self.page_size)
         if reason is None:

@@ -32,7 +32,6 @@ import gc
 import logging
 import math
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,6 +49,7 @@ from backends.npu.attention import (  # noqa: F401  (the capture/replay metadata
 from backends.npu.platform import MAX_ACLGRAPH_GRAPHS, torch_npu_version
 from engine.capture_sizes import cap_sizes, default_capture_sizes, smallest_bucket_at_least
 from engine.errors import EngineError
+from graphs.capture_loop import CaptureReport, capture_loop
 from graphs.static_buffers import StaticDecodeBuffers  # noqa: F401  (the buffers every platform's graphs read)
 
 logger = logging.getLogger(__name__)
@@ -266,6 +266,7 @@ class NpuDecodeGraphRunner:
             sizes = kept
         self.step = step
         self.sizes = sizes
+        self.report: CaptureReport | None = None  # of capture()
         self.device = torch.device(device)
         self.warmup_runs = warmup_runs
         # The op argument refreshed per replay: "context_lens" (_npu_paged_attention, as
@@ -316,18 +317,18 @@ class NpuDecodeGraphRunner:
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def can_run(self, batch_size: int) -> bool:
+    def fits(self, batch_size: int) -> bool:
         return 1 <= batch_size <= self.max_size
 
     def capture(self) -> float:
-        """Capture every size, largest first, into one pool; returns seconds."""
-        start = time.perf_counter()
+        """Capture every size, largest first (capture_order), into one pool; returns seconds."""
+        self.report = CaptureReport("NPU decode graphs (aclgraph)")
         pool, stream = self.api.pool(), self.api.stream()
         # Freezing the GC keeps collection pauses out of capture (SGLang PR #8577: 2-4x faster).
         gc.collect()
         gc.freeze()
         try:
-            for bs in capture_order(self.sizes):
+            for bs in capture_loop(self.report, capture_order(self.sizes)):
                 self.hooks.prepare_for_capture(self.buffers, bs)
                 self.api.synchronize()  # the side stream must see the filled buffers
                 args, kwargs = self.hooks.capture_inputs(self.buffers, bs)
@@ -340,12 +341,10 @@ class NpuDecodeGraphRunner:
                 self.graphs[bs], self.outputs[bs] = self.api.capture(run_once, pool, stream)
                 # The update-record check (check_update_records) and the lengths back to padding.
                 self.hooks.after_capture(self.buffers, bs, self.graphs[bs])
+                self.api.synchronize()
         finally:
             gc.unfreeze()
-        self.api.synchronize()
-        seconds = time.perf_counter() - start
-        logger.info("NPU graph capture: %d sizes in %.1f s (max %d)", len(self.sizes), seconds, self.max_size)
-        return seconds
+        return self.report.seconds
 
     def host_lengths(self, bs: int) -> torch.Tensor | list[int]:
         """This replay's lengths in the form the captured kernel's host argument takes (NpuGraphHooks)."""

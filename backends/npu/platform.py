@@ -33,6 +33,7 @@ import torch
 
 from backends.npu.kv_store import slot_scatter_indices, store_kv_reference, updates_for
 from engine.platform import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform, load_yaml_config
+from graphs.step_runner import DecodeStepRunner
 
 logger = logging.getLogger(__name__)
 MAX_ACLGRAPH_GRAPHS = 1800  # vllm-ascend: 2048 streams minus 248 kept in reserve
@@ -207,8 +208,8 @@ def attention_shapes(model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     return found or {(int(k.shape[1]), int(k.shape[1]), int(k.shape[2])) for k, _ in kv_caches}
 
 
-class NpuEngineRunner:
-    """NpuDecodeGraphRunner behind the engine's runner interface (engine/engine.py, graphs/runner.py)."""
+class NpuEngineRunner(DecodeStepRunner):
+    """NpuDecodeGraphRunner as the engine's decode step runner (graphs/step_runner.py DecodeStepRunner)."""
 
     def __init__(
         self,
@@ -259,18 +260,19 @@ class NpuEngineRunner:
         step = model_step(model, kv_caches, page_size)
         self.inner = NpuDecodeGraphRunner.from_config(step, config, num_layers=len(kv_caches), device=device, **options)
 
-    def can_run(self, batch_size: int) -> bool:
-        return self.inner.can_run(batch_size)
+    def fits(self, batch_size: int) -> bool:
+        return self.inner.fits(batch_size)
 
     def capture(self) -> None:
         with torch.no_grad():
             self.inner.capture()
+        self.report = self.inner.report
 
     def run_decode(self, message: Any, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The engine's decode contract (graphs/runner.py DecodeRunner), through the attention backend's
+        """The decode step runner's contract (graphs/step_runner.py DecodeStepRunner), through the attention backend's
         hooks (NpuGraphHooks.prepare_for_replay: the message's host tensors, no copy back from the device)."""
         return self.inner.run_decode(message, state)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+    def run_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         """Logits of one decode batch given as (host or device) tensors."""
         return self.inner.run(input_ids, positions, meta.slot_indices, meta.page_table, meta.seq_lens)

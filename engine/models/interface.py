@@ -26,10 +26,6 @@ class CausalLM(Protocol):
     def __init__(self, config: ModelConfig) -> None:
         """Built from the config alone (ModelConfig.model_class(config), on the meta device)."""
 
-    @classmethod
-    def family_config(cls, hf_config: Any) -> Any:
-        """The family's own hyper-parameters (ModelConfig.family_config), read from the HF config; None for most."""
-
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Mixtral, Qwen2-MoE and Qwen3-MoE: the Llama block (Qwen2-MoE with q/k/v bias, Qwen3-MoE with q/k
-norms) with a sparse MoE MLP; Qwen2-MoE's adds a shared expert behind a sigmoid gate.
+"""The decoder with sparse MoE MLPs, which three families run (engine/models/families/mixtral.py,
+qwen2_moe.py, qwen3_moe.py: each says how its config reads and what else its attention has);
+Qwen2-MoE's adds a shared expert behind a sigmoid gate.
 
 Their hyper-parameters are the family's own (`MoEConfig`, at
 ModelConfig.family_config). Checkpoints store each expert's projections
@@ -22,8 +23,7 @@ from torch import nn
 
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoE, sparse_moe
-from engine.models.llama import LlamaForCausalLM
-from engine.models.registry import register_model
+from engine.models.decoder import DecoderForCausalLM
 
 # (layer, expert, projection) of a per-expert checkpoint tensor.
 _EXPERT = re.compile(
@@ -52,16 +52,10 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> MoEConfig:
+    def from_qwen_hf(cls, hf_config: Any) -> MoEConfig:
+        """Qwen2-MoE's and Qwen3-MoE's keys: every `decoder_sparse_step`-th layer is MoE unless listed
+        in `mlp_only_layers`."""
         layers = hf_config.num_hidden_layers
-        if hf_config.model_type == "mixtral":
-            return cls(
-                hf_config.num_local_experts,
-                hf_config.num_experts_per_tok,
-                hf_config.intermediate_size,
-                True,
-                (True,) * layers,
-            )
         step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
         dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
         experts = int(hf_config.num_experts)
@@ -76,17 +70,7 @@ class MoEConfig:
         )
 
 
-@register_model(
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"),
-)
-class MoEForCausalLM(LlamaForCausalLM):
-    @classmethod
-    def family_config(cls, hf_config: Any) -> MoEConfig:
-        return MoEConfig.from_hf(hf_config)
-
+class MoEForCausalLM(DecoderForCausalLM):
     def build_mlp(self, layer_index: int) -> nn.Module:
         moe: MoEConfig = self.config.family_config
         if not moe.moe_layers[layer_index]:

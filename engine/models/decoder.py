@@ -1,8 +1,15 @@
-"""The Llama family written once in eager PyTorch: Llama 2/3, SmolLM2, Mistral.
+"""The neutral decoder every family builds on: token embedding, N layers of attention and MLP,
+final norm, LM head; eager PyTorch.
 
-Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) reuse these layers with
-the flags in ModelConfig. q/k/v and gate/up projections are fused into one
-matmul each, as vLLM and SGLang do, so a decode step launches fewer kernels.
+`DecoderForCausalLM` implements engine.models.interface.CausalLM. Its parts
+are hooks a family overrides: the module tree (`build_model`), a layer
+(`build_layer`: the pre-norm block here; Gemma's sandwich norms and OLMo-2's
+post-norms in their own files), a layer's MLP (`build_mlp`: MoE families give
+some layers a SparseMoE), and the checkpoint names (`checkpoint_route`).
+What the HF config switches (q/k/v and o biases, per-head q/k norms) comes
+from the family's `read_hf` (engine/models/family.py) through ModelConfig.
+q/k/v and gate/up projections are fused into one matmul each, as vLLM and
+SGLang do, so a decode step launches fewer kernels.
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.layers.vocab_parallel import TokenEmbedding, lm_head, vocab_embedding
 from engine.loader.param_loading import load_checkpoint
 from engine.model_config import ModelConfig
-from engine.models.registry import register_model
 
 if TYPE_CHECKING:
     from engine.loader.param_loading import CheckpointTensor
@@ -45,7 +51,8 @@ def _rows(heads: Shard, head_dim: int) -> Shard:
 class DecoderAttention(nn.Module):
     """q/k/v (one fused matmul), optional per-head q/k norms, rotary, paged attention, o_proj.
     scale (default head_dim ** -0.5) and softcap: Gemma 2's query_pre_attn_scalar and logit cap;
-    norm_class: the q/k norms' class (Gemma's norms scale by 1 + weight). With tensor parallelism
+    norm_class: the q/k norms' class (Gemma's norms scale by 1 + weight); a family that norms q and k
+    another way (OLMo-2: over the whole projection) overrides `project`. With tensor parallelism
     num_heads and num_kv_heads are this rank's (engine/distributed/sharding.py)."""
 
     def __init__(
@@ -68,9 +75,9 @@ class DecoderAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         q_rows, kv_rows = _rows(heads, self.head_dim), _rows(kv_heads, self.head_dim)
         self.qkv_proj = column_parallel_linear(
-            config.hidden_size, [("q", q_rows), ("k", kv_rows), ("v", kv_rows)], bias=config.attention_bias
+            config.hidden_size, [("q", q_rows), ("k", kv_rows), ("v", kv_rows)], bias=config.qkv_bias
         )
-        self.o_proj = row_parallel_linear(q_rows, config.hidden_size, bias=False)
+        self.o_proj = row_parallel_linear(q_rows, config.hidden_size, bias=config.o_proj_bias)
         self.qk_norm = config.qk_norm if qk_norm is None else qk_norm
         if self.qk_norm:
             self.q_norm = norm_class(self.head_dim, config.rms_norm_eps)
@@ -82,21 +89,33 @@ class DecoderAttention(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.project(hidden)
         q, k = self.rotary(positions, q, k)
         out = self.attn(
             q, k, v, kv_cache, meta
         )  # views of the fused projection: Attention makes them contiguous where needed
         return self.o_proj(out.reshape(tokens, self.q_size))
 
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [tokens, heads, head_dim], normed where the family norms them (before rotary)."""
+        q, k, v = self.split_heads(*self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def split_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens = q.shape[0]
+        return (
+            q.view(tokens, self.num_heads, self.head_dim),
+            k.view(tokens, self.num_kv_heads, self.head_dim),
+            v.view(tokens, self.num_kv_heads, self.head_dim),
+        )
+
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; `hidden` is the residual stream in and out.
+    """Pre-norm block (Llama, Qwen, Phi-3, the MoE families); `hidden` is the residual stream in and out.
 
     Holds no per-layer Python state (no layer index), so a compiled graph of
     one layer is reused by every layer of the same shape.
@@ -117,8 +136,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(Protocol):
-    """What LlamaForCausalLM (and the families built on it) use of its `model`: DecoderModel here,
-    Gemma's own elsewhere."""
+    """What DecoderForCausalLM uses of its `model`: DecoderModel here, Gemma 3's own elsewhere."""
 
     @property
     def embed_tokens(self) -> TokenEmbedding: ...
@@ -130,26 +148,28 @@ class DecoderStack(Protocol):
     def norm(self) -> nn.Module: ...
 
 
-class DecoderModel(nn.Module):
-    """Embedding, layers and final norm; build_mlp(layer index) gives each layer its MLP (a family
-    with MoE layers gives some of them a SparseMoE)."""
+# (layer index, the rotary table it shares) -> the layer
+LayerBuilder = Callable[[int, RotaryEmbedding], nn.Module]
 
-    def __init__(self, config: ModelConfig, build_mlp: Callable[[int], nn.Module]) -> None:
+
+class DecoderModel(nn.Module):
+    """Embedding, layers (one rotary table shared by all) and final norm; build_layer makes each layer."""
+
+    def __init__(
+        self, config: ModelConfig, build_layer: LayerBuilder, norm_class: Callable[[int, float], nn.Module] = RMSNorm
+    ) -> None:
         super().__init__()
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_parameters, config.hf_config
         )
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary, build_mlp(i)) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(build_layer(i, self.rotary) for i in range(config.num_hidden_layers))
+        self.norm = norm_class(config.hidden_size, config.rms_norm_eps)
 
 
-@register_model("llama", "mistral", architectures=("LlamaForCausalLM", "MistralForCausalLM"))
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     """forward() -> hidden states of every token; compute_logits() on the rows that need them.
-    Implements engine.models.interface.CausalLM."""
+    Implements engine.models.interface.CausalLM; a family's file says which checkpoints it runs."""
 
     # HF checkpoint names fused into our projections: (our param, part).
     stacked_params: ClassVar[dict[str, tuple[str, str]]] = {
@@ -164,18 +184,20 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.attention_backend: AttentionBackend | None = None
-        self.model: DecoderStack = DecoderModel(config, self.build_mlp)
+        self.model: DecoderStack = self.build_model()
         self.lm_head = lm_head(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def build_model(self) -> DecoderStack:
+        """The module tree under `model` (its names are the checkpoint's: model.layers.N...)."""
+        return DecoderModel(self.config, self.build_layer)
+
+    def build_layer(self, layer_index: int, rotary: RotaryEmbedding) -> nn.Module:
+        return DecoderLayer(self.config, rotary, self.build_mlp(layer_index))
+
     def build_mlp(self, layer_index: int) -> nn.Module:
         return GatedMLP(self.config.hidden_size, self.config.intermediate_size, self.config.hidden_act)
-
-    @classmethod
-    def family_config(cls, hf_config: Any) -> Any:
-        """The family's own hyper-parameters (ModelConfig.family_config); None for the Llama block."""
-        return None
 
     def forward(
         self,

@@ -1,4 +1,4 @@
-"""Gemma 2: the Llama block with Gemma's twists, held against transformers' Gemma2ForCausalLM.
+"""Gemma 2: the decoder with Gemma's twists, held against transformers' Gemma2ForCausalLM.
 
 - RMSNorm scales by (1 + weight), computed in float32 and cast once (Gemma's, not Llama's order);
 - four norms a layer: after attention and around the MLP (`post_attention_layernorm`,
@@ -10,13 +10,17 @@
   it as a constexpr switch;
 - sliding-window attention on alternate layers (`layer_types`), each layer its own window;
 - the LM head tied to the embedding, its logits soft-capped (`final_logit_softcapping`);
-- GELU (tanh approximation) in the gated MLP.
+- GELU (tanh approximation) in the gated MLP; `attention_bias` on q, k, v and o.
+
+GGUF: llama.cpp's names for the four norms (its ffn_norm is the norm before the MLP, which Gemma
+calls pre_feedforward_layernorm), norms stored as 1 + weight, and the query scale and caps completed
+from the metadata (below). Gemma 3 (gemma3.py) builds on this block.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +30,10 @@ from torch import nn
 from engine.layers.attention import AttentionMetadata
 from engine.layers.mlp import GatedMLP
 from engine.layers.rotary import RotaryEmbedding
-from engine.layers.vocab_parallel import lm_head, vocab_embedding
 from engine.model_config import ModelConfig
-from engine.models.llama import DecoderAttention, DecoderStack, KVCache, LlamaForCausalLM
-from engine.models.registry import register_model
+from engine.models.decoder import DecoderAttention, DecoderForCausalLM, DecoderModel, DecoderStack, KVCache
+from engine.models.family import DecoderSettings, Family, FamilyTraits, GGUFSpec, SlidingWindow, all_projection_bias
+from engine.models.gguf_layout import DECODER_TENSOR_NAMES
 
 
 class GemmaRMSNorm(nn.Module):
@@ -65,6 +69,13 @@ class GemmaConfig:
         )
 
 
+def read_hf(hf_config: Any) -> DecoderSettings:
+    """Gemma 2 and 3: biases by `attention_bias`, their own hyper-parameters (Gemma 3's q/k norms are
+    its layer's, not the decoder's per-head switch)."""
+    bias = all_projection_bias(hf_config)
+    return DecoderSettings(bias.qkv_bias, bias.o_proj_bias, family_config=GemmaConfig.from_hf(hf_config))
+
+
 class GemmaDecoderLayer(nn.Module):
     """qk_norm: Gemma 3's per-head q/k norms (Gemma's (1 + w) kind)."""
 
@@ -95,42 +106,21 @@ class GemmaDecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
 
-class Gemma2Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        family: GemmaConfig = config.family_config
-        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_parameters, config.hf_config
-        )
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, self.rotary, family) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 @functools.cache
 def _rounded(value: float, dtype: torch.dtype) -> float:
     return float(torch.tensor(value, dtype=dtype))
 
 
-@register_model("gemma2", architectures=("Gemma2ForCausalLM",))
-class Gemma2ForCausalLM(LlamaForCausalLM):
-    model_class: Callable[[ModelConfig], DecoderStack] = Gemma2Model
-
+class Gemma2ForCausalLM(DecoderForCausalLM):
     def __init__(self, config: ModelConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.attention_backend = None
-        self.model = self.model_class(config)
-        self.lm_head = lm_head(config.hidden_size, config.vocab_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config)
         self.embed_scale = float(config.hidden_size) ** 0.5
 
-    @classmethod
-    def family_config(cls, hf_config: Any) -> GemmaConfig:
-        return GemmaConfig.from_hf(hf_config)
+    def build_model(self) -> DecoderStack:
+        return DecoderModel(self.config, self.build_layer, norm_class=GemmaRMSNorm)
+
+    def build_layer(self, layer_index: int, rotary: RotaryEmbedding) -> nn.Module:
+        return GemmaDecoderLayer(self.config, rotary, self.config.family_config)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
@@ -145,3 +135,38 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if not cap:
             return logits
         return torch.tanh(logits / cap) * cap if out is None else logits.div_(cap).tanh_().mul_(cap)
+
+
+# llama.cpp's ffn_norm is the norm before the MLP, which Llama calls post_attention_layernorm but Gemma
+# calls pre_feedforward_layernorm (its post_attention_layernorm follows attention).
+GEMMA_TENSOR_NAMES: Mapping[str, str] = {
+    **DECODER_TENSOR_NAMES,
+    "post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+    "ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
+    "post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
+}
+
+
+def complete_query_scale(config: Any, big_model_layers: int) -> None:
+    """The query scale transformers' GGUF reader leaves at its class default: llama.cpp scales by
+    key_length ** -0.5 except on the 27B (Gemma 2: 46 layers, Gemma 3: 62), where it takes hidden /
+    heads, the HF configs' query_pre_attn_scalar."""
+    per_head = config.hidden_size // config.num_attention_heads
+    config.query_pre_attn_scalar = per_head if config.num_hidden_layers == big_model_layers else config.head_dim
+
+
+def complete_gguf_config(config: Any, fields: Mapping[str, Any]) -> None:
+    complete_query_scale(config, big_model_layers=46)
+
+
+FAMILY = Family(
+    name="gemma2",
+    model_types=("gemma2",),
+    architectures=("Gemma2ForCausalLM",),
+    model_class=Gemma2ForCausalLM,
+    read_hf=read_hf,
+    traits=FamilyTraits(sliding_window=SlidingWindow.CONFIG, softcap=True),
+    gguf=GGUFSpec(
+        archs=("gemma2",), tensor_names=GEMMA_TENSOR_NAMES, norm_offset=1.0, complete_config=complete_gguf_config
+    ),
+)

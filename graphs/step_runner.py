@@ -1,0 +1,174 @@
+"""The step contract: every way a step runs on a device is a StepRunner.
+
+The engine's ModelRunner holds an ordered list of them, most specialised first, and hands each step to
+the first that can run it; the last, EagerStepRunner, runs any step. What a platform contributes is
+which runners the list holds (decode graphs per batch size, extend graphs per token count, compiled
+layers, its own bucketed prefill), never a new path through the ModelRunner.
+
+Each runner sees the same StepInputs: the step's shape (kind, requests, tokens), its host message,
+the persistent decode rows, and the extend batch built on demand (once per step, shared by every runner
+that asks). It answers with a StepResult: the logits of the requests that sample, or the hidden states
+of every token for the ModelRunner to turn into them (prompt logprobs need every token's).
+
+A speculative verify step (k+1 tokens per request, logits at each) is StepKind.VERIFY: the eager and
+compiled runners take it as a ragged extend whose every position samples; a graph runner that captures
+(batch size, k) buckets says so in `kinds`. No runner class is needed for it.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from engine.layers.attention import step_context
+from engine.models.interface import CausalLM
+from graphs.capture_loop import CaptureReport
+
+if TYPE_CHECKING:
+    from engine.batch_state import DecodeBatchState
+    from engine.forward_batch import ForwardBatch
+    from engine.kv_cache import KVPool
+    from engine.step_message import DecodeMessage, StepMessage
+
+
+class StepKind(enum.Enum):
+    DECODE = "decode"  # one token per request, its rows in the persistent decode state
+    EXTEND = "extend"  # prompt chunks (prefill, chunked prefill, prefix-cache continuations)
+    MIXED = "mixed"  # decode rows first, then prompt chunks, in one ragged step
+    VERIFY = "verify"  # speculative decoding: k+1 tokens per request, every position sampled
+
+
+ALL_KINDS = frozenset(StepKind)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a runner decides on: the step's kind, its requests and its query tokens."""
+
+    kind: StepKind
+    num_seqs: int
+    num_tokens: int
+
+
+class StepInputs:
+    """One step as every runner sees it; the extend batch is built on first use, once."""
+
+    def __init__(
+        self,
+        shape: StepShape,
+        message: StepMessage,
+        state: DecodeBatchState,
+        build_batch: Callable[[], ForwardBatch],
+    ) -> None:
+        self.shape = shape
+        self.message = message
+        self.state = state
+        self._build_batch = build_batch
+        self._batch: ForwardBatch | None = None
+
+    @property
+    def decode(self) -> DecodeMessage:
+        """The decode rows' message (decode and mixed steps)."""
+        assert self.message.decode is not None, f"a {self.shape.kind.value} step without decode rows"
+        return self.message.decode
+
+    def batch(self) -> ForwardBatch:
+        """The step as a ragged ForwardBatch on the device (input ids, positions, attention metadata)."""
+        if self._batch is None:
+            self._batch = self._build_batch()
+        return self._batch
+
+
+@dataclass
+class StepResult:
+    """logits: [requests that sample, vocab] float32, when the runner computed them; else hidden: [tokens,
+    hidden] of every token (the ModelRunner records prompt logprobs and computes the sampled rows' logits).
+    Neither: no request samples (an extend of prompt chunks only). decode_rows: the sampled requests' rows
+    of the persistent decode state, on the device (decode steps; None where the message's rows stand)."""
+
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    decode_rows: torch.Tensor | None = None
+
+
+class StepRunner(abc.ABC):
+    """Runs the steps it can: captured once before serving (capture), chosen per step (can_run), run (run)."""
+
+    name: ClassVar[str] = "step"
+    kinds: ClassVar[frozenset[StepKind]] = ALL_KINDS
+    replays_graphs: ClassVar[bool] = False  # whether its steps replay captured or compiled work
+    report: CaptureReport | None = None  # what capture() captured (graphs/capture_loop.py)
+
+    def capture(self) -> None:  # noqa: B027 (optional: an eager runner has nothing to capture)
+        """Capture, compile or warm up everything it will replay (graphs/capture_loop.py); nothing by default."""
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.report.seconds if self.report is not None else 0.0
+
+    @property
+    def graph_memory_bytes(self) -> int:
+        return self.report.memory_bytes if self.report is not None else 0
+
+    @abc.abstractmethod
+    def can_run(self, inputs: StepInputs) -> bool:
+        """Whether it takes this step; decided from the shape and the message alone (a tensor-parallel rank
+        decides without the Request objects, and every rank decides the same)."""
+
+    @abc.abstractmethod
+    def run(self, inputs: StepInputs) -> StepResult: ...
+
+
+class DecodeStepRunner(StepRunner):
+    """A runner of pure decode steps up to a batch size (graphs per batch size, on every platform)."""
+
+    name = "decode graphs"
+    kinds = frozenset({StepKind.DECODE})
+    replays_graphs = True
+
+    @abc.abstractmethod
+    def fits(self, batch_size: int) -> bool:
+        """Whether a decode step of batch_size rows runs here (padded to a captured size)."""
+
+    @abc.abstractmethod
+    def run_decode(self, message: DecodeMessage, state: DecodeBatchState) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [n, vocab] float32, the decode rows [n] on the device) of the message's n rows."""
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return inputs.shape.kind in self.kinds and self.fits(inputs.shape.num_seqs)
+
+    def run(self, inputs: StepInputs) -> StepResult:
+        logits, rows = self.run_decode(inputs.decode, inputs.state)
+        return StepResult(logits=logits, decode_rows=rows)
+
+
+class EagerStepRunner(StepRunner):
+    """The model's forward in plain PyTorch: any step, any shape, nothing captured."""
+
+    name = "eager"
+
+    def __init__(self, model: CausalLM, kv_pool: KVPool) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return True
+
+    def run(self, inputs: StepInputs) -> StepResult:
+        batch = inputs.batch()
+        with step_context(self.model.attention_backend, batch.meta):
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_pool.caches, batch.meta)
+        return StepResult(hidden=hidden)
+
+
+def first_that_runs(runners: list[StepRunner], inputs: StepInputs) -> StepRunner:
+    """The first runner that takes the step (the list ends with one that takes every step)."""
+    for runner in runners:
+        if inputs.shape.kind in runner.kinds and runner.can_run(inputs):
+            return runner
+    raise RuntimeError(f"no step runner takes a {inputs.shape}")
