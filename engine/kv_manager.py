@@ -86,7 +86,8 @@ class KVCacheManager:
             # Prompt logprobs need logits at every prompt position, so the whole prompt must run.
             return 0
         tokens = request.all_token_ids
-        match = self.tree.match_prefix(tokens[: len(tokens) - 1])
+        # The request's cache salt is its namespace in the tree: it only ever meets pages of its own salt.
+        match = self.tree.match_prefix(tokens[: len(tokens) - 1], request.params.cache_salt)
         if match.pages:
             self.tree.lock(match.node)
             request.cache_node = match.node
@@ -128,7 +129,9 @@ class KVCacheManager:
         if full <= shared:
             return
         table = self.page_table(request)
-        result = self.tree.insert(request.all_token_ids[: full * self.page_size], table[:full])
+        result = self.tree.insert(
+            request.all_token_ids[: full * self.page_size], table[:full], request.params.cache_salt
+        )
         handed_over = self.allocator.disown(request.request_id, full - shared)
         # Another request may have cached the same tokens meanwhile: keep its pages, free ours.
         duplicates = [page for page, kept in zip(handed_over, result.pages[shared:full]) if page != kept]

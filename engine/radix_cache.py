@@ -6,6 +6,12 @@ two different continuations. A node's `lock_ref` counts the running requests
 whose prefix passes through it; unlocked nodes are evictable, least recently
 used leaves first. The tree owns the pages it holds: eviction hands them back
 through `free_pages`.
+
+Namespaces (vLLM's `cache_salt`): the first page of every cached sequence is keyed
+by its namespace as well as its tokens, so sequences of different namespaces start
+in different subtrees of the root and never share a page, however equal their
+tokens; the same namespace shares as before. None is the namespace of requests
+without a salt.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ class RadixNode:
     key: tuple[int, ...]  # this edge's tokens, a multiple of page_size long
     pages: list[int]  # one page id per page_size tokens of key
     parent: RadixNode | None
-    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)  # by first page of key
+    # By first page of key; below the root by (namespace, first page): RadixCache._child_key.
+    children: dict[tuple[object, ...], RadixNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    namespace: str | None = None  # the cache salt of every sequence through this node
 
     @property
     def is_leaf(self) -> bool:
@@ -55,13 +63,14 @@ class RadixCache:
         return self.evictable_pages + self.protected_pages
 
     # ---- lookup -----------------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        """Longest cached page-aligned prefix of token_ids; touches it for LRU."""
-        node, pages, _ = self._descend(token_ids, len(token_ids) - len(token_ids) % self.page_size)
+    def match_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> MatchResult:
+        """Longest cached page-aligned prefix of token_ids in `namespace`; touches it for LRU."""
+        node, pages, _ = self._descend(token_ids, len(token_ids) - len(token_ids) % self.page_size, namespace)
         return MatchResult(pages, node)
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> MatchResult:
-        """Cache token_ids (page-aligned) held in `pages`; returns the pages the tree now holds for them.
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], namespace: str | None = None) -> MatchResult:
+        """Cache token_ids (page-aligned) held in `pages` under `namespace`; returns the pages the tree now holds
+        for them.
 
         Where the tree already had a prefix, its pages are kept and the caller's pages for that
         part are not taken (the caller frees any that differ); the rest become the tree's.
@@ -69,12 +78,18 @@ class RadixCache:
         usable = len(pages) * self.page_size
         if len(token_ids) < usable:
             raise ValueError(f"{len(pages)} pages need {usable} tokens, got {len(token_ids)}")
-        node, held, offset = self._descend(token_ids, usable)
+        node, held, offset = self._descend(token_ids, usable, namespace)
         if offset == usable:
             return MatchResult(held, node)
         first = offset // self.page_size
-        leaf = RadixNode(tuple(token_ids[offset:usable]), list(pages[first:]), node, last_access=next(self._clock))
-        node.children[self._page_key(token_ids, offset)] = leaf
+        leaf = RadixNode(
+            tuple(token_ids[offset:usable]),
+            list(pages[first:]),
+            node,
+            last_access=next(self._clock),
+            namespace=namespace,
+        )
+        node.children[self._child_key(node, leaf.key, 0, namespace)] = leaf
         self.evictable_pages += len(leaf.pages)
         return MatchResult(held + leaf.pages, leaf)
 
@@ -113,7 +128,7 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
-            del parent.children[self._page_key(leaf.key, 0)]
+            del parent.children[self._child_key(parent, leaf.key, 0, leaf.namespace)]
             self.evictable_pages -= len(leaf.pages)
             self.free_pages(leaf.pages)
             freed += len(leaf.pages)
@@ -155,8 +170,11 @@ class RadixCache:
             )
 
     # ---- internals ----------------------------------------------------------------------
-    def _descend(self, token_ids: Sequence[int], usable: int) -> tuple[RadixNode, list[int], int]:
-        """Follow token_ids[:usable] down the tree as far as it matches, splitting an edge matched part-way.
+    def _descend(
+        self, token_ids: Sequence[int], usable: int, namespace: str | None
+    ) -> tuple[RadixNode, list[int], int]:
+        """Follow token_ids[:usable] down `namespace`'s subtree as far as it matches, splitting an edge matched
+        part-way.
 
         Returns the deepest matched node, the pages along the way, and how many tokens matched;
         every node on the path is touched for LRU.
@@ -164,7 +182,7 @@ class RadixCache:
         node, pages, offset = self.root, [], 0
         now = next(self._clock)
         while offset < usable:
-            child = node.children.get(self._page_key(token_ids, offset))
+            child = node.children.get(self._child_key(node, token_ids, offset, namespace))
             if child is None:
                 break
             matched = self._common_pages(child.key, token_ids, offset, usable)
@@ -176,8 +194,13 @@ class RadixCache:
             node = child
         return node, pages, offset
 
-    def _page_key(self, token_ids: Sequence[int], offset: int) -> tuple[int, ...]:
-        return tuple(token_ids[offset : offset + self.page_size])
+    def _child_key(
+        self, parent: RadixNode, token_ids: Sequence[int], offset: int, namespace: str | None
+    ) -> tuple[object, ...]:
+        """A child's key in parent.children: its first page, and below the root its namespace too (the salt is
+        mixed into the first page's key, so different namespaces never meet in one subtree)."""
+        page = tuple(token_ids[offset : offset + self.page_size])
+        return (namespace, page) if parent is self.root else page
 
     def _common_pages(self, key: tuple[int, ...], token_ids: Sequence[int], offset: int, limit: int) -> int:
         """Whole pages at the start of key that equal token_ids[offset:limit]."""
@@ -193,11 +216,16 @@ class RadixCache:
         parent = node.parent
         assert parent is not None and 0 < num_pages < len(node.pages)
         upper = RadixNode(
-            node.key[:cut], node.pages[:num_pages], parent, lock_ref=node.lock_ref, last_access=node.last_access
+            node.key[:cut],
+            node.pages[:num_pages],
+            parent,
+            lock_ref=node.lock_ref,
+            last_access=node.last_access,
+            namespace=node.namespace,
         )
-        parent.children[self._page_key(node.key, 0)] = upper
+        parent.children[self._child_key(parent, node.key, 0, node.namespace)] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], upper
-        upper.children[self._page_key(node.key, 0)] = node
+        upper.children[self._child_key(upper, node.key, 0, node.namespace)] = node
         return upper
 
     def _evictable_leaves(self) -> list[RadixNode]:

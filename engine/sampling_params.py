@@ -42,6 +42,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     min_tokens: int = 0  # no EOS, stop token or stop string before this many new tokens (vLLM's)
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
+    # vLLM's cache_salt: requests share prefix-cache pages only with requests of the same salt (None: the
+    # unsalted namespace), so a tenant cannot learn from timings or counters what another one has cached.
+    cache_salt: str | None = None
+    # The requests of one API call (its prompts x n choices) share a group: the scheduler admits groups in
+    # turn, so one call cannot hold every running slot while another waits (engine/scheduler.py). None: the
+    # request is a group of its own.
+    group: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,13 +89,15 @@ class SamplingParams:
         if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or 1 <= self.top_k <= MAX_TOP_K):
             problems.append(f"top_k must be -1 (disabled) or an integer in [1, {MAX_TOP_K}], got {self.top_k!r}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
-            problems.append("stop strings must be non-empty strings")
+            problems.append("stop must be non-empty strings")
         elif len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
-            problems.append(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LENGTH} characters each")
+            problems.append(
+                f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters each"
+            )
         if not isinstance(self.stop_token_ids, list) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             problems.append("stop_token_ids must be non-negative integers")
         elif len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            problems.append(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+            problems.append(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -114,6 +123,10 @@ class SamplingParams:
             problems.append(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         elif _is_int(self.max_tokens) and self.min_tokens > self.max_tokens:
             problems.append(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("cache_salt", "group"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                problems.append(f"{name} must be a non-empty string or None, got {value!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             problems.append(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
         if problems:

@@ -20,12 +20,21 @@ after SGLang's scheduler:
 - retraction: when decode cannot get a page even after evicting cached pages,
   the request that costs least to redo (fewest tokens) gives its pages back
   (its computed pages stay in the prefix cache) and goes back to the front of
-  the queue; it is recomputed later and continues where it left off.
+  the queue; it is recomputed later and continues where it left off;
+- fair admission between request groups (the prompts x n choices of one API
+  call share a group, `SamplingParams.group`): waiting requests are admitted
+  in turn by group, the group holding the fewest running slots first, and a
+  short request of a group holding fewer slots than the chunked prefill's
+  goes before that chunk's next part; when every slot is taken and a group
+  waits below its fair share (max_num_seqs / groups with work), the group
+  holding the most slots gives one back, retracted as above (its KV stays
+  cached, so its redo is a cache hit). So a new arrival is admitted within
+  a step or two however many sequences one call asked for (docs/scheduling.md).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from os.path import commonprefix
 from typing import TYPE_CHECKING
@@ -52,6 +61,11 @@ LONE_MIN_CHUNK = 256
 # step also runs the LM head, a log-softmax and a top-k at every position, and builds an entry for
 # each (4.5 ms against 1.15 ms a token for SmolLM2 on a 2-core CPU).
 PROMPT_LOGPROB_TOKEN_WEIGHT = 4.0
+
+
+def group_of(request: Request) -> str:
+    """The admission group of a request: its API call's (SamplingParams.group), else its own."""
+    return request.params.group or request.request_id
 
 
 def max_step_tokens(
@@ -120,6 +134,25 @@ class ScheduledStep:
         ]
 
 
+@dataclass
+class _ExtendPlan:
+    """An extend step being filled: its budget of prompt tokens left, and the requests admitted so far."""
+
+    budget: float  # fractional once weighted tokens (prompt logprobs) are taken
+    timed: bool  # the budget comes from the step-time limit (prompt-logprob tokens weigh more)
+    reserve: float  # tokens the running requests (and those admitted now) will still write
+    requests: list[Request] = field(default_factory=list)
+    lens: list[int] = field(default_factory=list)
+
+    def add(self, request: Request, n: int, weight: float) -> None:
+        self.requests.append(request)
+        self.lens.append(n)
+        self.budget -= n * weight
+
+    def step(self) -> ScheduledStep | None:
+        return ScheduledStep(False, self.requests, self.lens) if self.requests else None
+
+
 class Scheduler:
     def __init__(
         self,
@@ -173,6 +206,7 @@ class Scheduler:
         if self.mixed_steps:
             return self._schedule_mixed()
         if not (self._decode_owed and self.running):
+            self._give_a_slot_to_a_waiting_group()
             step = self._schedule_extend()
             if step is not None:
                 return step
@@ -187,6 +221,7 @@ class Scheduler:
 
     def _schedule_mixed(self) -> ScheduledStep | None:
         """Every running request decodes; prefill chunks take what is left of the token budget."""
+        self._give_a_slot_to_a_waiting_group()
         if self.running:
             self._reserve_decode_pages()  # retractions first: their pages may admit no one this step
         decoding = [r for r in self.running if not self._finishes_on_pending_token(r)]
@@ -283,41 +318,62 @@ class Scheduler:
         if decode_tokens:
             # Never below MIN_EXTEND_BUDGET: a full decode batch must not starve prefill for good.
             budget = max(budget - decode_tokens, min(budget, MIN_EXTEND_BUDGET))
-        requests: list[Request] = []
-        lens: list[int] = []
-        if self.chunked is not None:
-            request = self.chunked
-            weight = self._token_weight(request, timed)
-            n = min(request.num_tokens - request.num_cached_tokens, max(1, int(budget / weight)))
-            if not self.kv.allocate(request, self._tokens_to_hold(request, n)):
-                return None  # decodes will finish and free pages
-            requests.append(request)
-            lens.append(n)
-            budget -= n * weight
-            if request.num_cached_tokens + n == request.num_tokens:
-                self.chunked = None
         # The decode reserve is O(running) to compute: only when someone waits to be admitted.
-        reserve = self._decode_reserve_tokens() if self.waiting else 0.0
-        for request in list(self.waiting):
-            if budget <= 0 or len(self.running) + len(requests) >= self.max_num_seqs:
+        plan = _ExtendPlan(budget, timed, self._decode_reserve_tokens() if self.waiting else 0.0)
+        order, ahead = self._admission_order()
+        if ahead:
+            # Short prompts of groups holding fewer slots than the chunked prefill's go before its next part,
+            # which keeps a share of the budget so that it always progresses.
+            keep = min(float(MIN_EXTEND_BUDGET), plan.budget / 2)
+            plan.budget -= keep
+            self._admit(plan, ahead, self.chunked)
+            plan.budget += keep
+        if self.chunked is not None and not self._continue_chunk(plan):
+            return plan.step()  # no pages for the chunk: decodes will finish and free some
+        self._admit(plan, order)
+        return plan.step()
+
+    def _continue_chunk(self, plan: _ExtendPlan) -> bool:
+        """The chunked prefill's next part, from what is left of the budget; False if there are no pages for it."""
+        request = self.chunked
+        assert request is not None
+        weight = self._token_weight(request, plan.timed)
+        n = min(request.num_tokens - request.num_cached_tokens, max(1, int(plan.budget / weight)))
+        if not self.kv.allocate(request, self._tokens_to_hold(request, n)):
+            return False
+        plan.add(request, n, weight)
+        if request.num_cached_tokens + n == request.num_tokens:
+            self.chunked = None
+        return True
+
+    def _admit(self, plan: _ExtendPlan, candidates: list[Request], chunk: Request | None = None) -> None:
+        """Admit waiting requests, in this order, while the budget, the slots and the pages last; `chunk`: the
+        chunked prefill, not in the plan yet, whose prompt they would rather wait for than compute again."""
+        sharing = [chunk] if chunk is not None else []
+        for request in candidates:
+            if plan.budget <= 0 or len(self.running) + len(plan.requests) + len(sharing) >= self.max_num_seqs:
                 break
-            if request.num_pending_tokens:
-                continue  # retracted with a token still on the device: prefilled once the host has it
+            if request.status is not RequestStatus.WAITING or request.num_pending_tokens:
+                # Admitted already (ahead of the chunk), or retracted with a token still on the device:
+                # prefilled once the host has it.
+                continue
             self.kv.match_prefix(request)
             remaining = request.num_tokens - request.num_cached_tokens
-            if self._shares_uncached_prefix(request, requests, lens):
+            if self._shares_uncached_prefix(
+                request, plan.requests + sharing, plan.lens + [r.num_tokens - r.num_cached_tokens for r in sharing]
+            ):
                 # Its prefix is being computed in this very step: wait one step and reuse it.
                 self.kv.undo_match(request)
                 continue
             if self.chunked_prefill_size is None:
-                if requests and remaining > budget:  # whole prompts only; the first always goes
+                if plan.requests and remaining > plan.budget:  # whole prompts only; the first always goes
                     self.kv.undo_match(request)
                     break
                 n = remaining
             else:
-                weight = self._token_weight(request, timed)
-                n = min(remaining, int(budget / weight))
-                if n < 1 and requests:
+                weight = self._token_weight(request, plan.timed)
+                n = min(remaining, int(plan.budget / weight))
+                if n < 1 and plan.requests:
                     self.kv.undo_match(request)
                     break  # the budget is spent
                 n = max(n, 1)
@@ -325,7 +381,7 @@ class Scheduler:
                     self.kv.undo_match(request)
                     break  # one chunked prefill at a time
             hold = self._tokens_to_hold(request, n)
-            if not self._admissible(request, hold, reserve, first=not self.running and not requests):
+            if not self._admissible(request, hold, plan.reserve, first=not self.running and not plan.requests):
                 self.kv.undo_match(request)
                 break
             if not self.kv.allocate(request, hold):
@@ -336,15 +392,67 @@ class Scheduler:
             if request.num_preemptions == 0:  # a retracted request's redo is not a new query
                 self.kv.stats.query_tokens += request.num_tokens
                 self.kv.stats.hit_tokens += request.num_cached_tokens
-            reserve += self._remaining_budget(request) * self.new_token_ratio
-            requests.append(request)
-            lens.append(n)
-            budget -= n * self._token_weight(request, timed)
+            plan.reserve += self._remaining_budget(request) * self.new_token_ratio
+            plan.add(request, n, self._token_weight(request, plan.timed))
             if n < remaining:
                 self.chunked = request
-        if not requests:
-            return None
-        return ScheduledStep(False, requests, lens)
+
+    # ---- fairness between request groups ----------------------------------------------------
+    def _slots_by_group(self) -> Counter[str]:
+        """Running slots (the chunked prefill's included) each request group holds."""
+        held = Counter(group_of(r) for r in self.running)
+        if self.chunked is not None:
+            held[group_of(self.chunked)] += 1
+        return held
+
+    def _admission_order(self) -> tuple[list[Request], list[Request]]:
+        """The waiting requests in the order admission considers them, and those of them that go before the
+        chunked prefill's next part.
+
+        Round robin over groups: the k-th waiting request of a group holding h slots comes at h + k, ties in
+        arrival order. With every request a group of its own (the engine's API, or n=1 calls) that is plain
+        arrival order. Ahead of the chunk: requests of groups holding fewer slots than the chunk's group.
+        """
+        if not self.waiting:
+            return [], []
+        held = self._slots_by_group()
+        counts: Counter[str] = Counter()
+        keyed: list[tuple[int, int, Request]] = []
+        for position, request in enumerate(self.waiting):
+            group = group_of(request)
+            keyed.append((held[group] + counts[group], position, request))
+            counts[group] += 1
+        if len(counts) > 1:
+            keyed.sort(key=lambda item: (item[0], item[1]))
+        order = [request for _, _, request in keyed]
+        if self.chunked is None:
+            return order, []
+        chunk_held = held[group_of(self.chunked)]
+        return order, [request for request in order if held[group_of(request)] < chunk_held]
+
+    def _give_a_slot_to_a_waiting_group(self) -> None:
+        """Every slot taken, and a group waits below its fair share (max_num_seqs over the groups with work)
+        while another holds more: that group's cheapest running request to redo gives its slot back.
+
+        Never with every group at one slot (the engine's own API: each request a group), so plain traffic is
+        never preempted; and never down to an even split, so two groups cannot trade a slot back and forth.
+        """
+        if not self.waiting or len(self.running) + (self.chunked is not None) < self.max_num_seqs:
+            return
+        held = self._slots_by_group()
+        top_group, top = held.most_common(1)[0]
+        if top <= 1:
+            return
+        waiting_groups = {group_of(r) for r in self.waiting if not r.num_pending_tokens}
+        fair = max(1, self.max_num_seqs // len(waiting_groups | set(held)))
+        if top <= fair or not any(held[g] < fair and held[g] + 1 < top for g in waiting_groups):
+            return
+        candidates = [r for r in self.running if group_of(r) == top_group]
+        if not candidates:
+            return  # its one extra slot is the chunked prefill: it finishes soon
+        # Prompt logprobs never come from the cache, so such a request would redo its whole prompt.
+        victim = min(reversed(candidates), key=lambda r: (r.params.prompt_logprobs is not None, r.num_tokens))
+        self._retract(victim, memory_pressure=False)
 
     def max_step_tokens(self) -> int:
         return max_step_tokens(self.max_num_seqs, self.max_prefill_tokens, self.chunked_prefill_size, self.mixed_steps)
@@ -376,6 +484,8 @@ class Scheduler:
         tokens = request.all_token_ids
         matchable = len(tokens) - 1  # a match always leaves one token to run
         for other, n in zip(admitted, lens):
+            if other.params.cache_salt != request.params.cache_salt:
+                continue  # another salt's pages are never shared (nor waited for: that wait would be a timing leak)
             # commonprefix compares element by element, so it serves lists of token ids (commonpath takes paths).
             shared = commonprefix([tokens, other.all_token_ids])  # noqa: RUF071
             common = min(len(shared), matchable, other.num_cached_tokens + n)
@@ -404,13 +514,16 @@ class Scheduler:
         """What retracting the request makes it compute again (the chunked one: its chunks so far)."""
         return request.num_cached_tokens if request is self.chunked else request.num_tokens
 
-    def _retract(self, request: Request) -> None:
+    def _retract(self, request: Request, memory_pressure: bool = True) -> None:
+        """Back to the front of the queue, its pages released; memory_pressure False: it gave its slot to another
+        request group, which says nothing about the decode reserve."""
         self.kv.release(request)  # computed pages stay cached; the decode row goes with the pages
         request.num_cached_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_retractions += 1
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        if memory_pressure:
+            self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         if request is self.chunked:
             self.chunked = None
         else:

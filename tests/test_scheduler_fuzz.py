@@ -6,7 +6,8 @@ request must read, at every cached position, exactly its own tokens. That is
 the property the real model relies on, checked here over thousands of steps
 with random page sizes, tight pools, chunked prefill, the prefix cache on or
 off, prompt-logprob requests, aborts (of waiting, running and chunked requests)
-and failed steps, far more than model-backed tests can afford.
+and failed steps, request groups (fair admission retracts for them) and cache
+salts, far more than model-backed tests can afford.
 
 With overlap, a step is launched (scheduler.on_step_launched) before the
 previous step's tokens are handed back, as Engine.step does: requests carry a
@@ -34,7 +35,7 @@ class SlotLedger:
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
-        self.content: dict[int, tuple[int, ...]] = {}
+        self.content: dict[int, tuple[str | None, tuple[int, ...]]] = {}  # slot -> (cache salt, token prefix)
         self.pending: dict[int, list[int]] = {}  # id(request) -> its sampled tokens the host has not seen
 
     def tokens(self, request: Request) -> list[int]:
@@ -65,7 +66,7 @@ class SlotLedger:
             tokens = self.tokens(request)
             for position in range(positions.start):
                 slot = slot_of(table, position, page_size)
-                assert self.content.get(slot) == tuple(tokens[: position + 1]), (
+                assert self.content.get(slot) == (request.params.cache_salt, tuple(tokens[: position + 1])), (
                     f"{context}: {request.request_id} reads a stale slot at position {position}"
                 )
             # Writes land in private pages only: a shared (cached) page is never overwritten.
@@ -73,7 +74,11 @@ class SlotLedger:
         for index, request in enumerate(step.requests):
             table, tokens = self.kv.page_table(request), self.tokens(request)
             for position in self.positions(step, index, request):
-                self.content[slot_of(table, position, page_size)] = tuple(tokens[: position + 1])
+                # Written under the request's salt: a request of another salt must never read it.
+                self.content[slot_of(table, position, page_size)] = (
+                    request.params.cache_salt,
+                    tuple(tokens[: position + 1]),
+                )
 
 
 def simulate(seed: int, steps: int = 300, overlap: bool = False) -> int:
@@ -111,7 +116,14 @@ def simulate(seed: int, steps: int = 300, overlap: bool = False) -> int:
     def step_once(context: str, arrivals: bool) -> bool:
         if arrivals and rng.random() < 0.4 and len(live) < 12:
             tokens = (rng.choice(stems) + [rng.randrange(1, 5) for _ in range(rng.randint(1, 10))])[: max_len - 2]
-            params = SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.0)
+            # Request groups (the choices of one API call: fair admission retracts for them) and cache salts
+            # (equal tokens under another salt must never read these slots).
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 20),
+                temperature=0.0,
+                group=rng.choice([None, None, "g1", "g2"]),
+                cache_salt=rng.choice([None, None, "s1"]),
+            )
             if rng.random() < 0.15:
                 params.prompt_logprobs = 1
             request = Request(f"r{context}", tokens, params)

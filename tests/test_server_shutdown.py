@@ -50,7 +50,8 @@ def test_sigterm_finishes_running_streams_and_exits_cleanly() -> None:
 
 def test_requests_still_running_at_the_shutdown_deadline_end_cleanly() -> None:
     """--shutdown-timeout 3 with longer requests: each stream ends with an error event and [DONE], each
-    non-streaming request gets a JSON 503, and the process exits on time with status 0."""
+    non-streaming request gets a JSON 503, and the process exits on time with status 0. So does a request whose
+    grammar is still being checked (issue #48: uvicorn cancelled it at the deadline, a plain-text 500)."""
     server = start_server("--shutdown-timeout", "3", log_name="server-deadline")
     try:
         long_body = {"model": MODEL, "prompt": "Tell me a very long story", "max_tokens": 1800, "ignore_eos": True}
@@ -59,8 +60,18 @@ def test_requests_still_running_at_the_shutdown_deadline_end_cleanly() -> None:
         def non_streaming() -> None:
             results["plain"] = httpx.post(f"{server.base_url}/v1/completions", json=long_body, timeout=60)
 
+        # 2,000 properties: within the limits, ~28 s of CPU to compile; still in its check at the deadline.
+        fields = {f"slow_{i}": {"type": ["string", "integer", "null"]} for i in range(2000)}
+        slow_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"properties": fields}}}
+
+        def checking() -> None:
+            body = {"prompt": "hi", "max_tokens": 3, "response_format": slow_schema}
+            results["grammar"] = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+
         plain = threading.Thread(target=non_streaming)
         plain.start()
+        grammar = threading.Thread(target=checking)
+        grammar.start()
         events = []
         with httpx.stream(
             "POST", f"{server.base_url}/v1/completions", json={**long_body, "stream": True}, timeout=60
@@ -73,13 +84,16 @@ def test_requests_still_running_at_the_shutdown_deadline_end_cleanly() -> None:
                     signalled = time.monotonic()
                     server.process.send_signal(signal.SIGTERM)
         plain.join(30)
+        grammar.join(30)
         assert server.process.wait(30) == 0, server.log()[-3000:]
         assert time.monotonic() - signalled < 10
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])
         assert error["error"]["code"] == 503 and "shutting down" in error["error"]["message"]
-        response = results["plain"]
-        assert response.status_code == 503 and response.json()["error"]["code"] == 503  # type: ignore[attr-defined]
+        for name in ("plain", "grammar"):
+            response = results[name]
+            assert response.status_code == 503, (name, response.text)  # type: ignore[attr-defined]
+            assert response.json()["error"]["code"] == 503  # type: ignore[attr-defined]
         assert "Traceback" not in server.log()
     finally:
         server.stop()

@@ -10,13 +10,16 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 from engine.engine import Engine
 from engine.server.async_engine import AsyncEngine
+from engine.server.bodies import BodyParser
 from engine.server.engine_process import EngineProcess
 from engine.server.engine_thread import EngineThread
 from engine.server.errors import APIError, error_response, install_error_handlers
@@ -57,7 +60,7 @@ class ServerSettings:
     enable_docs: bool = False  # /docs, /redoc and /openapi.json (behind the key when one is set)
     allowed_hosts: tuple[str, ...] | None = None  # Host header allow-list; None: any
     max_body_bytes: int = 8 * 2**20
-    body_timeout_s: float = 30.0
+    body_timeout_s: float = 10.0
     max_pending_requests: int = 1024  # engine requests (prompts x n) queued or running; more: 503 + Retry-After
     trust_request_chat_template: bool = False  # let requests supply their own Jinja chat template
     allow_unknown_fields: bool = False  # ignore request fields this server does not know (engine/server/fields.py)
@@ -106,6 +109,8 @@ def build_app(
         settings.grammar_limits,
     )
     metrics.grammar_counts = serving.grammars.counts
+    metrics.pending = lambda: serving.pending
+    bodies = BodyParser()  # large bodies are parsed off the event loop (engine/server/bodies.py)
     created = int(time.time())
 
     @asynccontextmanager
@@ -123,6 +128,7 @@ def build_app(
             # anything still queued now is aborted and its stream told so.
             async_engine.shutdown()
             serving.close()
+            bodies.close()
 
     docs = {} if settings.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="graph-engine OpenAI-compatible API", lifespan=lifespan, **docs)
@@ -134,6 +140,7 @@ def build_app(
     guard = GuardSettings(
         api_key, frozenset(open_paths), settings.allowed_hosts, settings.max_body_bytes, settings.body_timeout_s
     )
+    app.state.open_requests = guard.open_requests  # ended with a JSON 503 just before the shutdown deadline
     app.add_middleware(GuardMiddleware, settings=guard)
 
     @app.get("/health")
@@ -161,18 +168,23 @@ def build_app(
             )
         return card()
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
+    # The bodies below are read by BodyParser, not by FastAPI (which parses them on the event loop);
+    # openapi_extra keeps their schemas in /openapi.json.
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(raw: Request) -> Response:
+        req = await bodies.parse(raw, CompletionRequest)
         check_request_fields(req, settings.allow_unknown_fields)
         return await serving.completions(req, raw)
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat(raw: Request) -> Response:
+        req = await bodies.parse(raw, ChatCompletionRequest)
         check_request_fields(req, settings.allow_unknown_fields)
         return await serving.chat(req, raw)
 
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> JSONResponse:
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize(raw: Request) -> JSONResponse:
+        req = await bodies.parse(raw, TokenizeRequest)
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
@@ -187,8 +199,9 @@ def build_app(
             )
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": model.max_model_len})
 
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> JSONResponse:
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize(raw: Request) -> JSONResponse:
+        req = await bodies.parse(raw, DetokenizeRequest)
         serving.check_model(req.model)
         check_token_ids(model, req.tokens, "tokens")
         if len(req.tokens) > model.max_model_len:
@@ -198,6 +211,12 @@ def build_app(
         return JSONResponse({"prompt": await serving.off_loop(model.tokenizer.decode, req.tokens)})
 
     return app
+
+
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI requestBody of a route whose body BodyParser reads."""
+    schema = {"content": {"application/json": {"schema": model.model_json_schema()}}, "required": True}
+    return {"requestBody": schema}
 
 
 async def _end_streams_before_the_deadline(app: FastAPI, async_engine: AsyncEngine) -> None:
@@ -217,3 +236,4 @@ async def _end_streams_before_the_deadline(app: FastAPI, async_engine: AsyncEngi
         return
     await asyncio.sleep(max(0.0, timeout - SHUTDOWN_MARGIN_S))
     async_engine.fail_all("the server is shutting down")
+    app.state.open_requests.end("the server is shutting down")

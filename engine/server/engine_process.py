@@ -91,13 +91,16 @@ def _decode_error(encoded: tuple[str, str] | None) -> BaseException | None:
 
 def _encode_output(output: RequestOutput) -> tuple:
     final = (output.text, output.token_ids, output.logprobs) if output.finished else None
+    # Prompt logprobs (echo) are whole with every output: the server reads them from a request's first output
+    # (a stream's echo) and its last (a whole response), so only those carry them across the pipe.
+    first = len(output.token_ids) <= 1
     return (
         output.request_id,
         output.new_token_ids,
         output.new_text,
         output.finish_reason,
         output.new_logprobs,
-        output.prompt_logprobs,
+        output.prompt_logprobs if first or output.finished else None,
         output.error,
         final,
     )

@@ -8,12 +8,17 @@ app's `receive` is the server's own (wrapped only to count body bytes), and:
 - the API key is checked from the headers, before a byte of the body is
   read, on every route but /health (and /metrics when the operator opens it);
 - the Host header is checked against an allow-list (DNS rebinding of a
-  loopback server);
+  loopback server); an HTTP/1.0 request may leave it out (HAProxy's default
+  health check does, and the browsers that DNS rebinding needs always send it);
 - a body larger than the limit is a 413 from its Content-Length alone, or
   as soon as a chunked body passes the limit; a body that trickles in more
   slowly than the body timeout is a 408;
 - an unexpected error becomes a JSON 500 with `Connection: close`, so the
-  client knows the connection ends (uvicorn drops it after an exception).
+  client knows the connection ends (uvicorn drops it after an exception);
+- at shutdown (`OpenRequests.end`, just before uvicorn's graceful deadline), a
+  request with no response yet (tokenizing, waiting for its grammar's check or
+  for the engine) is cancelled and answered with a JSON 503, where uvicorn
+  would cancel it at the deadline with a plain-text 500.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.server.errors import error_body
@@ -40,13 +45,27 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
+class OpenRequests:
+    """The requests that have not started their response, so that shutdown can answer them (a JSON 503)."""
+
+    def __init__(self) -> None:
+        self.waiting: set[asyncio.Task[Any]] = set()
+        self.ending: str | None = None  # set once shutdown has begun: the 503's message
+
+    def end(self, message: str) -> None:
+        self.ending = message
+        for task in list(self.waiting):
+            task.cancel()
+
+
 @dataclass
 class GuardSettings:
     api_key: str | None = None
     open_paths: frozenset[str] = frozenset({"/health"})  # answered without the key
     allowed_hosts: tuple[str, ...] | None = None  # None: any Host header
     max_body_bytes: int = 8 * 2**20
-    body_timeout_s: float = 30.0
+    body_timeout_s: float = 10.0
+    open_requests: OpenRequests = field(default_factory=OpenRequests)
 
 
 class _BodyTooLarge(Exception):
@@ -65,7 +84,7 @@ class GuardMiddleware:
         start = time.perf_counter()
         headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope.get("headers", [])}
         path = scope.get("path", "")
-        rejection = self._reject_before_body(path, headers)
+        rejection = self._reject_before_body(path, headers, scope.get("http_version", "1.1"))
         if rejection is not None:
             status, message, extra = rejection
             # The body is left unread, so the connection cannot carry another request: say so.
@@ -73,14 +92,23 @@ class GuardMiddleware:
             await _send_error(send, status, message, extra, close=has_body)
             return
         started = {"response": False, "status": 0}
+        open_requests = self.settings.open_requests
+        task = asyncio.current_task()
+        assert task is not None
 
         async def tracking_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 started["response"], started["status"] = True, int(message["status"])
+                open_requests.waiting.discard(task)
             await send(message)
 
+        open_requests.waiting.add(task)
         try:
             await self.app(scope, self._limited_receive(receive), tracking_send)
+        except asyncio.CancelledError:
+            if open_requests.ending is None or started["response"]:
+                raise  # not ours: uvicorn's own cancellation
+            await _send_error(send, 503, open_requests.ending, close=True)
         except _BodyTooLarge:
             if not started["response"]:
                 await _send_error(send, 413, f"request body exceeds {self.settings.max_body_bytes} bytes", close=True)
@@ -93,14 +121,22 @@ class GuardMiddleware:
             logger.exception("unexpected error serving %s %s", scope.get("method"), path)
             if not started["response"]:
                 await _send_error(send, 500, "internal server error", close=True)
+        finally:
+            open_requests.waiting.discard(task)
         logger.debug(
             "%s %s -> %d (%.1f ms)", scope.get("method"), path, started["status"], 1000 * (time.perf_counter() - start)
         )
 
-    def _reject_before_body(self, path: str, headers: dict[str, str]) -> tuple[int, str, dict[str, str]] | None:
+    def _reject_before_body(
+        self, path: str, headers: dict[str, str], http_version: str
+    ) -> tuple[int, str, dict[str, str]] | None:
         settings = self.settings
-        if settings.allowed_hosts is not None and not host_allowed(headers.get("host", ""), settings.allowed_hosts):
-            return 400, "invalid Host header", {}
+        host = headers.get("host")
+        if settings.allowed_hosts is not None:
+            if host is None and http_version != "1.0":
+                return 400, "missing Host header", {}
+            if host is not None and not host_allowed(host, settings.allowed_hosts):
+                return 400, "invalid Host header", {}
         if settings.api_key is not None and path not in settings.open_paths:
             header = headers.get("authorization", "")
             scheme, _, token = header.partition(" ")

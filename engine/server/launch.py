@@ -42,7 +42,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=int,
         default=2048,
-        help="open connections beyond this get a 503 straight away (the open-files limit is raised to fit)",
+        help="open connections at most (lowered to fit the open-files limit, which is raised first): at the cap a "
+        "new connection replaces the oldest idle one; with none idle, new ones wait in the listen backlog",
+    )
+    limits.add_argument(
+        "--max-connections-per-address",
+        type=int,
+        default=0,
+        help="open connections from one client address at most; more get a 503 (0: no limit, the default, since "
+        "behind a proxy every client has the proxy's address)",
     )
     limits.add_argument(
         "--header-timeout",
@@ -58,7 +66,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "aiohttp 15 s), so a client never reuses a connection the server is closing (a dropped request)",
     )
     limits.add_argument(
-        "--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408 after)"
+        "--body-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request body may take to arrive (a 408 with Connection: close after)",
     )
     limits.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get a 413, unread")
     limits.add_argument(
@@ -150,7 +161,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.cli import engine_config_from_args
     from engine.engine import Engine
     from engine.server.app import API_KEY_ENV, ServerSettings, build_app
-    from engine.server.connections import guarded_protocol, raise_fd_limit
+    from engine.server.connections import (
+        ConnectionGate,
+        GatedServer,
+        connection_limits,
+        guarded_protocol,
+        raise_fd_limit,
+    )
     from engine.server.engine_process import EngineProcess
     from engine.server.engine_thread import EngineThread
 
@@ -159,6 +176,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.grammar_workers < 1:
         raise ValueError(f"--grammar-workers must be >= 1, got {args.grammar_workers}")
+    if args.max_connections_per_address < 0:
+        raise ValueError(f"--max-connections-per-address must be >= 0, got {args.max_connections_per_address}")
     for name in ("header_timeout", "timeout_keep_alive", "body_timeout", "grammar_compile_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
@@ -207,9 +226,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ),
     )
     app = build_app(engine, args.served_model_name, settings=settings, engine_thread=engine_thread)
-    # Each connection holds a descriptor: lift the soft limit so the connection cap, not EMFILE, decides.
-    fd_limit = raise_fd_limit(max(65536, 2 * args.max_connections))
-    max_connections = min(args.max_connections, max(64, fd_limit - 256))  # room for the engine's own files
+    # Each connection holds a descriptor: lift the soft limit so the connection cap, not EMFILE, decides; the cap
+    # and the listen backlog (accepted at once before the cap is seen) fit under it with room for the engine's files.
+    fd_limit = raise_fd_limit(max(65536, 4 * args.max_connections))
+    max_connections, backlog = connection_limits(fd_limit, args.max_connections)
+    gate = ConnectionGate(max_connections, args.max_connections_per_address)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -218,22 +239,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=False,  # one debug line per request comes from our own middleware
         timeout_graceful_shutdown=max(0.0, args.shutdown_timeout),
         timeout_keep_alive=args.timeout_keep_alive,
-        http=guarded_protocol(max_connections, args.header_timeout),
+        http=guarded_protocol(gate, args.header_timeout),
         h11_max_incomplete_event_size=64 * 1024,  # request line + headers; larger gets a 400
-        backlog=2048,
+        backlog=backlog,
+        loop="asyncio",  # the connection gate pauses asyncio's listening sockets (engine/server/connections.py)
     )
-    server = uvicorn.Server(config)
+    server = GatedServer(config, gate)
     app.state.uvicorn_server = server  # the shutdown watcher reads its should_exit and deadline
     # Uvicorn re-raises the signal that stopped it once it has shut down gracefully; with these
     # handlers in place that re-raise is a no-op, so a SIGTERM/SIGINT shutdown exits with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _after_shutdown)
     logger.info(
-        "listening on http://%s:%d (max %d connections, open-files limit %d, header timeout %.0f s, body limit "
-        "%d bytes)",
+        "listening on http://%s:%d (max %d connections, backlog %d, open-files limit %d, header timeout %.0f s, "
+        "body limit %d bytes)",
         args.host,
         args.port,
         max_connections,
+        backlog,
         fd_limit,
         args.header_timeout,
         args.max_body_bytes,

@@ -40,6 +40,10 @@ class ServerMetrics:
         # The grammar checks' counts (engine/structured/pool.py); build_app points this at its checker.
         self.grammar_counts: Callable[[], PoolCounts] = PoolCounts
         r.register(_GrammarCollector(lambda: self.grammar_counts(), model_name))
+        # Engine requests the server holds (build_app points this at Serving.pending): the engine's own gauges
+        # miss those still tokenized, checked or on their way to the engine.
+        self.pending: Callable[[], int] = lambda: 0
+        r.register(_PendingCollector(lambda: self.pending(), model_name))
         self.prompt_tokens = Counter("engine:prompt_tokens", "Prompt tokens admitted.", labels, registry=r).labels(
             model_name
         )
@@ -188,6 +192,25 @@ class _EngineStatsCollector:
             yield family
         for name, doc, histogram in _step_histograms(snapshot):
             yield _histogram_family(name, doc, histogram, self.model_name)
+
+
+class _PendingCollector:
+    def __init__(self, pending: Callable[[], int], model_name: str) -> None:
+        self.pending = pending
+        self.model_name = model_name
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "engine:num_requests_pending",
+            "Engine requests (prompts x n) the server has admitted and not finished: those still waiting for their "
+            "grammar's check or on their way to the engine, queued and running.",
+            labels=["model_name"],
+        )
+        family.add_metric([self.model_name], self.pending())
+        yield family
 
 
 class _GrammarCollector:

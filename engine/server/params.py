@@ -333,7 +333,9 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     grammar: GrammarSpec | None = None,
+    group: str | None = None,
 ) -> SamplingParams:
+    """The engine's parameters of one choice; `group`: the API call it belongs to (fair admission)."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
         return SamplingParams(
@@ -356,6 +358,8 @@ def sampling_params(
             logit_bias=_logit_bias(req.logit_bias),
             min_tokens=req.min_tokens or 0,
             allowed_token_ids=req.allowed_token_ids,
+            cache_salt=req.cache_salt,
+            group=group,
         )
     except InvalidRequestError as exc:
         raise APIError(str(exc), param=_first_field(str(exc))) from exc

@@ -9,14 +9,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from engine.errors import InvalidRequestError, RequestFailedError
-from engine.request import RequestOutput
+from engine.request import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestGroup
 from engine.server.errors import APIError, error_body
@@ -50,7 +50,7 @@ from engine.server.protocol import (
     random_id,
 )
 from engine.server.reasoning import ReasoningStream, split_reasoning
-from engine.server.structured_fields import AskedGrammar, grammar_from_request
+from engine.server.structured_fields import AskedGrammar, check_schema_refs, grammar_from_request
 from engine.server.tool_parsers import ToolCall
 from engine.server.tools import ToolPlan, calls_from_text, plan_tools, streamable_prefix, streams_calls_early
 from engine.structured.checker import GrammarChecker, tokenizer_info_json
@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+HEAVY_RESPONSE_TOKENS = 4096  # a whole response of more tokens (prompts with echo, outputs) is built off the loop
 
 
 @dataclass
@@ -84,6 +85,11 @@ class Choice:
     sent_calls: int = 0  # ... and this many tool calls
     reasoning_parser: str | None = None  # split <think> text into reasoning_content (engine/server/reasoning.py)
     reasoning: ReasoningStream | None = None  # streaming: that split so far
+    # echo with logprobs and n > 1: the choice of the same prompt whose engine request computes the prompt's
+    # logprobs; this one's are a copy of them (None: its own request computes them)
+    echo_source: Choice | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs: the prompt's entries, once known
+    held: list[RequestOutput] = field(default_factory=list)  # streaming: outputs waiting for echo_source's entries
 
 
 class Serving:
@@ -101,10 +107,12 @@ class Serving:
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.model = model
-        # Two tokenizer copies, one per thread: the loop's (stream chunks) and the worker's (prompts,
-        # whole responses); an HF tokenizer must not be used by two threads at once.
+        # A tokenizer copy per thread, since an HF tokenizer must not be used by two threads at once: the loop's
+        # (stream chunks, light responses), the worker's (prompts: model.tokenizer itself) and the builder's
+        # (heavy whole responses, on a thread of their own so that they never delay a prompt: _respond).
         self.tokens = Tokens(copy.deepcopy(model.tokenizer) if model.tokenizer is not None else None)
-        self.worker_tokens = Tokens(model.tokenizer)
+        self.builder_tokens = Tokens(copy.deepcopy(model.tokenizer) if model.tokenizer is not None else None)
+        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="responses")
         self.max_pending = max_pending
         self.trust_request_chat_template = trust_request_chat_template
         self.pending = 0  # engine requests (choices) admitted and not yet done, counted on the event loop
@@ -116,6 +124,8 @@ class Serving:
         # the vocabulary's description for them is made once, on this tokenizer's own thread.
         self.grammar_limits = grammar_limits or GrammarLimits()
         self.grammars = GrammarChecker(self._tokenizer_info_json, self.grammar_limits)
+        if self.model.tokenizer is not None:
+            self.grammars.start()
 
     async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
         """fn(*args) on the tokenizer thread."""
@@ -123,6 +133,7 @@ class Serving:
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._builder.shutdown(wait=False, cancel_futures=True)
         self.grammars.close()
 
     def _tokenizer_info_json(self) -> str:
@@ -133,7 +144,7 @@ class Serving:
             raise APIError(f"The model `{name}` does not exist; this server serves `{self.model.name}`.", param="model")
 
     # ---- /v1/completions --------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
@@ -143,15 +154,27 @@ class Serving:
         if len(prompts) * req.n > MAX_CHOICES:
             raise APIError(f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        request_id = random_id("cmpl")
         choices = []
         for p, (text, ids) in enumerate(prompts):
             max_tokens = resolve_max_tokens(self.model, len(ids), req.max_tokens)
             for i in range(req.n):
+                # A prompt's logprobs are the same for each of its choices: only the first asks the engine for
+                # them (a pass with logits at every position), the others take its copy (echo_source) and
+                # reuse its prompt pages from the prefix cache.
                 params = sampling_params(
-                    req, max_tokens, derived_seed(req.seed, i), req.logprobs, prompt_logprobs, grammar
+                    req,
+                    max_tokens,
+                    derived_seed(req.seed, i),
+                    req.logprobs,
+                    prompt_logprobs if i == 0 else None,
+                    grammar,
+                    request_id,
                 )
-                choices.append(Choice(p * req.n + i, text, ids, params))
-        request_id = random_id("cmpl")
+                choice = Choice(p * req.n + i, text, ids, params)
+                if prompt_logprobs is not None and i > 0:
+                    choice.echo_source = choices[p * req.n]
+                choices.append(choice)
         group = await self._start(request_id, choices, raw, asked)
         usage_prompt = sum(len(ids) for _, ids in prompts)
         if req.stream:
@@ -174,37 +197,45 @@ class Serving:
             return StreamingResponse(body, media_type="text/event-stream")
         await self._collect(group, choices, raw)
 
-        def build() -> dict:
-            # Off the loop: thousands of logprob entries (echo) take seconds to build and would stall streams.
+        def build(tokens: Tokens) -> dict:
             return CompletionResponse(
                 id=request_id,
                 model=self.model.name,
-                choices=[self._completion_choice(req, c) for c in choices],
+                choices=[self._completion_choice(req, c, tokens) for c in choices],
                 usage=_usage(usage_prompt, choices),
             ).model_dump()
 
-        return JSONResponse(await self.off_loop(build))
+        return await self._respond(build, req.logprobs is not None, choices)
 
-    def _completion_choice(self, req: CompletionRequest, choice: Choice) -> CompletionChoice:
+    async def _respond(self, build: Callable[[Tokens], dict], logprobs: bool, choices: list[Choice]) -> Response:
+        """A whole response as JSON. A heavy one (logprobs: thousands of entries with echo; long texts) is built
+        and encoded on the builder thread, so that it never stalls streams and /health on the loop, nor delays
+        other requests' prompts on the tokenizer thread; a light one is built at once on the loop, so that it
+        never waits behind a heavy one."""
+        tokens = sum(len(c.prompt_ids) + len(c.final.token_ids) for c in choices if c.final is not None)
+        if logprobs or tokens > HEAVY_RESPONSE_TOKENS:
+            loop = asyncio.get_running_loop()
+            body = await loop.run_in_executor(self._builder, lambda: _json_bytes(build(self.builder_tokens)))
+        else:
+            body = _json_bytes(build(self.tokens))
+        return Response(body, media_type="application/json")
+
+    def _completion_choice(self, req: CompletionRequest, choice: Choice, tokens: Tokens) -> CompletionChoice:
         final = choice.final
         assert final is not None
         text = final.text
         logprobs = None
         if req.echo:
-            text = self._prompt_text(choice, self.worker_tokens) + text
+            text = self._prompt_text(choice, tokens) + text
         if req.logprobs is not None:
             ids, entries = [], []
             if req.echo:
                 ids += choice.prompt_ids
-                entries += final.prompt_logprobs or [None] * len(choice.prompt_ids)
+                entries += self._prompt_entries(choice, final) or [None] * len(choice.prompt_ids)
             ids += final.token_ids
             entries += final.logprobs or []
             logprobs, _ = completion_logprobs(
-                self.worker_tokens,
-                ids,
-                entries,
-                0,
-                TokenTextJoiner(self.worker_tokens, choice.params.skip_special_tokens),
+                tokens, ids, entries, 0, TokenTextJoiner(tokens, choice.params.skip_special_tokens)
             )
         item = CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=final.finish_reason)
         if req.return_token_ids:
@@ -221,7 +252,7 @@ class Serving:
             choice.sent_prompt = True
             text = self._prompt_text(choice, self.tokens) + text
             ids += choice.prompt_ids
-            entries += output.prompt_logprobs or [None] * len(choice.prompt_ids)
+            entries += self._prompt_entries(choice, output) or [None] * len(choice.prompt_ids)
         new_ids = req.return_token_ids and bool(output.new_token_ids)
         if not text and not output.finished and req.logprobs is None and not new_ids:
             return None  # text held back (a possible stop string): nothing to say yet
@@ -259,13 +290,21 @@ class Serving:
         }
 
     @staticmethod
+    def _prompt_entries(choice: Choice, output: RequestOutput) -> list[TokenLogprob | None] | None:
+        """The prompt's logprob entries for an echo: the choice's own, or those its echo_source's request computed."""
+        source = choice.echo_source
+        if source is None:
+            return output.prompt_logprobs
+        return source.prompt_logprobs if source.final is None else source.final.prompt_logprobs
+
+    @staticmethod
     def _prompt_text(choice: Choice, tokens: Tokens) -> str:
         if choice.prompt_text is not None:
             return choice.prompt_text
         return tokens.tokenizer.decode(choice.prompt_ids) if tokens.tokenizer is not None else ""
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -297,18 +336,18 @@ class Serving:
             budget, param = req.max_completion_tokens, "max_completion_tokens"
         max_tokens = resolve_max_tokens(self.model, len(ids), budget, param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        request_id = random_id("chatcmpl")
         choices = [
             Choice(
                 i,
                 None,
                 ids,
-                sampling_params(req, max_tokens, derived_seed(req.seed, i), logprobs, None, grammar),
+                sampling_params(req, max_tokens, derived_seed(req.seed, i), logprobs, None, grammar, request_id),
                 tool_plan=plan,
                 reasoning_parser=self.reasoning_parser if grammar is None else None,
             )
             for i in range(req.n)
         ]
-        request_id = random_id("chatcmpl")
         created = int(time.time())
         group = await self._start(request_id, choices, raw, asked)
         if req.stream:
@@ -326,7 +365,7 @@ class Serving:
             return StreamingResponse(body, media_type="text/event-stream")
         await self._collect(group, choices, raw)
 
-        def build() -> dict:
+        def build(tokens: Tokens) -> dict:
             return ChatCompletionResponse(
                 id=request_id,
                 created=created,
@@ -336,10 +375,10 @@ class Serving:
                         index=c.index,
                         message=_assistant_message(c.tool_plan, c.reasoning_parser, c.final.text),
                         logprobs=chat_logprobs(
-                            self.worker_tokens,
+                            tokens,
                             c.final.logprobs or [],
                             logprobs,
-                            TokenTextJoiner(self.worker_tokens, c.params.skip_special_tokens),
+                            TokenTextJoiner(tokens, c.params.skip_special_tokens),
                         )
                         if logprobs is not None
                         else None,
@@ -353,7 +392,7 @@ class Serving:
                 usage=_usage(len(ids), choices),
             ).model_dump()
 
-        return JSONResponse(await self.off_loop(build))
+        return await self._respond(build, logprobs is not None, choices)
 
     def _chat_chunk(
         self, req: ChatCompletionRequest, request_id: str, created: int, choice: Choice, output: RequestOutput
@@ -460,9 +499,10 @@ class Serving:
                     choice = by_id[output.request_id]
                     if output.finished:
                         choice.final = output
-                    chunk = chunk_of(choice, output)
-                    if chunk is not None:
-                        events.append(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n")
+                    for ready, ready_output in _echo_order(choice, output, choices):
+                        chunk = chunk_of(ready, ready_output)
+                        if chunk is not None:
+                            events.append(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n")
                 if events:
                     yield "".join(events)  # one write for the tokens that arrived together
             if include_usage:
@@ -478,11 +518,30 @@ class Serving:
         self.pending -= count
 
 
+def _echo_order(choice: Choice, output: RequestOutput, choices: list[Choice]) -> list[tuple[Choice, RequestOutput]]:
+    """The outputs a stream can send now, given that `output` of `choice` arrived: a choice that copies its
+    prompt's logprobs (echo_source) holds its outputs until the source's request has delivered them, and the
+    source's first output releases what its copies held, in order."""
+    source = choice.echo_source
+    if source is not None and source.prompt_logprobs is None:
+        choice.held.append(output)
+        return []
+    ready = [(choice, output)]
+    if source is None and choice.prompt_logprobs is None and output.prompt_logprobs is not None:
+        choice.prompt_logprobs = output.prompt_logprobs
+        for other in choices:
+            if other.echo_source is choice and other.held:
+                ready += [(other, held) for held in other.held]
+                other.held = []
+    return ready
+
+
 def _check_tool_grammar(grammar: GrammarSpec, limits: GrammarLimits) -> None:
     """The grammar made from the tools' parameter schemas is within the limits (a 400 on `tools`); whether
     it parses and compiles is the gate's to say (engine/server/grammar_gate.py)."""
     try:
         validate_grammar(grammar, limits)
+        check_schema_refs(grammar)
     except InvalidRequestError as exc:
         raise APIError(f"tools: {exc}", param="tools") from exc
 
@@ -541,6 +600,11 @@ def _call_deltas(choice: Choice, calls: list[ToolCall]) -> list[dict] | None:
     new = [call.as_dict(index) for index, call in enumerate(calls) if index >= choice.sent_calls]
     choice.sent_calls = max(choice.sent_calls, len(calls))
     return new or None
+
+
+def _json_bytes(content: dict) -> bytes:
+    """JSONResponse's rendering (compact, UTF-8, no NaN), done wherever the caller runs."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
 
 
 def _usage(prompt_tokens: int, choices: list[Choice]) -> UsageInfo:

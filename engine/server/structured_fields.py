@@ -12,6 +12,7 @@ whitespace pattern, another backend) is a 400 naming the field, never silently d
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel
@@ -69,6 +70,7 @@ def grammar_from_request(request: BaseModel, limits: GrammarLimits) -> AskedGram
             spec = _spec_of(field, value)
             if spec is not None:
                 validate_grammar(spec, limits)
+                check_schema_refs(spec)
         except InvalidRequestError as exc:
             raise APIError(f"{field}: {exc}", param=field) from exc
         if spec is not None:
@@ -79,6 +81,24 @@ def grammar_from_request(request: BaseModel, limits: GrammarLimits) -> AskedGram
             f"at most one structured-output constraint per request; this one has {names}", param=found[1].field
         )
     return found[0] if found else None
+
+
+# A "$ref" key with a string value in the schema's JSON text (json.dumps escapes a quote inside a string, so a
+# description that mentions "$ref" never matches).
+_REF = re.compile(r'(?<!\\)"\$ref": "((?:[^"\\]|\\.)*)"')
+
+
+def check_schema_refs(spec: GrammarSpec) -> None:
+    """Only references within the schema ("#/$defs/..."): xgrammar fetches nothing, and took a `$ref` to
+    `http://...` or `file:///...` for "any JSON", a constraint silently dropped (issue #48)."""
+    if not spec.is_json:
+        return
+    for match in _REF.finditer(spec.text):
+        if not match.group(1).startswith("#"):
+            raise InvalidRequestError(
+                f"the JSON schema's $ref {match.group(1)[:100]!r} points outside the schema; only references "
+                'within it ("#/$defs/...") are supported'
+            )
 
 
 def _spec_of(field: str, value: Any) -> GrammarSpec | None:

@@ -48,23 +48,31 @@ class Ticket:
 class GrammarChecker:
     def __init__(self, tokenizer_info_json: Callable[[], str], limits: GrammarLimits | None = None) -> None:
         """tokenizer_info_json: the model's vocabulary as xgrammar's serialized TokenizerInfo (tokenizer_info_json
-        below), called once, on the first check; the processes start then."""
+        below), called once, when the processes start (start(), or the first check)."""
         self.limits = limits or GrammarLimits()
         self._tokenizer_info_json = tokenizer_info_json
         self._pool: GrammarPool | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSpec, _Entry] = OrderedDict()
 
+    def start(self) -> None:
+        """Start the compiler processes now, in the background (the server does at start-up, where the model has
+        a tokenizer): the first structured request then waits for its own check only, not for a fork server
+        importing xgrammar and torch (seconds on a busy CPU)."""
+        with self._lock:
+            self._started_pool()
+
+    def _started_pool(self) -> GrammarPool:
+        if self._pool is None:
+            self._pool = GrammarPool(self._tokenizer_info_json, self.limits.workers, self.limits.compile_timeout_s)
+        return self._pool
+
     def check(self, spec: GrammarSpec) -> Ticket:
         """The verdict on spec, shared with every request that asks for the same one."""
         with self._lock:
             entry = self._cache.get(spec)
             if entry is None:
-                if self._pool is None:
-                    self._pool = GrammarPool(
-                        self._tokenizer_info_json, self.limits.workers, self.limits.compile_timeout_s
-                    )
-                entry = self._cache[spec] = _Entry(self._pool.submit(spec))
+                entry = self._cache[spec] = _Entry(self._started_pool().submit(spec))
                 while len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)  # a pending one's waiters keep their entry (Ticket)
             else:
