@@ -206,6 +206,19 @@ def test_a_check_whose_waiters_all_left_stops_at_once_and_its_worker_is_replaced
     assert _verdict(checker, GrammarSpec("regex", "[a-z]+")) is None  # a fresh worker took over
 
 
+def test_a_long_check_drops_to_the_lowest_priority_and_a_small_one_beside_it_is_not_held_up(
+    checkers: Callable[..., GrammarChecker],
+) -> None:
+    checker = checkers(compile_timeout_s=120.0, workers=2)
+    big = checker.check(GrammarSpec.json_schema(wide_object(2000, "big")))  # ~28 s of compile
+    _until(lambda: checker.counts().demoted == 1, 60, "the long check never dropped its priority")
+    started = time.monotonic()
+    assert _verdict(checker, GrammarSpec.json_schema({"type": "object", "properties": {"a": {}}})) is None
+    assert time.monotonic() - started < 10  # the other worker, at its usual priority
+    assert not big.future.done()
+    big.release()
+
+
 def test_verdicts_are_cached_by_spec_and_shared(checkers: Callable[..., GrammarChecker]) -> None:
     checker = checkers(workers=1)
     refused = GrammarSpec("regex", r"[^\s\S]")

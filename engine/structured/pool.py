@@ -4,7 +4,9 @@ Why processes: xgrammar parses and compiles in C++ calls that nothing can interr
 thread given a hostile schema runs until xgrammar is done (73 s for issue #48's 900-deep arrays; a
 99 KB schema of 2,000 properties takes 28 s). A process can be killed. Each worker is forked from
 multiprocessing's fork server, where xgrammar is already imported (engine/structured/worker.py), so a
-replacement is ready in milliseconds, and it runs at nice +10.
+replacement is ready in milliseconds, and it runs at nice +10. A check past DEMOTE_AFTER_S of CPU drops to
+nice +19 (its worker is replaced when it is done), so a small grammar arriving while big ones compile is
+checked first.
 
 The deadline is CPU time (read from /proc; wall time elsewhere): "too complex" is then a property of
 the grammar, not of how busy the box is, and a legitimate schema is not refused because the engine was
@@ -17,6 +19,7 @@ worker is killed and replaced, so work for nobody stops at once (issue #48, item
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import logging
@@ -41,6 +44,11 @@ WALL_GRACE_S = 5.0
 START_TIMEOUT_S = 120.0  # the first worker waits for the fork server to import xgrammar and torch
 RESTART_PAUSE_S = 1.0  # after a worker failed to start, before the next try
 WORKER_MODULE = "engine.structured.worker"
+# A check that has used this much CPU drops to the lowest priority (a multi-level feedback queue of two
+# levels): a small grammar that arrives while big ones compile gets the CPU first, so it is not slowed by
+# them however many there are. Its worker is replaced afterwards (a process cannot raise its priority again).
+DEMOTE_AFTER_S = 0.5
+DEMOTED_NICE = 19
 
 
 class GrammarWorkerError(RuntimeError):
@@ -66,6 +74,7 @@ class PoolCounts:
     timed_out: int = 0  # killed at the deadline: "grammar too complex"
     cancelled: int = 0  # dropped or killed because every waiter left
     crashed: int = 0  # the worker died on the grammar (a stack overflow in xgrammar, say)
+    demoted: int = 0  # checks that passed DEMOTE_AFTER_S of CPU and went on at the lowest priority
 
 
 class GrammarPool:
@@ -176,6 +185,9 @@ class GrammarPool:
                     reply_id, error = worker.conn.recv()
                     assert reply_id == job_id, (reply_id, job_id)
                     self._finish(job, InvalidRequestError(error) if error is not None else None)
+                    if worker.demoted:
+                        worker.kill()  # the next check must not start at the lowest priority
+                        return None
                     return worker
                 if job.cancelled:
                     worker.kill()
@@ -184,6 +196,9 @@ class GrammarPool:
                 wall = time.monotonic() - started
                 cpu = worker.cpu_seconds()
                 used = cpu - cpu_start if cpu is not None and cpu_start is not None else wall
+                if used > DEMOTE_AFTER_S and not worker.demoted:
+                    worker.demote()
+                    self.counts.demoted += worker.demoted
                 if used > self.timeout_s or wall > WALL_FACTOR * self.timeout_s + WALL_GRACE_S:
                     worker.kill()
                     self.counts.timed_out += 1
@@ -225,6 +240,13 @@ class _Worker:
     def __init__(self, process: multiprocessing.process.BaseProcess, conn: Connection) -> None:
         self.process = process
         self.conn = conn
+        self.demoted = False  # at DEMOTED_NICE for the rest of its life
+
+    def demote(self) -> None:
+        """The lowest CPU priority from now on (where the OS allows: else it keeps its nice +10)."""
+        with contextlib.suppress(AttributeError, OSError, TypeError):
+            os.setpriority(os.PRIO_PROCESS, self.process.pid, DEMOTED_NICE)  # type: ignore[arg-type]
+            self.demoted = True
 
     @staticmethod
     def start(info_json: str) -> _Worker:
