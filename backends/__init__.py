@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from engine.platform import DeviceUnavailableError, Platform
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 # device flag -> (module, class). rocm lives in backends/hip.
 _PLATFORMS: dict[str, tuple[str, str]] = {
@@ -15,6 +19,11 @@ _PLATFORMS: dict[str, tuple[str, str]] = {
     "npu": ("backends.npu.platform", "NpuPlatform"),
 }
 DEVICE_NAMES = (*tuple(_PLATFORMS), "auto")
+# A device YAML's own section -> (module, the dataclass that declares its keys); light modules, so that the
+# command line can make their flags on any machine.
+_SECTIONS: dict[str, tuple[str, str]] = {
+    "hpu": ("backends.hpu.settings", "HpuSettings"),
+}
 # Preference of `--device auto`: the first available wins.
 _AUTO_ORDER = ("cuda", "rocm", "hpu", "npu", "cpu")
 
@@ -36,3 +45,8 @@ def get_platform(name: str = "auto") -> Platform:
     platform = platform_class(name)()
     platform.check_available()
     return platform
+
+
+def device_sections() -> dict[str, type[DataclassInstance]]:
+    """Each device section's settings dataclass (the command line makes --<section>-<key> flags from it)."""
+    return {name: getattr(importlib.import_module(module), cls) for name, (module, cls) in _SECTIONS.items()}

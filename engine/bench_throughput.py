@@ -22,6 +22,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from engine.cli import add_engine_args, engine_config_from_args
 from engine.engine import Engine
 from engine.profiling import time_by_name
 from engine.sampling_params import SamplingParams
+from graphs.cuda_graph_runner import CudaGraphRunner
 
 
 def make_requests(
@@ -48,8 +50,9 @@ def run_engine(
 ) -> dict[str, Any]:
     """profile_steps (first, count): torch.profiler over those steps, their kernels grouped by name."""
     sync = engine.platform.synchronize
-    graphs = engine.runner.graph_runner
-    if graphs is not None and hasattr(graphs, "replay_events"):
+    runner = engine.runner.graph_runner
+    graphs = runner if isinstance(runner, CudaGraphRunner) else None
+    if graphs is not None:
         graphs.replay_events = []  # the device time of every decode graph, summed below
     timeline = _DeviceTimeline(engine) if engine.device.type == "cuda" else None
     for prompt, out_len in requests:
@@ -91,7 +94,7 @@ def run_engine(
         # device's own timeline instead (from the end of one launched step's work to the end of the next).
         seconds = timeline.split()
     replay_s = None
-    if graphs is not None and getattr(graphs, "replay_events", None) is not None:
+    if graphs is not None and graphs.replay_events is not None:
         replay_s = sum(start_event.elapsed_time(end_event) for start_event, end_event in graphs.replay_events) / 1e3
         graphs.replay_events = None
     return {
@@ -247,9 +250,15 @@ class _SyncReport:
 
 
 def run_hf(
-    model_name: str, load_format: str, dtype: str, device: str, requests: list[tuple[list[int], int]]
+    model_name: str,
+    load_format: str,
+    dtype: str,
+    device: str,
+    requests: list[tuple[list[int], int]],
+    sync: Callable[[], None],
 ) -> dict[str, Any]:
-    """HF transformers' continuous batching on the same prompts; max_new_tokens = their mean output length."""
+    """HF transformers' continuous batching on the same prompts; max_new_tokens = their mean output length.
+    sync: the engine's platform's (waits for the device the model runs on)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from engine.loader.resolve import resolve_model_source
@@ -272,10 +281,10 @@ def run_hf(
     generation = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     inputs = [prompt for prompt, _ in requests]
     model.generate_batch(inputs=inputs[:8], generation_config=generation)  # warm-up (graph capture, kernels)
-    torch.cuda.synchronize() if device == "cuda" else None
+    sync()
     start = time.perf_counter()
     outputs = model.generate_batch(inputs=inputs, generation_config=generation)
-    torch.cuda.synchronize() if device == "cuda" else None
+    sync()
     wall = time.perf_counter() - start
     generated = sum(len(o.generated_tokens) for o in outputs.values())
     del model
@@ -348,7 +357,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         report["engine"]["host_syncs"] = syncs.stop()  # the timings of this run include the report's own cost
         for site, count in report["engine"]["host_syncs"].items():
             print(f"sync x{count}: {site}")
-    engine_device = engine.device
+    engine_device, engine_sync = engine.device, engine.platform.synchronize
     engine.shutdown()  # tensor parallelism: the other ranks' GPUs are free before HF loads
     del engine
     gc.collect()
@@ -381,7 +390,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
             print(f"{row['ms']:10.2f} {row['launches']:7d}  {row['name'][:120]}")
     if args.hf_requests:
         report["hf_generate_batch"] = run_hf(
-            args.model, args.load_format, dtype, str(engine_device), requests[: args.hf_requests]
+            args.model, args.load_format, dtype, str(engine_device), requests[: args.hf_requests], engine_sync
         )
     e = report["engine"]
     print(

@@ -6,177 +6,42 @@ import argparse
 import logging
 import sys
 import time
+from typing import TYPE_CHECKING
 
+from engine.cli_flags import add_setting_flags, values_from_args
 from engine.errors import EngineError
 from engine.platform import DeviceUnavailableError
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 DEFAULT_PROMPT = "The capital of France is"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    from backends import DEVICE_NAMES
-
-    group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--model", default=None, help="HF folder, .gguf file, or preset name (default: embedded SmolLM2-135M-Instruct)"
-    )
-    group.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICE_NAMES)}")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    group.add_argument(
-        "--quantization",
-        default="auto",
-        choices=["auto", "fp8", "gguf", "none"],
-        help="auto: the checkpoint's own (FP8 checkpoints in FP8; GGUF blocks kept on the CPU); fp8: also quantize a "
-        "bf16/fp16 checkpoint's linears to FP8 at load (CUDA kernels); gguf: insist on the CPU's GGUF blocks; none: "
-        "dequantize at load; docs/quantization.md",
-    )
-    group.add_argument(
-        "--gguf-activations",
-        default="auto",
-        choices=["auto", "float32", "int8x2", "int8"],
-        help="kept GGUF blocks, decode rows: auto (int8x2), float32 (exact), int8x2 (each block of 32 activations as "
-        "two int8 levels, ~16 bits, integer dot products) or int8 (one level: llama.cpp's numerics, each activation "
-        "rounded to 1/254 of its block's largest); docs/quantization.md",
-    )
-    group.add_argument("--page-size", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=None)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--kv-cache-tokens", type=int, default=None)
-    group.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3"],
-        help="the KV cache's dtype (auto: the model's; fp8 / fp8_e4m3: half the bytes of bf16, cuda's Triton "
-        "attention only, scaled by the checkpoint's k/v scales where it has them; docs/quantization.md)",
-    )
-    group.add_argument(
-        "--capture-sizes", default=None, help="comma-separated decode batch sizes to capture, e.g. 1,2,4,8"
-    )
-    group.add_argument(
-        "--capture-config",
-        default=None,
-        help="YAML of tuned capture sizes (written by `engine tune-capture`); --capture-sizes wins over it",
-    )
-    group.add_argument("--max-capture-size", type=int, default=None)
-    group.add_argument("--disable-graphs", action="store_true", help="run every step eagerly")
-    group.add_argument("--strict-graphs", action="store_true", help="fail if anything compiles after warm-up")
-    group.add_argument(
-        "--compile-decode",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="cuda/rocm: torch.compile the decode step before capturing graphs (default from configs/<device>.yaml)",
-    )
-    group.add_argument(
-        "--compile-extend",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="torch.compile prefill, chunk and mixed steps, token count dynamic (default from configs/<device>.yaml: "
-        "on for cuda)",
-    )
-    group.add_argument(
-        "--extend-capture-tokens",
-        default=None,
-        help="cuda: token counts to capture extend/mixed-step CUDA graphs for, e.g. 16,64,256 ('' for none; default "
-        "from configs/<device>.yaml)",
-    )
-    group.add_argument(
-        "--disable-prefix-caching",
-        "--disable-radix-cache",
-        dest="disable_prefix_caching",
-        action="store_true",
-        help="do not reuse the KV of cached prompt prefixes",
-    )
-    group.add_argument(
-        "--chunked-prefill-size",
-        type=int,
-        default=None,
-        help="prefill at most this many prompt tokens per step (<= 0: off; default from configs/<device>.yaml)",
-    )
-    group.add_argument(
-        "--max-extend-step-ms",
-        type=float,
-        default=None,
-        help="cap the prompt tokens of an extend step so it takes at most this long, by its measured speed "
-        "(<= 0: off; default from configs/<device>.yaml)",
-    )
-    group.add_argument(
-        "--overlap-schedule",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule and prepare the next step while the device runs this one (default from "
-        "configs/<device>.yaml: on for cuda/rocm); --no-overlap-schedule to debug",
-    )
-    group.add_argument(
-        "--mixed-steps",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run decodes and prefill chunks in one ragged step (default from configs/<device>.yaml: on for "
-        "cuda/rocm); --no-mixed-steps keeps separate prefill and decode steps",
-    )
-    group.add_argument("--debug-kv-invariant", action="store_true", help="check the KV pool invariant after every step")
-    group.add_argument(
-        "--freeze-gc",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="after start-up, move its Python objects out of the cyclic garbage collector's scans until shutdown, "
-        "as vLLM does (default: on for serve and bench throughput, which hold one engine for the process's life)",
-    )
-    group.add_argument(
-        "--tensor-parallel-size",
-        "--tp",
-        dest="tensor_parallel_size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split the model over N ranks, one process each (NCCL on CUDA, gloo on CPU); docs/tensor_parallel.md",
-    )
-    group.add_argument(
-        "--dist-timeout",
-        dest="dist_timeout_s",
-        type=float,
-        default=600.0,
-        metavar="SECONDS",
-        help="tensor parallelism: how long a collective waits for the other ranks before the engine fails naming "
-        "the rank that did not respond",
-    )
-    group.add_argument("--seed", type=int, default=0)
-
-
-def engine_config_from_args(args: argparse.Namespace, **overrides: object):
+    """Every EngineConfig field's flag, and each device section's (--hpu-*), made from their definitions."""
+    from backends import DEVICE_NAMES, device_sections
     from engine.config import EngineConfig
 
-    values = dict(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        quantization=args.quantization,
-        gguf_activations=args.gguf_activations,
-        page_size=args.page_size,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        kv_cache_tokens=args.kv_cache_tokens,
-        kv_cache_dtype=args.kv_cache_dtype,
-        capture_sizes=args.capture_sizes,
-        capture_config=args.capture_config,
-        max_capture_size=args.max_capture_size,
-        disable_graphs=args.disable_graphs,
-        strict_graphs=args.strict_graphs,
-        compile_decode=args.compile_decode,
-        compile_extend=args.compile_extend,
-        extend_capture_tokens=args.extend_capture_tokens,
-        enable_prefix_caching=not args.disable_prefix_caching,
-        chunked_prefill_size=args.chunked_prefill_size,
-        max_extend_step_ms=args.max_extend_step_ms,
-        overlap_schedule=args.overlap_schedule,
-        mixed_steps=args.mixed_steps,
-        debug_kv_invariant=args.debug_kv_invariant,
-        freeze_gc=args.freeze_gc,
-        tensor_parallel_size=args.tensor_parallel_size,
-        dist_timeout_s=args.dist_timeout_s,
-        seed=args.seed,
-    )
+    group = parser.add_argument_group("engine")
+    add_setting_flags(group, EngineConfig, placeholders={"devices": ", ".join(DEVICE_NAMES)})
+    for section, settings in device_sections().items():
+        add_setting_flags(
+            parser.add_argument_group(f"{section} (the {section}: section of its device YAML)"), settings, section
+        )
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
+    """The EngineConfig the flags describe; a device section's flags go over --device-options' section."""
+    from backends import device_sections
+    from engine.config import EngineConfig
+
+    values = values_from_args(args, EngineConfig)
+    options = {name: dict(section) for name, section in (values.get("device_options") or {}).items()}
+    for section, settings in device_sections().items():
+        if given := values_from_args(args, settings, section):
+            options[section] = {**options.get(section, {}), **given}
+    values["device_options"] = options
     values.update(overrides)
     return EngineConfig(**values)
 

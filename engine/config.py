@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from engine.capture_sizes import cap_sizes, parse_sizes
 from engine.errors import EngineError
 from engine.platform import Platform, load_yaml_config
+from engine.setting import setting, setting_factory
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +49,22 @@ def _with_capture_config(defaults: dict[str, Any], path: str, device: str, model
         if "compile_extend" in tuned:
             merged["compile_extend"] = bool(tuned["compile_extend"])
         logger.info("extend-graph token buckets from %s: %s", path, merged["extend_capture_tokens"] or "none")
-    for section in ("hpu", "npu"):
-        if isinstance(tuned.get(section), dict):
-            merged[section] = {**(defaults.get(section) or {}), **tuned[section]}
+    for section, values in tuned.items():  # the device's own sections (hpu:, npu:), key by key
+        if isinstance(values, dict) and isinstance(defaults.get(section), dict):
+            merged[section] = {**defaults[section], **values}
+    return merged
+
+
+def _with_device_options(
+    defaults: dict[str, Any], options: dict[str, dict[str, Any]], platform: Platform
+) -> dict[str, Any]:
+    """The device YAML with --device-options' sections merged over its own, key by key. A section the YAML
+    does not have is no setting of this device: refused by name (the platform checks the keys it reads)."""
+    merged = dict(defaults)
+    for section, values in options.items():
+        if not isinstance(defaults.get(section), dict):
+            raise EngineError(f"--device-options {section!r}: {platform.name} has no such section in its YAML")
+        merged[section] = {**defaults[section], **values}
     return merged
 
 
@@ -66,63 +81,126 @@ QUANTIZATIONS = ("auto", "fp8", "gguf", "none")
 GGUF_ACTIVATIONS = ("auto", "float32", "int8x2", "int8")
 
 
+def _parse_device_options(text: str) -> dict[str, Any]:
+    """--device-options: a JSON object of device sections, e.g. {"hpu": {"graph_mode": "lazy"}}."""
+    value = json.loads(text)
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ValueError(f"--device-options takes a JSON object of sections (objects), got {text!r}")
+    return value
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
-    device: str = "auto"
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto: the model dtype (the CPU YAML asks for float32)
-    load_format: str = "auto"
-    # How quantized checkpoint weights run: "auto" (FP8 checkpoints in FP8; GGUF blocks kept on the CPU
-    # where its kernels exist, dequantized elsewhere), "fp8" (a dense checkpoint's linears quantized to
-    # FP8 at load), "gguf" (kept, or an error), "none" (always dequantized).
-    quantization: str = "auto"
-    # How the CPU's GGUF block kernels take the inputs of decode-sized matmuls: "auto" (int8x2),
-    # "float32" (exact), "int8x2" (each block of 32 activations as two int8 levels, ~16 bits, integer dot
-    # products) or "int8" (one level: llama.cpp's numerics); docs/quantization.md.
-    gguf_activations: str = "auto"
-    page_size: int | None = None
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
-    max_prefill_tokens: int | None = None
-    kv_cache_tokens: int | None = None  # explicit pool size; overrides the memory fraction
-    kv_cache_memory_fraction: float | None = None
-    capture_sizes: list[int] | str | None = None
-    max_capture_size: int | None = None
-    # A YAML of tuned capture sizes (`engine tune-capture` writes one): its capture_sizes / max_capture_size
-    # (and hpu:/npu: sections) replace the device YAML's; explicit capture_sizes still win.
-    capture_config: str | None = None
-    disable_graphs: bool = False
-    strict_graphs: bool = False  # raise if anything compiles after warm-up
-    compile_decode: bool | None = None  # cuda/rocm: torch.compile the step before capturing it
-    # Prefill, chunk and mixed steps through torch.compile'd layers, token count dynamic (off with disable_graphs).
-    compile_extend: bool | None = None
-    # cuda/rocm: CUDA graphs of extend and mixed steps for these token counts (None: the YAML; [] or "": none).
-    extend_capture_tokens: list[int] | str | None = None
-    enable_prefix_caching: bool = True
-    chunked_prefill_size: int | None = None  # tokens of prompt per step; <= 0 disables chunking
-    # Shrink the prompt-token budget so one extend step takes at most this long (measured per token),
-    # which bounds how long decodes, arrivals and aborts wait behind a prefill (None: the budget alone).
-    max_extend_step_ms: float | None = None
-    # Launch step N+1 before reading step N's tokens back, so host work hides behind device work
-    # (None: the device's YAML; on for cuda/rocm, off where steps run synchronously).
-    overlap_schedule: bool | None = None
-    # One ragged step: running decodes and prefill chunks share a step under the token budget
-    # (None: the device's YAML; on for cuda/rocm; off where prefill and decode graphs differ).
-    mixed_steps: bool | None = None
-    debug_kv_invariant: bool = False  # check the KV pool invariant after every step
-    # Once built, the engine's Python objects (modules, dynamo/inductor's compiled code: ~370k of them) leave
-    # the cyclic GC's generations until shutdown() (engine/gc_freeze.py). For a process that serves one engine:
-    # `engine serve` and `engine bench throughput` turn it on. None: ENGINE_FREEZE_GC=1, else off.
-    freeze_gc: bool | None = None
-    # Tensor parallelism: this many ranks, one process each (rank 0 is this process; docs/tensor_parallel.md).
-    tensor_parallel_size: int = 1
-    # How long a tensor-parallel collective (and start-up) waits for the other ranks before the engine fails
-    # naming the rank that did not come: a hung rank ends in an error, not a silent hang.
-    dist_timeout_s: float = 600.0
-    warmup: bool = True  # one short request through the real step path at start-up (first-call costs)
-    seed: int = 0
-    device_config: dict[str, Any] = field(default_factory=dict)  # the YAML, as read
+    """Every engine setting, each declared once: its default, and the help of the command-line flag made from
+    it (engine/cli_flags.py). None: the device's YAML (configs/<device>.yaml) decides, in resolve()."""
+
+    model: str | None = setting(None, "HF folder, .gguf file, or preset name (default: embedded SmolLM2-135M-Instruct)")
+    device: str = setting("auto", "one of {devices}")
+    dtype: str = setting("auto", "the model's dtype (auto: the platform's choice)", choices=("auto", *DTYPES))
+    kv_cache_dtype: str = setting(
+        "auto",
+        "the KV cache's dtype (auto: the model's; fp8 / fp8_e4m3: half the bytes of bf16, cuda's Triton attention "
+        "only, scaled by the checkpoint's k/v scales where it has them; docs/quantization.md)",
+        choices=("auto", *KV_DTYPES),
+    )
+    load_format: str = setting("auto", "how to read --model", choices=("auto", "safetensors", "gguf", "dummy"))
+    quantization: str = setting(
+        "auto",
+        "auto: the checkpoint's own (FP8 checkpoints in FP8; GGUF blocks kept on the CPU); fp8: also quantize a "
+        "bf16/fp16 checkpoint's linears to FP8 at load (CUDA kernels); gguf: insist on the CPU's GGUF blocks; none: "
+        "dequantize at load; docs/quantization.md",
+        choices=QUANTIZATIONS,
+    )
+    gguf_activations: str = setting(
+        "auto",
+        "kept GGUF blocks, decode rows: auto (int8x2), float32 (exact), int8x2 (each block of 32 activations as "
+        "two int8 levels, ~16 bits, integer dot products) or int8 (one level: llama.cpp's numerics, each activation "
+        "rounded to 1/254 of its block's largest); docs/quantization.md",
+        choices=GGUF_ACTIVATIONS,
+    )
+    page_size: int | None = setting(None, "tokens per KV page")
+    max_num_seqs: int | None = setting(None, "the most requests a step runs")
+    max_model_len: int | None = setting(None, "the longest context (prompt and output)")
+    max_prefill_tokens: int | None = setting(None, "the most prompt tokens one step takes")
+    kv_cache_tokens: int | None = setting(None, "the KV pool's size in tokens (overrides the memory fraction)")
+    kv_cache_memory_fraction: float | None = setting(None, "the fraction of free device memory the KV pool takes")
+    capture_sizes: list[int] | str | None = setting(None, "comma-separated decode batch sizes to capture, e.g. 1,2,4,8")
+    max_capture_size: int | None = setting(None, "the largest decode batch size captured")
+    capture_config: str | None = setting(
+        None,
+        "YAML of tuned capture sizes (written by `engine tune-capture`): its capture_sizes / max_capture_size and "
+        "hpu:/npu: sections replace the device YAML's; --capture-sizes wins over it",
+    )
+    disable_graphs: bool = setting(False, "run every step eagerly")
+    strict_graphs: bool = setting(False, "fail if anything compiles after warm-up")
+    compile_decode: bool | None = setting(
+        None, "cuda/rocm: torch.compile the decode step before capturing graphs (default from configs/<device>.yaml)"
+    )
+    compile_extend: bool | None = setting(
+        None,
+        "torch.compile prefill, chunk and mixed steps, token count dynamic (default from configs/<device>.yaml: "
+        "on for cuda; off with --disable-graphs)",
+    )
+    extend_capture_tokens: list[int] | str | None = setting(
+        None,
+        "cuda: token counts to capture extend/mixed-step CUDA graphs for, e.g. 16,64,256 ('' for none; default "
+        "from configs/<device>.yaml)",
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        "reuse the KV of cached prompt prefixes",
+        off_names=("--disable-prefix-caching", "--disable-radix-cache"),
+    )
+    chunked_prefill_size: int | None = setting(
+        None, "prefill at most this many prompt tokens per step (<= 0: off; default from configs/<device>.yaml)"
+    )
+    max_extend_step_ms: float | None = setting(
+        None,
+        "cap the prompt tokens of an extend step so it takes at most this long, by its measured speed, which bounds "
+        "how long decodes, arrivals and aborts wait behind a prefill (<= 0: off; default from configs/<device>.yaml)",
+    )
+    overlap_schedule: bool | None = setting(
+        None,
+        "schedule and prepare the next step while the device runs this one (default from configs/<device>.yaml: "
+        "on for cuda/rocm, off where steps run synchronously); --no-overlap-schedule to debug",
+    )
+    mixed_steps: bool | None = setting(
+        None,
+        "run decodes and prefill chunks in one ragged step under the token budget (default from "
+        "configs/<device>.yaml: on for cuda/rocm); --no-mixed-steps keeps separate prefill and decode steps",
+    )
+    debug_kv_invariant: bool = setting(False, "check the KV pool invariant after every step")
+    freeze_gc: bool | None = setting(
+        None,
+        "after start-up, move the engine's Python objects (modules, compiled code: ~370k) out of the cyclic garbage "
+        "collector's scans until shutdown, as vLLM does (engine/gc_freeze.py; default: on for serve and bench "
+        "throughput, which hold one engine for the process's life, off for a library engine)",
+    )
+    tensor_parallel_size: int = setting(
+        1,
+        "split the model over N ranks, one process each (NCCL on CUDA, gloo on CPU); docs/tensor_parallel.md",
+        names=("--tensor-parallel-size", "--tp"),
+        metavar="N",
+    )
+    dist_timeout_s: float = setting(
+        600.0,
+        "tensor parallelism: how long a collective (and start-up) waits for the other ranks before the engine fails "
+        "naming the rank that did not respond",
+        names=("--dist-timeout",),
+        metavar="SECONDS",
+    )
+    warmup: bool = setting(
+        True, "run one short request through the real step path at start-up (first-call costs paid there)"
+    )
+    seed: int = setting(0, "the engine's random seed")
+    device_options: dict[str, dict[str, Any]] = setting_factory(
+        dict,
+        "device sections over the device YAML's, key by key, as a JSON object: "
+        '{"hpu": {"graph_mode": "lazy"}} (docs/configuration.md)',
+        parse=_parse_device_options,
+        on_command_line=True,
+    )
+    device_config: dict[str, Any] = setting_factory(dict, "the device YAML, as resolve() read it")
 
     def resolve(self, platform: Platform) -> EngineConfig:
         """Fill every unset value from the device's YAML; validate."""
@@ -138,9 +216,7 @@ class EngineConfig:
                 continue
             if getattr(self, f.name) is None and f.name in defaults:
                 values[f.name] = defaults[f.name]
-        resolved = replace(self, **values, device_config=defaults)
-        if resolved.freeze_gc is None:
-            resolved.freeze_gc = os.environ.get("ENGINE_FREEZE_GC", "0") not in ("0", "false", "off", "")
+        resolved = replace(self, **values, device_config=_with_device_options(defaults, self.device_options, platform))
         if resolved.dtype == "auto":
             max_batch = min(
                 int(resolved.max_num_seqs or 1), int(resolved.max_capture_size or resolved.max_num_seqs or 1)
@@ -158,7 +234,7 @@ class EngineConfig:
             raise EngineError(
                 f"unknown GGUF activations {resolved.gguf_activations!r}; choose one of {', '.join(GGUF_ACTIVATIONS)}"
             )
-        if resolved.quantization == "gguf" and platform.name != "cpu":
+        if resolved.quantization == "gguf" and not platform.runs_gguf_blocks:
             raise EngineError(
                 f"--quantization gguf runs on the cpu only (its kernels); on {platform.name} use auto or none"
             )

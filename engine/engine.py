@@ -30,10 +30,11 @@ from engine.errors import (
 from engine.gc_freeze import freeze_start_up_objects, unfreeze_gc
 from engine.kv_cache import KVPool
 from engine.kv_manager import KVCacheManager, PrefixCacheStats
-from engine.layers.attention import Attention
+from engine.layers.attention import Attention, AttentionBackend
 from engine.loader import ModelSource, load_model, resolve_model_source
 from engine.logit_rows import LogitRowLadder
 from engine.models.interface import as_module
+from engine.platform import CaptureKind
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampler import SampledTokens
 from engine.sampling_params import SamplingParams
@@ -74,6 +75,7 @@ class Engine:
             config = EngineConfig(**{**config.__dict__, **overrides})
         self.platform = get_platform(config.device)
         self.config = config.resolve(self.platform)
+        self.platform.configure(self.config)
         if self._compiles():
             # First of all: inductor's worker pool took ~8 s to come up on the H200's host (a process that imports
             # torch and initialises CUDA), longer than the rest of a dummy-weight build before the first compile;
@@ -128,13 +130,12 @@ class Engine:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
 
         backend = self.platform.attention_backend()
-        if self.config.kv_torch_dtype == torch.float8_e4m3fn and not getattr(backend, "supports_fp8_kv", False):
+        if self.config.kv_torch_dtype == torch.float8_e4m3fn and not backend.capabilities.fp8_kv:
             raise EngineError(
                 f"--kv-cache-dtype {self.config.kv_cache_dtype}: the {self.platform.name} attention backend reads "
                 "float caches only (an FP8 KV cache runs on cuda's Triton attention)"
             )
-        if hasattr(backend, "dtype"):
-            backend.dtype = self.config.kv_torch_dtype
+        backend.kv_dtype = self.config.kv_torch_dtype
         self.model.set_attention_backend(backend)
         self._check_softcap(backend)
         self._apply_sliding_window(backend)
@@ -343,17 +344,17 @@ class Engine:
             layer.method = method
         logger.info("FP8: %d linear layers run %s", len(layers), method.name)
 
-    def _check_softcap(self, backend: object) -> None:
+    def _check_softcap(self, backend: AttentionBackend) -> None:
         """Soft-capped attention scores (Gemma 2) have no exact substitute: refused where the backend lacks them."""
-        if getattr(backend, "supports_softcap", False):
+        if backend.capabilities.softcap:
             return
-        if any(getattr(m, "softcap", 0.0) for m in self.model.modules() if isinstance(m, Attention)):
+        if any(m.softcap for m in self.model.modules() if isinstance(m, Attention)):
             raise UnsupportedArchitectureError(
                 f"{self.model_config.model_type}: attention logit soft-capping is not implemented by the "
                 f"{self.platform.name} attention backend (it runs on cpu, cuda and rocm)"
             )
 
-    def _apply_sliding_window(self, backend: object) -> None:
+    def _apply_sliding_window(self, backend: AttentionBackend) -> None:
         """A model whose attention has a sliding window: each layer gets its own (every layer for Mistral,
         alternate layers for Gemma 2, Qwen2's upper layers) where the backend implements windows; compiled
         steps then compile one layer graph per kind. Otherwise (HPU, NPU) the context stops at the window,
@@ -362,7 +363,7 @@ class Engine:
         if window is None or window >= self.max_model_len:
             return  # no position ever reaches past the window
         windows = self.model_config.layer_windows
-        if getattr(backend, "supports_sliding_window", False):
+        if backend.capabilities.sliding_window:
             self.model.set_layer_windows(windows)
             logger.info(
                 "sliding-window attention: %d tokens in %d of %d layers",
@@ -413,7 +414,7 @@ class Engine:
     def _graphs_unsupported(self) -> bool:
         """The model says its steps cannot be captured on this platform (MoE's data-dependent experts op
         outside the CPU: MoEForCausalLM.supports_device_graphs)."""
-        if not self.model.supports_device_graphs(self.platform.name):
+        if not self.model.supports_device_graphs(self.platform.capture_settings()):
             logger.warning(
                 "%s: %s graphs off for this model (its steps run eagerly)",
                 self.model_config.model_type,
@@ -424,22 +425,14 @@ class Engine:
 
     def graph_runner_options(self, extend_step: CompiledExtendStep | None = None) -> dict[str, object]:
         """The platform-specific keyword arguments of this engine's decode graph runner (the tuner builds
-        runners with them too). extend_step: the compiled extend step whose layer graph a CUDA runner's
-        compiled decode step shares (one compile for both)."""
-        kind = self.platform.capture_settings().kind
-        if self.platform.name == "hpu":
-            # HPU's own default (hpu.strict / ENGINE_HPU_STRICT, on) holds in every graph mode;
-            # --strict-graphs forces it.
-            return {"strict": True} if self.config.strict_graphs else {}
-        if kind == "compile":
-            return {"strict": self.config.strict_graphs}
-        if kind == "cuda_graph":
-            return {
-                "compile_step": bool(self.config.compile_decode),
-                "precompile": self.platform.kernel_precompiler(as_module(self.model), self.kv_pool.caches),
-                "layer_fn": extend_step.layer_fn if extend_step is not None else None,
-            }
-        return {}
+        runners with them too): the platform's answer for this config. extend_step: the compiled extend step
+        whose layer graph a CUDA runner's compiled decode step shares (one compile for both)."""
+        return self.platform.decode_runner_options(
+            self.config,
+            as_module(self.model),
+            self.kv_pool.caches,
+            extend_step.layer_fn if extend_step is not None else None,
+        )
 
     def _graph_runner(self, extend_step: CompiledExtendStep | None) -> DecodeStepRunner | None:
         if self.config.disable_graphs or self._graphs_unsupported():
@@ -505,7 +498,7 @@ class Engine:
         if (
             self.config.disable_graphs
             or not buckets
-            or self.platform.capture_settings().kind != "cuda_graph"
+            or self.platform.capture_settings().kind is not CaptureKind.CUDA_GRAPH
             or self._graphs_unsupported()
         ):
             return None

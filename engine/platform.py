@@ -9,17 +9,27 @@ habana_frameworks, triton) are imported lazily inside each backend so that
 from __future__ import annotations
 
 import abc
+import enum
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from engine.layers.attention import AttentionMetadata
+    from engine.config import EngineConfig
+    from engine.layers.attention import AttentionBackend, AttentionMetadata
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CACHE_DIR_ENV = "ENGINE_CACHE_DIR"  # a location, not a behaviour: tests point it at a temporary directory
+
+
+def cache_dir(*parts: str) -> str:
+    """Where the engine keeps what it builds or measures once (native kernels, the CPU's dtype probe, GGUF
+    metadata): ENGINE_CACHE_DIR, else ~/.cache/graph-engine."""
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "graph-engine")
+    return os.path.join(root, *parts)
 
 
 class DeviceUnavailableError(RuntimeError):
@@ -32,13 +42,27 @@ class MemoryInfo:
     free_bytes: int
 
 
+class CaptureKind(enum.StrEnum):
+    """The mechanism a platform captures steps with (a str: tuning reports store it as text)."""
+
+    CUDA_GRAPH = "cuda_graph"  # torch.cuda.CUDAGraph (CUDA and HIP), one memory pool, largest size first
+    COMPILE = "compile"  # torch.compile with static shapes, one compiled entry per size
+    HPU_GRAPH = "hpu_graph"  # HPU lazy mode's graphs per bucket
+    NPU_GRAPH = "npu_graph"  # torch.npu.NPUGraph (aclgraph) with host-side updates
+    NONE = "none"  # every step eager
+
+
 @dataclass
 class CaptureSettings:
     """How a platform turns a step function into something replayable."""
 
-    kind: str  # "cuda_graph" | "compile" | "hpu_graph" | "npu_graph" | "none"
+    kind: CaptureKind
     compile_backend: str | None = None  # torch.compile backend name for compile-based capture
     compile_options: dict[str, Any] = field(default_factory=dict)
+    # A captured step may call an op that reads device values on the host (the CPU's compiled graphs run on
+    # the host and call such an op between their pieces); a device graph replays kernels only, so a model
+    # with such an op (MoE's torch experts) runs eagerly there.
+    host_syncs_ok: bool = False
 
 
 class Platform(abc.ABC):
@@ -52,6 +76,11 @@ class Platform(abc.ABC):
     # Pad the eager LM head's rows to a ladder warmed at start-up (engine/logit_rows.py): where a BLAS's first
     # matmul of a new row count waits for the whole device queue (cuBLAS on the H200).
     pads_logit_rows: bool = False
+    # Has kernels for GGUF's quantized blocks, so --quantization gguf keeps them (elsewhere they are dequantized).
+    runs_gguf_blocks: bool = False
+    # Pads every step to a bucket of shapes (HPU, as vllm-gaudi): capture-size tuning tunes its bucket
+    # ranges, not a list of decode batch sizes.
+    bucketed_steps: bool = False
 
     # ---- device and availability -------------------------------------------------
     @abc.abstractmethod
@@ -69,6 +98,17 @@ class Platform(abc.ABC):
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
+    def device_count(self) -> int | None:
+        """Devices this process can see; None on the host, where every tensor-parallel rank shares it."""
+        return None
+
+    def set_device(self, index: int) -> None:
+        """Make device `index` the current one for this process (a tensor-parallel rank's accelerator)."""
+
+    def device_facts(self) -> dict[str, str]:
+        """What a measurement report names this machine's device by (the GPU's name and runtime); none here."""
+        return {}
+
     # ---- memory -------------------------------------------------------------------
     @abc.abstractmethod
     def memory_info(self) -> MemoryInfo:
@@ -79,8 +119,8 @@ class Platform(abc.ABC):
 
     # ---- attention and KV ----------------------------------------------------------
     @abc.abstractmethod
-    def attention_backend(self) -> Any:
-        """The AttentionBackend object (engine.layers.attention_backend) used on this device."""
+    def attention_backend(self) -> AttentionBackend:
+        """The attention backend (engine.layers.attention.AttentionBackend) used on this device."""
 
     def store_kv(
         self,
@@ -133,6 +173,23 @@ class Platform(abc.ABC):
         """The graphs.* runner class that captures decode steps on this platform."""
         raise DeviceUnavailableError(f"platform '{self.name}' has no graph runner")
 
+    def decode_runner_options(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        extend_layer_fn: Callable[..., torch.Tensor] | None,
+    ) -> dict[str, object]:
+        """The keyword arguments of this platform's graph_runner_class() beyond the common ones, from the
+        engine's config (the engine and the capture-size tuner build runners with them). extend_layer_fn: the
+        compiled extend step's layer graph, which a decode runner may compile once for both. None here."""
+        return {}
+
+    def max_captured_graphs(self, num_layers: int, device_config: Mapping[str, Any]) -> int | None:
+        """How many decode sizes this device can hold captured for a model of num_layers layers (NPU: aclgraph's
+        streams); None: no limit but memory."""
+        return None
+
     def prefill_runner_class(self) -> Callable[..., Any] | None:
         """A factory of this platform's prefill runner (graphs/runner.py PrefillRunner), called as
         ``factory(model, kv_caches, page_size, max_model_len, device, slot_dtype)``; None (the default):
@@ -140,6 +197,10 @@ class Platform(abc.ABC):
         return None
 
     # ---- configuration ---------------------------------------------------------------
+    def configure(self, config: EngineConfig) -> None:
+        """The engine's resolved config, before anything is built: a platform with settings of its own (a
+        section of its YAML, e.g. hpu:) takes them from config.device_config here. Nothing by default."""
+
     def default_config(self) -> str:
         """Path of configs/<name>.yaml with this platform's default settings."""
         return os.path.join(CONFIG_DIR, f"{self.name}.yaml")

@@ -85,7 +85,7 @@ def _serve(rank: int, world_size: int, store_port: int, config: Any, commands: C
     device = platform.device
     if device.type != "cpu":
         # Rank r on accelerator r: the platform's device ("cuda", "npu", ...) is the current one from here on.
-        getattr(torch, device.type).set_device(rank)
+        platform.set_device(rank)
         device = torch.device(device.type, rank)
     init_tensor_parallel(
         rank, world_size, platform.dist_backend, float(config.dist_timeout_s), store_port=store_port, device=device

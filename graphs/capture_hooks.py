@@ -8,18 +8,20 @@ prepare_for_replay over one metadata builder) and SGLang's init_cuda_graph_state
 init_forward_metadata_capture_cuda_graph / init_forward_metadata_replay_cuda_graph.
 
 Hooks are stateless: the state they allocate is returned to the runner (its `buffers`), so two
-runners over one backend never share buffers. A backend without the hooks gets
+runners over one backend never share buffers. A backend that is no CaptureHooks gets
 StaticBufferCaptureHooks, the default, built on graphs.static_buffers.StaticDecodeBuffers (the
-Triton and CPU backends inherit it unchanged).
+Triton and CPU backends inherit it unchanged). CaptureHooks is a base class, not a protocol: a
+backend is its own hooks by declaring so, never because it happens to have methods of those names.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, runtime_checkable
+import abc
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import AttentionBackend, AttentionMetadata
 from graphs.static_buffers import StaticDecodeBuffers
 
 if TYPE_CHECKING:
@@ -27,41 +29,40 @@ if TYPE_CHECKING:
     from engine.step_message import DecodeMessage
 
 
-@runtime_checkable
-class CaptureHooks(Protocol):
+class CaptureHooks(abc.ABC):
     """What DecodeGraphRunner asks of the attention backend around capture and replay."""
 
+    @abc.abstractmethod
     def init_capture_state(
         self, max_bs: int, max_pages: int, page_size: int, device: torch.device, slot_dtype: torch.dtype
     ) -> Any:
         """Allocate the static state every captured size reads (sized for the largest batch and pages)."""
-        ...
 
+    @abc.abstractmethod
     def capture_metadata(self, state: Any, bs: int) -> AttentionMetadata:
         """The attention metadata the graph of size bs is captured (and replayed) with: views of `state`."""
-        ...
 
+    @abc.abstractmethod
     def prepare_for_capture(self, state: Any, bs: int) -> None:
         """Put `state` in a safe condition for warming up and capturing size bs (dummy rows only)."""
-        ...
 
+    @abc.abstractmethod
     def after_capture(self, state: Any, bs: int, graph: Any) -> None:
         """After size bs is captured (graph: the platform's graph object, None without one)."""
-        ...
 
+    @abc.abstractmethod
     def prepare_for_replay(
         self, state: Any, message: DecodeMessage, batch_state: DecodeBatchState, padded_bs: int
     ) -> torch.Tensor:
         """Fill `state` from the step's message and the persistent decode state, rows n..padded_bs as
         padding; returns the decode rows [n] on the device."""
-        ...
 
+    @abc.abstractmethod
     def before_replay(self, state: Any, bs: int, graph: Any) -> None:
         """Just before the graph of size bs replays (e.g. refresh host arguments a graph froze)."""
-        ...
 
 
-class StaticBufferCaptureHooks:
+class StaticBufferCaptureHooks(CaptureHooks):
     """The default hooks: StaticDecodeBuffers, filled by one copy (int64 slots) or from the device batch."""
 
     def init_capture_state(
@@ -96,23 +97,8 @@ class StaticBufferCaptureHooks:
 
 
 DEFAULT_HOOKS = StaticBufferCaptureHooks()
-HOOK_NAMES = (
-    "init_capture_state",
-    "capture_metadata",
-    "prepare_for_capture",
-    "after_capture",
-    "prepare_for_replay",
-    "before_replay",
-)
 
 
-def _implements_hooks(backend: object) -> TypeGuard[CaptureHooks]:
-    """Whether the backend has every hook of CaptureHooks (HOOK_NAMES), callable."""
-    return backend is not None and all(callable(getattr(backend, name, None)) for name in HOOK_NAMES)
-
-
-def capture_hooks_for(backend: object) -> CaptureHooks:
-    """The backend itself where it implements every hook, else the default (StaticDecodeBuffers)."""
-    if _implements_hooks(backend):
-        return backend
-    return DEFAULT_HOOKS
+def capture_hooks_for(backend: AttentionBackend | None) -> CaptureHooks:
+    """The backend itself where it is CaptureHooks (the CPU and Triton backends), else the default."""
+    return backend if isinstance(backend, CaptureHooks) else DEFAULT_HOOKS

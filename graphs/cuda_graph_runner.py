@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -47,9 +46,6 @@ if TYPE_CHECKING:
     from engine.models.interface import CausalLM
 
 logger = logging.getLogger(__name__)
-
-# "0": batch 1 gets its own size-1 compile again instead of a graph over two rows (for A/B runs).
-BATCH1_IN_TWO_ROWS_ENV = "ENGINE_CUDA_BATCH1_IN_TWO_ROWS"
 
 # Eager runs before each capture. One is enough: everything lazy (kernel JIT, a dynamo recompile,
 # cuBLAS handles) happens on the first call of a shape; a second run only cost capture time.
@@ -217,8 +213,6 @@ class CudaGraphRunner(DecodeGraphRunner):
 
 
 def batch1_in_two_rows(model: CausalLM) -> bool:
-    """Whether batch 1 is captured over two rows (see the module docstring): not for MoE models, and not
-    with ENGINE_CUDA_BATCH1_IN_TWO_ROWS=0."""
-    if os.environ.get(BATCH1_IN_TWO_ROWS_ENV, "1") == "0":
-        return False
+    """Whether batch 1 is captured over two rows (see the module docstring): not for MoE models, whose
+    padding row would route to experts of its own and read their weights."""
     return not any(isinstance(module, SparseMoE) for module in model.modules())

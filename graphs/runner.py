@@ -50,7 +50,7 @@ class DecodeGraphRunner(DecodeStepRunner):
         self.capture_sizes = sorted(capture_sizes)
         self.max_batch_size = self.capture_sizes[-1]
         self.device = device
-        self.hooks: CaptureHooks = capture_hooks_for(getattr(model, "attention_backend", None))
+        self.hooks: CaptureHooks = capture_hooks_for(model.attention_backend)
         # The static state every captured size reads (StaticDecodeBuffers with the default hooks).
         self.buffers = self.hooks.init_capture_state(
             self.max_batch_size, max_pages_per_seq, page_size, device, slot_dtype

@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from engine.capture_sizes import cap_sizes, parse_sizes
+from engine.platform import CaptureKind, Platform
 from graphs.tune_distribution import SizeDistribution, load_distribution
 from graphs.tune_measure import MEASURABLE_KINDS, MeasureReport, describe_machine
 from graphs.tune_output import decode_values, header_lines, print_tables, write_json, write_tuned_yaml
@@ -187,7 +188,7 @@ def _slug(model: str | None, load_format: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", name).strip("-") + ("-dummy" if load_format == "dummy" else "")
 
 
-def _platform_for(device: str, cost_table: bool) -> Any:
+def _platform_for(device: str, cost_table: bool) -> Platform:
     """The platform; with a cost table the class alone will do (selection reads only the device's YAML, so
     figures measured on a GPU or a Gaudi can be re-selected on any machine)."""
     from backends import get_platform, platform_class
@@ -205,7 +206,7 @@ def cost_model(report: MeasureReport) -> CostModel:
         report.fixed_capture_s,
         report.fixed_memory_mib,
         report.logits_mib_per_row,
-        shared_pool=report.capture_kind == "cuda_graph",
+        shared_pool=report.capture_kind == CaptureKind.CUDA_GRAPH,
     )
 
 
@@ -254,7 +255,7 @@ def _verify(engine: Engine, sets: dict[str, list[int]]) -> tuple[dict[str, dict[
 # ---- the command ---------------------------------------------------------------------------------
 
 
-def _resolved_baseline(args: argparse.Namespace) -> tuple[EngineConfig, Any]:
+def _resolved_baseline(args: argparse.Namespace) -> tuple[EngineConfig, Platform]:
     from engine.cli import engine_config_from_args
 
     platform = _platform_for(args.device, bool(args.cost_table))
@@ -262,13 +263,11 @@ def _resolved_baseline(args: argparse.Namespace) -> tuple[EngineConfig, Any]:
 
 
 def _budget(
-    args: argparse.Namespace, default: Evaluation, platform_name: str, config: EngineConfig, num_layers: int | None
+    args: argparse.Namespace, default: Evaluation, platform: Platform, config: EngineConfig, num_layers: int | None
 ) -> Budget:
     max_graphs = args.max_graphs
-    if platform_name == "npu" and num_layers:
-        from graphs.tune_buckets import npu_max_graphs
-
-        limit = npu_max_graphs(num_layers, config.device_config.get("npu") or {})
+    limit = platform.max_captured_graphs(num_layers, config.device_config) if num_layers else None
+    if limit is not None:
         max_graphs = limit if max_graphs is None else min(max_graphs, limit)
     memory = default.memory_mib if args.memory_budget_mib is None else args.memory_budget_mib
     capture = default.capture_s if args.capture_time_budget_s is None else args.capture_time_budget_s
@@ -297,7 +296,7 @@ def cmd_tune_capture(args: argparse.Namespace) -> int:
     )
     distribution = load_distribution(args.distribution, args.metrics_url, max_size, args.api_key)
     logger.info("baseline sizes %s (max_num_seqs %d); distribution %s", defaults, max_size, distribution.summary())
-    if platform.name == "hpu":
+    if platform.bucketed_steps:
         from graphs.tune_hpu import tune_hpu
 
         return tune_hpu(args, config, distribution)
@@ -342,7 +341,7 @@ def cmd_tune_capture(args: argparse.Namespace) -> int:
         config.dtype = engine.config.dtype  # what the engine ran in (a GGUF on the CPU: float32 blocks)
     model = cost_model(report)
     default_eval = evaluate(defaults, distribution, model)
-    budget = _budget(args, default_eval, platform.name, config, num_layers)
+    budget = _budget(args, default_eval, platform, config, num_layers)
     tuned = select_sizes(distribution, model, budget)
     unlimited = select_sizes(
         distribution, model, Budget(max_graphs=budget.max_graphs, cover=budget.cover, allow_empty=False)

@@ -213,13 +213,3 @@ def _best_batch_buckets(
     return HpuProposal(
         tuple(batch_buckets), block_range, strategy, tuple(block_buckets), buckets, expected, rows, blocks
     )
-
-
-def npu_max_graphs(num_layers: int, npu_config: Mapping[str, object]) -> int:
-    """Capture sizes aclgraph can hold for this layer count (backends/npu/graph_runner.npu_graph_budget)."""
-    from backends.npu.graph_runner import npu_graph_budget
-    from backends.npu.platform import MAX_ACLGRAPH_GRAPHS
-
-    return npu_graph_budget(
-        num_layers, 0, bool(npu_config.get("hccl_aiv", False)), int(npu_config.get("max_graphs", MAX_ACLGRAPH_GRAPHS))
-    )  # type: ignore[arg-type]

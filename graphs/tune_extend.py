@@ -41,6 +41,7 @@ import torch
 from tqdm import tqdm
 
 from engine.capture_sizes import parse_sizes
+from engine.platform import CaptureKind
 from graphs.tune_distribution import TOKENS_HISTOGRAM, SizeDistribution, load_distribution
 from graphs.tune_measure import MeasureReport, SizeMeasurement, machine_info, steady_ms
 from graphs.tune_output import print_tables, write_json, write_tuned_yaml
@@ -149,7 +150,7 @@ def measure_extend_buckets(
     iters: int,
 ) -> MeasureReport:
     """Unbucketed step, capture seconds, graph memory and replay for each candidate (module docstring)."""
-    if engine.platform.capture_settings().kind != "cuda_graph":
+    if engine.platform.capture_settings().kind is not CaptureKind.CUDA_GRAPH:
         raise ValueError(
             f"extend graphs are CUDA/HIP graphs; {engine.platform.name} has none to measure "
             "(pass --cost-table with figures measured on a GPU)"
@@ -196,7 +197,7 @@ def measure_extend_buckets(
         0.0,
         0.0,
         0.0,
-        "cuda_graph",
+        CaptureKind.CUDA_GRAPH,
         prompt_len,
         iters,
         machine_info(engine),

@@ -114,9 +114,10 @@ def tune_hpu(args: argparse.Namespace, config: EngineConfig, distribution: SizeD
         f"Current configs/hpu.yaml: batch {list(current.decode_bs)} x {len(current.decode_block)} block buckets = "
         f"{default[3]} buckets; expected {default[0]:.3f} ms/step, padding {default[1]:.2f} rows and {default[2]:.1f} "
         "blocks per step.",
-        f"The block range reaches the HPU runner through configs/hpu.yaml or ENGINE_DECODE_BLOCK_BUCKET_MIN={r.min} "
-        f"ENGINE_DECODE_BLOCK_BUCKET_STEP={r.step} ENGINE_DECODE_BLOCK_BUCKET_MAX={r.max} ENGINE_HPU_BUCKETING="
-        f"{proposal.strategy}.",
+        f"The block range reaches the HPU runner through this file (--capture-config), configs/hpu.yaml or "
+        f"--hpu-decode-block-bucket {r.min},{r.step},{r.max} --hpu-bucketing {proposal.strategy}; for one debugging "
+        f"run, ENGINE_DECODE_BLOCK_BUCKET_MIN={r.min} ENGINE_DECODE_BLOCK_BUCKET_STEP={r.step} "
+        f"ENGINE_DECODE_BLOCK_BUCKET_MAX={r.max}.",
     ]
     hpu_keys = dict(proposal.config()["hpu"])  # type: ignore[arg-type]
     prompt = None

@@ -33,13 +33,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from engine.platform import CaptureKind
+from graphs.cuda_graph_runner import CudaGraphRunner
+
 if TYPE_CHECKING:
     from engine.engine import Engine
     from graphs.runner import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 
-MEASURABLE_KINDS = ("compile", "cuda_graph")  # runners built on graphs/runner.py's DecodeGraphRunner
+# Runners built on graphs/runner.py's DecodeGraphRunner.
+MEASURABLE_KINDS = (CaptureKind.COMPILE, CaptureKind.CUDA_GRAPH)
 
 
 @dataclass
@@ -90,9 +94,7 @@ def machine_info(engine: Engine | None = None) -> dict[str, Any]:
     info = host_info()
     if engine is not None:
         info["device"] = engine.platform.name
-        if engine.platform.device_type == "cuda" and torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name()
-            info["cuda"] = torch.version.cuda or torch.version.hip
+        info.update(engine.platform.device_facts())
     return info
 
 
@@ -210,13 +212,13 @@ def measure_candidates(
     sizes = sorted({int(c) for c in candidates})
     eager_sizes = sorted({int(b) for b in eager_sizes} | set(sizes))
     runner = make_runner(engine, sizes)
-    two_pass = kind == "cuda_graph"
+    two_pass = kind is CaptureKind.CUDA_GRAPH
     bar = tqdm(total=len(sizes) * (3 if two_pass else 2) + len(eager_sizes), desc="tune-capture", unit="step")
-    fixed_capture = _prime_compiler() if kind == "compile" else 0.0
+    fixed_capture = _prime_compiler() if kind is CaptureKind.COMPILE else 0.0
     vocab = int(engine.model_config.vocab_size)
     # CudaGraphRunner writes every size's logits into one float32 buffer of the largest size, allocated in
     # the first capture call: billed per row of the largest chosen size, not to the size captured first.
-    logits_per_row = vocab * 4 / 2**20 if kind == "cuda_graph" else 0.0
+    logits_per_row = vocab * 4 / 2**20 if kind is CaptureKind.CUDA_GRAPH else 0.0
     first: dict[int, float] = {}
     second: dict[int, float] = {}
     memory: dict[int, float] = {}
@@ -234,7 +236,7 @@ def measure_candidates(
             if number == 0:  # a second capture replaces the first's graph: its memory delta means nothing
                 after = _fx_cache_counts()
                 cache[size] = (after[0] - hits[0], after[1] - hits[1])
-                held = runner.graph_memory_bytes / 2**20 if kind == "cuda_graph" else max(0, rss_bytes() - rss) / 2**20
+                held = runner.graph_memory_bytes / 2**20 if two_pass else max(0, rss_bytes() - rss) / 2**20
                 memory[size] = max(0.0, held - (logits_per_row * size if size == max(sizes) else 0.0))
             bar.update()
     if two_pass:
@@ -271,13 +273,13 @@ def measure_candidates(
             fill_rows(runner, max(sizes), context, vocab)
 
     replay = time_each("replay", sizes, runner._replay, as_served)
-    if isinstance(getattr(runner, "graphs", None), dict):
+    if isinstance(runner, CudaGraphRunner):
         runner.graphs.clear()  # CUDA: this measurement's graphs (and their pools) go before the eager probes
     probe = make_runner(engine, [max(eager_sizes)])  # never captured: its buffers hold the eager batches
     fill_rows(probe, max(eager_sizes), context, vocab)
     eager = time_each("eager", eager_sizes, probe.step_eager)
     bar.close()
-    source = "device" if kind == "cuda_graph" else "rss"
+    source = "device" if two_pass else "rss"
     measured = [
         SizeMeasurement(
             size=s,

@@ -15,7 +15,7 @@ import random
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -25,6 +25,7 @@ from graphs.tune_measure import steady_ms
 
 if TYPE_CHECKING:
     from engine.engine import Engine
+    from graphs.runner import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def _grow_to(
 
 def replay_workload(
     engine: Engine,
-    runners: Mapping[str, Any],
+    runners: Mapping[str, DecodeGraphRunner | None],
     distribution: SizeDistribution,
     steps: int,
     iters: int,
@@ -146,7 +147,7 @@ def replay_workload(
             else:
                 eager += count
         mean = sum(count * step_ms[name][size] for size, count in drawn.items()) / total
-        sizes = list(getattr(runner, "capture_sizes", []) or [])
+        sizes = list(runner.capture_sizes) if runner is not None else []
         results.append(
             WorkloadResult(
                 name,

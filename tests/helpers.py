@@ -17,6 +17,16 @@ from engine.scheduler import ScheduledStep
 NEW_TOKENS = 32
 
 
+def hpu_device_config(**hpu: Any) -> dict[str, Any]:
+    """configs/hpu.yaml with these keys of its hpu: section replaced (a bucket range as (min, step, max)): what
+    an engine's resolved device_config holds, for HPU runners built in a test."""
+    from engine.platform import CONFIG_DIR, load_yaml_config
+
+    config = load_yaml_config(f"{CONFIG_DIR}/hpu.yaml")
+    ranges = {k: dict(zip(("min", "step", "max"), v)) if isinstance(v, tuple) else v for k, v in hpu.items()}
+    return {**config, "hpu": {**config["hpu"], **ranges}}
+
+
 def graph_options(page_size: int, capture_sizes: str = "1,2,4") -> dict[str, Any]:
     """Options of a shared graph engine: max_num_seqs equals the largest capture size.
 

@@ -440,8 +440,10 @@ def test_one_row_gemv_in_bf16_decode_graphs(tmp_path, monkeypatch: pytest.Monkey
     _tiny_llama(tmp_path)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
     runs = {}
-    for name, dtype, gemv in (("float32", "float32", "0"), ("gemv", "bfloat16", "1"), ("cublas", "bfloat16", "0")):
-        monkeypatch.setenv("ENGINE_CUDA_GEMV", gemv)
+    from backends.cuda.platform import CudaPlatform
+
+    for name, dtype, gemv in (("float32", "float32", False), ("gemv", "bfloat16", True), ("cublas", "bfloat16", False)):
+        monkeypatch.setattr(CudaPlatform, "one_row_gemv", gemv and not on_rocm)  # the platform's own choice
         engine = Engine(
             model=str(tmp_path), device=ENGINE_DEVICE, dtype=dtype, capture_sizes="1,2", kv_cache_tokens=4096
         )
@@ -467,11 +469,12 @@ def test_batch1_graph_is_captured_over_two_rows_without_a_compile_of_its_own(
     """The compiled decode step's batch-1 graph reads two static rows, the second padding
     (graphs/cuda_graph_runner.py): building the engine (sizes 1, 2 and 8, then the warm-up request's extend
     step) compiles one graph, the layer's, which decode and extend share (graphs/opaque_attention.py; the
-    head runs eagerly), one fewer than with ENGINE_CUDA_BATCH1_IN_TWO_ROWS=0 (dynamo's size 1), and batch-1
+    head runs eagerly), one fewer than with batch 1 compiled on its own (dynamo's size 1), and batch-1
     tokens (float32) are those of the size-1 compile and of eager steps, after batches of more rows left their
     own values in the padding row's buffers."""
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
+    from graphs import cuda_graph_runner
     from graphs.compiled_step import compile_count
 
     _tiny_llama(tmp_path)
@@ -479,7 +482,8 @@ def test_batch1_graph_is_captured_over_two_rows_without_a_compile_of_its_own(
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     compiles, tokens = {}, {}
     for variant in ("1", "0", "eager"):
-        monkeypatch.setenv("ENGINE_CUDA_BATCH1_IN_TWO_ROWS", "0" if variant == "0" else "1")
+        two_rows = variant != "0"
+        monkeypatch.setattr(cuda_graph_runner, "batch1_in_two_rows", lambda model, two_rows=two_rows: two_rows)
         before = compile_count()
         engine = Engine(
             model=str(tmp_path),

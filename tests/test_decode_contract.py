@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import run_staggered
+from helpers import hpu_device_config, run_staggered
 from test_npu_attention import FrozenHostArgsGraphs
 
 from backends.cpu.platform import CpuPlatform
@@ -30,7 +30,9 @@ PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
 def _hpu_runner(*args: Any, strict: bool | None = None, **kwargs: Any) -> HpuEngineRunner:
-    return HpuEngineRunner(*args, mode="eager", show_progress=False, **kwargs)
+    # Small block buckets, so a 256-token context needs few warm-up shapes.
+    config = hpu_device_config(decode_block_bucket=(4, 4, 32))
+    return HpuEngineRunner(*args, mode="eager", show_progress=False, device_config=config, **kwargs)
 
 
 def _npu_runner(*args: Any, strict: bool | None = None, **kwargs: Any) -> NpuEngineRunner:
@@ -63,9 +65,6 @@ def test_vendor_runners_take_the_engines_step_messages(
     )
     want = run_staggered(Engine(disable_graphs=True, **options), PROMPTS, PARAMS, ARRIVALS).token_ids
 
-    if platform == "hpu":  # small block buckets, so a 256-token context needs few warm-up shapes
-        for part, value in (("MIN", "4"), ("STEP", "4"), ("MAX", "32")):
-            monkeypatch.setenv(f"ENGINE_DECODE_BLOCK_BUCKET_{part}", value)
     monkeypatch.setattr(CpuPlatform, "graph_runner_class", lambda self: runner_factory)
     monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self: vendor().attention_backend())
     monkeypatch.setattr(CpuPlatform, "slot_index_dtype", slot_dtype)

@@ -46,6 +46,5 @@ def test_serving_entry_points_freeze_unless_told_not_to() -> None:
         )
 
     assert serving([]).freeze_gc is True and serving(["--no-freeze-gc"]).freeze_gc is False
-    assert (
-        engine_config_from_args(parser.parse_args([])).freeze_gc is None
-    )  # a library engine: ENGINE_FREEZE_GC decides
+    # A library engine: unset, which is off (the environment no longer decides: freeze_gc is the only switch).
+    assert engine_config_from_args(parser.parse_args([])).freeze_gc is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import track
 
@@ -27,7 +29,8 @@ def test_a_backend_without_soft_capping_refuses_the_model(
     tiny_checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As HPU and NPU do: soft-capped scores have no exact substitute, so the engine names the gap."""
-    monkeypatch.setattr(TorchAttentionBackend, "supports_softcap", False)
+    no_softcap = dataclasses.replace(TorchAttentionBackend.capabilities, softcap=False)
+    monkeypatch.setattr(TorchAttentionBackend, "capabilities", no_softcap)
     with pytest.raises(
         UnsupportedArchitectureError, match="gemma2: attention logit soft-capping is not implemented by the cpu"
     ):

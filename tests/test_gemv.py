@@ -79,8 +79,12 @@ def test_gemv_method_takes_one_row_inputs_only(monkeypatch: pytest.MonkeyPatch) 
     assert model[0].method is GEMV and model[1].method is GEMV and model[2].method is DENSE
     monkeypatch.setattr(gemv_module, "GEMV_MAX_WEIGHT_BYTES", 64 * 64 * 2 - 1)  # one byte short of a 64 x 64 bf16
     assert use_gemv(torch.nn.ModuleList([Linear(64, 64).to(dtype), Linear(32, 64).to(dtype)])) == 1
-    monkeypatch.setenv("ENGINE_CUDA_GEMV", "0")
-    assert use_gemv(torch.nn.ModuleList([Linear(32, 64).to(dtype)])) == 0
+    # The platform decides whether its linears take the GEMV at all: ROCm keeps its BLAS (never measured there).
+    from backends.hip.platform import HipPlatform
+
+    kept = torch.nn.ModuleList([Linear(32, 64).to(dtype)])
+    HipPlatform().prepare_model(kept, {})
+    assert kept[0].method is DENSE
     if not ON_GPU:
         return  # the op's GEMV branch runs on CUDA tensors only; the kernel itself is tested above
     for rows in (1, 3):
@@ -159,7 +163,7 @@ def test_gemv_op_computes_the_live_row_alone() -> None:
 
 def test_batch1_is_captured_over_two_rows_for_dense_models_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """A MoE model keeps its size-1 compile (a padding row would route to experts of its own and read their
-    weights); a dense one takes the two-row graph unless ENGINE_CUDA_BATCH1_IN_TWO_ROWS=0."""
+    weights); a dense one takes the two-row graph."""
     from engine.layers.linear import Linear
     from engine.layers.moe import SparseMoE
     from graphs.cuda_graph_runner import batch1_in_two_rows
@@ -169,5 +173,3 @@ def test_batch1_is_captured_over_two_rows_for_dense_models_only(monkeypatch: pyt
         [Linear(8, 8), torch.nn.ModuleList([SparseMoE(8, 16, num_experts=4, top_k=2, renormalize=True)])]
     )
     assert batch1_in_two_rows(dense) and not batch1_in_two_rows(moe)
-    monkeypatch.setenv("ENGINE_CUDA_BATCH1_IN_TWO_ROWS", "0")
-    assert not batch1_in_two_rows(dense)

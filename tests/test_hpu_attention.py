@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import load_tiny_llama
+from helpers import hpu_device_config, load_tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.hpu.attention import HpuAttentionBackend, HpuFlatMetadata, flat_paged_attention
@@ -20,7 +20,7 @@ from backends.hpu.bucketing import (
 )
 from backends.hpu.graph_runner import HpuDecodeRunner, expected_shapes
 from backends.hpu.platform import HpuEngineRunner, HpuPlatform
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import AttentionBackend, AttentionMetadata
 from engine.layers.torch_attention import TorchAttentionBackend, paged_decode_attention
 
 HEADS, KV_HEADS, DIM = 4, 2, 16  # GQA: two query heads per kv head
@@ -283,8 +283,6 @@ def test_hpu_engine_runner_matches_torch_backend(tiny_llama: tuple[Any, Any], mo
 
     model, mc = tiny_llama
     page_size, num_pages, max_pages = 8, 48, 8
-    for part, value in (("MIN", "4"), ("STEP", "8"), ("MAX", "12")):  # small block buckets: 4, 8, 12
-        monkeypatch.setenv(f"ENGINE_DECODE_BLOCK_BUCKET_{part}", value)
     pool = KVPool(
         mc.num_hidden_layers,
         num_pages,
@@ -326,14 +324,22 @@ def test_hpu_engine_runner_matches_torch_backend(tiny_llama: tuple[Any, Any], mo
     torch.testing.assert_close(hidden, ref_hidden, atol=1e-5, rtol=1e-5)
 
     runner = HpuEngineRunner(
-        model, pool.caches, [2, 4], max_pages, page_size, torch.device("cpu"), mode="eager", show_progress=False
+        model,
+        pool.caches,
+        [2, 4],
+        max_pages,
+        page_size,
+        torch.device("cpu"),
+        mode="eager",
+        show_progress=False,
+        device_config=hpu_device_config(decode_block_bucket=(4, 8, 12)),  # small block buckets: 4, 8, 12
     )
     runner.capture()  # warm-up: every bucket, reading and writing only page 0
     assert runner.inner.with_block_metadata and {b for _, b in runner.inner.buckets} >= {4, 8}
     seen: list[tuple[int, int]] = []
     backend = HpuPlatform().attention_backend()
 
-    class Recording:
+    class Recording(AttentionBackend):
         def forward(self, q, k, v, k_cache, v_cache, meta, scale):
             seen.append((q.shape[0], meta.platform_metadata.block_list.shape[0]))
             return backend.forward(q, k, v, k_cache, v_cache, meta, scale)

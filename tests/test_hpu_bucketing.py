@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 from conftest import reset_dynamo
+from helpers import hpu_device_config
 
 from backends.hpu.attention import block_mapping
 from backends.hpu.bucketing import (
@@ -39,8 +40,9 @@ from backends.hpu.graph_runner import (
     expected_shapes,
     warmup_batch,
 )
-from backends.hpu.platform import HpuPlatform, graph_mode_from_env
-from engine.platform import CONFIG_DIR, DeviceUnavailableError
+from backends.hpu.platform import HpuPlatform, resolve_graph_mode
+from engine.config import EngineConfig
+from engine.platform import CONFIG_DIR, CaptureKind, DeviceUnavailableError
 
 
 def test_linear_buckets_hand_computed() -> None:
@@ -220,7 +222,7 @@ def test_config_and_env_overrides() -> None:
     over = resolve_bucket_config(config, env=env)
     assert over.decode_bs == [2, 4, 8, 16, 24, 32] and over.decode_block == [128, 256, 384, 512]
     assert over.prompt_seq == [128, 256, 512, 1024, 2048, 3072, 4096]
-    expo = resolve_bucket_config(config, env={"ENGINE_HPU_BUCKETING": "exponential"})
+    expo = resolve_bucket_config({**config, "hpu": {**config["hpu"], "bucketing": "exponential"}}, env={})
     assert expo.strategy == "exponential" and len(expo.decode_block) < len(plain.decode_block)
 
 
@@ -285,21 +287,22 @@ def test_platform_without_gaudi(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(DeviceUnavailableError, match="habana_frameworks"):
         platform.memory_info()
     assert os.path.exists(platform.default_config())
-    monkeypatch.setenv("ENGINE_HPU_GRAPH_MODE", "compile")
-    settings = platform.capture_settings()
-    assert (settings.kind, settings.compile_backend) == ("compile", "hpu_backend")
+    settings = HpuPlatform(graph_mode="compile").capture_settings()
+    assert (settings.kind, settings.compile_backend) == (CaptureKind.COMPILE, "hpu_backend")
     assert settings.compile_options["dynamic"] is False
-    monkeypatch.setenv("ENGINE_HPU_GRAPH_MODE", "lazy")
-    settings = platform.capture_settings()
-    assert settings.kind == "hpu_graph" and settings.compile_options["disable_tensor_cache"]
-    assert graph_mode_from_env({"PT_HPU_LAZY_MODE": "1"}) == "lazy"
-    assert graph_mode_from_env({"PT_HPU_LAZY_MODE": "0"}) == "compile"
-    assert graph_mode_from_env({"PT_HPU_LAZY_MODE": "1"}, default="eager") == "eager"
-    assert graph_mode_from_env({"PT_HPU_LAZY_MODE": "1"}, bridge_lazy=False) == "compile"  # the bridge knows best
-    assert graph_mode_from_env({"ENGINE_HPU_GRAPH_MODE": "lazy"}, default="eager") == "lazy"  # env beats config
-    assert HpuPlatform(graph_mode="eager").capture_settings().kind == "none"
+    settings = HpuPlatform(graph_mode="lazy").capture_settings()
+    assert settings.kind is CaptureKind.HPU_GRAPH and settings.compile_options["disable_tensor_cache"]
+    assert resolve_graph_mode(env={"PT_HPU_LAZY_MODE": "1"}) == "lazy"
+    assert resolve_graph_mode(env={"PT_HPU_LAZY_MODE": "0"}) == "compile"
+    assert resolve_graph_mode("eager", env={"PT_HPU_LAZY_MODE": "1"}) == "eager"  # the config beats the bridge's
+    assert resolve_graph_mode(bridge_lazy=False, env={"PT_HPU_LAZY_MODE": "1"}) == "compile"  # the bridge knows best
+    # The engine's config (hpu.graph_mode, here from --device-options) reaches the platform through configure().
+    lazy = EngineConfig(device="hpu", device_options={"hpu": {"graph_mode": "lazy"}}).resolve(platform)
+    platform.configure(lazy)
+    assert platform.graph_mode() == "lazy" and platform.capture_settings().kind is CaptureKind.HPU_GRAPH
+    assert HpuPlatform(graph_mode="eager").capture_settings().kind is CaptureKind.NONE
     with pytest.raises(ValueError):
-        graph_mode_from_env({"ENGINE_HPU_GRAPH_MODE": "fast"})
+        resolve_graph_mode("fast")
     cache = torch.zeros(16, 2, 3)
     k = torch.randn(3, 2, 3)
     platform.store_kv(cache, cache.clone(), torch.tensor([5, 0, 9]), k, k)
@@ -343,6 +346,8 @@ def test_import_does_not_load_habana() -> None:
 class FakeModel:
     """The engine model's calling contract: model(ids, pos, kv_caches, meta) -> hidden; compute_logits(hidden)."""
 
+    attention_backend = None  # the runner's own hooks (an engine model has its backend's)
+
     def __call__(self, input_ids, positions, kv_caches, meta):
         k_cache, _ = kv_caches[0]
         k_cache.index_copy_(0, meta.slot_indices.long(), input_ids.float().view(-1, 1, 1).expand(-1, 1, 2))
@@ -358,11 +363,14 @@ def test_engine_adapter_pads_to_slot_zero(monkeypatch: pytest.MonkeyPatch) -> No
     from backends.hpu.platform import HpuEngineRunner
     from engine.layers.attention import AttentionMetadata
 
-    monkeypatch.setenv("ENGINE_HPU_GRAPH_MODE", "eager")  # no compile here: the wiring is under test
     assert HpuPlatform().graph_runner_class() is HpuEngineRunner
     model, page_size, max_pages = FakeModel(), 4, 8
     kv = [(torch.zeros(40 * page_size, 1, 2), torch.zeros(40 * page_size, 1, 2))]
-    runner = HpuEngineRunner(model, kv, [1, 2, 4], max_pages, page_size, torch.device("cpu"), show_progress=False)
+    # Eager: no compile here, the wiring is under test.
+    eager = hpu_device_config(graph_mode="eager")
+    runner = HpuEngineRunner(
+        model, kv, [1, 2, 4], max_pages, page_size, torch.device("cpu"), show_progress=False, device_config=eager
+    )
     runner.capture()
     assert runner.fits(4) and not runner.fits(5) and runner.inner.warmed == set(runner.inner.buckets)
     kv[0][0].zero_()
@@ -447,9 +455,8 @@ def test_context_bucket_config_and_env() -> None:
         "ENGINE_PROMPT_CTX_BUCKET_MIN": "2",
         "ENGINE_PROMPT_CTX_BUCKET_STEP": "2",
         "ENGINE_PROMPT_CTX_BUCKET_MAX": "6",
-        "ENGINE_HPU_MAX_PROMPT_CTX_BUCKETS": "5",
     }
-    over = resolve_bucket_config(config, env=env)
+    over = resolve_bucket_config({**config, "hpu": {**config["hpu"], "max_prompt_ctx_buckets": 5}}, env=env)
     assert over.prompt_ctx == [2, 4, 6] and len(over.prompt_ctx_triples()) == 5
     assert resolve_bucket_config(config, env={"ENGINE_PROMPT_CTX_BUCKET_MAX": "0"}).prompt_ctx_triples() == []
     # A config written before context buckets existed keeps steps with a prefix unpadded.

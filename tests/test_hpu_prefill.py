@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from fake_fused_sdpa import install_fake_fused_sdpa
-from helpers import load_tiny_llama, run_staggered
+from helpers import hpu_device_config, load_tiny_llama, run_staggered
 from test_hpu_attention import ShapeTrace
 
 import backends.hpu.prompt_attention as prompt_attention_module
@@ -29,6 +29,7 @@ from backends.hpu.prefill import (
 )
 from backends.hpu.prefill_runner import HpuPrefillRunner
 from backends.hpu.prompt_attention import HpuPromptMetadata, padded_prompt_attention
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.forward_batch import extend_forward_batch
 from engine.kv_cache import KVPool
@@ -47,19 +48,23 @@ def hpu_engine_on_cpu(
     monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], ranges: dict[str, tuple[int, int, int]]
 ) -> Engine:
     """An engine on the CPU built the way a Gaudi engine is (HPU decode and prefill runners in eager mode, the
-    HPU attention backend), with bucket ranges ENGINE_<NAME>_BUCKET_{MIN,STEP,MAX} = ranges[NAME]."""
-    for name, (low, step, high) in ranges.items():
-        for part, value in zip(("MIN", "STEP", "MAX"), (low, step, high)):
-            monkeypatch.setenv(f"ENGINE_{name}_BUCKET_{part}", str(value))
+    HPU attention backend), with the hpu: bucket ranges <name>_bucket = ranges[NAME] (NAME like PROMPT_BS)."""
+    config = hpu_device_config(**{f"{name.lower()}_bucket": tuple(bounds) for name, bounds in ranges.items()})
     monkeypatch.setattr(
         CpuPlatform,
         "graph_runner_class",
-        lambda self: lambda *a, strict=None, **k: HpuEngineRunner(*a, mode="eager", show_progress=False, **k),
+        lambda self: (
+            lambda *a, strict=None, **k: HpuEngineRunner(
+                *a, mode="eager", show_progress=False, device_config=config, **k
+            )
+        ),
     )
     monkeypatch.setattr(
         CpuPlatform,
         "prefill_runner_class",
-        lambda self: lambda *a: HpuPrefillRunner.from_engine(*a, mode="eager", show_progress=False),
+        lambda self: (
+            lambda *a: HpuPrefillRunner.from_engine(*a, mode="eager", show_progress=False, device_config=config)
+        ),
     )
     monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self: HpuPlatform().attention_backend())
     return Engine(capture_sizes="1,2,4", **options)
@@ -323,7 +328,8 @@ def test_engine_with_hpu_prompt_buckets_gives_the_same_tokens(
     )
     want = run_staggered(Engine(disable_graphs=True, **options), prompts, params, arrivals).token_ids
 
-    assert HpuPlatform().prefill_runner_class() == HpuPrefillRunner.from_engine  # what a Gaudi engine gets
+    factory = HpuPlatform().prefill_runner_class()  # what a Gaudi engine gets: the engine's hpu: settings bound
+    assert factory.func == HpuPrefillRunner.from_engine and factory.keywords["device_config"]["hpu"]["prompt_bs_bucket"]
     caplog.set_level(logging.WARNING, logger="backends.hpu.prefill_runner")
     engine = hpu_engine_on_cpu(
         monkeypatch, options, {"PROMPT_BS": (1, 1, 2), "PROMPT_SEQ": (8, 16, 32), "DECODE_BLOCK": (4, 4, 32)}
@@ -615,7 +621,6 @@ def test_engine_with_prefix_caching_and_prompt_buckets_gives_the_same_tokens(
 
 
 def test_fused_sdpa_setting_decides_whether_the_kernel_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ENGINE_HPU_FUSED_SDPA", raising=False)
     assert load_fused_sdpa("auto") is None  # no bridge on this machine: the masked-matmul fallback
     with pytest.raises(RuntimeError, match="FusedSDPA does not import"):
         load_fused_sdpa("true")
@@ -623,10 +628,11 @@ def test_fused_sdpa_setting_decides_whether_the_kernel_is_used(monkeypatch: pyte
         load_fused_sdpa("sometimes")
     fake = install_fake_fused_sdpa(monkeypatch)
     assert load_fused_sdpa("auto") is fake and load_fused_sdpa(True) is fake and load_fused_sdpa("false") is None
-    assert load_fused_sdpa() is fake  # configs/hpu.yaml: auto
-    assert HpuPlatform().attention_backend().fused_sdpa is fake
-    monkeypatch.setenv("ENGINE_HPU_FUSED_SDPA", "false")
-    assert load_fused_sdpa() is None and HpuPlatform().attention_backend().fused_sdpa is None
+    assert load_fused_sdpa() is fake  # hpu.fused_sdpa's default: auto
+    assert HpuPlatform().attention_backend().fused_sdpa is fake  # configs/hpu.yaml: auto
+    platform = HpuPlatform()
+    platform.configure(EngineConfig(device="hpu", device_options={"hpu": {"fused_sdpa": False}}).resolve(platform))
+    assert platform.attention_backend().fused_sdpa is None  # the engine's config, not the YAML file, decides
 
 
 def test_fused_prompt_attention_calls_the_kernel_as_vllm_hpu_extension_does(monkeypatch: pytest.MonkeyPatch) -> None:

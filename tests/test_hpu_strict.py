@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import reset_dynamo
-from helpers import load_tiny_llama
+from helpers import hpu_device_config, load_tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.hpu.attention import (
@@ -155,6 +155,8 @@ def test_strict_default_is_the_same_in_every_mode(monkeypatch: pytest.MonkeyPatc
     bridge.install(monkeypatch)
 
     class Model:
+        attention_backend = None  # the runner's own hooks (an engine model has its backend's)
+
         def __call__(self, input_ids, positions, kv_caches, meta):
             return input_ids.float().unsqueeze(1)
 
@@ -163,66 +165,67 @@ def test_strict_default_is_the_same_in_every_mode(monkeypatch: pytest.MonkeyPatc
 
     kv = [(torch.zeros(64, 1, 2), torch.zeros(64, 1, 2))]
     for mode in ("compile", "lazy", "eager"):
-        monkeypatch.delenv("ENGINE_HPU_STRICT", raising=False)
         runner = HpuEngineRunner(
             Model(), kv, [1, 2], 4, 4, torch.device("cpu"), mode=mode, compile_backend="eager", show_progress=False
         )
         assert runner.inner.strict, mode  # hpu.strict: true in configs/hpu.yaml
-        monkeypatch.setenv("ENGINE_HPU_STRICT", "0")
         assert not HpuEngineRunner(
-            Model(), kv, [1, 2], 4, 4, torch.device("cpu"), mode=mode, compile_backend="eager", show_progress=False
+            Model(),
+            kv,
+            [1, 2],
+            4,
+            4,
+            torch.device("cpu"),
+            mode=mode,
+            compile_backend="eager",
+            show_progress=False,
+            device_config=hpu_device_config(strict=False),
         ).inner.strict
 
 
-def test_engine_passes_strict_to_hpu_only_when_forced() -> None:
-    """engine.Engine.graph_runner_options (what _graph_runner and the tuner build runners with): no strict=
-    for HPU unless --strict-graphs (the runner's own default then holds in compile mode too, where it used to
-    be overridden with False); CPU's compiled runner keeps False."""
+def test_each_platform_supplies_its_decode_runner_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Platform.decode_runner_options (what Engine.graph_runner_options returns: _graph_runner and the tuner build
+    runners with it): HPU passes strict= only with --strict-graphs (the runner's own default then holds in every
+    graph mode, compile mode included, where it used to be overridden with False); CPU's compiled runner always
+    takes it; CUDA gets its kernel precompiler over the engine's model and caches, and the compiled extend step's
+    layer graph; HPU and NPU the engine's device config (their hpu: / npu: sections)."""
+    from backends.cpu.platform import CpuPlatform
+    from backends.cuda.platform import CudaPlatform
+    from backends.npu.platform import NpuPlatform
+    from engine.config import EngineConfig
     from engine.engine import Engine
 
     model = torch.nn.Identity()  # the engine hands its model to the platform's hooks as the nn.Module it is
+    caches = [(torch.zeros(4, 1, 2), torch.zeros(4, 1, 2))]
 
-    def options(platform_name: str, kind: str, strict_graphs: bool) -> dict[str, Any]:
-        this = types.SimpleNamespace(
-            config=types.SimpleNamespace(strict_graphs=strict_graphs, compile_decode=False),
-            platform=types.SimpleNamespace(
-                name=platform_name,
-                capture_settings=lambda: types.SimpleNamespace(kind=kind),
-                kernel_precompiler=lambda model, caches: ("precompiler", model, caches),
-            ),
-            model=model,
-            kv_pool=types.SimpleNamespace(caches="caches"),
-        )
-        return Engine.graph_runner_options(this)  # type: ignore[arg-type]
+    def options(platform: Any, strict_graphs: bool, **config: Any) -> dict[str, Any]:
+        return platform.decode_runner_options(EngineConfig(strict_graphs=strict_graphs, **config), model, caches, None)
 
-    for kind in ("compile", "hpu_graph", "none"):
-        assert "strict" not in options("hpu", kind, strict_graphs=False), kind
-        assert options("hpu", kind, strict_graphs=True)["strict"] is True, kind
-    assert options("cpu", "compile", strict_graphs=False)["strict"] is False
-    # CUDA graphs: the platform's kernel precompiler over this engine's model and KV caches.
-    assert options("cuda", "cuda_graph", strict_graphs=False) == {
+    for mode in ("compile", "lazy", "eager"):
+        hpu = options(HpuPlatform(graph_mode=mode), strict_graphs=False)
+        assert "strict" not in hpu and hpu["mode"] == mode and "hpu" in hpu["device_config"], mode
+        assert options(HpuPlatform(graph_mode=mode), strict_graphs=True)["strict"] is True, mode
+    assert options(CpuPlatform(), strict_graphs=False) == {"strict": False}
+    assert options(CpuPlatform(), strict_graphs=True) == {"strict": True}
+    npu = options(NpuPlatform(), strict_graphs=True)
+    assert npu == {"device_config": {}} and "strict" not in npu  # the engine's device config (unresolved here)
+    cuda = CudaPlatform()
+    monkeypatch.setattr(cuda, "kernel_precompiler", lambda model, caches: ("precompiler", model, caches))
+    assert options(cuda, strict_graphs=False) == {
         "compile_step": False,
-        "precompile": ("precompiler", model, "caches"),
+        "precompile": ("precompiler", model, caches),
         "layer_fn": None,
     }
     # A compiled extend step's layer graph is shared with the CUDA decode graphs (graphs/opaque_attention.py).
-    this_extend_step = types.SimpleNamespace(layer_fn="the extend step's compiled layer")
-    assert (
-        Engine.graph_runner_options(
-            types.SimpleNamespace(  # type: ignore[arg-type]
-                config=types.SimpleNamespace(strict_graphs=False, compile_decode=True),
-                platform=types.SimpleNamespace(
-                    name="cuda",
-                    capture_settings=lambda: types.SimpleNamespace(kind="cuda_graph"),
-                    kernel_precompiler=lambda model, caches: None,
-                ),
-                model=model,
-                kv_pool=types.SimpleNamespace(caches="caches"),
-            ),
-            this_extend_step,
-        )["layer_fn"]
-        == this_extend_step.layer_fn
+    engine = types.SimpleNamespace(
+        config=EngineConfig(compile_decode=True),
+        platform=cuda,
+        model=model,
+        kv_pool=types.SimpleNamespace(caches=caches),
     )
+    extend_step = types.SimpleNamespace(layer_fn="the extend step's compiled layer")
+    got = Engine.graph_runner_options(engine, extend_step)  # type: ignore[arg-type]
+    assert got["layer_fn"] == extend_step.layer_fn and got["compile_step"] is True
 
 
 def test_lazy_prefill_ends_with_a_mark_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -293,11 +296,12 @@ def test_fp32_softmax_by_model_type(monkeypatch: pytest.MonkeyPatch) -> None:
         fp32_softmax_for("llama", "sometimes")
     for model_type, expected in (("qwen2", True), ("llama", False)):
         backend = HpuPlatform().attention_backend()
-        model = types.SimpleNamespace(config=types.SimpleNamespace(model_type=model_type), attention_backend=backend)
-        monkeypatch.delenv("ENGINE_HPU_FP32_SOFTMAX", raising=False)
-        assert configure_fp32_softmax(model) is expected and backend.fp32_softmax is expected
-        monkeypatch.setenv("ENGINE_HPU_FP32_SOFTMAX", "1")
-        assert configure_fp32_softmax(model) and backend.fp32_softmax
+        model = types.SimpleNamespace(
+            config=types.SimpleNamespace(model_type=model_type), attention_backend=backend, modules=lambda: iter([])
+        )
+        assert configure_fp32_softmax(model) is expected and backend.fp32_softmax is expected  # auto
+        assert configure_fp32_softmax(model, "true") and backend.fp32_softmax
+        assert not configure_fp32_softmax(model, False) and not backend.fp32_softmax
 
 
 # ---- regional compilation: one decoder layer's graph serves every layer ------------------------
@@ -315,8 +319,6 @@ def test_regional_compilation_compiles_one_layer_per_bucket(
 
     model, mc = tiny_llama
     page_size, num_pages, max_pages = 8, 24, 4
-    for part, value in (("MIN", "4"), ("STEP", "4"), ("MAX", "8")):
-        monkeypatch.setenv(f"ENGINE_DECODE_BLOCK_BUCKET_{part}", value)
     nodes: dict[bool, int] = {}
     for regional in (True, False):
         compiled_nodes = [0]
@@ -348,6 +350,7 @@ def test_regional_compilation_compiles_one_layer_per_bucket(
             regional_compilation=regional,
             strict=True,
             show_progress=False,
+            device_config=hpu_device_config(decode_block_bucket=(4, 4, 8)),
         )
         assert runner.regional_compilation is regional and runner.inner.precompiled is regional
         runner.capture()

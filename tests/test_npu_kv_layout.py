@@ -32,7 +32,7 @@ from backends.npu.kv_store import (
     updates_for,
 )
 from backends.npu.platform import NpuPlatform
-from engine.platform import CONFIG_DIR, DeviceUnavailableError
+from engine.platform import CONFIG_DIR, CaptureKind, DeviceUnavailableError
 from graphs.static_buffers import StaticDecodeBuffers
 
 
@@ -116,7 +116,7 @@ def test_platform_without_ascend() -> None:
     assert not platform.is_available() and "torch_npu" in platform.unavailable_reason()
     with pytest.raises(DeviceUnavailableError, match="torch_npu"):
         platform.memory_info()
-    assert platform.capture_settings().kind == "npu_graph"
+    assert platform.capture_settings().kind is CaptureKind.NPU_GRAPH
     cache = torch.zeros(64, 2, 4)
     k = torch.randn(3, 2, 4)
     slots = torch.tensor([7, 0, 63], dtype=torch.int32)
@@ -291,6 +291,8 @@ def test_engine_adapter_and_int32_slots() -> None:
     assert isinstance(NpuPlatform().attention_backend(), NpuAttentionBackend)
 
     class Model:
+        attention_backend = None  # the runner's own hooks (an engine model has its backend's)
+
         def __call__(self, input_ids, positions, kv_caches, meta):
             assert isinstance(meta.platform_metadata, NpuDecodeMetadata)  # the host lengths reach attention
             assert meta.platform_metadata.context_lens.device.type == "cpu"

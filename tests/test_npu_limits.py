@@ -64,6 +64,8 @@ def test_task_queue_level_and_capture_check() -> None:
 class _Model:
     """An engine model with one attention layer of the given shape (only its Attention module is read)."""
 
+    attention_backend = None  # the runner's own hooks
+
     def __init__(self, heads: int, kv_heads: int, head_dim: int) -> None:
         from engine.layers.attention import Attention
 
@@ -175,6 +177,8 @@ def test_runner_hands_the_longest_context_to_the_captured_launch_only() -> None:
     kv = [(torch.zeros(64, 1, 1), torch.zeros(64, 1, 1))]
 
     class Model:
+        attention_backend = None  # the runner's own hooks (an engine model has its backend's)
+
         def __call__(self, input_ids, positions, kv_caches, meta):
             extra = meta.platform_metadata
             assert isinstance(extra, NpuDecodeMetadata) and extra.workspaces is not None

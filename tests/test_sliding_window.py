@@ -11,6 +11,7 @@ stops at the window, where full attention is exactly the windowed computation.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -88,7 +89,8 @@ def test_without_backend_windows_the_context_stops_at_the_window(
     """The fallback for backends without sliding windows (HPU, NPU), here the CPU backend with them off."""
     from engine.layers.torch_attention import TorchAttentionBackend
 
-    monkeypatch.setattr(TorchAttentionBackend, "supports_sliding_window", False)
+    no_window = dataclasses.replace(TorchAttentionBackend.capabilities, sliding_window=False)
+    monkeypatch.setattr(TorchAttentionBackend, "capabilities", no_window)
     engine = track(
         Engine(model=windowed_mistral, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=512)
     )

@@ -348,7 +348,7 @@ def test_decode_kernel_stores_the_new_rows_itself(
             case.k_cache, case.v_cache = case.k_cache.to(torch.float8_e4m3fn), case.v_cache.to(torch.float8_e4m3fn)
         slots = last_slots(case)
         generator = torch.Generator().manual_seed(7)
-        # Strided views of one fused projection, as the model passes them (takes_strided_kv): rows 384 apart.
+        # Strided views of one fused projection, as the model passes them (capabilities.strided_kv): rows 384 apart.
         fused = torch.randn(4, 3 * 128, generator=generator).to(DEVICE, dtype)
         k_new, v_new = fused[:, 128:256].view(4, 2, 64), fused[:, 256:].view(4, 2, 64)
         assert not k_new.is_contiguous() and not v_new.is_contiguous()

@@ -19,10 +19,11 @@ import pytest
 import yaml
 from conftest import REPO_ROOT, track
 
+from backends.cpu.platform import CpuPlatform
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.stats import DECODE_BATCH_BOUNDS, EngineStats, StepSizeCounts
-from graphs.tune_buckets import PlaneCost, evaluate_hpu, npu_max_graphs, propose_hpu_buckets, step_distribution
+from graphs.tune_buckets import PlaneCost, evaluate_hpu, propose_hpu_buckets, step_distribution
 from graphs.tune_distribution import (
     SizeDistribution,
     fetch_metrics,
@@ -126,8 +127,11 @@ def test_batches_above_the_largest_size_pay_the_eager_step() -> None:
 
 
 def test_npu_graph_budget_bounds_the_number_of_sizes() -> None:
-    limit = npu_max_graphs(80, {"max_graphs": 1800})  # 80 layers: 1800 streams / 81 per graph
+    from backends.npu.platform import NpuPlatform
+
+    limit = NpuPlatform().max_captured_graphs(80, {"npu": {"max_graphs": 1800}})  # 1800 streams / 81 per graph
     assert limit == 22
+    assert CpuPlatform().max_captured_graphs(80, {}) is None  # no limit but memory
     model = linear_model(list(range(1, 129)))
     tuned = select_sizes(load_distribution(None, None, 128), model, Budget(max_graphs=limit))
     assert len(tuned.sizes) == limit  # every extra graph helps a uniform distribution: the budget binds

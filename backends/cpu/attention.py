@@ -118,7 +118,7 @@ class CpuAttentionBackend(StaticBufferCaptureHooks, TorchAttentionBackend):
     name = "cpu"
 
     def step_context(self, meta: AttentionMetadata) -> AbstractContextManager[Any]:
-        if meta.is_decode and self.dtype == torch.float32 and _kernel() is not None:
+        if meta.is_decode and self.kv_dtype == torch.float32 and _kernel() is not None:
             return nullcontext()  # the kernel reads the page table itself: no per-step plan to build
         return super().step_context(meta)
 

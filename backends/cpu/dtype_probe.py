@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from backends.cpu.features import cpu_features
+from engine.platform import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,7 @@ class DtypeChoice:
 
 
 def _cache_path() -> Path:
-    root = os.environ.get("ENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "graph-engine")
-    return Path(root) / "cpu_dtype_probe.json"
+    return Path(cache_dir("cpu_dtype_probe.json"))
 
 
 def _cache_key(batch_sizes: list[int]) -> str:

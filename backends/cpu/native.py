@@ -22,6 +22,8 @@ import time
 from functools import cache
 from pathlib import Path
 
+from engine.platform import cache_dir
+
 logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
@@ -36,8 +38,7 @@ DISABLE_ENV = "ENGINE_CPU_NATIVE_KERNELS"  # "0" turns the native kernels off
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("ENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "graph-engine")
-    return Path(root) / "native"
+    return Path(cache_dir("native"))
 
 
 def _cpu_flags() -> str:

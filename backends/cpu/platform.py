@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.errors import EngineError
-from engine.platform import CaptureSettings, MemoryInfo, Platform
+from engine.platform import CaptureKind, CaptureSettings, MemoryInfo, Platform
+
+if TYPE_CHECKING:
+    from backends.cpu.attention import CpuAttentionBackend
+    from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +31,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
+    runs_gguf_blocks = True  # backends/cpu/gguf_linear.py
 
     def is_available(self) -> bool:
         return True
@@ -37,7 +43,7 @@ class CpuPlatform(Platform):
             pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
             return MemoryInfo(pages * page_size, os.sysconf("SC_AVPHYS_PAGES") * page_size)
 
-    def attention_backend(self):
+    def attention_backend(self) -> CpuAttentionBackend:
         from backends.cpu.attention import CpuAttentionBackend
 
         return CpuAttentionBackend()
@@ -95,13 +101,24 @@ class CpuPlatform(Platform):
         )
 
     def capture_settings(self) -> CaptureSettings:
-        return CaptureSettings(kind="compile", compile_backend="inductor")
+        # Compiled graphs run on the host: an op between their pieces may read device (host) values.
+        return CaptureSettings(kind=CaptureKind.COMPILE, compile_backend="inductor", host_syncs_ok=True)
 
     def graph_runner_class(self) -> type:
         # The native GGUF step for the models it covers, the compiled graphs for the rest.
         from backends.cpu.gguf_decode import CpuDecodeRunner
 
         return CpuDecodeRunner
+
+    def decode_runner_options(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        extend_layer_fn: Callable[..., torch.Tensor] | None,
+    ) -> dict[str, object]:
+        """The compiled runner fails on a compile after warm-up only with --strict-graphs."""
+        return {"strict": bool(config.strict_graphs)}
 
     dtype_reason = "requested"
 

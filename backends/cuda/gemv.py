@@ -17,7 +17,6 @@ cuBLAS at two rows on the H200 (docs/results/h200_gemv_rows2_2026-12-02e.json).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,6 @@ from engine.layers.ops import define_op
 logger = logging.getLogger(__name__)
 
 KERNELS = "backends.cuda.kernels.gemv"
-DISABLE_ENV = "ENGINE_CUDA_GEMV"  # "0": every linear stays on cuBLAS
 
 
 @dataclass(frozen=True)
@@ -146,9 +144,8 @@ GEMV_MAX_WEIGHT_BYTES = 2 * 1024**3
 
 
 def use_gemv(model: nn.Module) -> int:
-    """Switch the dense bf16/fp16 linears the GEMV reads faster; returns how many were switched."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return 0
+    """Switch the dense bf16/fp16 linears the GEMV reads faster; returns how many were switched (the
+    platform decides whether to call it: CudaPlatform.one_row_gemv)."""
     switched = 0
     for module in model.modules():
         if not isinstance(module, Linear) or module.method is not DENSE:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from backends.cuda.triton_penalties import apply_penalties_
-from engine.platform import CaptureSettings, MemoryInfo, Platform
+from engine.platform import CaptureKind, CaptureSettings, MemoryInfo, Platform
 from engine.sampler import PENALTY_KERNELS
+
+if TYPE_CHECKING:
+    from backends.cuda.triton_attention import TritonAttentionBackend
+    from engine.config import EngineConfig
 
 # The sampler's penalties on CUDA (and HIP: torch's "cuda" device type) tensors: one Triton launch a batch.
 PENALTY_KERNELS["cuda"] = apply_penalties_
@@ -64,7 +69,18 @@ class CudaPlatform(Platform):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
-    def attention_backend(self):
+    def device_count(self) -> int | None:
+        return int(torch.cuda.device_count())
+
+    def set_device(self, index: int) -> None:
+        torch.cuda.set_device(index)
+
+    def device_facts(self) -> dict[str, str]:
+        if not torch.cuda.is_available():
+            return {}
+        return {"gpu": torch.cuda.get_device_name(), "cuda": str(torch.version.cuda or torch.version.hip)}
+
+    def attention_backend(self) -> TritonAttentionBackend:
         from backends.cuda.triton_attention import TritonAttentionBackend
 
         return TritonAttentionBackend()
@@ -91,7 +107,7 @@ class CudaPlatform(Platform):
         return CUDA_FP8
 
     def capture_settings(self) -> CaptureSettings:
-        return CaptureSettings(kind="cuda_graph")
+        return CaptureSettings(kind=CaptureKind.CUDA_GRAPH)
 
     def start_compile_workers(self) -> None:
         """Inductor compiles its Triton kernels in a pool of worker processes, which it starts at the first
@@ -140,11 +156,7 @@ class CudaPlatform(Platform):
             if not background.active:
                 return background.finish
             try:
-                launches = (
-                    backend.precompile_kernels(model, kv_caches, decode_metas)
-                    if hasattr(backend, "precompile_kernels")
-                    else 0
-                )
+                launches = backend.precompile_kernels(model, kv_caches, decode_metas) if backend is not None else 0
                 launches += precompile_gemv(model) if self.one_row_gemv else 0
                 logger.info("compiling %d kernel variants in the background while the decode step compiles", launches)
             except Exception as exc:
@@ -161,6 +173,21 @@ class CudaPlatform(Platform):
         from graphs.cuda_graph_runner import CudaGraphRunner
 
         return CudaGraphRunner
+
+    def decode_runner_options(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        extend_layer_fn: Callable[..., torch.Tensor] | None,
+    ) -> dict[str, object]:
+        """The decode step compiled before capture (compile_decode), sharing the compiled extend step's layer
+        graph where there is one; this platform's kernels compile in the background meanwhile."""
+        return {
+            "compile_step": bool(config.compile_decode),
+            "precompile": self.kernel_precompiler(model, kv_caches),
+            "layer_fn": extend_layer_fn,
+        }
 
     def set_seed(self, seed: int) -> None:
         torch.manual_seed(seed)

@@ -15,7 +15,7 @@ import torch
 from backends.cuda.triton_build import compile_only, interpreted
 from backends.cuda.triton_decode import paged_decode_attention_triton
 from backends.cuda.triton_extend import ragged_paged_attention
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata
 from engine.layers.ops import DECODE_ATTENTION_SCHEMA, decode_attention_fake, define_op
 from graphs.capture_hooks import StaticBufferCaptureHooks
 
@@ -96,18 +96,20 @@ define_op(
 )
 
 
-class TritonAttentionBackend(StaticBufferCaptureHooks):
+class TritonAttentionBackend(StaticBufferCaptureHooks, AttentionBackend):
     """Decode and ragged extend through the Triton kernels; decode rows' k/v (a decode step's, and a mixed
     step's leading rows) stored by the decode kernel, prefill chunks' with one index_copy_ per cache
     (both capturable)."""
 
     name = "triton"
-    supports_sliding_window = True
-    supports_softcap = True  # held to HF (eager) on the H200: tests/test_cuda.py
-    supports_fp8_kv = True  # the kernels widen e4m3 K/V in registers
-    # This step's k/v may be strided views ([tokens, kv_heads, dim], dim contiguous): the decode kernel reads
-    # them through their strides, index_copy_ stores a prefill's.
-    takes_strided_kv = True
+    capabilities = AttentionCapabilities(
+        sliding_window=True,
+        softcap=True,  # held to HF (eager) on the H200: tests/test_cuda.py
+        fp8_kv=True,  # the kernels widen e4m3 K/V in registers
+        # This step's k/v may be strided views ([tokens, kv_heads, dim], dim contiguous): the decode kernel
+        # reads them through their strides, index_copy_ stores a prefill's.
+        strided_kv=True,
+    )
 
     def forward(
         self,

@@ -31,7 +31,6 @@ a CUDA graph keyed by the token count, whatever the routing.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +95,6 @@ def max_sorted_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
 # Up to this many slots the sorted order is built by two Triton launches (one program holds every
 # slot's expert id); beyond, by torch ops, whose dozen launches a prefill step's GEMMs dwarf.
 TRITON_ALIGN_MAX_SLOTS = 4096
-TRITON_ALIGN_ENV = "ENGINE_MOE_TRITON_ALIGN"  # "0": always the torch ops (a switch for comparing the two)
 
 
 def moe_align_block_size(
@@ -112,9 +110,7 @@ def moe_align_block_size(
     torch ops of fixed shapes; both give the same result."""
     num_slots = expert_ids.numel()
     if use_triton is None:
-        use_triton = (
-            expert_ids.is_cuda and num_slots <= TRITON_ALIGN_MAX_SLOTS and os.environ.get(TRITON_ALIGN_ENV, "1") != "0"
-        )
+        use_triton = expert_ids.is_cuda and num_slots <= TRITON_ALIGN_MAX_SLOTS
     if use_triton and num_slots > 0:
         return _align_triton(expert_ids, num_experts, block_m)
     return _align_torch(expert_ids, num_experts, block_m)

@@ -44,7 +44,7 @@ from backends.hpu.bucketing import (
 )
 from backends.hpu.fused_sdpa import fused_prompt_attention
 from backends.hpu.prompt_attention import HpuPromptMetadata, padded_prompt_attention
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata
 from engine.layers.torch_attention import extend_attention
 from engine.models.registry import family_for
 from engine.transfer import to_device
@@ -67,7 +67,7 @@ def fp32_softmax_for(model_type: str | None, setting: str | bool | None = "auto"
     if text in ("0", "false", "no", "off"):
         return False
     if text != "auto":
-        raise ValueError(f"hpu.fp32_softmax / ENGINE_HPU_FP32_SOFTMAX must be auto, true or false, got {setting!r}")
+        raise ValueError(f"hpu.fp32_softmax must be auto, true or false, got {setting!r}")
     family = family_for((model_type or "").lower())
     return family is not None and family.traits.fp32_softmax_on_hpu
 
@@ -332,11 +332,14 @@ def _hpu_store_kv() -> StoreFn:
     return HpuPlatform().store_kv
 
 
-class HpuAttentionBackend:
+class HpuAttentionBackend(AttentionBackend):
     """Decode: index_copy_ store + flat paged attention; extend: the same store, then attention over a padded
     prompt batch (a bucketed prefill) or the ragged torch extend attention (an unpadded one)."""
 
     name = "hpu_flat"
+    # The flat layout and FusedSDPA have no window or soft-cap argument, and the caches are float: the engine
+    # keeps the context within a model's window and refuses soft-capped models here.
+    capabilities = AttentionCapabilities()
     # Its capture/replay hooks (warm-up batches, host padding, flat block metadata): HpuDecodeRunner's.
     graph_hooks = HpuGraphHooks
 

@@ -196,7 +196,7 @@ def choose_decode_bucket(seq_lens: torch.Tensor, page_size: int, buckets: Sequen
     largest = max(buckets) if buckets else None
     raise BucketOverflowError(
         f"decode batch of {n} rows needing {real_blocks} blocks fits no bucket (largest {largest}); "
-        "raise ENGINE_DECODE_BS_BUCKET_MAX / ENGINE_DECODE_BLOCK_BUCKET_MAX or hpu.decode_*_bucket.max"
+        "raise hpu.decode_bs_bucket / hpu.decode_block_bucket max (--hpu-decode-*-bucket)"
     )
 
 
@@ -213,7 +213,7 @@ def choose_prompt_bucket(num_rows: int, max_len: int, buckets: Sequence[tuple[in
         largest = max(buckets) if buckets else None
         raise BucketOverflowError(
             f"{num_rows} prompt(s) of up to {max_len} tokens fit no prompt bucket (largest {largest}); raise "
-            "ENGINE_PROMPT_BS_BUCKET_MAX / ENGINE_PROMPT_SEQ_BUCKET_MAX or hpu.prompt_*_bucket.max"
+            "hpu.prompt_bs_bucket / hpu.prompt_seq_bucket max (--hpu-prompt-*-bucket)"
         )
     _, bs, seq = min(fitting)
     return bs, seq
@@ -234,8 +234,8 @@ def choose_prompt_ctx_bucket(
         largest = max(buckets) if buckets else None
         raise BucketOverflowError(
             f"{num_rows} prompt(s) of up to {max_len} new tokens after up to {max_ctx_pages} cached pages fit no "
-            f"prompt bucket with context (largest {largest}); raise ENGINE_PROMPT_CTX_BUCKET_MAX or "
-            "hpu.prompt_ctx_bucket.max / hpu.max_prompt_ctx_buckets"
+            f"prompt bucket with context (largest {largest}); raise hpu.prompt_ctx_bucket max or "
+            "hpu.max_prompt_ctx_buckets"
         )
     _, bs, seq, ctx = min(fitting)
     return bs, seq, ctx
@@ -350,7 +350,8 @@ def build_block_metadata(
     return HpuBlockMetadata(block_list, groups, usage.to(torch.int32))
 
 
-# ---- configuration: configs/hpu.yaml, overridden by ENGINE_* environment variables ----------
+# ---- configuration: the hpu: section (backends/hpu/settings.py); bucket ranges overridable from the
+# environment for debugging (ENGINE_{NAME}_BUCKET_{MIN,STEP,MAX}, docs/configuration.md) ----------
 
 
 @dataclass
@@ -404,10 +405,10 @@ def read_bucket_range(name: str, defaults: Mapping[str, int], env: Mapping[str, 
 
 
 def resolve_bucket_config(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -> HpuBucketConfig:
-    """Bucket lists from a configs/hpu.yaml-shaped mapping and the environment.
+    """Bucket lists from a configs/hpu.yaml-shaped mapping and the debugging bucket ranges of the environment.
 
     Precedence for decode batch sizes: ENGINE_DECODE_BS_BUCKET_* > the engine-wide
-    `capture_sizes` list > hpu.decode_bs_bucket. Other dimensions: env > hpu.*_bucket > defaults.
+    `capture_sizes` list > hpu.decode_bs_bucket. Other ranges: env > hpu.*_bucket > defaults.
     """
     env = os.environ if env is None else env
     hpu = dict(config.get("hpu") or {})
@@ -415,7 +416,7 @@ def resolve_bucket_config(config: Mapping[str, Any], env: Mapping[str, str] | No
     max_model_len = int(config.get("max_model_len", 4096))
     max_num_seqs = int(config.get("max_num_seqs", 128))
     max_blocks_per_seq = math.ceil(max_model_len / page_size)
-    strategy = env.get("ENGINE_HPU_BUCKETING") or hpu.get("bucketing") or "linear"
+    strategy = hpu.get("bucketing") or "linear"
     defaults = {
         "decode_bs": {"min": 1, "step": 32, "max": max_num_seqs},
         "decode_block": {"min": 128, "step": 128, "max": max_num_seqs * max_blocks_per_seq},
@@ -431,7 +432,7 @@ def resolve_bucket_config(config: Mapping[str, Any], env: Mapping[str, str] | No
     if not env_set["decode_bs"] and config.get("capture_sizes"):
         lists["decode_bs"] = sorted({int(s) for s in config["capture_sizes"]})
     tokens = config.get("max_num_batched_tokens", hpu.get("max_num_batched_tokens"))
-    ctx_limit = env.get("ENGINE_HPU_MAX_PROMPT_CTX_BUCKETS", "").strip() or hpu.get("max_prompt_ctx_buckets")
+    ctx_limit = hpu.get("max_prompt_ctx_buckets")
     return HpuBucketConfig(
         strategy=strategy,
         page_size=page_size,

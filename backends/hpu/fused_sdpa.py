@@ -20,7 +20,7 @@ repeated), and chooses the form as ops.py `_fsdpa_prompt_attention` does:
 `softmax_mode` is "fp32" where the model's softmax runs in fp32 (hpu.fp32_softmax), else "fast";
 `recompute_mode=True` and `dropout_p=0.0`, as vllm-hpu-extension passes them for inference.
 
-The switch: `hpu.fused_sdpa: auto | true | false` in configs/hpu.yaml, `ENGINE_HPU_FUSED_SDPA` over it.
+The switch: `hpu.fused_sdpa: auto | true | false` (backends/hpu/settings.py).
 auto uses the kernel when `habana_frameworks.torch.hpex.kernels` imports; true requires it (an error
 otherwise); false never imports it. The import happens here, when a backend is built, never when one of our
 modules is imported. Without the kernel, backends/hpu/prompt_attention.py's masked matmul runs.
@@ -29,52 +29,28 @@ modules is imported. Without the kernel, backends/hpu/prompt_attention.py's mask
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from backends.hpu.prompt_attention import HpuPromptMetadata, prompt_keys_values
+from backends.hpu.settings import tri_state
 
 logger = logging.getLogger(__name__)
 
-FUSED_SDPA_ENV = "ENGINE_HPU_FUSED_SDPA"
 PADDING_SIDE = "right"  # each row's tokens first, its padding after (prefill.pad_prompt_batch)
 
 
-def fused_sdpa_setting(setting: str | bool | None = None, env: Mapping[str, str] | None = None) -> str:
-    """auto | true | false: `setting` if given, else ENGINE_HPU_FUSED_SDPA, else hpu.fused_sdpa, else auto."""
-    if setting is None:
-        env = os.environ if env is None else env
-        setting = env.get(FUSED_SDPA_ENV, "").strip() or None
-    if setting is None:
-        from backends.hpu.platform import HpuPlatform
-        from engine.platform import load_yaml_config
-
-        setting = (load_yaml_config(HpuPlatform().default_config()).get("hpu") or {}).get("fused_sdpa", "auto")
-    if isinstance(setting, bool):
-        return "true" if setting else "false"
-    text = str(setting).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return "true"
-    if text in ("0", "false", "no", "off"):
-        return "false"
-    if text != "auto":
-        raise ValueError(f"hpu.fused_sdpa / {FUSED_SDPA_ENV} must be auto, true or false, got {setting!r}")
-    return "auto"
-
-
-def load_fused_sdpa(setting: str | bool | None = None) -> Any | None:
+def load_fused_sdpa(setting: str | bool = "auto") -> Any | None:
     """The FusedSDPA kernel class, or None for the masked-matmul fallback (see the module docstring)."""
-    mode = fused_sdpa_setting(setting)
+    mode = tri_state(setting, "fused_sdpa")
     if mode == "false":
         return None
     try:
         from habana_frameworks.torch.hpex.kernels import FusedSDPA
     except (ImportError, AttributeError) as exc:
         if mode == "true":
-            message = f"hpu.fused_sdpa / {FUSED_SDPA_ENV} is true but FusedSDPA does not import: {exc}"
+            message = f"hpu.fused_sdpa is true but FusedSDPA does not import: {exc}"
             raise RuntimeError(message) from exc
         return None
     logger.info("HPU prompt attention: FusedSDPA (habana_frameworks.torch.hpex.kernels)")

@@ -24,7 +24,6 @@ fake ``habana_frameworks.torch`` (tests) stands in for the bridge's lazy mode an
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -38,6 +37,7 @@ from backends.hpu.attention import (  # noqa: F401  (the bucket/block metadata l
     warmup_batch,
 )
 from backends.hpu.bucketing import PaddedDecodeBatch, page_table_width, resolve_bucket_config
+from backends.hpu.settings import HpuSettings
 from graphs.capture_loop import CaptureReport, capture_loop
 from graphs.compiled_step import compile_count, compile_limits
 
@@ -91,11 +91,6 @@ def _bridge_metric_factory() -> Callable[[], AbstractContextManager[Any]]:
     from habana_frameworks.torch.hpu.metrics import metric_localcontext
 
     return lambda: metric_localcontext("graph_compilation")
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    return default if raw is None or not raw.strip() else raw.strip().lower() in ("1", "true", "yes", "on")
 
 
 class _StepModule(torch.nn.Module):
@@ -182,15 +177,16 @@ class HpuDecodeRunner:
     def from_config(
         cls, step: StepFn, config: Mapping[str, Any], max_blocks_total: int | None = None, **kwargs: Any
     ) -> HpuDecodeRunner:
-        """Buckets, mode and strictness from configs/hpu.yaml plus ENGINE_* env overrides."""
-        from backends.hpu.platform import bridge_is_lazy, graph_mode_from_env
+        """Buckets, mode and strictness from a configs/hpu.yaml-shaped mapping (its hpu: settings,
+        backends/hpu/settings.py)."""
+        from backends.hpu.platform import bridge_is_lazy, resolve_graph_mode
 
-        hpu = dict(config.get("hpu") or {})
+        settings = HpuSettings.from_device_config(config)
         resolved = resolve_bucket_config(config)
         if "mode" not in kwargs:
-            kwargs["mode"] = graph_mode_from_env(default=hpu.get("graph_mode"), bridge_lazy=bridge_is_lazy())
-        kwargs.setdefault("strict", _env_flag("ENGINE_HPU_STRICT", bool(hpu.get("strict", True))))
-        kwargs.setdefault("skip_warmup", bool(hpu.get("skip_warmup", False)))
+            kwargs["mode"] = resolve_graph_mode(settings.graph_mode, bridge_lazy=bridge_is_lazy())
+        kwargs.setdefault("strict", settings.strict)
+        kwargs.setdefault("skip_warmup", settings.skip_warmup)
         return cls(
             step,
             buckets=resolved.decode_pairs(max_blocks_total),
@@ -261,10 +257,10 @@ class HpuDecodeRunner:
     def warmup(self, skip: bool | None = None) -> float:
         """Run every bucket twice (the second run catches guards that fail only on reuse). Returns seconds.
 
-        ENGINE_HPU_SKIP_WARMUP=1 (or skip=True) skips it for development; buckets
+        hpu.skip_warmup (or skip=True) skips it for development; buckets
         then compile on first use and strict mode stays off.
         """
-        if _env_flag("ENGINE_HPU_SKIP_WARMUP", self.skip_warmup) if skip is None else skip:
+        if self.skip_warmup if skip is None else skip:
             logger.warning("HPU decode warm-up skipped: buckets compile on first use, strict mode is off")
             return 0.0
         shapes_done: set[tuple[int, int]] = set()

@@ -17,8 +17,8 @@ modes:
   ``habana_frameworks.torch.hpu.wrap_in_hpu_graph(module, disable_tensor_cache=True)``,
   one HPU graph recorded per input shape, ``mark_step()`` after each step.
 
-The mode follows ENGINE_HPU_GRAPH_MODE (compile | lazy | eager), else
-``hpu.graph_mode`` in configs/hpu.yaml, else what the bridge reports
+The mode follows ``hpu.graph_mode`` (compile | lazy | eager) of the engine's config
+(backends/hpu/settings.py), else what the bridge reports
 (``habana_frameworks.torch.utils.internal.is_lazy()``), else PT_HPU_LAZY_MODE.
 The same order holds for HpuDecodeRunner.from_config.
 
@@ -39,28 +39,41 @@ habana_frameworks; this module never sets them for you):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from backends.hpu.settings import GRAPH_MODES, HpuSettings
 from engine.layers.attention import AttentionMetadata
-from engine.platform import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform, load_yaml_config
+from engine.platform import (
+    CaptureKind,
+    CaptureSettings,
+    DeviceUnavailableError,
+    MemoryInfo,
+    Platform,
+    load_yaml_config,
+)
 from engine.transfer import to_device
 from graphs.step_runner import DecodeStepRunner
 
+if TYPE_CHECKING:
+    from backends.hpu.attention import HpuAttentionBackend
+    from engine.config import EngineConfig
+
 logger = logging.getLogger(__name__)
-GRAPH_MODES = ("compile", "lazy", "eager")
 
 
-def graph_mode_from_env(
-    env: Mapping[str, str] | None = None, default: str | None = None, bridge_lazy: bool | None = None
+def resolve_graph_mode(
+    configured: str | None = None, bridge_lazy: bool | None = None, env: Mapping[str, str] | None = None
 ) -> str:
-    """Pure: ENGINE_HPU_GRAPH_MODE, else `default` (config), else the bridge's mode, else PT_HPU_LAZY_MODE."""
+    """Pure: `configured` (hpu.graph_mode), else the bridge's mode, else PT_HPU_LAZY_MODE (the bridge's own
+    variable, in `env`, default the process's)."""
     env = os.environ if env is None else env
-    mode = (env.get("ENGINE_HPU_GRAPH_MODE") or default or "").strip().lower()
+    mode = (configured or "").strip().lower()
     if not mode and bridge_lazy is not None:
         mode = "lazy" if bridge_lazy else "compile"
     if not mode:
@@ -86,10 +99,33 @@ class HpuPlatform(Platform):
     device_type = "hpu"
     dist_backend = "hccl"
     slot_index_dtype = torch.int64  # index_copy_ wants int64 indices
+    bucketed_steps = True  # every step padded to a bucket (backends/hpu/bucketing.py)
 
     def __init__(self, graph_mode: str | None = None) -> None:
         self._graph_mode = graph_mode
         self._reason: str | None = None
+        self._device_config: dict[str, Any] | None = None  # the engine's (configure), else configs/hpu.yaml
+        self._settings: HpuSettings | None = None
+
+    def configure(self, config: EngineConfig) -> None:
+        self._device_config = config.device_config
+        # Read now: unknown keys and values are refused before anything is built.
+        self._settings = HpuSettings.from_device_config(self._device_config)
+
+    @property
+    def device_config(self) -> dict[str, Any]:
+        """The engine's resolved device config; a platform no engine configured (a test, the tuner) reads its
+        own YAML."""
+        if self._device_config is None:
+            self._device_config = load_yaml_config(self.default_config())
+        return self._device_config
+
+    @property
+    def settings(self) -> HpuSettings:
+        """The hpu: settings of the device config (read once)."""
+        if self._settings is None:
+            self._settings = HpuSettings.from_device_config(self.device_config)
+        return self._settings
 
     # ---- device and availability -------------------------------------------------
     def is_available(self) -> bool:
@@ -119,11 +155,10 @@ class HpuPlatform(Platform):
         return self._reason or "device 'hpu' is not available on this machine"
 
     def graph_mode(self) -> str:
-        """compile | lazy | eager: constructor argument, ENGINE_HPU_GRAPH_MODE, hpu.graph_mode, the bridge."""
+        """compile | lazy | eager: constructor argument, hpu.graph_mode, the bridge."""
         if self._graph_mode is not None:
-            return graph_mode_from_env(env={}, default=self._graph_mode)
-        configured = (load_yaml_config(self.default_config()).get("hpu") or {}).get("graph_mode")
-        return graph_mode_from_env(default=configured, bridge_lazy=bridge_is_lazy())
+            return resolve_graph_mode(self._graph_mode, env={})
+        return resolve_graph_mode(self.settings.graph_mode, bridge_lazy=bridge_is_lazy())
 
     # ---- memory -------------------------------------------------------------------
     def memory_info(self) -> MemoryInfo:
@@ -141,19 +176,26 @@ class HpuPlatform(Platform):
     def synchronize(self) -> None:
         torch.hpu.synchronize()
 
+    def device_count(self) -> int | None:
+        return int(torch.hpu.device_count())
+
+    def set_device(self, index: int) -> None:
+        torch.hpu.set_device(index)
+
     # ---- attention and KV ----------------------------------------------------------
-    def attention_backend(self) -> Any:
+    def attention_backend(self) -> HpuAttentionBackend:
         # Flat paged attention over vllm-gaudi's block list: static shapes per (bs, blocks) bucket. In lazy
         # mode every prefill's forward pass ends with a mark_step (see HpuAttentionBackend.step_context).
-        # Padded prompts through FusedSDPA where the bridge has it (hpu.fused_sdpa / ENGINE_HPU_FUSED_SDPA).
+        # Padded prompts through FusedSDPA where the bridge has it (hpu.fused_sdpa).
         from backends.hpu.attention import HpuAttentionBackend
         from backends.hpu.fused_sdpa import load_fused_sdpa
 
-        return HpuAttentionBackend(self.store_kv, mark_steps=self.graph_mode() == "lazy", fused_sdpa=load_fused_sdpa())
+        fused_sdpa = load_fused_sdpa(self.settings.fused_sdpa)
+        return HpuAttentionBackend(self.store_kv, mark_steps=self.graph_mode() == "lazy", fused_sdpa=fused_sdpa)
 
     def prepare_model(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
-        """Decode softmax in fp32 for the model types that need it (hpu.fp32_softmax / ENGINE_HPU_FP32_SOFTMAX)."""
-        configure_fp32_softmax(model)
+        """Decode softmax in fp32 for the model types that need it (hpu.fp32_softmax)."""
+        configure_fp32_softmax(model, self.settings.fp32_softmax)
 
     def store_kv(
         self,
@@ -174,13 +216,13 @@ class HpuPlatform(Platform):
         mode = self.graph_mode()
         if mode == "lazy":
             return CaptureSettings(
-                kind="hpu_graph",
+                kind=CaptureKind.HPU_GRAPH,
                 compile_options={"wrap_in_hpu_graph": True, "disable_tensor_cache": True},
             )
         if mode == "eager":
-            return CaptureSettings(kind="none")
+            return CaptureSettings(kind=CaptureKind.NONE)
         return CaptureSettings(
-            kind="compile",
+            kind=CaptureKind.COMPILE,
             compile_backend="hpu_backend",
             compile_options={"dynamic": False, "fullgraph": False, "wrap_in_hpu_graph": False},
         )
@@ -189,12 +231,24 @@ class HpuPlatform(Platform):
         # The engine-facing adapter below; HpuDecodeRunner itself takes a step callable.
         return HpuEngineRunner
 
+    def decode_runner_options(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        extend_layer_fn: Callable[..., torch.Tensor] | None,
+    ) -> dict[str, object]:
+        """The engine's device config (the runner's buckets and hpu: settings) and graph mode; strict= only with
+        --strict-graphs: hpu.strict (on) holds otherwise, in every graph mode."""
+        options: dict[str, object] = {"device_config": self.device_config, "mode": self.graph_mode()}
+        return {**options, "strict": True} if config.strict_graphs else options
+
     def prefill_runner_class(self) -> Callable[..., Any]:
         # Extend steps padded to prompt buckets (backends/hpu/prefill_runner.py), so lazy mode compiles one
         # graph per bucket at warm-up rather than one per new prompt length while serving.
         from backends.hpu.prefill_runner import HpuPrefillRunner
 
-        return HpuPrefillRunner.from_engine
+        return functools.partial(HpuPrefillRunner.from_engine, device_config=self.device_config, mode=self.graph_mode())
 
     def set_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -211,20 +265,15 @@ def require_hpu() -> HpuPlatform:
     return platform
 
 
-def configure_fp32_softmax(model: Any, setting: str | bool | None = None) -> bool:
-    """Set fp32_softmax on the model's HPU attention backends from `setting` (default: ENGINE_HPU_FP32_SOFTMAX,
-    else hpu.fp32_softmax, else "auto": by the model's family, FamilyTraits.fp32_softmax_on_hpu)."""
+def configure_fp32_softmax(model: Any, setting: str | bool = "auto") -> bool:
+    """Set fp32_softmax on the model's HPU attention backends from `setting` (hpu.fp32_softmax; "auto": by the
+    model's family, FamilyTraits.fp32_softmax_on_hpu)."""
     from backends.hpu.attention import HpuAttentionBackend, fp32_softmax_for
     from engine.layers.attention import Attention
 
-    if setting is None:
-        configured = (load_yaml_config(HpuPlatform().default_config()).get("hpu") or {}).get("fp32_softmax", "auto")
-        setting = os.environ.get("ENGINE_HPU_FP32_SOFTMAX") or configured
-    flag = fp32_softmax_for(getattr(getattr(model, "config", None), "model_type", None), setting)
-    modules = model.modules() if hasattr(model, "modules") else []
+    flag = fp32_softmax_for(model.config.model_type, setting)
     backends = {
-        id(b): b
-        for b in [getattr(model, "attention_backend", None)] + [m.backend for m in modules if isinstance(m, Attention)]
+        id(b): b for b in [model.attention_backend] + [m.backend for m in model.modules() if isinstance(m, Attention)]
     }
     for backend in backends.values():
         if isinstance(backend, HpuAttentionBackend):
@@ -287,18 +336,19 @@ class HpuEngineRunner(DecodeStepRunner):
         slot_dtype: torch.dtype = torch.int64,
         strict: bool | None = None,
         regional_compilation: bool | None = None,
+        device_config: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> None:
-        """Arguments as the engine passes them; `options` go to HpuDecodeRunner (mode, compile_backend, ...).
-
-        strict None: hpu.strict / ENGINE_HPU_STRICT (on), the same in every graph mode. regional_compilation
-        (compile mode; None: ENGINE_HPU_REGIONAL_COMPILATION, else hpu.regional_compilation, on): compile one
-        decoder layer's graph for all layers instead of the whole step."""
+        """Arguments as the engine passes them (HpuPlatform.decode_runner_options adds the engine's
+        device_config, its buckets and hpu: settings; None: configs/hpu.yaml); `options` go to HpuDecodeRunner
+        (mode, compile_backend, ...). strict None: hpu.strict (on), the same in every graph mode.
+        regional_compilation (compile mode; None: hpu.regional_compilation, on): compile one decoder layer's
+        graph for all layers instead of the whole step."""
         from backends.hpu.bucketing import resolve_bucket_config
-        from backends.hpu.graph_runner import HpuDecodeRunner, _env_flag
+        from backends.hpu.graph_runner import HpuDecodeRunner
 
-        config = load_yaml_config(HpuPlatform().default_config())
-        hpu = dict(config.get("hpu") or {})
+        config = dict(device_config) if device_config is not None else load_yaml_config(HpuPlatform().default_config())
+        settings = HpuSettings.from_device_config(config)
         config.update(capture_sizes=capture_sizes, page_size=page_size, max_model_len=max_pages_per_seq * page_size)
         options.update(device=device, slot_dtype=slot_dtype)
         # Build vllm-gaudi's flat block layout for every padded bucket: HpuAttentionBackend reads it,
@@ -307,14 +357,12 @@ class HpuEngineRunner(DecodeStepRunner):
         if strict is not None:
             options["strict"] = strict
         if "mode" not in options:
-            options["mode"] = graph_mode_from_env(default=hpu.get("graph_mode"), bridge_lazy=bridge_is_lazy())
+            options["mode"] = resolve_graph_mode(settings.graph_mode, bridge_lazy=bridge_is_lazy())
+        # The attention backend's fp32 softmax is the engine's to set (HpuPlatform.prepare_model), before this.
         self.model, self.kv_caches = model, kv_caches
-        configure_fp32_softmax(model)
         decode = None
         if regional_compilation is None:
-            regional_compilation = _env_flag(
-                "ENGINE_HPU_REGIONAL_COMPILATION", bool(hpu.get("regional_compilation", True))
-            )
+            regional_compilation = settings.regional_compilation
         pool_pages = kv_caches[0][0].shape[0] // page_size  # no bucket needs more blocks than the pool has
         entries = len(resolve_bucket_config(config).decode_pairs(pool_pages)) + 8  # one compiled entry per bucket
         if options["mode"] == "compile" and regional_compilation:
@@ -331,8 +379,8 @@ class HpuEngineRunner(DecodeStepRunner):
             options["precompiled"] = True
         self.regional_compilation = decode is not None
         # The hooks are the attention backend's (its `graph_hooks`), configured with the runner's settings.
-        backend = getattr(model, "attention_backend", None)
-        if backend is not None and hasattr(backend, "graph_hooks"):
+        backend = model.attention_backend
+        if backend is not None and backend.graph_hooks is not None:
             options.setdefault("hooks_class", backend.graph_hooks)
         step = model_step(model, kv_caches, page_size, kv_caches[0][0].dtype, decode)
         self.inner = HpuDecodeRunner.from_config(step, config, pool_pages, **options)

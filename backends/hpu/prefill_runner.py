@@ -23,11 +23,12 @@ On CPU (tests) `mode="eager"` or `compile_backend="eager"` run the same code.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from backends.hpu.attention import HpuAttentionBackend
 from backends.hpu.prefill import (
     PaddedPromptBatch,
     group_prompts,
@@ -56,7 +57,6 @@ def prompt_model_step(model: Any, kv_caches: KVCaches, page_size: int, bias_dtyp
     last two for a bucket with context pages). The attention mask is built on the device once per step from
     the lengths (HpuPromptMetadata), not at all for a step without a prefix that FusedSDPA runs with its causal
     flag; and the LM head sees one token per row."""
-    backend = getattr(model, "attention_backend", None)
 
     def step(
         input_ids,
@@ -68,7 +68,9 @@ def prompt_model_step(model: Any, kv_caches: KVCaches, page_size: int, bias_dtyp
         ctx_pages=None,
     ):
         rows = seq_lens.shape[0]
-        fused = getattr(backend, "fused_sdpa", None) is not None  # read per call: follows a backend switched later
+        # Read per call: follows a backend switched later.
+        backend = model.attention_backend
+        fused = isinstance(backend, HpuAttentionBackend) and backend.fused_sdpa is not None
         prompt = HpuPromptMetadata.from_lengths(
             seq_lens, input_ids.shape[0] // rows, bias_dtype, ctx_lens, ctx_pages, page_size, with_bias=not fused
         )
@@ -140,22 +142,24 @@ class HpuPrefillRunner(StepRunner):
         max_model_len: int,
         device: torch.device,
         slot_dtype: torch.dtype = torch.int64,
+        device_config: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> HpuPrefillRunner:
-        """Buckets, mode and warm-up from configs/hpu.yaml plus ENGINE_* env overrides, for the engine's page
-        size and context length (no bucket longer than the first that holds a max_model_len - 1 token prompt;
-        buckets with context pages from hpu.prompt_ctx_bucket, within hpu.max_prompt_ctx_buckets)."""
+        """Buckets, mode and warm-up from the engine's device config (HpuPlatform.prefill_runner_class passes it;
+        None: configs/hpu.yaml), for the engine's page size and context length (no bucket longer than the first
+        that holds a max_model_len - 1 token prompt; buckets with context pages from hpu.prompt_ctx_bucket,
+        within hpu.max_prompt_ctx_buckets)."""
         from backends.hpu.bucketing import resolve_bucket_config
-        from backends.hpu.graph_runner import _env_flag
-        from backends.hpu.platform import HpuPlatform, bridge_is_lazy, graph_mode_from_env
+        from backends.hpu.platform import HpuPlatform, bridge_is_lazy, resolve_graph_mode
+        from backends.hpu.settings import HpuSettings
         from engine.platform import load_yaml_config
 
-        config = load_yaml_config(HpuPlatform().default_config())
-        hpu = dict(config.get("hpu") or {})
+        config = dict(device_config) if device_config is not None else load_yaml_config(HpuPlatform().default_config())
+        settings = HpuSettings.from_device_config(config)
         config.update(page_size=page_size, max_model_len=max_model_len)
         if "mode" not in options:
-            options["mode"] = graph_mode_from_env(default=hpu.get("graph_mode"), bridge_lazy=bridge_is_lazy())
-        options.setdefault("skip_warmup", _env_flag("ENGINE_HPU_SKIP_WARMUP", bool(hpu.get("skip_warmup", False))))
+            options["mode"] = resolve_graph_mode(settings.graph_mode, bridge_lazy=bridge_is_lazy())
+        options.setdefault("skip_warmup", settings.skip_warmup)
         resolved = resolve_bucket_config(config)
         options.setdefault("ctx_buckets", resolved.prompt_ctx_triples(max_model_len - 1))
         buckets = resolved.prompt_pairs(max_model_len - 1)
@@ -197,7 +201,7 @@ class HpuPrefillRunner(StepRunner):
     def capture(self) -> None:
         """Run every prompt bucket, with context pages or not, before serving (twice when compiled: the second
         run catches guards that fail only on reuse), on batches that write only the dummy slot and read only
-        the dummy page. ENGINE_HPU_SKIP_WARMUP / skip_warmup: buckets compile on first use instead."""
+        the dummy page. hpu.skip_warmup: buckets compile on first use instead."""
         if self.skip_warmup:
             logger.warning("HPU prefill warm-up skipped: prompt buckets compile on first use")
             self._warm = True

@@ -53,9 +53,10 @@ import torch
 
 from backends.npu.kv_store import paged_view
 from engine.errors import EngineError
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata
 from engine.layers.torch_attention import extend_attention, gather_context
 from engine.transfer import to_device
+from graphs.capture_hooks import CaptureHooks
 from graphs.static_buffers import StaticDecodeBuffers
 
 if TYPE_CHECKING:
@@ -297,7 +298,7 @@ def fill_static_inputs(
     return n
 
 
-class NpuGraphHooks:
+class NpuGraphHooks(CaptureHooks):
     """The NPU's capture/replay hooks (graphs/capture_hooks.py names, over the step callable's raw inputs):
     static buffers with a host copy of the lengths, capture-time lengths, the update-record check after
     each capture, and graph.update of the host lengths before each replay.
@@ -414,10 +415,13 @@ def _npu_store_kv() -> StoreFn:
     return NpuPlatform().store_kv
 
 
-class NpuAttentionBackend:
+class NpuAttentionBackend(AttentionBackend):
     """KV writes through NpuPlatform.store_kv; decode through _npu_paged_attention; extend in torch ops."""
 
     name = "npu_paged"
+    # _npu_paged_attention takes no window or soft-cap and reads float caches: the engine keeps the context
+    # within a model's window and refuses soft-capped models here.
+    capabilities = AttentionCapabilities()
     seq_lens_update_key = SEQ_LENS_UPDATE_KEY
     # Its capture/replay hooks (host lengths, graph.update, the update-record check): NpuDecodeGraphRunner's.
     graph_hooks = NpuGraphHooks

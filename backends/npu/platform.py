@@ -26,14 +26,25 @@ Ascend runtime settings worth knowing (set them before the process starts):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from backends.npu.kv_store import slot_scatter_indices, store_kv_reference, updates_for
-from engine.platform import CaptureSettings, DeviceUnavailableError, MemoryInfo, Platform, load_yaml_config
+from engine.platform import (
+    CaptureKind,
+    CaptureSettings,
+    DeviceUnavailableError,
+    MemoryInfo,
+    Platform,
+    load_yaml_config,
+)
 from graphs.step_runner import DecodeStepRunner
+
+if TYPE_CHECKING:
+    from backends.npu.attention import NpuAttentionBackend
+    from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 MAX_ACLGRAPH_GRAPHS = 1800  # vllm-ascend: 2048 streams minus 248 kept in reserve
@@ -95,8 +106,14 @@ class NpuPlatform(Platform):
     def synchronize(self) -> None:
         torch.npu.synchronize()
 
+    def device_count(self) -> int | None:
+        return int(torch.npu.device_count())
+
+    def set_device(self, index: int) -> None:
+        torch.npu.set_device(index)
+
     # ---- attention and KV ----------------------------------------------------------
-    def attention_backend(self) -> Any:
+    def attention_backend(self) -> NpuAttentionBackend:
         # npu_scatter_nd_update_ stores + torch_npu._npu_paged_attention decode (host context_lens,
         # refreshed per graph replay by NpuDecodeGraphRunner); see backends/npu/attention.py.
         from backends.npu.attention import NpuAttentionBackend
@@ -125,7 +142,7 @@ class NpuPlatform(Platform):
     # ---- capture ---------------------------------------------------------------------
     def capture_settings(self) -> CaptureSettings:
         return CaptureSettings(
-            kind="npu_graph",
+            kind=CaptureKind.NPU_GRAPH,
             compile_options={
                 "graph_class": "torch.npu.NPUGraph",
                 "capture_context": "torch.npu.graph",
@@ -138,6 +155,26 @@ class NpuPlatform(Platform):
     def graph_runner_class(self) -> type:
         # The engine-facing adapter below; NpuDecodeGraphRunner itself takes a step callable.
         return NpuEngineRunner
+
+    def decode_runner_options(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        extend_layer_fn: Callable[..., torch.Tensor] | None,
+    ) -> dict[str, object]:
+        """The engine's device config: the npu: section the runner reads (a --capture-config's included)."""
+        return {"device_config": config.device_config}
+
+    def max_captured_graphs(self, num_layers: int, device_config: Mapping[str, Any]) -> int | None:
+        """Capture sizes aclgraph's streams hold for this layer count (npu_graph_budget, one communication-free
+        rank; the npu: section's hccl_aiv and max_graphs)."""
+        from backends.npu.graph_runner import npu_graph_budget
+
+        npu = device_config.get("npu") or {}
+        return npu_graph_budget(
+            num_layers, 0, bool(npu.get("hccl_aiv", False)), int(npu.get("max_graphs", MAX_ACLGRAPH_GRAPHS))
+        )
 
     def set_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -221,6 +258,7 @@ class NpuEngineRunner(DecodeStepRunner):
         device: torch.device,
         slot_dtype: torch.dtype = torch.int32,
         check_device_limits: bool | None = None,
+        device_config: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> None:
         """Arguments as the engine passes them; `options` go to NpuDecodeGraphRunner (graph_api, ...).
@@ -237,7 +275,8 @@ class NpuEngineRunner(DecodeStepRunner):
             runtime = getattr(getattr(torch, "npu", None), "get_task_queue_enable", None)
             check_task_queue_for_capture(task_queue_level(runtime_level=runtime() if callable(runtime) else None))
 
-        config = load_yaml_config(NpuPlatform().default_config())
+        # The engine's resolved device config (NpuPlatform.decode_runner_options); a test's runner reads the YAML.
+        config = dict(device_config) if device_config is not None else load_yaml_config(NpuPlatform().default_config())
         config.update(
             capture_sizes=capture_sizes,
             max_capture_size=max(capture_sizes),
@@ -254,8 +293,8 @@ class NpuEngineRunner(DecodeStepRunner):
         # Every attention layer launches the op once per step: one graph.update record each, or replays are stale.
         options.setdefault("update_records_per_graph", len(kv_caches))
         # The hooks are the attention backend's (its `graph_hooks`), configured with the runner's settings.
-        backend = getattr(model, "attention_backend", None)
-        if backend is not None and hasattr(backend, "graph_hooks"):
+        backend = model.attention_backend
+        if backend is not None and backend.graph_hooks is not None:
             options.setdefault("hooks_class", backend.graph_hooks)
         step = model_step(model, kv_caches, page_size)
         self.inner = NpuDecodeGraphRunner.from_config(step, config, num_layers=len(kv_caches), device=device, **options)

@@ -4,21 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from engine.distributed.sharding import check_tensor_parallel
 from engine.errors import EngineError
+from engine.platform import Platform
 
 
-def device_count(platform: Any) -> int | None:
-    """Accelerators this process can see (None: the CPU, where every rank shares the host)."""
-    if platform.device_type == "cpu":
-        return None
-    module = getattr(torch, platform.device_type, None)
-    return int(module.device_count()) if module is not None and hasattr(module, "device_count") else 0
-
-
-def check_launch(config: Any, platform: Any, source: Any, model_config: Any) -> None:
+def check_launch(config: Any, platform: Platform, source: Any, model_config: Any) -> None:
     """The engine config (EngineConfig, resolved), the platform, the ModelSource and its ModelConfig."""
     world = int(config.tensor_parallel_size)
     if source.kind == "gguf":
@@ -31,7 +22,7 @@ def check_launch(config: Any, platform: Any, source: Any, model_config: Any) -> 
             f"--tensor-parallel-size {world} with --quantization {config.quantization}: quantized weights "
             "are not sharded yet; use --tensor-parallel-size 1"
         )
-    available = device_count(platform)
+    available = platform.device_count()  # None: the host, which every rank shares
     if available is not None and world > available:
         raise EngineError(
             f"--tensor-parallel-size {world} needs {world} {platform.name} devices (one per rank); this "

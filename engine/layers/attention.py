@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import abc
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -38,19 +39,52 @@ class AttentionMetadata:
     platform_metadata: Any = None
 
 
-def step_context(backend: Any, meta: AttentionMetadata) -> AbstractContextManager[Any]:
-    """The backend's per-step context (backends without per-step shared work have none)."""
-    enter = getattr(backend, "step_context", None)
-    return enter(meta) if enter is not None else nullcontext()
+@dataclass(frozen=True)
+class AttentionCapabilities:
+    """What an attention backend implements beyond plain causal attention over a float KV cache. The engine
+    reads these before the model runs; a layer never calls a backend with an argument it does not declare
+    (attention_extras)."""
+
+    sliding_window: bool = False  # takes window= (each query sees its last `window` positions)
+    softcap: bool = False  # takes softcap= (Gemma 2's cap * tanh(score / cap))
+    fp8_kv: bool = False  # reads and writes an FP8 (e4m3) KV cache, takes k_scale= and v_scale=
+    # Reads this step's k and v through their strides (views of a fused qkv projection), so the layer
+    # skips the .contiguous() copies: one kernel a layer in every compiled step.
+    strided_kv: bool = False
 
 
-class AttentionBackend(Protocol):
-    """Per-platform attention; chosen by Platform.attention_backend()."""
+class AttentionBackend(abc.ABC):
+    """Per-platform attention, chosen by Platform.attention_backend(); the only code that touches the KV cache.
+
+    A subclass declares its `capabilities` and, where its platform's decode runner builds per-runner
+    capture/replay hooks (graphs/capture_hooks.py), their class in `graph_hooks`."""
+
+    name: ClassVar[str] = "base"
+    capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities()
+    # The capture/replay hooks class this backend's platform runner builds with its own settings (HPU: the
+    # buckets; NPU: the graph.update key); None: the decode graph runner's (the backend itself where it is
+    # a graphs.capture_hooks.CaptureHooks, else the static-buffer default).
+    graph_hooks: ClassVar[type[object] | None] = None
+    # The KV cache's dtype, set by the engine before the first step: what a backend that builds per-step
+    # tensors for the cache (the torch backend's additive masks) builds them in.
+    kv_dtype: torch.dtype = torch.float32
 
     def step_context(self, meta: AttentionMetadata) -> AbstractContextManager[Any]:
-        """Entered around one forward pass (eager, or a compiled step); per-step shared work goes here."""
-        ...
+        """Entered around one forward pass (eager, or a compiled step); per-step shared work goes here
+        (nothing by default)."""
+        return nullcontext()
 
+    def precompile_kernels(
+        self,
+        model: nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        decode_metas: list[AttentionMetadata],
+    ) -> int:
+        """Compile the backend's own kernels ahead for these capture metadata (the CUDA platform calls it in the
+        background while the decode step compiles); returns the launches made: none by default."""
+        return 0
+
+    @abc.abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -60,7 +94,14 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """Store this step's k/v at meta.slot_indices and attend; q [tokens, heads, dim], k/v [tokens, kv_heads,
+        dim]. A backend with a capability takes its keyword too (AttentionCapabilities)."""
+
+
+def step_context(backend: AttentionBackend | None, meta: AttentionMetadata) -> AbstractContextManager[Any]:
+    """The backend's per-step context; none before a backend is set."""
+    return backend.step_context(meta) if backend is not None else nullcontext()
 
 
 class Attention(nn.Module):
@@ -80,11 +121,11 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
-        # Scores soft-capped to softcap * tanh(score / softcap) (Gemma 2); only backends that declare
-        # supports_softcap run such a model (the engine refuses it elsewhere).
+        # Scores soft-capped to softcap * tanh(score / softcap) (Gemma 2); only backends whose capabilities
+        # include softcap run such a model (the engine refuses it elsewhere).
         self.softcap = float(softcap or 0.0)
-        # Each query sees its last `sliding_window` positions (None: all of them). Only backends that
-        # declare supports_sliding_window get a window; for the others the engine keeps the context
+        # Each query sees its last `sliding_window` positions (None: all of them). Only backends whose
+        # capabilities include sliding_window get a window; for the others the engine keeps the context
         # within the window instead.
         self.sliding_window = sliding_window
         self.backend: AttentionBackend | None = None  # set by the model runner
@@ -117,9 +158,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
         assert self.backend is not None, "attention backend not set; load the model through engine.loader"
-        if not getattr(self.backend, "takes_strided_kv", False):
+        if not self.backend.capabilities.strided_kv:
             # k, v arrive as views of a fused projection (rows strided). A backend that reads them through
-            # their strides (takes_strided_kv) saves the copy: one kernel a layer in every compiled step.
+            # their strides (capabilities.strided_kv) saves the copy: one kernel a layer in every compiled step.
             k, v = k.contiguous(), v.contiguous()
         window = self.sliding_window or 0
         k_scale, v_scale = self.kv_scales_for(kv_cache[0])

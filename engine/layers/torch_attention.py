@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata
 from engine.layers.ops import define_decode_attention_op
 
 
@@ -214,19 +214,18 @@ def extend_attention(
     return out
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     """Attention in torch ops; decode through the opaque custom op above."""
 
     name = "torch"
-    supports_sliding_window = True
-    supports_softcap = True
+    capabilities = AttentionCapabilities(sliding_window=True, softcap=True)
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
-        self.dtype = dtype  # of the KV cache (what q is cast to), for the additive mask
+    def __init__(self, kv_dtype: torch.dtype = torch.float32) -> None:
+        self.kv_dtype = kv_dtype  # of the KV cache (what q is cast to), for the additive mask
 
     def step_context(self, meta: AttentionMetadata) -> AbstractContextManager[DecodePlan | None]:
         """Around one forward pass: decode steps share one DecodePlan across layers."""
-        return decode_plan(meta, self.dtype) if meta.is_decode else nullcontext()
+        return decode_plan(meta, self.kv_dtype) if meta.is_decode else nullcontext()
 
     def forward(
         self,

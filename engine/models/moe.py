@@ -24,6 +24,7 @@ from torch import nn
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoE, sparse_moe
 from engine.models.decoder import DecoderForCausalLM
+from engine.platform import CaptureSettings
 
 # (layer, expert, projection) of a per-expert checkpoint tensor.
 _EXPERT = re.compile(
@@ -84,10 +85,10 @@ class MoEForCausalLM(DecoderForCausalLM):
             moe.shared_expert_intermediate_size,
         )
 
-    def supports_device_graphs(self, platform: str) -> bool:
+    def supports_device_graphs(self, capture: CaptureSettings) -> bool:
         # The torch experts op looks at which experts were hit (engine/layers/moe.py): CPU compiled
         # graphs call it between their pieces; a captured device graph needs a capturable method.
-        return platform == "cpu" or all(m.method.capturable for m in self.modules() if isinstance(m, SparseMoE))
+        return capture.host_syncs_ok or all(m.method.capturable for m in self.modules() if isinstance(m, SparseMoE))
 
     def checkpoint_route(self, name: str) -> tuple[str, Any] | None:
         if (router := _ROUTER.match(name)) is not None:
