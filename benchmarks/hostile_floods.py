@@ -21,11 +21,8 @@ import json
 import os
 import resource
 import shlex
-import signal
 import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,44 +30,11 @@ from typing import Any
 
 import httpx
 
+from benchmarks.serve_process import Server
+
 SERVER_ARGS = "--dtype float32 --capture-sizes 1,2,4,8 --max-num-seqs 8 --kv-cache-tokens 8192 --torch-threads 1"
 CANARY = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
 LONG_PROMPT = "word " * 1890  # 1,891 tokens for SmolLM2's tokenizer
-
-
-class Server:
-    """`engine serve` of --repo on a free loopback port, its log in a file."""
-
-    def __init__(self, repo: str, extra: list[str], log_path: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.base = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": repo}
-        command = [sys.executable, "-m", "engine.cli", "serve", "--port", str(self.port), *extra]
-        with open(log_path, "w") as log:
-            self.process = subprocess.Popen(command, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}; see {log_path}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server did not start; see {log_path}")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 def raw_request(port: int, body: bytes, stop: threading.Event) -> str:

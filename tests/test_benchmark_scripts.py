@@ -27,7 +27,7 @@ from conftest import REPO_ROOT, build_tiny_checkpoint
 BENCHMARKS = os.path.join(REPO_ROOT, "benchmarks")
 SCRIPTS = sorted(os.path.basename(path) for path in glob.glob(os.path.join(BENCHMARKS, "*.py")))
 # Modules the scripts import rather than scripts: each must import on a CPU-only machine, and has no __main__.
-HELPERS = {"gpu_timing.py"}
+HELPERS = {"gpu_timing.py", "serve_process.py"}
 TIMEOUT_S = 300
 
 
