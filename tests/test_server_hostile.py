@@ -818,7 +818,8 @@ def test_grammars_past_the_compile_deadline_are_refused_and_delay_no_one(server:
     """Three schemas within every size and depth limit that take ~28 s each to compile: killed at the 5 s CPU
     deadline, a 400 "grammar too complex" each; plain and schema canaries beside them stay fast."""
     server.wait_idle()
-    timed_out = server.metrics()["engine:grammar_checks_timed_out_total"]
+    before = server.metrics()
+    timed_out = before["engine:grammar_checks_timed_out_total"]
     bodies = [
         {"prompt": "hi", "max_tokens": 3, "response_format": _schema_format(_wide_object(2000, f"deadline{i}"))}
         for i in range(3)
@@ -833,7 +834,10 @@ def test_grammars_past_the_compile_deadline_are_refused_and_delay_no_one(server:
             "(--grammar-compile-timeout)"
         ), error
     _assert_canaries_were_served(seen)
-    assert server.metrics()["engine:grammar_checks_timed_out_total"] == timed_out + 3
+    after = server.metrics()
+    assert after["engine:grammar_checks_timed_out_total"] == timed_out + 3
+    # Each ran past 0.5 s of CPU at the lowest priority, so the canaries' small schemas were checked first.
+    assert after["engine:grammar_checks_demoted_total"] == before["engine:grammar_checks_demoted_total"] + 3
     server.wait_idle()
 
 

@@ -246,6 +246,12 @@ class _GrammarCollector:
                 "Request grammars whose compiler process died on them.",
                 c.crashed,
             ),
+            (
+                CounterMetricFamily,
+                "engine:grammar_checks_demoted",
+                "Request grammar checks that passed 0.5 s of CPU and went on at the lowest priority.",
+                c.demoted,
+            ),
         ]
         for family_type, name, doc, value in series:
             family = family_type(name, doc, labels=["model_name"])
