@@ -52,7 +52,7 @@ from engine.loader.resolve import default_model_path  # noqa: E402
 # ---------------------------------------------------------------------------------------------
 
 # Shapes shared by every tiny model: GQA (4 query heads over 2 kv heads), head_dim 16.
-_COMMON = dict(
+TINY_COMMON = dict(
     hidden_size=64,
     intermediate_size=128,
     num_attention_heads=4,
@@ -268,7 +268,7 @@ def build_tiny_checkpoint(name: str, folder: str, **overrides: Any) -> str:
 
     spec = TINY_SPECS[name]
     config_cls = getattr(transformers, spec["config_cls"])
-    kwargs = {**_COMMON, **spec["kwargs"], **overrides}
+    kwargs = {**TINY_COMMON, **spec["kwargs"], **overrides}
     config = config_cls(**kwargs)
     torch.manual_seed(spec["seed"])
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -10,29 +10,22 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import TINY_COMMON
 from helpers import engine_logits, get_engine, hf_greedy, hf_last_logits
 from test_hf_parity import MODES, TINY_ARRIVALS, assert_logits_close, check_run, tiny_prompts
 
 from engine.engine import Engine
 from engine.models.families.olmo2 import Olmo2ForCausalLM
 
-# The other tiny checkpoints' shapes (tests/conftest.py): GQA 4 query heads over 2 KV heads, head_dim 16,
-# a large init so that greedy margins sit far above float32 noise.
+# The other tiny checkpoints' shapes (tests/conftest.py TINY_COMMON: GQA 4 query heads over 2 KV heads,
+# head_dim 16, a large init so that greedy margins sit far above float32 noise).
 CONFIG = dict(
+    TINY_COMMON,
     vocab_size=352,
-    hidden_size=64,
-    intermediate_size=128,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.2,
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
     rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
 )
 
 
