@@ -43,6 +43,7 @@ WALL_FACTOR = 4  # a worker starved of CPU is still killed at this many times th
 WALL_GRACE_S = 5.0
 START_TIMEOUT_S = 120.0  # the first worker waits for the fork server to import xgrammar and torch
 RESTART_PAUSE_S = 1.0  # after a worker failed to start, before the next try
+SPAWN_WAIT_S = 10.0  # close() waits this long at most for a worker's spawn under way
 WORKER_MODULE = "engine.structured.worker"
 # A check that has used this much CPU drops to the lowest priority (a multi-level feedback queue of two
 # levels): a small grammar that arrives while big ones compile gets the CPU first, so it is not slowed by
@@ -86,6 +87,10 @@ class GrammarPool:
         self._tokenizer_info_json = tokenizer_info_json
         self._info_json: str | None = None
         self._info_lock = threading.Lock()
+        # Held while a worker is being spawned: the fork server's child reads its start-up data from this
+        # process, and a server that exits in the middle leaves it a traceback instead of a quiet exit.
+        # close() takes it for good, so no spawn is half done (or begun) after it.
+        self._spawning = threading.Lock()
         self._lock = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
         self._closed = False
@@ -128,6 +133,7 @@ class GrammarPool:
             self._queue.clear()
             self.counts.queued = 0
             self._lock.notify_all()
+        self._spawning.acquire(timeout=SPAWN_WAIT_S)  # a spawn under way ends first; none starts after it
 
     # ---- the slots: one thread per worker process ----------------------------------------------------
     def _slot(self) -> None:
@@ -166,7 +172,7 @@ class GrammarPool:
                 if self._info_json is None:
                     self._info_json = self._tokenizer_info_json()
                 info_json = self._info_json
-            return _Worker.start(info_json)
+            return _Worker.start(info_json, self._spawning)
         except Exception:
             if not self._closed:  # closing cancels the vocabulary's description: not worth a traceback
                 logger.exception("a grammar compiler process failed to start")
@@ -249,13 +255,18 @@ class _Worker:
             self.demoted = True
 
     @staticmethod
-    def start(info_json: str) -> _Worker:
+    def start(info_json: str, spawning: threading.Lock) -> _Worker:
         from engine.structured.worker import serve
 
         context = _context()
         parent, child = context.Pipe()
         process = context.Process(target=serve, args=(child, info_json), name="grammar-compiler", daemon=True)
-        process.start()
+        if not spawning.acquire(timeout=SPAWN_WAIT_S):
+            raise GrammarWorkerError("the grammar compiler is shutting down")
+        try:
+            process.start()
+        finally:
+            spawning.release()
         child.close()
         worker = _Worker(process, parent)
         if not parent.poll(START_TIMEOUT_S) or parent.recv() != ("ready",):

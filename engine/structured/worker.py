@@ -13,7 +13,7 @@ import signal
 from multiprocessing.connection import Connection
 
 from engine.errors import InvalidRequestError
-from engine.structured.spec import compile_spec, import_xgrammar, xgrammar_message
+from engine.structured.spec import GrammarSpec, compile_spec, import_xgrammar, xgrammar_message
 
 with contextlib.suppress(ImportError):  # loaded into the fork server now, not in each worker
     import xgrammar  # noqa: F401
@@ -30,17 +30,21 @@ def serve(conn: Connection, tokenizer_info_json: str) -> None:
     xgr = import_xgrammar()
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # the pool's cache is by spec
-    conn.send(("ready",))
-    while True:
-        try:
+    # The pool may close the pipe at any moment (the server shutting down while this worker starts or
+    # compiles): a worker whose pipe is gone ends quietly, never with a traceback in the server's log.
+    with contextlib.suppress(EOFError, OSError):
+        conn.send(("ready",))
+        while True:
             job_id, spec = conn.recv()
-        except (EOFError, OSError):
-            return  # the pool is gone: never outlive it
-        error: str | None = None
-        try:
-            compile_spec(compiler, spec)
-        except InvalidRequestError as exc:
-            error = str(exc)
-        except Exception as exc:  # xgrammar failing another way: still this grammar's problem
-            error = f"the {spec.describe()} could not be compiled: {xgrammar_message(exc)}"
-        conn.send((job_id, error))
+            conn.send((job_id, _verdict(compiler, spec)))
+
+
+def _verdict(compiler: object, spec: GrammarSpec) -> str | None:
+    """None if the spec compiles and can match some text, else the message of its 400."""
+    try:
+        compile_spec(compiler, spec)
+    except InvalidRequestError as exc:
+        return str(exc)
+    except Exception as exc:  # xgrammar failing another way: still this grammar's problem
+        return f"the {spec.describe()} could not be compiled: {xgrammar_message(exc)}"
+    return None
