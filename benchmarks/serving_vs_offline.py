@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shlex
@@ -48,7 +49,12 @@ def _wait_for_health(url: str, server: subprocess.Popen, timeout: float) -> None
 
 
 def serve_and_bench(
-    engine_args: list[str], concurrencies: list[int], bench: argparse.Namespace, port: int, ready_timeout: float
+    engine_args: list[str],
+    concurrencies: list[int],
+    bench: argparse.Namespace,
+    port: int,
+    ready_timeout: float,
+    profile_to: str | None = None,
 ) -> list[dict[str, Any]]:
     command = [
         sys.executable,
@@ -61,26 +67,39 @@ def serve_and_bench(
         "--max-pending-requests",
         str(max(1024, bench.num_prompts)),
     ]
+    if profile_to:
+        # py-spy as the server's parent (no ptrace rights needed beyond a parent's): every thread of the
+        # server and of its engine process, as collapsed stacks ("process;thread;frames count").
+        profiler = ["py-spy", "record", "--subprocesses", "--threads", "--nonblocking", "-r", "50", "--format", "raw"]
+        command = [*profiler, "-o", profile_to, "--", *command]
     print("starting:", shlex.join(command), flush=True)
     path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
-    server = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": path})
+    # A session of its own, so that one SIGINT to its group stops the server and a profiler around it.
+    server = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": path}, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    seed = bench.seed
     try:
         _wait_for_health(url, server, ready_timeout)
         results = []
-        for concurrency in concurrencies:
-            bench.base_url, bench.max_concurrency = url, concurrency
+        for run, (concurrency, stream) in enumerate(itertools.product(concurrencies, bench.stream_modes)):
+            bench.base_url, bench.max_concurrency, bench.disable_stream = url, concurrency, not stream
+            # Prompts of their own for each run: none finds the last run's pages in the prefix cache.
+            bench.seed = seed + run
             summary = asyncio.run(run_benchmark(bench))
-            summary.pop("requests")
+            # The timeline (when each request went out, how long it took), to find stalls.
+            summary["timeline"] = [(round(r["sent"], 4), round(r["latency"], 4)) for r in summary.pop("requests")]
             print(
-                f"server, concurrency {concurrency}: {summary['output_throughput']:.0f} output tok/s, "
-                f"{summary['completed']} completed, {summary['failed']} failed {summary['errors']}",
+                f"server, concurrency {concurrency}, {'streaming' if stream else 'non-streaming'}: "
+                f"{summary['output_throughput']:.0f} output tok/s, client CPU/wall "
+                f"{summary['client_cpu_fraction']:.2f}, {summary['completed']} completed, "
+                f"{summary['failed']} failed {summary['errors']}",
                 flush=True,
             )
             results.append(summary)
+        bench.seed = seed
         return results
     finally:
-        server.send_signal(signal.SIGINT)
+        os.killpg(server.pid, signal.SIGINT)
         try:
             server.wait(60)
         except subprocess.TimeoutExpired:
@@ -143,14 +162,25 @@ def main() -> None:
         output_json="bench_results/serving_vs_offline.json",
     )
     parser.add_argument("--concurrencies", default="64,256", help="comma list of concurrencies")
+    parser.add_argument(
+        "--modes", default="stream", help="comma list of stream (SSE) and whole (non-streaming): one run each"
+    )
+    parser.add_argument(
+        "--profile-server", default=None, help="record the server's processes with py-spy into this file"
+    )
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrencies.split(",")]
+    modes = args.modes.split(",")
+    if not set(modes) <= {"stream", "whole"}:
+        parser.error(f"--modes takes stream and whole, got {args.modes}")
+    args.stream_modes = [mode == "stream" for mode in modes]
     engine_args = shlex.split(args.engine_args)
     report: dict[str, Any] = {
         "engine_args": engine_args,
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "modes": modes,
     }
     variants = [shlex.split(v) for v in args.server_variants.split(";")] if args.server_variants else [[]]
     report["servers"] = (
@@ -159,7 +189,9 @@ def main() -> None:
         else [
             {
                 "server_args": extra,
-                "results": serve_and_bench(engine_args + extra, concurrencies, args, args.port, args.ready_timeout),
+                "results": serve_and_bench(
+                    engine_args + extra, concurrencies, args, args.port, args.ready_timeout, args.profile_server
+                ),
             }
             for extra in variants
         ]
@@ -167,26 +199,31 @@ def main() -> None:
     engine_parser = argparse.ArgumentParser()
     add_engine_args(engine_parser)
     engine = Engine(engine_config_from_args(engine_parser.parse_args(engine_args)))
-    workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.seed, args.vocab_size)
-    report["offline"] = [offline(engine, workload, c) for c in concurrencies]  # type: ignore[arg-type]
+    report["offline"] = []
+    for index, concurrency in enumerate(concurrencies):
+        seed = args.seed + index * len(modes)  # the prompts of this concurrency's first server run
+        workload = make_workload(args.num_prompts, args.input_len, args.output_len, seed, args.vocab_size)
+        report["offline"].append(offline(engine, workload, concurrency))  # type: ignore[arg-type]
     print(
-        f"{'server flags':>22} {'concurrency':>11} {'server tok/s':>13} {'in-process tok/s':>17} {'ratio':>6} "
-        f"{'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15}"
+        f"{'server flags':>22} {'concurrency':>11} {'mode':>6} {'server tok/s':>13} {'in-process tok/s':>17} "
+        f"{'ratio':>6} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'client CPU':>10}"
     )
     for index, concurrency in enumerate(concurrencies):
         local = report["offline"][index]["output_throughput"]
         if not report["servers"]:
-            print(f"{'-':>22} {concurrency:>11} {'-':>13} {local:>17.0f}")
+            print(f"{'-':>22} {concurrency:>11} {'-':>6} {'-':>13} {local:>17.0f}")
         for variant in report["servers"]:
-            s = variant["results"][index]
-            ratio = s["output_throughput"] / local
-            s["ratio_to_in_process"] = ratio
-            print(
-                f"{' '.join(variant['server_args']) or 'defaults':>22} {concurrency:>11} "
-                f"{s['output_throughput']:>13.0f} "
-                f"{local:>17.0f} {ratio:>6.2f} {1e3 * s['ttft_s']['median']:>7.0f}/{1e3 * s['ttft_s']['p99']:<8.0f} "
-                f"{1e3 * s['itl_s']['median']:>6.1f}/{1e3 * s['itl_s']['p99']:<8.1f}"
-            )
+            for m, mode in enumerate(modes):
+                s = variant["results"][index * len(modes) + m]
+                ratio = s["output_throughput"] / local
+                s["ratio_to_in_process"] = ratio
+                print(
+                    f"{' '.join(variant['server_args']) or 'defaults':>22} {concurrency:>11} {mode:>6} "
+                    f"{s['output_throughput']:>13.0f} {local:>17.0f} {ratio:>6.2f} "
+                    f"{1e3 * s['ttft_s']['median']:>7.0f}/{1e3 * s['ttft_s']['p99']:<8.0f} "
+                    f"{1e3 * s['itl_s']['median']:>6.1f}/{1e3 * s['itl_s']['p99']:<8.1f} "
+                    f"{s['client_cpu_fraction']:>10.2f}"
+                )
     os.makedirs(os.path.dirname(args.output_json) or ".", exist_ok=True)
     with open(args.output_json, "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=2)

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import math
 import os
 import random
 import statistics
@@ -70,6 +72,10 @@ WORDS = [
 ]
 
 
+CONNECTIONS_PER_CLIENT = 16  # requests in flight per HTTP client (see run_benchmark)
+MAX_CLIENTS = 128
+
+
 @dataclass
 class RequestResult:
     ok: bool
@@ -79,6 +85,7 @@ class RequestResult:
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    sent: float = 0.0  # perf_counter when the request went out (the run's timeline)
 
 
 def add_bench_serving_args(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +117,11 @@ def add_bench_serving_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=32000, help="--dataset-name random: ids are drawn below this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--disable-stream",
+        action="store_true",
+        help="non-streaming requests (SGLang's flag): one JSON response each; TTFT is then the whole latency",
+    )
     add_renamed(parser, "--output-json", "--output", default=None, help="write the results as JSON here")
 
 
@@ -137,7 +149,7 @@ def make_workload(
 
 async def _one(client, url: str, body: dict, headers: dict, prompt_words: int) -> RequestResult:
     result = RequestResult(ok=False, prompt_words=prompt_words)
-    start = time.perf_counter()
+    start = result.sent = time.perf_counter()
     last = None
     chunks = 0
     try:
@@ -176,6 +188,24 @@ async def _one(client, url: str, body: dict, headers: dict, prompt_words: int) -
     return result
 
 
+async def _one_whole(client, url: str, body: dict, headers: dict, prompt_words: int) -> RequestResult:
+    """A non-streaming request: the first token arrives with the last, so TTFT is the latency."""
+    result = RequestResult(ok=False, prompt_words=prompt_words)
+    start = result.sent = time.perf_counter()
+    try:
+        response = await client.post(url, json=body, headers=headers)
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {response.content[:200]!r}"
+            return result
+        payload = response.json()
+        result.output_tokens = int((payload.get("usage") or {}).get("completion_tokens") or 0)
+        result.latency = result.ttft = time.perf_counter() - start
+        result.ok = bool(payload.get("choices"))
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
 def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "median": 0.0, "p99": 0.0}
@@ -190,7 +220,18 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     base = args.base_url.rstrip("/")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+    # Several clients, each with a pool of a few connections: httpcore hands a request a connection by
+    # scanning its whole pool, so one client of 512 connections spends most of the client's CPU there
+    # (py-spy: 84% of this process at concurrency 512, non-streaming) and throttles the server it measures.
+    cap = args.max_concurrency
+    lanes = min(MAX_CLIENTS, math.ceil(cap / CONNECTIONS_PER_CLIENT)) if cap else MAX_CLIENTS
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(timeout=args.timeout, limits=limits))
+            for _ in range(lanes)
+        ]
+        in_flight = [0] * lanes
+        client = clients[0]
         model = args.model
         if model is None:
             listing = await client.get(f"{base}/v1/models", headers=headers)
@@ -209,20 +250,25 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
                 "prompt": prompt,
                 "max_tokens": max_tokens,
                 "temperature": 0.0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
             }
+            if not args.disable_stream:
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
             if args.ignore_eos:
                 body["ignore_eos"] = True
             if token_ids:
                 body["return_token_ids"] = True
             size = len(prompt) if isinstance(prompt, list) else len(prompt.split())
-            if gate is None:
-                return await _one(client, f"{base}/v1/completions", body, headers, size)
-            async with gate:
-                return await _one(client, f"{base}/v1/completions", body, headers, size)
+            one = _one_whole if args.disable_stream else _one
+            async with gate or contextlib.nullcontext():
+                lane = in_flight.index(min(in_flight))  # the least busy client
+                in_flight[lane] += 1
+                try:
+                    return await one(clients[lane], f"{base}/v1/completions", body, headers, size)
+                finally:
+                    in_flight[lane] -= 1
 
         start = time.perf_counter()
+        cpu_start = time.process_time()
         tasks = []
         for prompt, max_tokens in workload:
             tasks.append(asyncio.create_task(send(prompt, max_tokens)))
@@ -230,6 +276,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        client_cpu = time.process_time() - cpu_start
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     summary = {
@@ -238,6 +285,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         "num_prompts": args.num_prompts,
         "concurrency": args.max_concurrency,
         "request_rate": args.request_rate,
+        "stream": not args.disable_stream,
+        # The client's own CPU time over the wall time: near 1.0, this one-process client is the bottleneck.
+        "client_cpu_fraction": client_cpu / duration,
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "duration_s": duration,
@@ -249,7 +299,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         "e2e_latency_s": _percentiles([r.latency for r in ok]),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
     }
-    summary["requests"] = [asdict(r) | {"itls": None} for r in results]
+    summary["requests"] = [asdict(r) | {"itls": None, "sent": r.sent - start} for r in results]
     return summary
 
 
@@ -264,6 +314,7 @@ def format_table(s: dict) -> str:
         ("TTFT median / p99 (ms)", f"{ms(s['ttft_s']['median'])} / {ms(s['ttft_s']['p99'])}"),
         ("ITL median / p99 (ms)", f"{ms(s['itl_s']['median'])} / {ms(s['itl_s']['p99'])}"),
         ("E2E latency median / p99 (s)", f"{s['e2e_latency_s']['median']:.2f} / {s['e2e_latency_s']['p99']:.2f}"),
+        ("client CPU / wall", f"{s['client_cpu_fraction']:.2f}"),
     ]
     if "load_avg_1m" in s:
         rows.append(

@@ -103,7 +103,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*extra: str, log_name: str = "server") -> ServerProcess:
+def start_server(*extra: str, log_name: str = "server", own_group: bool = False) -> ServerProcess:
+    """own_group: the server leads a process group of its own (a test may signal the whole group)."""
     port = free_port()
     log_path = os.path.join(REPO_ROOT, ".pytest_cache", f"{log_name}-{port}.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
@@ -125,6 +126,7 @@ def start_server(*extra: str, log_name: str = "server") -> ServerProcess:
             cwd=REPO_ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
+            start_new_session=own_group,
         )
     server = ServerProcess(process, port, log_path)
     deadline = time.monotonic() + START_TIMEOUT_S

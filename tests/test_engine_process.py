@@ -72,6 +72,33 @@ def test_a_stopped_server_leaves_no_engine_process(how: signal.Signals) -> None:
     assert _gone(pid, 10), "the engine process outlived its server"
 
 
+@pytest.mark.parametrize("target", ["group", "engine"])
+def test_sigterm_stops_the_server_in_order(target: str) -> None:
+    """SIGTERM to the whole process group (a terminal, `docker stop`, systemd), or to the engine process alone:
+    the server leads one graceful shutdown (the running stream finishes), then stops the engine process, whose
+    exit is no surprise. The log reads as a clean stop: no "exited unexpectedly", traceback or leaked semaphore."""
+    server = start_server("--engine-process", log_name=f"server-sigterm-{target}", own_group=True)
+    pid = _engine_pid(server)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 2:
+                    if target == "group":
+                        os.killpg(server.process.pid, signal.SIGTERM)
+                    else:
+                        os.kill(pid, signal.SIGTERM)
+    assert server.process.wait(60) == 0, server.log()[-3000:]
+    assert events[-1] == "[DONE]" and '"finish_reason":"length"' in events[-2].replace(" ", "")
+    assert _gone(pid, 10), "the engine process outlived its server"
+    log = server.log()
+    assert "the engine process got SIGTERM: the server shuts down" in log and "engine process stopped" in log
+    for bad in ("unexpectedly", "Traceback", "leaked"):
+        assert bad not in log, log[-3000:]
+
+
 def test_a_model_that_does_not_load_is_one_error_line_from_the_engine_process(tmp_path) -> None:
     """The engine is built in the child: its ModelLoadError crosses the pipe and `engine serve` prints it
     as the usual single `error:` line with exit status 2, no traceback from either process."""

@@ -257,6 +257,10 @@ class GatedServer(uvicorn.Server):
         await super().startup(sockets)
         self.gate.servers = list(getattr(self, "servers", []))
 
+    def request_shutdown(self) -> None:
+        """The graceful shutdown a SIGTERM starts (from any thread: uvicorn's loop polls the flag)."""
+        self.should_exit = True
+
 
 def raise_fd_limit(target: int = 65536) -> int:
     """Lift the soft open-files limit towards `target` (never above the hard limit); returns the new soft limit."""

@@ -34,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -134,23 +135,50 @@ class _PipeEvents:
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self.server_gone = False
 
     def accepted(self, request_id: str, error: BaseException | None) -> None:
-        self.conn.send(("accepted", request_id, _encode_error(error)))
+        self._send(("accepted", request_id, _encode_error(error)))
 
     def outputs(self, outputs: list[RequestOutput]) -> None:
-        self.conn.send(("outputs", [_encode_output(o) for o in outputs]))
+        self._send(("outputs", [_encode_output(o) for o in outputs]))
 
     def failed(self, request_ids: list[str], error: BaseException) -> None:
-        self.conn.send(("failed", request_ids, _encode_error(error)))
+        self._send(("failed", request_ids, _encode_error(error)))
 
     def stats(self, snapshot: EngineStats) -> None:
-        self.conn.send(("stats", snapshot))
+        self._send(("stats", snapshot))
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        # A server that stopped closed its end first; what the loop reports while it winds down (the final
+        # counters, the errors of what was open) has nobody left to read it, and is no error of the engine's.
+        if self.server_gone:
+            return
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, ConnectionResetError):
+            self.server_gone = True
+            logger.info("the server closed the pipe: nothing more is reported")
 
 
-def _pipe_receiver(conn: Connection):
+class _TerminateRequest:
+    """A SIGTERM the engine process got: its handler only notes it (it may interrupt a send on the pipe);
+    the loop's next receive tells the server, which leads the shutdown (drains, then sends "stop")."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.reported = False
+
+    def handle(self, signum: int, frame: object) -> None:
+        self.signal = signal.Signals(signum).name
+
+
+def _pipe_receiver(conn: Connection, terminate: _TerminateRequest):
     def receive(timeout: float | None) -> list[Command]:
         try:
+            if terminate.signal is not None and not terminate.reported:
+                terminate.reported = True
+                conn.send(("terminate", terminate.signal))
             if not conn.poll(timeout or 0):
                 return []
             commands = [conn.recv()]
@@ -165,7 +193,12 @@ def _pipe_receiver(conn: Connection):
 
 def run_engine_process(config: EngineConfig, conn: Connection, torch_threads: int | None, log_level: str) -> None:
     """The child's entry point: build the engine, report ready, run the loop until told to stop."""
+    # Ctrl-C and SIGTERM reach the whole process group (a terminal, `docker stop`, systemd). The server
+    # decides when the engine stops: Ctrl-C is its alone, a SIGTERM is passed on to it (_TerminateRequest),
+    # and the pipe's end stops this process if the server is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    terminate = _TerminateRequest()
+    signal.signal(signal.SIGTERM, terminate.handle)
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s", stream=sys.stderr
     )
@@ -188,7 +221,7 @@ def run_engine_process(config: EngineConfig, conn: Connection, torch_threads: in
             sys.exit(1)  # a user's error (bad model, bad flag): the server prints it, no traceback here
         raise
     conn.send(("ready", info))
-    loop = EngineLoop(engine, _PipeEvents(conn), _pipe_receiver(conn))
+    loop = EngineLoop(engine, _PipeEvents(conn), _pipe_receiver(conn, terminate))
     loop.run()
     conn.close()
 
@@ -208,6 +241,9 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._dead = False
         self._stopping = False
+        # Called (on the events thread) when the engine process gets SIGTERM: the server's graceful shutdown.
+        # None: the process is stopped at once.
+        self.on_terminate: Callable[[], None] | None = None
 
     def start(self, ready_timeout: float | None = None) -> EngineInfo:
         """Spawn the engine process and wait until its engine is built; raises its error if it fails."""
@@ -277,6 +313,8 @@ class EngineProcess:
                 router.failed(message[1], _decode_error(message[2]) or EngineDeadError("failed"))
             elif kind == "stats":
                 router.stats(message[1])
+            elif kind == "terminate":
+                self._terminate_requested(message[1])
         self._dead = True
         if not self._stopping:
             assert self._process is not None
@@ -284,6 +322,18 @@ class EngineProcess:
             self.error = f"the engine process exited unexpectedly (exit code {self._process.exitcode})"
             logger.error("%s; open requests fail and /health reports 503", self.error)
         router.fail_everything(EngineDeadError(self.error or "the server is shutting down"))
+
+    def _terminate_requested(self, signal_name: str) -> None:
+        if self.on_terminate is not None:
+            logger.info("the engine process got %s: the server shuts down", signal_name)
+            self.on_terminate()
+            return
+        # Nobody above to drain requests first: stop the loop now (it fails what is open).
+        logger.info("the engine process got %s: stopping it", signal_name)
+        self._stopping = True
+        self.error = f"the engine process was stopped ({signal_name})"
+        with contextlib.suppress(EngineDeadError):
+            self.send(("stop",))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the loop (it fails what is still open), then the process."""

@@ -246,6 +246,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     server = GatedServer(config, gate)
     app.state.uvicorn_server = server  # the shutdown watcher reads its should_exit and deadline
+    if isinstance(engine, EngineProcess):
+        engine.on_terminate = server.request_shutdown  # a SIGTERM the engine got: drain, then stop it
     # Uvicorn re-raises the signal that stopped it once it has shut down gracefully; with these
     # handlers in place that re-raise is a no-op, so a SIGTERM/SIGINT shutdown exits with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -45,6 +45,7 @@ START_TIMEOUT_S = 120.0  # the first worker waits for the fork server to import 
 RESTART_PAUSE_S = 1.0  # after a worker failed to start, before the next try
 SPAWN_WAIT_S = 10.0  # close() waits this long at most for a worker's spawn under way
 WORKER_MODULE = "engine.structured.worker"
+FORK_SERVER_SIGNALS_MODULE = "engine.structured.fork_server_signals"  # the server alone decides when they stop
 # A check that has used this much CPU drops to the lowest priority (a multi-level feedback queue of two
 # levels): a small grammar that arrives while big ones compile gets the CPU first, so it is not slowed by
 # them however many there are. Its worker is replaced afterwards (a process cannot raise its priority again).
@@ -173,6 +174,12 @@ class GrammarPool:
                     self._info_json = self._tokenizer_info_json()
                 info_json = self._info_json
             return _Worker.start(info_json, self._spawning)
+        except (OSError, EOFError) as exc:
+            # The fork server gone: a SIGTERM to the process group in the second it takes to start (later
+            # it ignores SIGTERM: fork_server_signals.py). The slot retries; multiprocessing starts a new one.
+            if not self._closed:
+                logger.warning("a grammar compiler process failed to start (%s: %s); retrying", type(exc).__name__, exc)
+            return None
         except Exception:
             if not self._closed:  # closing cancels the vocabulary's description: not worth a traceback
                 logger.exception("a grammar compiler process failed to start")
@@ -298,7 +305,8 @@ def _context() -> Any:
     once, so a replacement worker is a fork, not a fresh interpreter that imports torch again."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([WORKER_MODULE])  # not __main__: the server's own module stays out
+        # Not __main__: the server's own module stays out.
+        context.set_forkserver_preload([FORK_SERVER_SIGNALS_MODULE, WORKER_MODULE])
         return context
     return multiprocessing.get_context("spawn")
 

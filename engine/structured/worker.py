@@ -24,7 +24,9 @@ NICE = 10  # grammar work yields the CPU to the engine and the HTTP side
 def serve(conn: Connection, tokenizer_info_json: str) -> None:
     """Worker main: ("ready",) once, then for each (job_id, GrammarSpec) received, (job_id, None) if it
     compiled and can match some text, else (job_id, the message of a 400). Returns when the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the process group: the server decides
+    # Ctrl-C and SIGTERM reach the process group: the server decides (fork_server_signals.py, for the spawn case).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(OSError):
         os.nice(NICE)
     xgr = import_xgrammar()
