@@ -44,7 +44,7 @@ def _profile_one_run(args: argparse.Namespace) -> dict[str, Any]:
 
     started = time.perf_counter()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f %(name)s: %(message)s")
-    import graphs.runner
+    import graphs.step_runner
     from engine.config import EngineConfig
     from engine.engine import Engine
 
@@ -83,7 +83,8 @@ def _profile_one_run(args: argparse.Namespace) -> dict[str, Any]:
 
     from graphs.extend_graph_runner import ExtendGraphRunner
 
-    graphs.runner.DecodeGraphRunner.capture = timed("decode_capture_s", graphs.runner.DecodeGraphRunner.capture)
+    decode_graphs = graphs.step_runner.DecodeGraphRunner
+    decode_graphs.capture = timed("decode_capture_s", decode_graphs.capture)
     ExtendGraphRunner.capture = timed("extend_capture_s", ExtendGraphRunner.capture)
     options: dict[str, Any] = {}
     if args.extend_capture_tokens:

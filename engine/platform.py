@@ -191,7 +191,7 @@ class Platform(abc.ABC):
         return None
 
     def prefill_runner_class(self) -> Callable[..., Any] | None:
-        """A factory of this platform's prefill runner (graphs/runner.py PrefillRunner), called as
+        """A factory of this platform's prefill runner (a StepRunner of graphs/step_runner.py), called as
         ``factory(model, kv_caches, page_size, max_model_len, device, slot_dtype)``; None (the default):
         extend steps run through the engine's own eager, compiled or graphed extend path."""
         return None

@@ -11,7 +11,7 @@ are sent once, and afterwards only a new page every `page_size` tokens.
 
 The model runner applies a message to the device state (engine/batch_state.py:
 the device page table takes the diffs) and runs it, and every platform's graph
-runner takes the same decode message (graphs/runner.py `run_decode`). This is
+runner takes the same decode message (graphs/step_runner.py `run_decode`). This is
 the message tensor parallelism sends from rank 0 to the other ranks
 (engine/distributed/wire.py): it holds no Request objects and nothing that
 grows with a request's context per step.

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from graphs.compiled_step import CompiledDecodeStep, CompileGuard, RecompileError, compile_count
-from graphs.runner import DecodeGraphRunner
+from graphs.step_runner import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 

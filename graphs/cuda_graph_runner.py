@@ -37,7 +37,7 @@ from engine.layers.live_rows import only_first_rows_live
 from engine.layers.moe import SparseMoE
 from graphs.compile_report import CompileReport, compile_report
 from graphs.compiled_step import CompiledDecodeStep, compile_count
-from graphs.runner import DecodeGraphRunner
+from graphs.step_runner import DecodeGraphRunner
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE  # the type torch.cuda.graph_pool_handle() returns

@@ -25,7 +25,6 @@ from graphs.step_runner import (
     StepKind,
     StepRunner,
     StepShape,
-    first_that_runs,
 )
 
 if TYPE_CHECKING:
@@ -126,7 +125,7 @@ class ModelRunner:
         if message.decode is not None:
             state.apply(message.decode)
         inputs = StepInputs(_shape(step, message), message, state, lambda: self._batch(step, message))
-        runner = first_that_runs(self.step_runners, inputs)
+        runner = self._first_that_runs(inputs)
         self.steps_run[runner.name] += 1
         result = runner.run(inputs)
         if result.hidden is None:
@@ -142,6 +141,13 @@ class ModelRunner:
         if self.logit_rows is not None:
             return self.logit_rows.logits(self.model.compute_logits, hidden), batch.decode_rows
         return self.model.compute_logits(hidden), batch.decode_rows
+
+    def _first_that_runs(self, inputs: StepInputs) -> StepRunner:
+        """The first runner that takes the step (the list ends with one that takes every step)."""
+        for runner in self.step_runners:
+            if inputs.shape.kind in runner.kinds and runner.can_run(inputs):
+                return runner
+        raise RuntimeError(f"no step runner takes a {inputs.shape}")
 
     def _batch(self, step: ScheduledStep, message: StepMessage) -> ForwardBatch:
         """The step as one ragged batch on the device, for the runners that take one."""

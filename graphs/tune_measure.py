@@ -38,11 +38,11 @@ from graphs.cuda_graph_runner import CudaGraphRunner
 
 if TYPE_CHECKING:
     from engine.engine import Engine
-    from graphs.runner import DecodeGraphRunner
+    from graphs.step_runner import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 
-# Runners built on graphs/runner.py's DecodeGraphRunner.
+# Runners built on graphs/step_runner.py's DecodeGraphRunner.
 MEASURABLE_KINDS = (CaptureKind.COMPILE, CaptureKind.CUDA_GRAPH)
 
 

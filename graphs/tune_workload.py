@@ -25,7 +25,7 @@ from graphs.tune_measure import steady_ms
 
 if TYPE_CHECKING:
     from engine.engine import Engine
-    from graphs.runner import DecodeGraphRunner
+    from graphs.step_runner import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 

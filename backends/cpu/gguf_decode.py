@@ -5,7 +5,7 @@ At batch 1 the compiled torch step of SmolLM2 (Q4_1) spent ~2/3 of its 21 ms out
 attention's setup. NativeDecodeRunner hands the step to kernels/gguf_decode.c instead (embedding,
 every layer, final norm and LM head in one OpenMP region) over the same weights (the tiles of
 backends/cpu/gguf_linear.py), the same paged KV cache, and the same static decode buffers and
-capture hooks as the compiled runner, behind the engine's decode contract (graphs/runner.py
+capture hooks as the compiled runner, behind the engine's decode contract (graphs/step_runner.py
 `run_decode`). CpuDecodeRunner is what the CPU platform hands the engine: this runner where
 `native_step_unsupported` finds nothing in the way, the compiled graphs otherwise.
 """
@@ -29,7 +29,7 @@ from backends.cpu.gguf_linear import (
     gguf_tiles,
 )
 from graphs.capture_loop import CaptureReport, capture_loop
-from graphs.runner import DecodeGraphRunner
+from graphs.step_runner import DecodeGraphRunner
 
 if TYPE_CHECKING:
     from engine.batch_state import DecodeBatchState
@@ -261,7 +261,7 @@ class NativeDecodeRunner(DecodeGraphRunner):
         self._replay(bs)
 
     def run_decode(self, message: DecodeMessage, state: DecodeBatchState) -> tuple[torch.Tensor, torch.Tensor]:
-        """The contract of graphs/runner.py, without padding: the hooks fill the first n rows only."""
+        """The contract of graphs/step_runner.py, without padding: the hooks fill the first n rows only."""
         n = message.batch_size
         rows = self.hooks.prepare_for_replay(self.buffers, message, state, n)
         return self._replay(n), rows

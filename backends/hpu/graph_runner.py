@@ -308,7 +308,7 @@ class HpuDecodeRunner:
         return self.hooks.pad_inputs(*(t.cpu() for t in inputs))
 
     def run_decode(self, message: Any, batch_state: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The engine's decode contract (graphs/runner.py DecodeRunner): the hooks pick the bucket and pad
+        """The engine's decode contract (graphs/step_runner.py DecodeStepRunner): the hooks pick the bucket and pad
         the step message on the host; returns (logits [n, vocab], decode rows)."""
         rows = self.hooks.prepare_for_replay(self.replay_state, message, batch_state, 0)
         batch = self.replay_state.batch

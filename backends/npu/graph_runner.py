@@ -365,7 +365,7 @@ class NpuDecodeGraphRunner:
         return self.outputs[bs][:n]
 
     def run_decode(self, message: Any, batch_state: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The engine's decode contract (graphs/runner.py DecodeRunner): the hooks fill the static buffers
+        """The engine's decode contract (graphs/step_runner.py DecodeStepRunner): the hooks fill the static buffers
         from the step message and the persistent decode state; returns (logits [n, vocab], decode rows)."""
         n = message.batch_size
         bs = self._graph_size(n)
