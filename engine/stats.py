@@ -178,6 +178,26 @@ class EngineStats:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def combine(cls, parts: Sequence[EngineStats]) -> EngineStats:
+        """The counters of several engines (data-parallel replicas) as one: sums, and the hit rate of the sums."""
+        if not parts:
+            raise ValueError("no engine counters to combine")
+        summed: dict[str, Any] = {}
+        for name, value in asdict(parts[0]).items():
+            if isinstance(value, (int, float)):
+                summed[name] = sum(getattr(p, name) for p in parts)
+        queries, hits = summed["prefix_cache_query_tokens"], summed["prefix_cache_hit_tokens"]
+        summed["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+        for name in ("decode_batch_sizes", "extend_step_tokens", "prompt_tokens"):
+            histograms = [getattr(p, name) for p in parts]
+            summed[name] = HistogramSnapshot(
+                histograms[0].bounds,
+                tuple(sum(counts) for counts in zip(*(h.counts for h in histograms))),
+                sum(h.total for h in histograms),
+            )
+        return cls(**summed)
+
 
 class StatsLogger:
     """One INFO line every LOG_INTERVAL_S while the engine works (vLLM's periodic stats line)."""

@@ -60,11 +60,11 @@ class ServerProcess:
             return f.read()
 
     def metrics(self) -> dict[str, float]:
-        """engine:* samples of /metrics, labels stripped (one model, so names are unique enough)."""
+        """engine:* and vllm:* samples of /metrics, labels stripped (one model, so names are unique enough)."""
         text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
         values = {}
         for line in text.splitlines():
-            match = re.match(r"^(engine:[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+            match = re.match(r"^((?:engine|vllm):[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
             if match and 'finished_reason="' not in (match.group(2) or ""):
                 values[match.group(1)] = float(match.group(3))
             elif match:

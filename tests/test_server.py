@@ -306,6 +306,11 @@ def test_metrics_exposes_the_prometheus_series(server: ServerProcess) -> None:
         "engine:time_to_first_token_seconds_bucket",
         "engine:inter_token_latency_seconds_bucket",
         "engine:e2e_request_latency_seconds_bucket",
+        # The vLLM names routers read (llm-d's endpoint picker, Dynamo), the same figures.
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hits_total",
     ):
         assert name in text, name
 
@@ -323,6 +328,7 @@ def test_metrics_count_prefix_cache_hits(server: ServerProcess) -> None:
     queried = after["engine:prefix_cache_queries_total"] - before["engine:prefix_cache_queries_total"]
     hits = after["engine:prefix_cache_hits_total"] - before["engine:prefix_cache_hits_total"]
     assert queried == prompt_tokens and hits >= prompt_tokens - 16  # all but the last partial page
+    assert after["vllm:prefix_cache_hits_total"] == after["engine:prefix_cache_hits_total"]
     assert 0 < after["engine:prefix_cache_hit_rate"] <= 1
     for name in (
         "engine:prefill_computed_tokens_total",

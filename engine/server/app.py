@@ -35,6 +35,7 @@ from engine.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from engine.server.replicas import ReplicaSet
 from engine.server.serving import Serving
 from engine.structured.limits import GrammarLimits
 
@@ -44,7 +45,7 @@ API_KEY_ENV = "ENGINE_API_KEY"
 SHUTDOWN_MARGIN_S = 1.0  # open requests are failed this long before uvicorn's shutdown deadline
 
 
-def default_model_name(engine: Engine | EngineProcess) -> str:
+def default_model_name(engine: Engine | EngineProcess | ReplicaSet) -> str:
     model = engine.config.model
     if model is None:
         return "SmolLM2-135M-Instruct"
@@ -71,14 +72,14 @@ class ServerSettings:
 
 
 def build_app(
-    engine: Engine | EngineProcess,
+    engine: Engine | EngineProcess | ReplicaSet,
     model_name: str | None = None,
     api_key: str | None = None,
     settings: ServerSettings | None = None,
     engine_thread: EngineThread | None = None,
 ) -> FastAPI:
-    """An app serving `engine` (an Engine, run on a thread, or a started EngineProcess); the engine
-    loop starts and stops with the app's lifespan.
+    """An app serving `engine` (an Engine, run on a thread, or a started EngineProcess or ReplicaSet); the
+    engine loop starts and stops with the app's lifespan.
 
     engine_thread: the thread the engine was built on (`engine serve` builds it there), which then
     runs its loop; by default a new thread."""
@@ -88,16 +89,18 @@ def build_app(
     name = model_name or default_model_name(engine)
     # The server tokenizes on its own worker thread while the engine thread decodes: separate
     # objects, so the two threads never share a tokenizer's mutable state.
-    if isinstance(engine, EngineProcess):
+    if isinstance(engine, (EngineProcess, ReplicaSet)):
         assert engine.info is not None, "start the engine process before building the app"
         # Unpickled from the engine process: already an object of this process alone.
         model = ModelInfo(name, engine.info.max_model_len, engine.info.vocab_size, engine.info.tokenizer)
-        async_engine = AsyncEngine.over_process(engine)
+        async_engine = AsyncEngine.over_process(engine)  # type: ignore[arg-type] (a ReplicaSet acts as one)
     else:
         tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
         model = ModelInfo(name, engine.max_model_len, int(engine.model_config.vocab_size), tokenizer)
         async_engine = AsyncEngine(engine, thread=engine_thread)
     metrics = ServerMetrics(lambda: async_engine.snapshot, name)
+    if isinstance(engine, ReplicaSet):
+        metrics.replicas = engine.counts
     async_engine.observer = metrics.observer()
     serving = Serving(
         async_engine,

@@ -76,6 +76,7 @@ class EngineInfo:
     vocab_size: int
     tokenizer: Any  # the HF tokenizer (pickled across), or None for a model without one
     stats: EngineStats
+    page_size: int = 16  # tokens per KV page (the data-parallel router mirrors prefix caches in pages)
 
 
 def _encode_error(error: BaseException | None) -> tuple[str, str] | None:
@@ -191,8 +192,23 @@ def _pipe_receiver(conn: Connection, terminate: _TerminateRequest):
     return receive
 
 
-def run_engine_process(config: EngineConfig, conn: Connection, torch_threads: int | None, log_level: str) -> None:
+@dataclass(frozen=True)
+class Placement:
+    """Where an engine process runs: its share of the host (a data-parallel replica's), or all of it."""
+
+    torch_threads: int | None = None  # intra-op threads (None: torch's default)
+    cpu_cores: tuple[int, ...] | None = None  # the cores it may run on (None: any)
+    visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES for it (None: inherited)
+    name: str = "engine"  # its tag in the log lines
+
+
+def run_engine_process(config: EngineConfig, conn: Connection, placement: Placement, log_level: str) -> None:
     """The child's entry point: build the engine, report ready, run the loop until told to stop."""
+    if placement.visible_devices is not None:  # before anything initialises the device
+        os.environ["CUDA_VISIBLE_DEVICES"] = placement.visible_devices
+    if placement.cpu_cores is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, placement.cpu_cores)
+    torch_threads = placement.torch_threads
     # Ctrl-C and SIGTERM reach the whole process group (a terminal, `docker stop`, systemd). The server
     # decides when the engine stops: Ctrl-C is its alone, a SIGTERM is passed on to it (_TerminateRequest),
     # and the pipe's end stops this process if the server is gone.
@@ -200,7 +216,7 @@ def run_engine_process(config: EngineConfig, conn: Connection, torch_threads: in
     terminate = _TerminateRequest()
     signal.signal(signal.SIGTERM, terminate.handle)
     logging.basicConfig(
-        level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s", stream=sys.stderr
+        level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [{placement.name}]: %(message)s", stream=sys.stderr
     )
     try:
         if torch_threads is not None:
@@ -212,7 +228,12 @@ def run_engine_process(config: EngineConfig, conn: Connection, torch_threads: in
         start = time.perf_counter()
         engine = Engine(config)
         info = EngineInfo(
-            config.model, engine.max_model_len, int(engine.model_config.vocab_size), engine.tokenizer, engine.stats()
+            config.model,
+            engine.max_model_len,
+            int(engine.model_config.vocab_size),
+            engine.tokenizer,
+            engine.stats(),
+            engine.kv_pool.page_size,
         )
         logger.info("engine process %d ready in %.1f s", os.getpid(), time.perf_counter() - start)
     except BaseException as exc:
@@ -230,9 +251,11 @@ def run_engine_process(config: EngineConfig, conn: Connection, torch_threads: in
 
 
 class EngineProcess:
-    def __init__(self, config: EngineConfig, torch_threads: int | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, torch_threads: int | None = None, placement: Placement | None = None
+    ) -> None:
         self.config = config
-        self.torch_threads = torch_threads
+        self.placement = placement or Placement(torch_threads=torch_threads)
         self.info: EngineInfo | None = None  # type: ignore[assignment]
         self.error: str | None = None  # why the process ended, when it did on its own
         self._conn: Connection | None = None
@@ -254,13 +277,13 @@ class EngineProcess:
         self._process = context.Process(
             target=run_engine_process,
             name="engine-core",
-            args=(self.config, child, self.torch_threads, level),
+            args=(self.config, child, self.placement, level),
             daemon=True,
         )
         self._process.start()
         child.close()
         self._conn = parent
-        logger.info("engine process %d started; building the engine", self._process.pid)
+        logger.info("engine process %d started (%s); building the engine", self._process.pid, self.placement.name)
         deadline = None if ready_timeout is None else time.monotonic() + ready_timeout
         while not parent.poll(1.0):
             if not self._process.is_alive():
@@ -320,7 +343,7 @@ class EngineProcess:
             assert self._process is not None
             self._process.join(5)
             self.error = f"the engine process exited unexpectedly (exit code {self._process.exitcode})"
-            logger.error("%s; open requests fail and /health reports 503", self.error)
+            logger.error("%s (%s); its open requests fail", self.error, self.placement.name)
         router.fail_everything(EngineDeadError(self.error or "the server is shutting down"))
 
     def _terminate_requested(self, signal_name: str) -> None:

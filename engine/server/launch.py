@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+from engine.server.prefix_routing import POLICIES
 from engine.server.tool_parsers import PARSERS
 from engine.structured.limits import (
     DEFAULT_COMPILE_TIMEOUT_S,
@@ -37,6 +38,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="on SIGINT/SIGTERM, seconds to let running requests finish before aborting them",
     )
     group.add_argument("--uvicorn-log-level", default="warning")
+    add_data_parallel_args(parser)
     limits = parser.add_argument_group("server limits and access (docs/server.md)")
     limits.add_argument(
         "--max-connections",
@@ -155,6 +157,43 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("data parallelism (docs/server.md#data-parallel-replicas)")
+    group.add_argument(
+        "--data-parallel-size",
+        "--dp-size",
+        type=int,
+        default=1,
+        help="engine replicas behind this endpoint, each in its own process on its own GPU (on the CPU: its own "
+        "block of cores), with a router choosing one per request",
+    )
+    group.add_argument(
+        "--router-policy",
+        choices=POLICIES,
+        default="cache_aware",
+        help="how the router picks a replica: the one holding the longest prefix of the prompt unless the load "
+        "is out of balance (SGLang's cache_aware), in turn, or the one with the fewest requests",
+    )
+    group.add_argument(
+        "--router-cache-threshold",
+        type=float,
+        default=0.5,
+        help="cache_aware: the share of the prompt a replica's cached prefix must cover to be chosen for it",
+    )
+    group.add_argument(
+        "--router-balance-abs-threshold",
+        type=int,
+        default=32,
+        help="cache_aware: requests the busiest replica may hold over the idlest before the idlest takes the next",
+    )
+    group.add_argument(
+        "--router-balance-rel-threshold",
+        type=float,
+        default=1.0001,
+        help="cache_aware: ... and the ratio of their counts that must also be passed",
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -170,6 +209,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     from engine.server.engine_process import EngineProcess
     from engine.server.engine_thread import EngineThread
+    from engine.server.prefix_routing import RoutingPolicy
+    from engine.server.replicas import ReplicaSet, placements
 
     for name in ("max_connections", "max_body_bytes", "max_pending_requests", "grammar_max_chars", "grammar_max_depth"):
         if getattr(args, name) < 1:
@@ -186,14 +227,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     start = time.perf_counter()
     config = engine_config_from_args(args, freeze_gc=args.freeze_gc is not False)  # one engine for the server's life
+    from backends import get_platform
+
+    platform_name = get_platform(config.device).name
     use_process = args.engine_process
     if use_process is None:
-        from backends import get_platform
-
-        use_process = get_platform(config.device).name != "cpu"
-    engine: Engine | EngineProcess
+        use_process = platform_name != "cpu"
+    engine: Engine | EngineProcess | ReplicaSet
     engine_thread = None
-    if use_process:
+    if args.data_parallel_size != 1:
+        if config.tensor_parallel_size > 1:
+            raise ValueError("--data-parallel-size with --tensor-parallel-size > 1 is not supported yet")
+        if args.engine_process is False:
+            raise ValueError("--data-parallel-size runs each replica in a process of its own: drop --no-engine-process")
+        policy = RoutingPolicy(
+            args.router_policy,
+            args.router_cache_threshold,
+            args.router_balance_abs_threshold,
+            args.router_balance_rel_threshold,
+        )
+        engine = ReplicaSet(config, placements(platform_name, args.data_parallel_size, args.torch_threads), policy)
+        engine.start()
+        use_process = True
+    elif use_process:
         engine = EngineProcess(config, args.torch_threads)
         engine.start()
     else:
@@ -246,7 +302,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     server = GatedServer(config, gate)
     app.state.uvicorn_server = server  # the shutdown watcher reads its should_exit and deadline
-    if isinstance(engine, EngineProcess):
+    if isinstance(engine, (EngineProcess, ReplicaSet)):
         engine.on_terminate = server.request_shutdown  # a SIGTERM the engine got: drain, then stop it
     # Uvicorn re-raises the signal that stopped it once it has shut down gracefully; with these
     # handlers in place that re-raise is a no-op, so a SIGTERM/SIGINT shutdown exits with status 0.

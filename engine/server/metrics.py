@@ -15,6 +15,7 @@ its snapshot; `engine tune-capture --metrics-url` reads them back.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -44,6 +45,9 @@ class ServerMetrics:
         # miss those still tokenized, checked or on their way to the engine.
         self.pending: Callable[[], int] = lambda: 0
         r.register(_PendingCollector(lambda: self.pending(), model_name))
+        # Data-parallel replicas (build_app points this at the ReplicaSet): per replica, up, requests, restarts.
+        self.replicas: Callable[[], ReplicaCounts | None] = lambda: None
+        r.register(_ReplicaCollector(lambda: self.replicas(), model_name))
         self.prompt_tokens = Counter("engine:prompt_tokens", "Prompt tokens admitted.", labels, registry=r).labels(
             model_name
         )
@@ -174,6 +178,22 @@ def _histogram_family(name: str, doc: str, histogram: HistogramSnapshot, model_n
     return family
 
 
+def _vllm_series(s: EngineStats) -> list[tuple[str, str, str, float]]:
+    """The same counters under the vLLM names that routers read (llm-d's endpoint picker, NVIDIA Dynamo, the
+    Gateway API inference extension): waiting and running requests and KV-cache use; the older
+    `vllm:gpu_cache_usage_perc` for pickers that predate the rename."""
+    usage = s.kv_pages_in_use / s.kv_pages_total if s.kv_pages_total else 0.0
+    queries, hits = s.prefix_cache_query_tokens, s.prefix_cache_hit_tokens
+    return [
+        ("gauge", "vllm:num_requests_running", "Requests in the running batch.", s.num_running + s.num_prefilling),
+        ("gauge", "vllm:num_requests_waiting", "Requests queued for admission.", s.num_waiting),
+        ("gauge", "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", usage),
+        ("gauge", "vllm:gpu_cache_usage_perc", "KV-cache usage: 1 means 100 percent (the older name).", usage),
+        ("counter", "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries),
+        ("counter", "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", hits),
+    ]
+
+
 class _EngineStatsCollector:
     """Queue, KV pool and prefix-cache series, read from one engine snapshot per scrape."""
 
@@ -186,12 +206,54 @@ class _EngineStatsCollector:
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self.snapshot()
-        for kind, name, doc, value in _engine_series(snapshot):
+        for kind, name, doc, value in _engine_series(snapshot) + _vllm_series(snapshot):
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
         for name, doc, histogram in _step_histograms(snapshot):
             yield _histogram_family(name, doc, histogram, self.model_name)
+
+
+@dataclass
+class ReplicaCounts:
+    """Data-parallel replicas as /metrics shows them (engine/server/replicas.py)."""
+
+    names: list[str]
+    up: list[bool]
+    requests: list[int]  # requests each holds
+    restarts: list[int]
+    decisions: dict[str, int]  # the router's choices by reason (cache, balance, capacity, ...)
+
+
+class _ReplicaCollector:
+    def __init__(self, counts: Callable[[], ReplicaCounts | None], model_name: str) -> None:
+        self.counts = counts
+        self.model_name = model_name
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.counts()
+        if c is None:
+            return
+        labels = ["model_name", "replica"]
+        up = GaugeMetricFamily("engine:replica_up", "1 while the replica serves, 0 while it is down.", labels=labels)
+        held = GaugeMetricFamily("engine:replica_requests", "Requests the replica holds.", labels=labels)
+        restarts = CounterMetricFamily("engine:replica_restarts", "Times the replica was started again.", labels=labels)
+        for name, is_up, requests, restarted in zip(c.names, c.up, c.requests, c.restarts):
+            up.add_metric([self.model_name, name], float(is_up))
+            held.add_metric([self.model_name, name], requests)
+            restarts.add_metric([self.model_name, name], restarted)
+        decisions = CounterMetricFamily(
+            "engine:router_decisions",
+            "Requests routed, by why their replica was chosen: cache (the longest cached prefix), balance (the "
+            "idlest, load out of balance), capacity (the smallest prefix tree), round_robin, shortest_queue.",
+            labels=["model_name", "reason"],
+        )
+        for reason, count in c.decisions.items():
+            decisions.add_metric([self.model_name, reason], count)
+        yield from (up, held, restarts, decisions)
 
 
 class _PendingCollector:
