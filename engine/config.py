@@ -131,6 +131,11 @@ class EngineConfig:
         "YAML of tuned capture sizes (written by `engine tune-capture`): its capture_sizes / max_capture_size and "
         "hpu:/npu: sections replace the device YAML's; --capture-sizes wins over it",
     )
+    kv_events_config: str | None = setting(
+        None,
+        "KV cache events for KV-aware routers, as vLLM's JSON: e.g. '{\"enable_kv_cache_events\": true, "
+        '"publisher": "zmq", "endpoint": "tcp://*:5557"}\' (docs/server.md#kv-cache-events)',
+    )
     disable_graphs: bool = setting(False, "run every step eagerly")
     strict_graphs: bool = setting(False, "fail if anything compiles after warm-up")
     compile_decode: bool | None = setting(

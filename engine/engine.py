@@ -29,6 +29,8 @@ from engine.errors import (
 )
 from engine.gc_freeze import freeze_start_up_objects, unfreeze_gc
 from engine.kv_cache import KVPool
+from engine.kv_event_publisher import make_publisher
+from engine.kv_events import KVEventRecorder, KVEventsConfig
 from engine.kv_manager import KVCacheManager, PrefixCacheStats
 from engine.layers.attention import Attention, AttentionBackend
 from engine.loader import ModelSource, load_model, resolve_model_source
@@ -149,8 +151,14 @@ class Engine:
             },
         )
         self.kv_pool = self._allocate_kv_pool()
+        # KV cache events for routers (engine/kv_events.py): recorded by the prefix cache, published per step.
+        events = KVEventsConfig.parse(self.config.kv_events_config)
+        self.kv_events = (
+            KVEventRecorder("CPU" if self.platform.name == "cpu" else "GPU") if events.enable_kv_cache_events else None
+        )
+        self.kv_event_publisher = make_publisher(events)
         self.kv_manager = KVCacheManager(
-            self.kv_pool.allocator, self.kv_pool.page_size, self.config.enable_prefix_caching
+            self.kv_pool.allocator, self.kv_pool.page_size, self.config.enable_prefix_caching, self.kv_events
         )
         max_num_seqs = self.config.positive_int("max_num_seqs")
         step_ms = self.config.max_extend_step_ms
@@ -284,6 +292,10 @@ class Engine:
         `del` of the engine frees its memory; idempotent. The engine cannot step afterwards."""
         if self.tp_ranks is not None:
             self.tp_ranks.shutdown()
+        publisher = getattr(self, "kv_event_publisher", None)
+        if publisher is not None:
+            publisher.shutdown()
+            self.kv_event_publisher = None
         if getattr(self, "froze_gc", False):
             unfreeze_gc()
             self.froze_gc = False
@@ -313,6 +325,8 @@ class Engine:
             self.step()
         self._requests.pop(request_id, None)
         self.kv_manager.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.take()  # subscribers start from an empty cache; the warm-up's pages are gone
         self.kv_manager.stats = PrefixCacheStats()
         self.scheduler.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.runner.reset_counts()
@@ -612,6 +626,8 @@ class Engine:
         if self.debug_kv:
             self.check_kv_invariant()
         self.stats_logger.maybe_log()
+        if self.kv_event_publisher is not None and self.kv_events is not None and self.kv_events.events:
+            self.kv_event_publisher.publish(self.kv_events.take())
         return outputs
 
     def _settle_constrained(self) -> None:

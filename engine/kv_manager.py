@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.kv_cache import PageAllocator
+from engine.kv_events import KVEventRecorder
 from engine.radix_cache import RadixCache
 from engine.request import Request
 
@@ -39,10 +40,17 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, allocator: PageAllocator, page_size: int, enable_prefix_cache: bool) -> None:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        enable_prefix_cache: bool,
+        events: KVEventRecorder | None = None,
+    ) -> None:
+        """events: where the prefix cache reports the pages it stores and drops (KV cache events), if anywhere."""
         self.allocator = allocator
         self.page_size = page_size
-        self.tree = RadixCache(page_size, allocator.release) if enable_prefix_cache else None
+        self.tree = RadixCache(page_size, allocator.release, events) if enable_prefix_cache else None
         self.stats = PrefixCacheStats()
         # Told whenever a request's pages are released (finished, aborted, retracted, or any other
         # caller): the persistent decode row that mirrors its page table is freed with them.

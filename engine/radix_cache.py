@@ -21,6 +21,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from engine.kv_events import KVEventRecorder, page_hash
+
 
 @dataclass(eq=False)
 class RadixNode:
@@ -32,6 +34,7 @@ class RadixNode:
     lock_ref: int = 0
     last_access: int = 0
     namespace: str | None = None  # the cache salt of every sequence through this node
+    hashes: list[int] = field(default_factory=list)  # one per page, while KV events are recorded (kv_events.py)
 
     @property
     def is_leaf(self) -> bool:
@@ -49,9 +52,13 @@ class MatchResult:
 
 
 class RadixCache:
-    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]) -> None:
+    def __init__(
+        self, page_size: int, free_pages: Callable[[list[int]], None], events: KVEventRecorder | None = None
+    ) -> None:
+        """events: where stored and dropped pages are reported (KV cache events for routers), if anywhere."""
         self.page_size = page_size
         self.free_pages = free_pages
+        self.events = events
         self.root = RadixNode((), [], None, lock_ref=1)  # the root is never evicted
         self._clock = itertools.count(1)
         self.evictable_pages = 0
@@ -91,7 +98,18 @@ class RadixCache:
         )
         node.children[self._child_key(node, leaf.key, 0, namespace)] = leaf
         self.evictable_pages += len(leaf.pages)
+        if self.events is not None:
+            self._record_stored(node, leaf)
         return MatchResult(held + leaf.pages, leaf)
+
+    def _record_stored(self, parent: RadixNode, leaf: RadixNode) -> None:
+        previous = parent.hashes[-1] if parent.hashes else None
+        first = previous
+        for start in range(0, len(leaf.key), self.page_size):
+            previous = page_hash(previous, leaf.key[start : start + self.page_size], leaf.namespace)
+            leaf.hashes.append(previous)
+        assert self.events is not None
+        self.events.stored(list(leaf.hashes), first, list(leaf.key), self.page_size)
 
     # ---- protection -------------------------------------------------------------------
     def lock(self, node: RadixNode) -> None:
@@ -131,6 +149,8 @@ class RadixCache:
             del parent.children[self._child_key(parent, leaf.key, 0, leaf.namespace)]
             self.evictable_pages -= len(leaf.pages)
             self.free_pages(leaf.pages)
+            if self.events is not None:
+                self.events.removed(leaf.hashes)
             freed += len(leaf.pages)
             if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
@@ -140,6 +160,8 @@ class RadixCache:
     def reset(self) -> None:
         """Drop every unlocked node (e.g. when the cache is switched off or the weights change)."""
         self.evict(self.evictable_pages)
+        if self.events is not None and not self.root.children:
+            self.events.cleared()
 
     # ---- introspection ------------------------------------------------------------------
     def all_pages(self) -> list[int]:
@@ -222,9 +244,11 @@ class RadixCache:
             lock_ref=node.lock_ref,
             last_access=node.last_access,
             namespace=node.namespace,
+            hashes=node.hashes[:num_pages],
         )
         parent.children[self._child_key(parent, node.key, 0, node.namespace)] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], upper
+        node.hashes = node.hashes[num_pages:]
         upper.children[self._child_key(upper, node.key, 0, node.namespace)] = node
         return upper
 

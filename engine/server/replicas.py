@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from engine.config import EngineConfig
+from engine.kv_events import KVEventsConfig
 from engine.request import RequestOutput
 from engine.server.engine_loop import Command, EngineDeadError
 from engine.server.engine_process import EngineInfo, EngineProcess, Placement
@@ -110,7 +111,8 @@ class ReplicaSet:
     def __init__(self, config: EngineConfig, placements: list[Placement], policy: RoutingPolicy) -> None:
         self.config = config
         self.placements = placements
-        self.processes = [EngineProcess(config, placement=p) for p in placements]
+        self.configs = [_replica_config(config, rank) for rank in range(len(placements))]
+        self.processes = [EngineProcess(c, placement=p) for c, p in zip(self.configs, placements)]
         self.router_policy = policy
         self.routing: Router | None = None  # made once the page size is known (start)
         self.router: StreamRouter | None = None
@@ -251,7 +253,7 @@ class ReplicaSet:
             time.sleep(delay)
             if self._stopping:
                 return
-            process = EngineProcess(self.config, placement=self.placements[index])
+            process = EngineProcess(self.configs[index], placement=self.placements[index])
             try:
                 process.start()
             except Exception as exc:
@@ -270,6 +272,15 @@ class ReplicaSet:
             self.error = None
             logger.info("%s is back (restart %d)", name, self.restarts[index])
             return
+
+
+def _replica_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """A replica's config: its KV cache events (if on) carry its rank, on its own port (vLLM's data-parallel
+    rule: the endpoint's port plus the rank)."""
+    if not config.kv_events_config:
+        return config
+    events = KVEventsConfig.parse(config.kv_events_config)
+    return replace(config, kv_events_config=replace(events, data_parallel_rank=rank).to_json())
 
 
 def _describe(placement: Placement) -> str:
