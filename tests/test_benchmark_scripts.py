@@ -61,7 +61,23 @@ def _check_profile_decode(result: subprocess.CompletedProcess, out: Path) -> Non
     assert "==== batch 3, context 8: 2 decode steps" in result.stdout
 
 
+def _check_router_overhead(result: subprocess.CompletedProcess, out: Path) -> None:
+    report = json.loads((out / "router_overhead.json").read_text())
+    rows = {row["policy"]: row for row in report["results"]}
+    assert set(rows) == {"cache_aware", "shortest_queue", "round_robin"}
+    assert rows["cache_aware"]["tree_pages"] > 0 and rows["round_robin"]["tree_pages"] == 0
+    assert all(row["median_us"] > 0 and row["decisions_per_s"] > 0 for row in rows.values())
+    assert "cache_aware" in result.stdout
+
+
 TINY: dict[str, TinyCase] = {
+    "router_overhead.py": TinyCase(
+        lambda out, model: [
+            *("--replicas", "2", "--cached-prompts", "40", "--requests", "40", "--prompt-len", "96"),
+            *("--output-json", str(out / "router_overhead.json")),
+        ],
+        _check_router_overhead,
+    ),
     "profile_sampling.py": TinyCase(
         lambda out, model: [
             *("--device", "cpu", "--batch-size", "4", "--vocab", "512", "--context", "16", "--iters", "5"),
