@@ -117,6 +117,10 @@ def test_a_replica_that_dies_fails_only_its_requests_and_comes_back(round_robin:
     while sum(len(lines) > 3 for lines in streams.values()) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     os.kill(pids["engine 0"], signal.SIGKILL)
+    killed = time.monotonic()
+    while _samples(replicas)['engine:replica_up{replica="0"}'] != 0:
+        assert time.monotonic() - killed < 1.0, "the router did not mark the dead replica down within a second"
+        time.sleep(0.02)
     for thread in threads:
         thread.join(120)
     errors = [lines for lines in streams.values() if any('"error"' in line for line in lines)]
