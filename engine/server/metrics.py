@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -194,18 +195,25 @@ def _vllm_series(s: EngineStats) -> list[tuple[str, str, str, float]]:
     ]
 
 
-class _EngineStatsCollector:
-    """Queue, KV pool and prefix-cache series, read from one engine snapshot per scrape."""
+T = TypeVar("T")
 
-    def __init__(self, snapshot: Callable[[], EngineStats], model_name: str) -> None:
-        self.snapshot = snapshot
+
+class _ReadAtScrape(Generic[T]):
+    """A collector whose series are read from `source()` at each scrape (what is current then), for one model."""
+
+    def __init__(self, source: Callable[[], T], model_name: str) -> None:
+        self.source = source
         self.model_name = model_name
 
     def describe(self) -> list[Metric]:
-        return []  # collected lazily, from whatever snapshot is current at scrape time
+        return []  # nothing to declare up front: the series exist when read
+
+
+class _EngineStatsCollector(_ReadAtScrape[EngineStats]):
+    """Queue, KV pool and prefix-cache series, read from one engine snapshot per scrape."""
 
     def collect(self) -> Iterator[Metric]:
-        snapshot = self.snapshot()
+        snapshot = self.source()
         for kind, name, doc, value in _engine_series(snapshot) + _vllm_series(snapshot):
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
@@ -225,16 +233,9 @@ class ReplicaCounts:
     decisions: dict[str, int]  # the router's choices by reason (cache, balance, capacity, ...)
 
 
-class _ReplicaCollector:
-    def __init__(self, counts: Callable[[], ReplicaCounts | None], model_name: str) -> None:
-        self.counts = counts
-        self.model_name = model_name
-
-    def describe(self) -> list[Metric]:
-        return []
-
+class _ReplicaCollector(_ReadAtScrape[ReplicaCounts | None]):
     def collect(self) -> Iterator[Metric]:
-        c = self.counts()
+        c = self.source()
         if c is None:
             return
         labels = ["model_name", "replica"]
@@ -256,14 +257,7 @@ class _ReplicaCollector:
         yield from (up, held, restarts, decisions)
 
 
-class _PendingCollector:
-    def __init__(self, pending: Callable[[], int], model_name: str) -> None:
-        self.pending = pending
-        self.model_name = model_name
-
-    def describe(self) -> list[Metric]:
-        return []
-
+class _PendingCollector(_ReadAtScrape[int]):
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
             "engine:num_requests_pending",
@@ -271,22 +265,15 @@ class _PendingCollector:
             "grammar's check or on their way to the engine, queued and running.",
             labels=["model_name"],
         )
-        family.add_metric([self.model_name], self.pending())
+        family.add_metric([self.model_name], self.source())
         yield family
 
 
-class _GrammarCollector:
+class _GrammarCollector(_ReadAtScrape[PoolCounts]):
     """The compiler processes' queue and what they refused or dropped (engine/structured/pool.py)."""
 
-    def __init__(self, counts: Callable[[], PoolCounts], model_name: str) -> None:
-        self.counts = counts
-        self.model_name = model_name
-
-    def describe(self) -> list[Metric]:
-        return []
-
     def collect(self) -> Iterator[Metric]:
-        c = self.counts()
+        c = self.source()
         series = [
             (GaugeMetricFamily, "engine:grammar_checks_queued", "Request grammars waiting for a compiler.", c.queued),
             (GaugeMetricFamily, "engine:grammar_checks_running", "Request grammars being compiled.", c.running),
