@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.errors import (
@@ -51,6 +51,9 @@ from engine.request import RequestOutput
 from engine.server.engine_loop import Command, EngineDeadError, EngineLoop
 from engine.server.streams import StreamRouter
 from engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 logger = logging.getLogger("engine.server.engine_process")
 
@@ -128,15 +131,37 @@ def _decode_output(item: tuple) -> RequestOutput:
     )
 
 
+def deliver_event(message: tuple[Any, ...], router: StreamRouter) -> None:
+    """One of the engine's events, as _EncodedEvents wrote it, to the server's router."""
+    kind = message[0]
+    if kind == "outputs":
+        router.outputs([_decode_output(item) for item in message[1]])
+    elif kind == "accepted":
+        router.accepted(message[1], _decode_error(message[2]))
+    elif kind == "failed":
+        router.failed(message[1], _decode_error(message[2]) or EngineDeadError("failed"))
+    elif kind == "stats":
+        router.stats(message[1])
+    else:
+        raise ValueError(f"unknown engine event {kind!r}")
+
+
+def engine_info(engine: Engine) -> EngineInfo:
+    return EngineInfo(
+        engine.config.model,
+        engine.max_model_len,
+        int(engine.model_config.vocab_size),
+        engine.tokenizer,
+        engine.stats(),
+        engine.kv_pool.page_size,
+    )
+
+
 # ---- the engine process --------------------------------------------------------------------------
 
 
-class _PipeEvents:
-    """EngineEvents written to the pipe (engine side)."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.server_gone = False
+class EncodedEvents:
+    """EngineEvents as plain tuples (what crosses a pipe or a Ray call; deliver_event reads them back)."""
 
     def accepted(self, request_id: str, error: BaseException | None) -> None:
         self._send(("accepted", request_id, _encode_error(error)))
@@ -149,6 +174,17 @@ class _PipeEvents:
 
     def stats(self, snapshot: EngineStats) -> None:
         self._send(("stats", snapshot))
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        raise NotImplementedError
+
+
+class _PipeEvents(EncodedEvents):
+    """The events written to the pipe (engine side)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.server_gone = False
 
     def _send(self, message: tuple[Any, ...]) -> None:
         # A server that stopped closed its end first; what the loop reports while it winds down (the final
@@ -227,14 +263,7 @@ def run_engine_process(config: EngineConfig, conn: Connection, placement: Placem
 
         start = time.perf_counter()
         engine = Engine(config)
-        info = EngineInfo(
-            config.model,
-            engine.max_model_len,
-            int(engine.model_config.vocab_size),
-            engine.tokenizer,
-            engine.stats(),
-            engine.kv_pool.page_size,
-        )
+        info = engine_info(engine)
         logger.info("engine process %d ready in %.1f s", os.getpid(), time.perf_counter() - start)
     except BaseException as exc:
         conn.send(("dead", _encode_error(exc)))
@@ -327,17 +356,10 @@ class EngineProcess:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            kind = message[0]
-            if kind == "outputs":
-                router.outputs([_decode_output(item) for item in message[1]])
-            elif kind == "accepted":
-                router.accepted(message[1], _decode_error(message[2]))
-            elif kind == "failed":
-                router.failed(message[1], _decode_error(message[2]) or EngineDeadError("failed"))
-            elif kind == "stats":
-                router.stats(message[1])
-            elif kind == "terminate":
+            if message[0] == "terminate":
                 self._terminate_requested(message[1])
+            else:
+                deliver_event(message, router)
         self._dead = True
         if not self._stopping:
             assert self._process is not None

@@ -168,6 +168,13 @@ def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
         "block of cores), with a router choosing one per request",
     )
     group.add_argument(
+        "--distributed-executor-backend",
+        choices=("mp", "ray"),
+        default="mp",
+        help="where the replicas run: mp, processes of this host; ray, actors on a Ray cluster (RAY_ADDRESS, or a "
+        "local one), one per placement-group bundle of a GPU or --torch-threads CPUs",
+    )
+    group.add_argument(
         "--router-policy",
         choices=POLICIES,
         default="cache_aware",
@@ -207,7 +214,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         guarded_protocol,
         raise_fd_limit,
     )
-    from engine.server.engine_process import EngineProcess
+    from engine.server.engine_process import EngineProcess, Placement
     from engine.server.engine_thread import EngineThread
     from engine.server.prefix_routing import RoutingPolicy
     from engine.server.replicas import ReplicaSet, placements
@@ -235,7 +242,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         use_process = platform_name != "cpu"
     engine: Engine | EngineProcess | ReplicaSet
     engine_thread = None
-    if args.data_parallel_size != 1:
+    if args.data_parallel_size != 1 or args.distributed_executor_backend == "ray":
         if config.tensor_parallel_size > 1:
             raise ValueError("--data-parallel-size with --tensor-parallel-size > 1 is not supported yet")
         if args.engine_process is False:
@@ -246,7 +253,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.router_balance_abs_threshold,
             args.router_balance_rel_threshold,
         )
-        engine = ReplicaSet(config, placements(platform_name, args.data_parallel_size, args.torch_threads), policy)
+        if args.distributed_executor_backend == "ray":
+            if platform_name not in ("cuda", "cpu"):
+                raise ValueError(f"--distributed-executor-backend ray runs cuda and cpu replicas; not {platform_name}")
+            # Ray places the replicas (a bundle each) and gives each actor its GPU.
+            if args.data_parallel_size < 1:
+                raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+            threads = args.torch_threads or 1
+            shares = [Placement(torch_threads=threads, name=f"engine {i}") for i in range(args.data_parallel_size)]
+            gpus = 1 if platform_name == "cuda" else 0
+            engine = ReplicaSet(config, shares, policy, backend="ray", gpus_per_replica=gpus)
+        else:
+            engine = ReplicaSet(config, placements(platform_name, args.data_parallel_size, args.torch_threads), policy)
         engine.start()
         use_process = True
     elif use_process:

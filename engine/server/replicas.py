@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.kv_events import KVEventsConfig
@@ -35,6 +36,7 @@ from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
+BACKENDS = ("mp", "ray")  # vLLM's names for --distributed-executor-backend
 RESTART_DELAY_S = 2.0  # before the first restart of a dead replica; doubled per failed try, up to a minute
 MAX_RESTART_DELAY_S = 60.0
 ROUTER_PAGES_PER_REPLICA = 1 << 16  # pages each replica's routing tree keeps (SGLang: 2**24 characters in all)
@@ -108,11 +110,24 @@ class _ReplicaEvents:
 
 
 class ReplicaSet:
-    def __init__(self, config: EngineConfig, placements: list[Placement], policy: RoutingPolicy) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        placements: list[Placement],
+        policy: RoutingPolicy,
+        backend: str = "mp",
+        gpus_per_replica: int = 0,
+    ) -> None:
+        """backend: "mp", processes of this host; "ray", actors on a Ray cluster (engine/server/ray_replica.py)."""
+        if backend not in BACKENDS:
+            raise ValueError(f"--distributed-executor-backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.config = config
         self.placements = placements
+        self.backend = backend
+        self.gpus_per_replica = gpus_per_replica
+        self.cluster: Any = None  # the Ray placement group (backend ray), made in start()
         self.configs = [_replica_config(config, rank) for rank in range(len(placements))]
-        self.processes = [EngineProcess(c, placement=p) for c, p in zip(self.configs, placements)]
+        self.processes: list[Any] = [None] * len(placements)
         self.router_policy = policy
         self.routing: Router | None = None  # made once the page size is known (start)
         self.router: StreamRouter | None = None
@@ -128,8 +143,24 @@ class ReplicaSet:
         self.restarts = [0] * len(placements)
 
     # ---- lifetime -------------------------------------------------------------------------------
+    def _new_replica(self, index: int) -> Any:
+        """An EngineProcess, or a RayReplica in the index-th bundle of the placement group."""
+        if self.backend == "ray":
+            from engine.server.ray_replica import RayReplica
+
+            return RayReplica(
+                self.configs[index], self.placements[index], self.cluster.group, index, self.gpus_per_replica
+            )
+        return EngineProcess(self.configs[index], placement=self.placements[index])
+
     def start(self, ready_timeout: float | None = None) -> EngineInfo:
         """Start every replica at once and wait for all; if one fails, stop the others and raise its error."""
+        if self.backend == "ray":
+            from engine.server.ray_replica import RayCluster
+
+            threads = self.placements[0].torch_threads or 1
+            self.cluster = RayCluster(len(self.placements), self.gpus_per_replica, threads)
+        self.processes = [self._new_replica(i) for i in range(len(self.placements))]
         with ThreadPoolExecutor(len(self.processes)) as pool:
             futures = [pool.submit(p.start, ready_timeout) for p in self.processes]
             errors = [f.exception() for f in futures]
@@ -138,6 +169,8 @@ class ReplicaSet:
             for process, error in zip(self.processes, errors):
                 if error is None:
                     process.stop()
+            if self.cluster is not None:
+                self.cluster.shutdown()
             raise failed
         infos = [p.info for p in self.processes]
         self._stats = [info.stats for info in infos]
@@ -167,6 +200,8 @@ class ReplicaSet:
         self._stopping = True
         with ThreadPoolExecutor(len(self.processes)) as pool:
             list(pool.map(lambda p: p.stop(timeout), self.processes))
+        if self.cluster is not None:
+            self.cluster.shutdown()
 
     def _terminate_requested(self) -> None:
         if self.on_terminate is not None:
@@ -253,7 +288,7 @@ class ReplicaSet:
             time.sleep(delay)
             if self._stopping:
                 return
-            process = EngineProcess(self.configs[index], placement=self.placements[index])
+            process = self._new_replica(index)
             try:
                 process.start()
             except Exception as exc:
