@@ -80,6 +80,16 @@ def test_two_replicas_answer_as_one_engine_does(replicas: ServerProcess) -> None
     prompts = ["The capital of France is", "Write a haiku about rain.", "1, 2, 3, 4,", "Once upon a time"]
     one = shared_server()
     assert [_complete(replicas, p) for p in prompts] == [_complete(one, p) for p in prompts]
+    # A client that hangs up mid-stream: its replica lets go of the request (the load the router reads).
+    body = {"model": MODEL, "prompt": "Tell a long story", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{replicas.base_url}/v1/completions", json=body, timeout=60) as response:
+        for index, _ in enumerate(response.iter_lines()):
+            if index == 3:
+                break
+    deadline = time.monotonic() + 10
+    while any(_samples(replicas)[f'engine:replica_requests{{replica="{r}"}}'] for r in "01"):
+        assert time.monotonic() < deadline, _samples(replicas)
+        time.sleep(0.1)
     samples = _samples(replicas)
     assert samples['engine:replica_up{replica="0"}'] == samples['engine:replica_up{replica="1"}'] == 1
     assert "2 engine replicas ready" in replicas.log()

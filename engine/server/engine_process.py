@@ -132,7 +132,7 @@ def _decode_output(item: tuple) -> RequestOutput:
 
 
 def deliver_event(message: tuple[Any, ...], router: StreamRouter) -> None:
-    """One of the engine's events, as _EncodedEvents wrote it, to the server's router."""
+    """One of the engine's events, as EncodedEvents wrote it, to the server's router."""
     kind = message[0]
     if kind == "outputs":
         router.outputs([_decode_output(item) for item in message[1]])
@@ -147,6 +147,7 @@ def deliver_event(message: tuple[Any, ...], router: StreamRouter) -> None:
 
 
 def engine_info(engine: Engine) -> EngineInfo:
+    """What the server needs of an engine built elsewhere (an engine process, a Ray actor)."""
     return EngineInfo(
         engine.config.model,
         engine.max_model_len,

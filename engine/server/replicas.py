@@ -231,6 +231,7 @@ class ReplicaSet:
             if index is not None:
                 with contextlib.suppress(EngineDeadError):
                     self.processes[index].send(command)
+                self.forget(command[1])  # the engine sends nothing more for an aborted request
         else:  # fail_all, stop: every replica that is up
             for up, process in zip(self._up, self.processes):
                 if up:
