@@ -11,10 +11,13 @@ import msgspec
 import pytest
 import zmq
 
+from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.kv_event_publisher import offset_port
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder, KVEventsConfig, page_hash
 from engine.radix_cache import RadixCache
 from engine.sampling_params import SamplingParams
+from engine.server.replicas import _replica_config
 
 
 def test_stored_pages_chain_their_hashes_and_dropped_pages_name_the_same_hashes() -> None:
@@ -122,10 +125,6 @@ def test_the_engine_publishes_a_step_s_events_and_replays_missed_ones(tmp_path: 
 
 
 def test_each_replica_publishes_on_its_own_port_with_its_rank() -> None:
-    from engine.config import EngineConfig
-    from engine.kv_event_publisher import offset_port
-    from engine.server.replicas import _replica_config
-
     base = EngineConfig(kv_events_config='{"enable_kv_cache_events": true, "publisher": "zmq"}')
     ranks = [KVEventsConfig.parse(_replica_config(base, rank).kv_events_config) for rank in range(3)]
     assert [r.data_parallel_rank for r in ranks] == [0, 1, 2]

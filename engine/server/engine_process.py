@@ -26,6 +26,7 @@ ends with EngineDeadError and /health answers 503.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 import multiprocessing
@@ -161,7 +162,7 @@ def engine_info(engine: Engine) -> EngineInfo:
 # ---- the engine process --------------------------------------------------------------------------
 
 
-class EncodedEvents:
+class EncodedEvents(abc.ABC):
     """EngineEvents as plain tuples (what crosses a pipe or a Ray call; deliver_event reads them back)."""
 
     def accepted(self, request_id: str, error: BaseException | None) -> None:
@@ -176,8 +177,9 @@ class EncodedEvents:
     def stats(self, snapshot: EngineStats) -> None:
         self._send(("stats", snapshot))
 
+    @abc.abstractmethod
     def _send(self, message: tuple[Any, ...]) -> None:
-        raise NotImplementedError
+        """Hand one event on (the pipe, the actor's buffer)."""
 
 
 class _PipeEvents(EncodedEvents):

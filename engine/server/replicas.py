@@ -31,6 +31,7 @@ from engine.server.engine_loop import Command, EngineDeadError
 from engine.server.engine_process import EngineInfo, EngineProcess, Placement
 from engine.server.metrics import ReplicaCounts
 from engine.server.prefix_routing import Router, RoutingPolicy
+from engine.server.ray_replica import RayCluster, RayReplica  # imports ray itself only when one is made
 from engine.server.streams import StreamRouter
 from engine.stats import EngineStats
 
@@ -146,8 +147,6 @@ class ReplicaSet:
     def _new_replica(self, index: int) -> Any:
         """An EngineProcess, or a RayReplica in the index-th bundle of the placement group."""
         if self.backend == "ray":
-            from engine.server.ray_replica import RayReplica
-
             return RayReplica(
                 self.configs[index], self.placements[index], self.cluster.group, index, self.gpus_per_replica
             )
@@ -156,8 +155,6 @@ class ReplicaSet:
     def start(self, ready_timeout: float | None = None) -> EngineInfo:
         """Start every replica at once and wait for all; if one fails, stop the others and raise its error."""
         if self.backend == "ray":
-            from engine.server.ray_replica import RayCluster
-
             threads = self.placements[0].torch_threads or 1
             self.cluster = RayCluster(len(self.placements), self.gpus_per_replica, threads)
         self.processes = [self._new_replica(i) for i in range(len(self.placements))]
