@@ -222,7 +222,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     # Several clients, each with a pool of a few connections: httpcore hands a request a connection by
     # scanning its whole pool, so one client of 512 connections spends most of the client's CPU there
-    # (py-spy: 84% of this process at concurrency 512, non-streaming) and throttles the server it measures.
+    # (py-spy: 74% of this process at concurrency 512, non-streaming) and throttles the server it measures.
     cap = args.max_concurrency
     lanes = min(MAX_CLIENTS, math.ceil(cap / CONNECTIONS_PER_CLIENT)) if cap else MAX_CLIENTS
     async with contextlib.AsyncExitStack() as stack:
