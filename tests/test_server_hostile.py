@@ -743,7 +743,9 @@ def test_clients_that_hang_up_during_prefill_free_everything(server: ServerProce
 # ---- grammars (issue #48): each attack with a well-formed canary beside it -------------------------------------
 
 CANARY = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
-CANARY_WORST_S = 2.0  # a canary's worst latency behind any grammar attack (idle: ~0.1 s)
+# Starvation, not speed: before issue #48 a canary waited 34-60 s behind these grammars. The 2 s goal on a quiet
+# CPU is measured by benchmarks/hostile_grammars.py; the suite shares two cores with other servers.
+CANARY_WORST_S = 4.0
 
 
 @contextlib.contextmanager
