@@ -1,5 +1,5 @@
 """`engine serve` of a checkout on a free loopback port, for the attack benchmarks (hostile_grammars.py,
-hostile_floods.py): a module they import, not a script."""
+hostile_floods.py) and its readiness wait (serving_vs_offline.py too): a module they import, not a script."""
 
 from __future__ import annotations
 
@@ -11,6 +11,21 @@ import sys
 import time
 
 import httpx
+
+
+def wait_for_health(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
+    """Until `url`/health answers 200; RuntimeError if the process exits first, TimeoutError after timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the server was not ready within {timeout:.0f} s")
 
 
 class Server:
@@ -25,19 +40,13 @@ class Server:
         command = [sys.executable, "-m", "engine.cli", "serve", "--port", str(self.port), *extra]
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(command, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}; see {log_path}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server did not start; see {log_path}")
-            time.sleep(0.5)
+        try:
+            wait_for_health(self.base, self.process, 600.0)
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError(f"the server did not start; see {log_path}") from None
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; see {log_path}") from None
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)

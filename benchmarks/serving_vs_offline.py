@@ -26,26 +26,11 @@ import time
 from collections import deque
 from typing import Any
 
-import httpx
-
+from benchmarks.serve_process import wait_for_health
 from engine.bench_serving import add_bench_serving_args, make_workload, run_benchmark
 from engine.cli import add_engine_args, engine_config_from_args
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-
-
-def _wait_for_health(url: str, server: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"the server was not ready within {timeout:.0f} s")
 
 
 def serve_and_bench(
@@ -79,7 +64,7 @@ def serve_and_bench(
     url = f"http://127.0.0.1:{port}"
     seed = bench.seed
     try:
-        _wait_for_health(url, server, ready_timeout)
+        wait_for_health(url, server, ready_timeout)
         results = []
         for run, (concurrency, stream) in enumerate(itertools.product(concurrencies, bench.stream_modes)):
             bench.base_url, bench.max_concurrency, bench.disable_stream = url, concurrency, not stream
