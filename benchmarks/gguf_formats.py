@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.cpu import gguf_linear as gl
-from graphs.tune_measure import steady_ms
+from engine.tuning.measure import steady_ms
 
 # Byte offsets of each block's fp16 scales (d, and the minimum where there is one): ggml's block layouts.
 SCALE_OFFSETS = {

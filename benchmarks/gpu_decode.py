@@ -26,7 +26,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from graphs.tune_measure import steady_ms  # the tuner times replays and steps the same way
+from engine.tuning.measure import steady_ms  # the tuner times replays and steps the same way
 
 
 def _device_ms(platform_sync, fn, iters: int) -> float:

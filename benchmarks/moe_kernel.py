@@ -33,7 +33,7 @@ import torch
 from backends.cuda.triton_moe import MoeTile, fused_moe, moe_tile
 from benchmarks.gpu_timing import copy_rate_bytes_per_s, graph_us, preset_config
 from engine.layers.moe import moe_experts
-from graphs.tune_measure import steady_ms
+from engine.tuning.measure import steady_ms
 
 SWEEP_TILES = (
     [MoeTile(16, n, k, num_warps=4, num_stages=s) for n in (32, 64) for k in (64, 128) for s in (3, 4)]

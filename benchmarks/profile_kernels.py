@@ -23,7 +23,7 @@ from engine.cli import add_engine_args, engine_config_from_args
 from engine.engine import Engine
 from engine.profiling import time_by_name
 from engine.sampling_params import SamplingParams
-from graphs.tune_measure import steady_ms
+from engine.tuning.measure import steady_ms
 
 
 def kernel_table(engine: Engine, batch: int, context: int, replays: int) -> dict[str, Any]:

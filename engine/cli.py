@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tune-capture", help="measure capture sizes and write the best set for a batch-size distribution"
     )
     add_engine_args(tune)
-    from graphs.tune import add_tune_args, cmd_tune_capture
+    from engine.tuning.command import add_tune_args, cmd_tune_capture
 
     add_tune_args(tune)
     tune.set_defaults(func=cmd_tune_capture)

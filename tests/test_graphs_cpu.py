@@ -217,10 +217,10 @@ def test_decode_with_opaque_attention_shares_the_extend_steps_layer_graph(tiny_l
     layer function: decode sizes 8, 4, 2 compile it once, an extend step of 24 tokens after them compiles
     nothing, and both give what the uncompiled model gives. Counted with dynamo's eager backend."""
     from engine.layers.attention import step_context
+    from engine.tuning.extend import prompt_batch
     from graphs.compiled_extend import CompiledExtendStep
     from graphs.compiled_step import CompiledDecodeStep, compile_count
     from graphs.static_buffers import StaticDecodeBuffers
-    from graphs.tune_extend import prompt_batch
 
     engine = track(
         Engine(model=tiny_llama, device="cpu", dtype="float32", disable_graphs=True, kv_cache_tokens=256, warmup=False)

@@ -23,8 +23,8 @@ from backends.cpu.platform import CpuPlatform
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.stats import DECODE_BATCH_BOUNDS, EngineStats, StepSizeCounts
-from graphs.tune_buckets import PlaneCost, evaluate_hpu, propose_hpu_buckets, step_distribution
-from graphs.tune_distribution import (
+from engine.tuning.buckets import PlaneCost, evaluate_hpu, propose_hpu_buckets, step_distribution
+from engine.tuning.distribution import (
     SizeDistribution,
     fetch_metrics,
     from_prometheus_text,
@@ -32,8 +32,8 @@ from graphs.tune_distribution import (
     load_distribution_file,
     parse_spec,
 )
-from graphs.tune_output import BEGIN, END, decode_values, write_tuned_yaml
-from graphs.tune_select import Budget, CostModel, SizeCost, evaluate, select_sizes
+from engine.tuning.output import BEGIN, END, decode_values, write_tuned_yaml
+from engine.tuning.select import Budget, CostModel, SizeCost, evaluate, select_sizes
 
 CUDA_LIKE_DEFAULTS = [1, 2, 4, 8, 16, 24, 32, 48, 64]
 
@@ -226,7 +226,7 @@ def prompt_case(prompts_per_step: int = 1):
     """A synthetic prefill cost, a skewed prompt-length distribution (90% at 500-530 tokens) and the current
     configs/hpu.yaml prompt buckets (one row, 128/128/4096, at most 4096 tokens) priced on it."""
     from backends.hpu.bucketing import BucketRange, linear_buckets, prompt_buckets
-    from graphs.tune_prompt import PromptCost, evaluate_pairs, load_prompt_lengths, prompt_steps
+    from engine.tuning.prompt import PromptCost, evaluate_pairs, load_prompt_lengths, prompt_steps
 
     cost = PromptCost.fit(PROMPT_POINTS)
     lengths = load_prompt_lengths("500-530:0.9,100-1000:0.1", 4095)
@@ -237,7 +237,7 @@ def prompt_case(prompts_per_step: int = 1):
 
 
 def test_hpu_prompt_buckets_pad_less_than_the_defaults_within_the_budget() -> None:
-    from graphs.tune_prompt import propose_prompt_buckets
+    from engine.tuning.prompt import propose_prompt_buckets
 
     cost, lengths, steps, current = prompt_case()
     assert current.buckets == 32 and current.padded_tokens > 60  # 500-530 pads to 512 or 640
@@ -288,7 +288,7 @@ def test_hpu_prompt_buckets_batch_rows_when_a_step_brings_several_prompts() -> N
     priced passes are the prefill runner's own grouping (backends/hpu/prefill.group_prompts)."""
     from backends.hpu.bucketing import make_buckets, prompt_buckets
     from backends.hpu.prefill import group_prompts
-    from graphs.tune_prompt import propose_prompt_buckets
+    from engine.tuning.prompt import propose_prompt_buckets
 
     cost, lengths, steps, current = prompt_case(prompts_per_step=4)
     proposal = propose_prompt_buckets(
@@ -359,7 +359,7 @@ def test_tune_capture_hpu_rejects_too_few_prompt_points(
     tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from engine.cli import main
-    from graphs.tune_prompt import PromptCost
+    from engine.tuning.prompt import PromptCost
 
     with pytest.raises(ValueError, match="at least three prompt_points"):
         PromptCost.fit([[1, 128, 12.0], [1, 1024, 30.0]])
@@ -378,7 +378,7 @@ def test_tune_capture_hpu_rejects_too_few_prompt_points(
 
 
 def test_prompt_length_distributions(tmp_path: pytest.TempPathFactory) -> None:
-    from graphs.tune_prompt import load_prompt_lengths
+    from engine.tuning.prompt import load_prompt_lengths
 
     default = load_prompt_lengths(None, 4095)
     assert min(default.weights) == 256 and max(default.weights) == 768 and default.mean == pytest.approx(512)
@@ -459,7 +459,7 @@ def test_prometheus_histogram_round_trip() -> None:
 def test_prompt_lengths_come_from_the_metrics_histogram(metrics_server: tuple[str, list[str]]) -> None:
     """The HPU prompt tuner reads engine:request_prompt_tokens from the same scrape as the batch sizes: 32-token
     buckets to 1,024 spread evenly over their lengths; a file or spec given explicitly wins."""
-    from graphs.tune_prompt import load_prompt_lengths
+    from engine.tuning.prompt import load_prompt_lengths
 
     url, seen = metrics_server
     lengths = load_prompt_lengths(None, 4096, url, api_key="k3y")
@@ -534,8 +534,8 @@ def test_engine_counts_step_sizes_and_serves_them_on_metrics(smol_engine: Engine
 def test_workload_replay_through_engine_steps_counts_padding_and_eager_steps(smol_engine: Engine) -> None:
     from collections import Counter
 
-    from graphs.tune_measure import make_runner
-    from graphs.tune_workload import replay_workload, sample_steps
+    from engine.tuning.measure import make_runner
+    from engine.tuning.workload import replay_workload, sample_steps
 
     runners = {}
     for name, sizes in (("both", [1, 2]), ("two", [2]), ("one", [1])):
@@ -623,8 +623,8 @@ def test_tune_capture_end_to_end_writes_sizes_the_engine_captures(tmp_path: pyte
     assert [m["size"] for m in measured] == [1, 2]
     assert all(m["replay_ms"] > 0 and m["eager_ms"] > 0 and m["capture_s"] > 0 for m in measured)
     assert set(report["measurements"]["eager_points"]) == {"1", "2", "3"}
-    from graphs.tune import cost_model
-    from graphs.tune_measure import MeasureReport
+    from engine.tuning.command import cost_model
+    from engine.tuning.measure import MeasureReport
 
     model = cost_model(MeasureReport.from_dict(report["measurements"]))
     dist = parse_spec("1:0.6,2:0.3,3:0.1")

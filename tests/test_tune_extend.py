@@ -14,10 +14,10 @@ import pytest
 import yaml
 
 from engine.config import EngineConfig
-from graphs.tune_distribution import TOKENS_HISTOGRAM, SizeDistribution, load_distribution, parse_spec
-from graphs.tune_extend import MIN_BUCKET, extend_candidates
-from graphs.tune_output import BEGIN, EXTEND_BEGIN, decode_values, write_tuned_yaml
-from graphs.tune_select import CostModel, evaluate
+from engine.tuning.distribution import TOKENS_HISTOGRAM, SizeDistribution, load_distribution, parse_spec
+from engine.tuning.extend import MIN_BUCKET, extend_candidates
+from engine.tuning.output import BEGIN, EXTEND_BEGIN, decode_values, write_tuned_yaml
+from engine.tuning.select import CostModel, evaluate
 
 BUCKETS = [16, 64, 256, 1024, 4096, 8192]
 
@@ -79,7 +79,7 @@ def test_token_distribution_comes_from_the_extend_step_histogram(monkeypatch: py
             "",
         ]
     )
-    import graphs.tune_distribution as module
+    import engine.tuning.distribution as module
 
     fetched: list[str] = []
     # The scrape itself is tested against a live server in test_tune_capture.py; here, which histogram is read.
@@ -96,8 +96,8 @@ def _exhaustive_best(distribution: SizeDistribution, model: CostModel) -> tuple[
 def test_tune_capture_extend_from_a_cost_table_writes_buckets_the_engine_config_loads(tmp_path) -> None:
     from backends import platform_class
     from engine.cli import main
-    from graphs.tune import cost_model
-    from graphs.tune_measure import MeasureReport
+    from engine.tuning.command import cost_model
+    from engine.tuning.measure import MeasureReport
 
     table_path, output = str(tmp_path / "table.json"), str(tmp_path / "cuda.yaml")
     with open(table_path, "w", encoding="utf-8") as handle:

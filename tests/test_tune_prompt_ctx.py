@@ -13,8 +13,8 @@ import yaml
 from conftest import REPO_ROOT
 
 from backends.hpu.bucketing import BucketRange, choose_prompt_ctx_bucket, make_buckets, resolve_bucket_config
-from graphs.tune_distribution import parse_spec
-from graphs.tune_prompt_ctx import CtxCost, ctx_steps, evaluate_ctx, propose_ctx_buckets
+from engine.tuning.distribution import parse_spec
+from engine.tuning.prompt_ctx import CtxCost, ctx_steps, evaluate_ctx, propose_ctx_buckets
 
 PAGE = 128
 MAX_LEN = 4096

@@ -7,9 +7,9 @@ per-bucket capture or replay hook), so the step times come from a cost table mea
     {"hpu_buckets": {"points": [[bs, blocks, ms], ...], "eager_points": [[bs, blocks, ms], ...],
                      "warmup_s_per_bucket": 1.5}}
 
-(at least three points each), priced for every other bucket by a fitted plane (graphs/tune_buckets.py).
+(at least three points each), priced for every other bucket by a fitted plane (engine/tuning/buckets.py).
 With "prompt_points": [[rows, tokens_per_row, ms], ...] (at least three) and "warmup_s_per_prompt_bucket"
-in the same table, the prompt_bs / prompt_seq ranges are proposed too (graphs/tune_prompt.py) for the
+in the same table, the prompt_bs / prompt_seq ranges are proposed too (engine/tuning/prompt.py) for the
 prompt lengths of --prompt-lengths; a table without prompt_points leaves the prompt buckets as they are.
 The written file carries capture_sizes (the batch buckets; HpuEngineRunner takes them) and an `hpu:`
 section with the block range; the HPU runner reads configs/hpu.yaml itself, so the range reaches it
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 
 from backends.hpu.bucketing import BucketRange, HpuBucketConfig, make_buckets, read_bucket_range, resolve_bucket_config
 from engine.capture_sizes import parse_sizes
-from graphs.tune_buckets import PlaneCost, evaluate_hpu, propose_hpu_buckets, step_distribution
-from graphs.tune_distribution import SizeDistribution
-from graphs.tune_output import decode_values, write_json, write_tuned_yaml
-from graphs.tune_prompt import (
+from engine.tuning.buckets import PlaneCost, evaluate_hpu, propose_hpu_buckets, step_distribution
+from engine.tuning.distribution import SizeDistribution
+from engine.tuning.output import decode_values, write_json, write_tuned_yaml
+from engine.tuning.prompt import (
     PromptCost,
     PromptEvaluation,
     PromptProposal,
@@ -41,7 +41,7 @@ from graphs.tune_prompt import (
     prompt_table,
     propose_prompt_buckets,
 )
-from graphs.tune_prompt_ctx import (
+from engine.tuning.prompt_ctx import (
     CtxCost,
     CtxEvaluation,
     CtxProposal,
@@ -51,7 +51,7 @@ from graphs.tune_prompt_ctx import (
     load_prefix_lengths,
     propose_ctx_buckets,
 )
-from graphs.tune_select import candidate_sizes
+from engine.tuning.select import candidate_sizes
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig

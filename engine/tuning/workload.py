@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from graphs.tune_distribution import SizeDistribution
-from graphs.tune_measure import steady_ms
+from engine.tuning.distribution import SizeDistribution
+from engine.tuning.measure import steady_ms
 
 if TYPE_CHECKING:
     from engine.engine import Engine

@@ -7,7 +7,7 @@ dummy page: backends/hpu/bucketing.choose_decode_bucket). Every (bs, blocks) pai
 so the budget is a number of buckets (or their warm-up seconds). The block buckets are one list for all
 batch buckets, generated from a {min, step, max} range (the form configs/hpu.yaml and the
 ENGINE_DECODE_BLOCK_BUCKET_* variables take), so the proposal is searched over ranges: for each range,
-the best batch buckets come from the same dynamic programme as the other devices (graphs/tune_select.py),
+the best batch buckets come from the same dynamic programme as the other devices (engine/tuning/select.py),
 each batch bucket costing the block buckets it brings.
 
 NPU: aclgraph holds a bounded number of graphs per process (npu_graph_budget of the layer count); the
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from backends.hpu.bucketing import BucketRange, decode_buckets, make_buckets
-from graphs.tune_distribution import SizeDistribution
-from graphs.tune_select import Budget, SizeCost, pareto_select
+from engine.tuning.distribution import SizeDistribution
+from engine.tuning.select import Budget, SizeCost, pareto_select
 
 StepDistribution = Mapping[tuple[int, int], float]  # (rows, KV blocks needed) -> probability
 

@@ -3,7 +3,7 @@
 A prefill, chunk or mixed step of t tokens replays the smallest captured bucket b >= t (its tokens padded
 to b, graphs/extend_graph_runner.py); past the largest bucket it runs unbucketed: the compiled
 token-dynamic step (compile_extend) or the eager one. So the trade is the decode sizes' one with tokens for
-rows, and the selection is the same programme (graphs/tune_select.py):
+rows, and the selection is the same programme (engine/tuning/select.py):
 
     E(S) = sum_t p(t) * (replay(smallest b in S, b >= t)  if t <= max S  else  unbucketed(t))
 
@@ -42,10 +42,10 @@ from tqdm import tqdm
 
 from engine.capture_sizes import parse_sizes
 from engine.platform import CaptureKind
-from graphs.tune_distribution import TOKENS_HISTOGRAM, SizeDistribution, load_distribution
-from graphs.tune_measure import MeasureReport, SizeMeasurement, machine_info, steady_ms
-from graphs.tune_output import print_tables, write_json, write_tuned_yaml
-from graphs.tune_select import DISTRIBUTION_QUANTILES, Budget, Evaluation, evaluate, select_sizes
+from engine.tuning.distribution import TOKENS_HISTOGRAM, SizeDistribution, load_distribution
+from engine.tuning.measure import MeasureReport, SizeMeasurement, machine_info, steady_ms
+from engine.tuning.output import print_tables, write_json, write_tuned_yaml
+from engine.tuning.select import DISTRIBUTION_QUANTILES, Budget, Evaluation, evaluate, select_sizes
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -254,7 +254,7 @@ def _budget(args: argparse.Namespace, default: Evaluation) -> Budget:
 
 
 def _header(info: dict[str, Any], tuned: Evaluation, default: Evaluation) -> list[str]:
-    from graphs.tune_output import describe
+    from engine.tuning.output import describe
 
     gain = 100 * (default.expected_ms - tuned.expected_ms) / default.expected_ms if default.expected_ms else 0.0
     step = "the compiled token-dynamic step" if info["compiled"] else "the eager step"
@@ -280,7 +280,7 @@ def tune_extend(args: argparse.Namespace, config: EngineConfig, platform: Any) -
     import json
 
     from engine.scheduler import max_step_tokens_for
-    from graphs.tune import cost_model, run_summary
+    from engine.tuning.command import cost_model, run_summary
 
     started = time.perf_counter()
 

@@ -6,11 +6,11 @@ write it where the engine loads it (docs/tuning.md).
     engine run --capture-config configs/tuned/cpu-smollm2.yaml ...
 
 Steps: the baseline (the sizes the engine would capture today: configs/<device>.yaml or --capture-sizes),
-the distribution (graphs/tune_distribution.py), the measurements (graphs/tune_measure.py, or a previous
-run's JSON through --cost-table), the selection (graphs/tune_select.py; HPU and NPU:
-graphs/tune_buckets.py), optionally the chosen and default sets captured as the engine captures them
+the distribution (engine/tuning/distribution.py), the measurements (engine/tuning/measure.py, or a previous
+run's JSON through --cost-table), the selection (engine/tuning/select.py; HPU and NPU:
+engine/tuning/buckets.py), optionally the chosen and default sets captured as the engine captures them
 (--verify) and a drawn workload replayed through Engine.step with each (--workload-steps), then the
-YAML, the JSON and the tables (graphs/tune_output.py).
+YAML, the JSON and the tables (engine/tuning/output.py).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 from engine.capture_sizes import cap_sizes, parse_sizes
 from engine.platform import CaptureKind, Platform
-from graphs.tune_distribution import SizeDistribution, load_distribution
-from graphs.tune_measure import MEASURABLE_KINDS, MeasureReport, describe_machine
-from graphs.tune_output import decode_values, header_lines, print_tables, write_json, write_tuned_yaml
-from graphs.tune_select import Budget, CostModel, Evaluation, SizeCost, candidate_sizes, evaluate, select_sizes
+from engine.tuning.distribution import SizeDistribution, load_distribution
+from engine.tuning.measure import MEASURABLE_KINDS, MeasureReport, describe_machine
+from engine.tuning.output import decode_values, header_lines, print_tables, write_json, write_tuned_yaml
+from engine.tuning.select import Budget, CostModel, Evaluation, SizeCost, candidate_sizes, evaluate, select_sizes
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -149,7 +149,7 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="tune the token-count buckets of extend/mixed-step CUDA graphs (extend_capture_tokens) "
         "instead of decode sizes: --distribution and --metrics-url then give tokens per step "
-        "(engine:extend_step_tokens), --candidates token buckets (graphs/tune_extend.py)",
+        "(engine:extend_step_tokens), --candidates token buckets (engine/tuning/extend.py)",
     )
     group.add_argument(
         "--prompt-len",
@@ -235,7 +235,7 @@ def _measurement_engine(args: argparse.Namespace, rows: int, context: int, workl
 
 def _verify(engine: Engine, sets: dict[str, list[int]]) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     """Capture each set as Engine._graph_runner does (one runner, one shared pool); real seconds and memory."""
-    from graphs.tune_measure import make_runner, rss_bytes
+    from engine.tuning.measure import make_runner, rss_bytes
 
     figures, runners = {}, {}
     for name, sizes in sets.items():
@@ -287,7 +287,7 @@ def cmd_tune_capture(args: argparse.Namespace) -> int:
         # The tuner replays the engine's runners directly; the other ranks would never see those steps.
         raise ValueError("tune-capture measures one rank; run it with --tensor-parallel-size 1")
     if args.extend:
-        from graphs.tune_extend import tune_extend
+        from engine.tuning.extend import tune_extend
 
         return tune_extend(args, config, platform)
     max_size = int(config.max_num_seqs)
@@ -297,7 +297,7 @@ def cmd_tune_capture(args: argparse.Namespace) -> int:
     distribution = load_distribution(args.distribution, args.metrics_url, max_size, args.api_key)
     logger.info("baseline sizes %s (max_num_seqs %d); distribution %s", defaults, max_size, distribution.summary())
     if platform.bucketed_steps:
-        from graphs.tune_hpu import tune_hpu
+        from engine.tuning.hpu import tune_hpu
 
         return tune_hpu(args, config, distribution)
     if not args.cost_table and platform.capture_settings().kind not in MEASURABLE_KINDS:
@@ -322,8 +322,8 @@ def cmd_tune_capture(args: argparse.Namespace) -> int:
         candidates = [c for c in candidates if c <= max_size]
         if not candidates:
             raise ValueError(f"no candidate size <= max_num_seqs {max_size}")
-        from graphs.tune_measure import measure_candidates
-        from graphs.tune_workload import workload_growth
+        from engine.tuning.measure import measure_candidates
+        from engine.tuning.workload import workload_growth
 
         eager_sizes = set(candidates) | {distribution.max_size}
         levels = min(len(distribution.weights), args.workload_max_sizes) if args.workload_steps else 0
@@ -359,7 +359,7 @@ def cmd_tune_capture(args: argparse.Namespace) -> int:
     if engine is not None and (args.verify or args.workload_steps):
         verified, runners = _verify(engine, {"tuned": list(tuned.sizes), "default": defaults})
         if args.workload_steps:
-            from graphs.tune_workload import replay_workload
+            from engine.tuning.workload import replay_workload
 
             results = replay_workload(
                 engine,

@@ -6,7 +6,7 @@ that `choose_prompt_bucket` picks (backends/hpu/prefill.group_prompts), so a pro
 bucket that function would pick, and pads it by bucket tokens - L. Every pair of the two lists (within
 max_num_batched_tokens) is compiled at warm-up, so the budget is a number of prompt buckets (or their
 warm-up seconds). The lists come from {min, step, max} ranges (the form configs/hpu.yaml and the
-ENGINE_PROMPT_*_BUCKET_* variables take), so, as for the decode blocks (graphs/tune_buckets.py), the
+ENGINE_PROMPT_*_BUCKET_* variables take), so, as for the decode blocks (engine/tuning/buckets.py), the
 proposal is a search over ranges, priced by a fit to a few prefill times measured on a Gaudi:
 
     "prompt_points": [[rows, tokens_per_row, ms], ...]   (at least three), "warmup_s_per_prompt_bucket": s
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backends.hpu.bucketing import BucketOverflowError, BucketRange, choose_prompt_bucket, make_buckets, prompt_buckets
-from graphs.tune_distribution import (
+from engine.tuning.distribution import (
     SizeDistribution,
     fetch_metrics,
     from_prometheus_text,

@@ -12,7 +12,7 @@ measured on a Gaudi with a prefix:
     ms = a + b * rows*seq + c * rows*seq^2 + d * rows*seq*ctx_tokens
     "ctx_points": [[rows, seq, ctx_pages, ms], ...]   (at least four)
 
-the prompt cost of graphs/tune_prompt.py plus the attention of each new token to its padded prefix
+the prompt cost of engine/tuning/prompt.py plus the attention of each new token to its padded prefix
 (backends/hpu/attention.py gathers ctx pages a row, masked past the prefix). Each step is priced as one
 prompt (rows = 1): new tokens from the prompt-length distribution, the cached prefix from
 --prefix-lengths (tokens; counted in pages, as the runner counts them), drawn independently, pairs that
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backends.hpu.bucketing import BucketOverflowError, BucketRange, choose_prompt_ctx_bucket, prompt_ctx_buckets
-from graphs.tune_distribution import SizeDistribution, load_distribution_file, parse_spec
+from engine.tuning.distribution import SizeDistribution, load_distribution_file, parse_spec
 
 CtxSteps = list[tuple[float, int, int]]  # (probability, new tokens, cached prefix pages) of one prefixed step
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.capture_sizes import default_capture_sizes, smallest_bucket_at_least
-from graphs.tune_distribution import SizeDistribution
+from engine.tuning.distribution import SizeDistribution
 
 DISTRIBUTION_QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from graphs.tune_select import Evaluation
+from engine.tuning.select import Evaluation
 
 BEGIN = "# --- tune-capture begin (engine tune-capture rewrites this block) ---"
 END = "# --- tune-capture end ---"
