@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from engine.batch_state import PenaltyState
+from engine.penalties import PenaltyState
 from engine.request import Request
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams

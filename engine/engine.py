@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, TypedDict, Unpack
 import torch
 
 from backends import get_platform
-from engine.batch_state import DecodeBatchState, PenaltyState
 from engine.capture_sizes import parse_sizes
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -36,6 +35,7 @@ from engine.layers.attention import Attention, AttentionBackend
 from engine.loader import ModelSource, load_model, resolve_model_source
 from engine.logit_rows import LogitRowLadder
 from engine.models.interface import as_module
+from engine.penalties import PenaltyState
 from engine.platform import CaptureKind
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampler import SampledTokens
@@ -45,7 +45,7 @@ from engine.stats import EngineStats, StatsLogger
 from engine.step_message import StepBuilder
 from engine.structured.waitlist import GrammarWaitlist
 from engine.tokenizer import encode_prompt, load_tokenizer
-from graphs.model_runner import ModelRunner
+from graphs.model_runner import DecodeBatchState, ModelRunner
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -154,7 +154,7 @@ class Engine:
         # KV cache events for routers (engine/kv_events.py): recorded by the prefix cache, published per step.
         events = KVEventsConfig.parse(self.config.kv_events_config)
         self.kv_events = (
-            KVEventRecorder("CPU" if self.platform.name == "cpu" else "GPU") if events.enable_kv_cache_events else None
+            KVEventRecorder("CPU" if self.device.type == "cpu" else "GPU") if events.enable_kv_cache_events else None
         )
         self.kv_event_publisher = make_publisher(events)
         self.kv_manager = KVCacheManager(

@@ -81,6 +81,14 @@ class Platform(abc.ABC):
     # Pads every step to a bucket of shapes (HPU, as vllm-gaudi): capture-size tuning tunes its bucket
     # ranges, not a list of decode batch sizes.
     bucketed_steps: bool = False
+    # `engine serve` runs the engine in a process of its own unless told otherwise: on an accelerator the
+    # server's event loop then never waits on the device; on the host they would only share its cores.
+    serve_engine_in_own_process: bool = True
+    # How `engine serve --data-parallel-size N` shares the machine between replicas: "devices" (one device
+    # each, chosen through the `visible_devices_env` variable, and one Ray GPU each), "cores" (a block of CPU
+    # cores each), or None where replicas have not been built for this platform.
+    replica_share: str | None = None
+    visible_devices_env: str | None = None
 
     # ---- device and availability -------------------------------------------------
     @abc.abstractmethod

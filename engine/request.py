@@ -50,7 +50,7 @@ class Request:
     # Filled during the extend step when params.prompt_logprobs is set: entry 0 is None
     # (nothing predicts the first prompt token), as in vLLM and OpenAI's echo.
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    # Its row in the persistent decode state (engine/batch_state.py) while it decodes, and how many
+    # Its row in the persistent decode state (DecodeBatchState, graphs/model_runner.py) while it decodes, and how many
     # of its pages that row already holds on the device.
     batch_row: int | None = None
     batch_row_pages: int = 0

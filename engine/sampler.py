@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.batch_state import PenaltyState
 from engine.logit_processors import edit_logits
+from engine.penalties import PenaltyState
 from engine.request import Request, TokenLogprob
 from engine.transfer import HostCopy, to_device
 

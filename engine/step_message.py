@@ -9,7 +9,7 @@ positions, slots, the ragged offsets, page rows). Building it is O(batch) for
 decode rows: a request gets a decode row when it first samples, its pages
 are sent once, and afterwards only a new page every `page_size` tokens.
 
-The model runner applies a message to the device state (engine/batch_state.py:
+The model runner applies a message to the device state (`DecodeBatchState` in graphs/model_runner.py:
 the device page table takes the diffs) and runs it, and every platform's graph
 runner takes the same decode message (graphs/step_runner.py `run_decode`). This is
 the message tensor parallelism sends from rank 0 to the other ranks

@@ -25,8 +25,8 @@ from engine.layers.attention import AttentionBackend, AttentionMetadata
 from graphs.static_buffers import StaticDecodeBuffers
 
 if TYPE_CHECKING:
-    from engine.batch_state import DecodeBatchState
     from engine.step_message import DecodeMessage
+    from graphs.model_runner import DecodeBatchState
 
 
 class CaptureHooks(abc.ABC):

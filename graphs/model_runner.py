@@ -9,14 +9,16 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from engine.batch_state import DecodeBatchState
 from engine.forward_batch import ForwardBatch, extend_forward_batch, mixed_forward_batch
 from engine.kv_cache import KVPool
+from engine.layers.attention import AttentionMetadata
 from engine.logit_rows import LogitRowLadder
 from engine.models.interface import CausalLM
+from engine.penalties import PenaltyState
+from engine.request import Request
 from engine.sampler import SampledTokens, record_prompt_logprobs, sample
 from engine.scheduler import ScheduledStep
-from engine.step_message import ExtendMessage, StepMessage
+from engine.step_message import DecodeMessage, ExtendMessage, StepMessage
 from engine.transfer import to_device
 from graphs.step_runner import (
     DecodeStepRunner,
@@ -35,6 +37,75 @@ logger = logging.getLogger(__name__)
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions per full-vocabulary logits slice (echo + logprobs)
 R = TypeVar("R", bound=StepRunner)
+
+
+class DecodeBatchState:
+    """Persistent decode state on the device: each decoding request owns a row of a device page table.
+
+    Before this, every decode step rebuilt each request's whole page table (and
+    its whole token list) as Python lists and copied them to the device: host
+    work that grew with context length. Here (as vLLM's persistent `BlockTable`
+    and mini-sglang's device page table) the host side (engine/step_message.py,
+    `StepBuilder`) gives a request a row when it first decodes and sends its
+    pages once; afterwards a step's message carries only the pages that are new
+    (one every `page_size` tokens), which `apply` writes into the device rows.
+    The page table rows a step needs are gathered on the device.
+
+    The last sampled token of every row lives on the device too (`last_tokens`):
+    with overlap scheduling the next step is launched before the host has seen
+    that token, so a request with a token still pending feeds it from there
+    (its host token is sent as -1), with no host round trip.
+    """
+
+    def __init__(
+        self, max_rows: int, max_pages: int, page_size: int, device: torch.device, slot_dtype: torch.dtype
+    ) -> None:
+        self.page_table = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
+        self.last_tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)  # each row's last sampled token
+        self.max_pages = max_pages
+        self.page_size = page_size
+        self.device = device
+        self.slot_dtype = slot_dtype
+        self.penalties: PenaltyState | None = None  # set by the engine (needs the vocabulary size)
+
+    def apply(self, message: DecodeMessage) -> None:
+        """The message's new page-table entries into the device rows (one small copy)."""
+        if message.page_diffs is not None:
+            diff = to_device(message.page_diffs, torch.int64, self.device)
+            self.page_table[diff[0], diff[1]] = diff[2].to(torch.int32)
+
+    def release_row(self, row: int) -> None:
+        """A row's request stopped decoding: its penalty state must be refilled for the next owner."""
+        if self.penalties is not None:
+            self.penalties.release(row)
+
+    def record_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """A step's sampled tokens, kept on the device: the next decode step feeds them from here."""
+        self.last_tokens.index_copy_(0, rows, token_ids)
+
+    def input_tokens(self, host_tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Each request's input token: the host's where it has it, else the row's last sampled token."""
+        return torch.where(host_tokens >= 0, host_tokens, self.last_tokens.index_select(0, rows))
+
+    def decode_batch(self, message: DecodeMessage, requests: list[Request]) -> ForwardBatch:
+        """The decode rows as a ForwardBatch on the device (eager steps, mixed steps, runners that take one)."""
+        inputs = to_device(message.inputs, torch.int64, self.device)
+        rows, positions = inputs[3], inputs[1]
+        meta = AttentionMetadata(
+            is_decode=True,
+            slot_indices=inputs[2] if self.slot_dtype == torch.int64 else inputs[2].to(self.slot_dtype),
+            page_table=self.page_table.index_select(0, rows),
+            seq_lens=(positions + 1).to(torch.int32),
+            page_size=self.page_size,
+        )
+        return ForwardBatch(
+            input_ids=self.input_tokens(inputs[0], rows),
+            positions=positions,
+            meta=meta,
+            logits_indices=None,
+            requests=requests,
+            decode_rows=rows,
+        )
 
 
 class ModelRunner:

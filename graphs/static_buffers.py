@@ -10,7 +10,7 @@ import torch
 from engine.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from engine.batch_state import DecodeBatchState
+    from graphs.model_runner import DecodeBatchState
 
 
 @dataclass

@@ -37,10 +37,10 @@ from graphs.capture_hooks import CaptureHooks, capture_hooks_for
 from graphs.capture_loop import CaptureReport, capture_loop
 
 if TYPE_CHECKING:
-    from engine.batch_state import DecodeBatchState
     from engine.forward_batch import ForwardBatch
     from engine.kv_cache import KVPool
     from engine.step_message import DecodeMessage, StepMessage
+    from graphs.model_runner import DecodeBatchState
 
 
 class StepKind(enum.Enum):

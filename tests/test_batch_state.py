@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from engine.batch_state import DecodeBatchState
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.step_message import PENDING_TOKEN, StepBuilder
+from graphs.model_runner import DecodeBatchState
 
 
 def test_host_mirror_and_host_batches_match_the_device_rows() -> None:

@@ -12,7 +12,7 @@ import torch
 from triton_interpreter import interpreter_mode
 
 from backends.cuda.triton_penalties import apply_penalties_
-from engine.batch_state import PenaltyState
+from engine.penalties import PenaltyState
 from engine.request import Request
 from engine.sampler import _apply_penalties
 from engine.sampling_params import SamplingParams

@@ -32,8 +32,8 @@ from graphs.capture_loop import CaptureReport, capture_loop
 from graphs.step_runner import DecodeGraphRunner
 
 if TYPE_CHECKING:
-    from engine.batch_state import DecodeBatchState
     from engine.step_message import DecodeMessage
+    from graphs.model_runner import DecodeBatchState
 
 logger = logging.getLogger(__name__)
 

@@ -30,6 +30,8 @@ def _meminfo_bytes(field: str) -> int:
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
+    serve_engine_in_own_process = False
+    replica_share = "cores"
     dist_backend = "gloo"
     runs_gguf_blocks = True  # backends/cpu/gguf_linear.py
 

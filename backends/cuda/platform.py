@@ -49,6 +49,8 @@ def inductor_pool_ready() -> bool | None:
 class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
+    replica_share = "devices"
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
     dist_backend = "nccl"
     # One-row linears through the Triton GEMV where the H200 measured it faster than cuBLAS (backends/cuda/gemv.py).
     one_row_gemv = True

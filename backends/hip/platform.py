@@ -14,6 +14,8 @@ from backends.cuda.platform import CudaPlatform
 class HipPlatform(CudaPlatform):
     name = "rocm"  # configs/rocm.yaml
     device_type = "cuda"  # HIP devices are torch "cuda" devices
+    replica_share = None  # data-parallel replicas never ran on a ROCm machine: refused, not guessed
+    visible_devices_env = "HIP_VISIBLE_DEVICES"
     dist_backend = "nccl"  # RCCL behind torch's nccl backend name
     one_row_gemv = False  # measured against cuBLAS on the H200 only; rocBLAS stays until measured on AMD
 

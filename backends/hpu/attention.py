@@ -50,8 +50,8 @@ from engine.models.registry import family_for
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
-    from engine.batch_state import DecodeBatchState
     from engine.step_message import DecodeMessage
+    from graphs.model_runner import DecodeBatchState
 
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 

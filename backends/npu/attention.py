@@ -60,8 +60,8 @@ from graphs.capture_hooks import CaptureHooks
 from graphs.static_buffers import StaticDecodeBuffers
 
 if TYPE_CHECKING:
-    from engine.batch_state import DecodeBatchState
     from engine.step_message import DecodeMessage
+    from graphs.model_runner import DecodeBatchState
 
 logger = logging.getLogger(__name__)
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]

@@ -237,14 +237,15 @@ class Placement:
 
     torch_threads: int | None = None  # intra-op threads (None: torch's default)
     cpu_cores: tuple[int, ...] | None = None  # the cores it may run on (None: any)
-    visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES for it (None: inherited)
+    visible_devices: str | None = None  # the devices it sees (None: inherited) ...
+    visible_devices_env: str = "CUDA_VISIBLE_DEVICES"  # ... through the platform's variable
     name: str = "engine"  # its tag in the log lines
 
 
 def run_engine_process(config: EngineConfig, conn: Connection, placement: Placement, log_level: str) -> None:
     """The child's entry point: build the engine, report ready, run the loop until told to stop."""
     if placement.visible_devices is not None:  # before anything initialises the device
-        os.environ["CUDA_VISIBLE_DEVICES"] = placement.visible_devices
+        os.environ[placement.visible_devices_env] = placement.visible_devices
     if placement.cpu_cores is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, placement.cpu_cores)
     torch_threads = placement.torch_threads

@@ -236,10 +236,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, freeze_gc=args.freeze_gc is not False)  # one engine for the server's life
     from backends import get_platform
 
-    platform_name = get_platform(config.device).name
+    platform = get_platform(config.device)
     use_process = args.engine_process
     if use_process is None:
-        use_process = platform_name != "cpu"
+        use_process = platform.serve_engine_in_own_process
     engine: Engine | EngineProcess | ReplicaSet
     engine_thread = None
     if args.data_parallel_size != 1 or args.distributed_executor_backend == "ray":
@@ -254,17 +254,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.router_balance_rel_threshold,
         )
         if args.distributed_executor_backend == "ray":
-            if platform_name not in ("cuda", "cpu"):
-                raise ValueError(f"--distributed-executor-backend ray runs cuda and cpu replicas; not {platform_name}")
+            if platform.replica_share is None:
+                raise ValueError(f"--distributed-executor-backend ray runs cuda and cpu replicas; not {platform.name}")
             # Ray places the replicas (a bundle each) and gives each actor its GPU.
             if args.data_parallel_size < 1:
                 raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
             threads = args.torch_threads or 1
             shares = [Placement(torch_threads=threads, name=f"engine {i}") for i in range(args.data_parallel_size)]
-            gpus = 1 if platform_name == "cuda" else 0
+            gpus = 1 if platform.replica_share == "devices" else 0
             engine = ReplicaSet(config, shares, policy, backend="ray", gpus_per_replica=gpus)
         else:
-            engine = ReplicaSet(config, placements(platform_name, args.data_parallel_size, args.torch_threads), policy)
+            engine = ReplicaSet(config, placements(platform, args.data_parallel_size, args.torch_threads), policy)
         engine.start()
         use_process = True
     elif use_process:

@@ -26,6 +26,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.kv_events import KVEventsConfig
+from engine.platform import Platform
 from engine.request import RequestOutput
 from engine.server.engine_loop import Command, EngineDeadError
 from engine.server.engine_process import EngineInfo, EngineProcess, Placement
@@ -43,25 +44,29 @@ MAX_RESTART_DELAY_S = 60.0
 ROUTER_PAGES_PER_REPLICA = 1 << 16  # pages each replica's routing tree keeps (SGLang: 2**24 characters in all)
 
 
-def placements(platform: str, replicas: int, torch_threads: int | None) -> list[Placement]:
-    """One share of the host per replica on `platform` (its name): a GPU each, or on the CPU a block of cores."""
+def placements(platform: Platform, replicas: int, torch_threads: int | None) -> list[Placement]:
+    """One share of the host per replica on `platform`: a device each, or on the CPU a block of cores."""
     if replicas < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {replicas}")
-    if platform == "cuda":
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if platform.replica_share == "devices":
+        assert platform.visible_devices_env is not None, "a platform that shares devices names their variable"
+        visible = os.environ.get(platform.visible_devices_env)
         devices = [d for d in visible.split(",") if d.strip()] if visible else None
         if devices is None:
-            import torch
-
-            devices = [str(i) for i in range(torch.cuda.device_count())]
+            devices = [str(i) for i in range(platform.device_count() or 0)]
         if len(devices) < replicas:
-            raise ValueError(f"--data-parallel-size {replicas} needs {replicas} GPUs; {len(devices)} are visible")
+            raise ValueError(f"--data-parallel-size {replicas} needs {replicas} devices; {len(devices)} are visible")
         return [
-            Placement(torch_threads=torch_threads, visible_devices=devices[i], name=f"engine {i}")
+            Placement(
+                torch_threads=torch_threads,
+                visible_devices=devices[i],
+                visible_devices_env=platform.visible_devices_env,
+                name=f"engine {i}",
+            )
             for i in range(replicas)
         ]
-    if platform != "cpu":
-        raise ValueError(f"--data-parallel-size > 1 runs on cuda and cpu; not on {platform} yet")
+    if platform.replica_share != "cores":
+        raise ValueError(f"--data-parallel-size > 1 runs on cuda and cpu; not on {platform.name} yet")
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     if len(cores) < replicas:
         raise ValueError(f"--data-parallel-size {replicas} needs a core per replica; this process may use {len(cores)}")
@@ -319,7 +324,7 @@ def _replica_config(config: EngineConfig, rank: int) -> EngineConfig:
 def _describe(placement: Placement) -> str:
     where = []
     if placement.visible_devices is not None:
-        where.append(f"GPU {placement.visible_devices}")
+        where.append(f"device {placement.visible_devices}")
     if placement.cpu_cores is not None:
         where.append(f"cores {','.join(map(str, placement.cpu_cores))}")
     if placement.torch_threads is not None:
