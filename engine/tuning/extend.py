@@ -176,7 +176,7 @@ def measure_extend_buckets(
         bar.set_postfix_str(f"replay {bucket}")
         batch = prompt_batch(engine, bucket, prompt_len)
         with torch.no_grad():
-            replay = steady_ms(sync, lambda b=batch, r=runner: r.run(b), iters)
+            replay = steady_ms(sync, lambda b=batch, r=runner: r.replay(b), iters)
         measured.append(
             SizeMeasurement(
                 size=bucket,
