@@ -136,6 +136,11 @@ class EngineConfig:
         "KV cache events for KV-aware routers, as vLLM's JSON: e.g. '{\"enable_kv_cache_events\": true, "
         '"publisher": "zmq", "endpoint": "tcp://*:5557"}\' (docs/server.md#kv-cache-events)',
     )
+    speculative_config: str | None = setting(
+        None,
+        'speculative decoding as vLLM\'s JSON: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (docs/speculative.md); runs without overlap scheduling',
+    )
     disable_graphs: bool = setting(False, "run every step eagerly")
     strict_graphs: bool = setting(False, "fail if anything compiles after warm-up")
     compile_decode: bool | None = setting(

@@ -41,6 +41,8 @@ from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampler import SampledTokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import INIT_NEW_TOKEN_RATIO, ScheduledStep, Scheduler
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.speculator import Speculator
 from engine.stats import EngineStats, StatsLogger
 from engine.step_message import StepBuilder
 from engine.structured.waitlist import GrammarWaitlist
@@ -162,6 +164,7 @@ class Engine:
         )
         max_num_seqs = self.config.positive_int("max_num_seqs")
         step_ms = self.config.max_extend_step_ms
+        self.speculator = self._speculator()
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs,
@@ -169,7 +172,8 @@ class Engine:
             self.config.chunked_prefill_size,
             self.max_model_len,
             float(step_ms) / 1000.0 if step_ms is not None and step_ms > 0 else None,
-            mixed_steps=bool(self.config.mixed_steps),
+            mixed_steps=bool(self.config.mixed_steps) and self.speculator is None,
+            drafter=self.speculator.draft if self.speculator is not None else None,
         )
         max_pages = -(-self.max_model_len // self.kv_pool.page_size)
         self.decode_state = DecodeBatchState(
@@ -220,21 +224,30 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self.last_step_was_decode = False  # of the step whose outputs the last step() call returned
-        self.overlap = bool(self.config.overlap_schedule)
+        # A verify step's accepted tokens decide the next step's drafts: no step is launched before them.
+        self.overlap = bool(self.config.overlap_schedule) and self.speculator is None
         self._in_flight: _LaunchedStep | None = None  # launched, outputs not yet read back (overlap)
         self._settled_early: list[RequestOutput] = []  # outputs of a step read back before sampling the next
         # Structured output: requests whose grammar is compiling wait here, not in the scheduler.
         self.grammar_waitlist = GrammarWaitlist(self.tokenizer, int(self.model_config.vocab_size), self.eos_token_ids)
         logger.info(
-            "overlap scheduling %s; %s",
+            "overlap scheduling %s; %s%s",
             "on" if self.overlap else "off",
             "mixed prefill+decode steps" if self.scheduler.mixed_steps else "separate prefill and decode steps",
+            f"; speculative decoding: {self.speculator.describe()} (verify steps without overlap or mixed steps)"
+            if self.speculator is not None
+            else "",
         )
         if self.tp_ranks is not None:
             self.tp_ranks.wait_ready()
         if self.config.warmup:
             self._warm_up()
         self.froze_gc = bool(self.config.freeze_gc) and freeze_start_up_objects() > 0
+
+    def _speculator(self) -> Speculator | None:
+        """The speculative decoding of --speculative-config, or None."""
+        spec = SpeculativeConfig.parse(self.config.speculative_config)
+        return Speculator(spec) if spec is not None else None  # tensor parallelism refused it (preflight.py)
 
     def _compiles(self) -> bool:
         """Whether this engine torch.compiles a step (decode or extend)."""
@@ -687,6 +700,9 @@ class Engine:
             if sampled is None:
                 continue
             tokens, logprobs = sampled.resolve()
+            if part.is_verify:
+                outputs += self._complete_verify(part, tokens, logprobs)
+                continue
             for request, token, entry in zip(part.sampled_requests, tokens, logprobs):
                 request.num_pending_tokens -= 1
                 if request.finished:
@@ -703,6 +719,35 @@ class Engine:
         for request, error in launched.failed:
             outputs.append(_output(request, "error", error=f"generation failed: {type(error).__name__}: {error}"))
         self.last_step_was_decode = launched.is_decode  # benchmarks split time into prefill and decode steps
+        return outputs
+
+    def _complete_verify(
+        self, step: ScheduledStep, tokens: list[int], logprobs: list[TokenLogprob | None]
+    ) -> list[RequestOutput]:
+        """A verify step's rows, 1 + drafts per request: each request keeps the drafts the target agreed with
+        and the target's token after them, appended one by one (a stop among them ends it there), as one
+        output; pages that only rejected drafts used go back to the pool."""
+        assert step.drafts is not None and self.speculator is not None
+        outputs = []
+        start = 0
+        for request, drafts in zip(step.requests, step.drafts):
+            rows = slice(start, start + 1 + len(drafts))
+            start = rows.stop
+            request.num_pending_tokens -= 1
+            if request.finished:
+                continue
+            kept = self.speculator.accept(drafts, tokens[rows])
+            self.scheduler.on_verified(request, len(kept) - 1)
+            parts = []
+            for token, entry in zip(kept, logprobs[rows]):
+                if entry is not None:
+                    request.output_logprobs.append(entry)
+                parts.append(self._append_token(request, token))
+                if parts[-1].finished:
+                    break
+            if not parts[-1].finished:
+                self.scheduler.trim_drafts(request)
+            outputs.append(_merged(parts))
         return outputs
 
     def _isolate_failure(
@@ -734,7 +779,13 @@ class Engine:
             )
             half = len(step.requests) // 2
             parts = [
-                ScheduledStep(step.is_decode, step.requests[part], step.extend_lens[part], step.sample_mask[part])
+                ScheduledStep(
+                    step.is_decode,
+                    step.requests[part],
+                    step.extend_lens[part],
+                    step.sample_mask[part],
+                    drafts=step.drafts[part] if step.drafts is not None else None,
+                )
                 for part in (slice(0, half), slice(half, None))
             ]
         done: list[tuple[ScheduledStep, SampledTokens | None]] = []
@@ -951,6 +1002,19 @@ def _output(request: Request, finish_reason: str | None, **fields: Unpack[_Outpu
         finish_reason=finish_reason,
         **fields,
     )
+
+
+def _merged(outputs: list[RequestOutput]) -> RequestOutput:
+    """One request's outputs of one step (a verify step keeps several tokens) as one: the last, with every
+    delta joined."""
+    last = outputs[-1]
+    if len(outputs) == 1:
+        return last
+    last.new_token_ids = [t for o in outputs for t in o.new_token_ids]
+    last.new_text = "".join(o.new_text for o in outputs)
+    if last.new_logprobs is not None:
+        last.new_logprobs = [entry for o in outputs for entry in o.new_logprobs or []]
+    return last
 
 
 def _generator_states(requests: list[Request]) -> dict[int, torch.Tensor]:

@@ -52,6 +52,18 @@ class PageAllocator:
         self._free.extend(reversed(pages))
         return len(pages)
 
+    def free_last(self, owner: str, count: int) -> int:
+        """Free the owner's last `count` pages (none when count <= 0); how many were freed."""
+        pages = self._owned.get(owner, [])
+        if count <= 0 or not pages:
+            return 0
+        count = min(count, len(pages))
+        freed, self._owned[owner] = pages[-count:], pages[:-count]
+        if not self._owned[owner]:
+            del self._owned[owner]
+        self._free.extend(reversed(freed))
+        return count
+
     def disown(self, owner: str, count: int) -> list[int]:
         """Hand the owner's first `count` pages to someone else (the prefix cache) without freeing them."""
         pages = self._owned.get(owner, [])

@@ -107,8 +107,8 @@ class KVCacheManager:
         """The matched request was not admitted after all: it waits again, holding nothing."""
         self.release(request, cache=False)
 
-    def allocate(self, request: Request, num_tokens: int) -> bool:
-        """Grow the request's table to hold num_tokens tokens, evicting cached pages if needed."""
+    def allocate(self, request: Request, num_tokens: int, evict: bool = True) -> bool:
+        """Grow the request's table to hold num_tokens tokens, evicting cached pages if needed (and allowed)."""
         need = (
             pages_needed(num_tokens, self.page_size)
             - len(request.shared_pages)
@@ -116,7 +116,7 @@ class KVCacheManager:
         )
         if need <= 0:
             return True
-        if need > self.available_pages:
+        if need > (self.available_pages if evict else self.allocator.num_free):
             return False  # evicting would empty the cache and still not be enough
         short = need - self.allocator.num_free
         if short > 0 and self.tree is not None:
@@ -125,6 +125,14 @@ class KVCacheManager:
             return False
         self.allocator.allocate(request.request_id, need)
         return True
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Shrink the request's table to the pages num_tokens tokens need (a verify step's rejected drafts);
+        its decode row re-sends any column that gets a new page later."""
+        keep = max(pages_needed(num_tokens, self.page_size) - len(request.shared_pages), 0)
+        freed = self.allocator.free_last(request.request_id, len(self.allocator.pages_of(request.request_id)) - keep)
+        if freed:
+            request.batch_row_pages = min(request.batch_row_pages, len(request.shared_pages) + keep)
 
     def cache_computed(self, request: Request) -> None:
         """Move the request's computed full pages into the prefix cache (it keeps reading them)."""

@@ -35,6 +35,7 @@ after SGLang's scheduler:
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from os.path import commonprefix
 from typing import TYPE_CHECKING
@@ -99,6 +100,9 @@ class ScheduledStep:
     # whether each request's step ends at its last token, so it samples a next token
     sample_mask: list[bool] = field(default_factory=list)
     num_decodes: int = 0  # an extend step's leading decode requests (one token each): a mixed step
+    # A verify step (speculative decoding; a decode step with drafts): each request's draft tokens (maybe
+    # none); it runs its last token and its drafts as consecutive decode rows, each of which samples.
+    drafts: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.is_decode:
@@ -120,8 +124,19 @@ class ScheduledStep:
         return self.requests[self.num_decodes :]
 
     @property
+    def is_verify(self) -> bool:
+        return self.drafts is not None
+
+    @property
     def sampled_requests(self) -> list[Request]:
         return [r for r, sampled in zip(self.requests, self.sample_mask) if sampled]
+
+    @property
+    def logit_row_requests(self) -> list[Request]:
+        """The request of each row of logits the step samples (a verify step: 1 + drafts rows per request)."""
+        if self.drafts is None:
+            return self.sampled_requests
+        return [r for r, drafts in zip(self.requests, self.drafts) for _ in range(1 + len(drafts))]
 
     def parts(self) -> list[ScheduledStep]:
         """A mixed step as its decode step and its extend step (failure isolation re-runs them apart)."""
@@ -163,7 +178,10 @@ class Scheduler:
         max_model_len: int | None = None,
         max_extend_step_s: float | None = None,
         mixed_steps: bool = False,
+        drafter: Callable[[Request, int], list[int]] | None = None,
     ) -> None:
+        """drafter(request, limit): at most `limit` draft tokens for a running request (speculative
+        decoding); its decode steps then become verify steps whenever some request has drafts."""
         self.kv = kv
         self.page_size = kv.page_size
         self.max_num_seqs = max_num_seqs
@@ -171,6 +189,7 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.max_model_len = max_model_len or kv.total_pages * kv.page_size
         self.mixed_steps = mixed_steps
+        self.drafter = drafter
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # prefilled; decoding
         self.chunked: Request | None = None  # the one request part-way through a chunked prefill
@@ -216,8 +235,39 @@ class Scheduler:
         decoding = [r for r in self.running if not self._finishes_on_pending_token(r)]
         if decoding:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+            drafts = self._drafts(decoding) if self.drafter is not None else None
+            if drafts is not None:
+                return ScheduledStep(True, decoding, [], drafts=drafts)
             return ScheduledStep(True, decoding, [])
         return self._schedule_extend()  # everything was retracted (or is finishing): a prefill, if any
+
+    def _drafts(self, decoding: list[Request]) -> list[list[int]] | None:
+        """Each request's drafts, within its max_tokens and the model length, and the pages to write them
+        (none where the pool has no free page for them: drafts never retract or evict anyone); None when
+        no request has any (a plain decode step)."""
+        assert self.drafter is not None
+        drafts = []
+        for request in decoding:
+            # Every input token is on the host (speculation runs without overlap scheduling).
+            room = min(
+                request.params.max_tokens - len(request.output_token_ids) - 1,
+                self.max_model_len - request.num_tokens - 1,
+            )
+            proposed = self.drafter(request, room) if room > 0 else []
+            if proposed and self.kv.allocate(request, request.num_tokens + len(proposed), evict=False):
+                drafts.append(proposed)
+            else:
+                drafts.append([])
+        return drafts if any(drafts) else None
+
+    def on_verified(self, request: Request, accepted: int) -> None:
+        """A verify step kept `accepted` of the request's drafts: their KV counts as computed (the rest is
+        overwritten by later steps). Called before the kept tokens are appended."""
+        request.num_cached_tokens += accepted
+
+    def trim_drafts(self, request: Request) -> None:
+        """After a verify step: free the pages that only rejected drafts used."""
+        self.kv.trim(request, request.num_tokens)
 
     def _schedule_mixed(self) -> ScheduledStep | None:
         """Every running request decodes; prefill chunks take what is left of the token budget."""
@@ -242,6 +292,7 @@ class Scheduler:
         runs after this step has written them. Each sampled request now has one more token pending.
         """
         for request in step.decode_requests:
+            # A verify step's drafts count as computed once they are accepted (on_verified).
             request.num_cached_tokens = request.num_tokens_with_pending
             request.num_pending_tokens += 1
         if step.is_decode:

@@ -149,6 +149,11 @@ class EngineStats:
     prefill_computed_tokens: int
     evicted_pages: int
     num_retractions: int
+    # Speculative decoding (engine/speculative/acceptance.py), all zero without it.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
     decode_batch_sizes: HistogramSnapshot = field(default=_EMPTY_DECODE)
     extend_step_tokens: HistogramSnapshot = field(default=_EMPTY_TOKENS)
     prompt_tokens: HistogramSnapshot = field(default=_EMPTY_PROMPTS)
@@ -170,6 +175,7 @@ class EngineStats:
             prefill_computed_tokens=kv.stats.computed_tokens,
             evicted_pages=kv.evicted_pages,
             num_retractions=scheduler.num_retractions,
+            **_speculation(engine),
             decode_batch_sizes=engine.stats_logger.step_sizes.decode_batch.snapshot(),
             extend_step_tokens=engine.stats_logger.step_sizes.step_tokens.snapshot(),
             prompt_tokens=engine.stats_logger.step_sizes.prompt_tokens.snapshot(),
@@ -187,6 +193,11 @@ class EngineStats:
         for name, value in asdict(parts[0]).items():
             if isinstance(value, (int, float)):
                 summed[name] = sum(getattr(p, name) for p in parts)
+        positions = max(len(p.spec_accepted_per_position) for p in parts)
+        summed["spec_accepted_per_position"] = tuple(
+            sum(p.spec_accepted_per_position[i] for p in parts if i < len(p.spec_accepted_per_position))
+            for i in range(positions)
+        )
         queries, hits = summed["prefix_cache_query_tokens"], summed["prefix_cache_hit_tokens"]
         summed["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
         for name in ("decode_batch_sizes", "extend_step_tokens", "prompt_tokens"):
@@ -197,6 +208,19 @@ class EngineStats:
                 sum(h.total for h in histograms),
             )
         return cls(**summed)
+
+
+def _speculation(engine: Engine) -> dict[str, Any]:
+    """The speculative decoding counters of EngineStats (none without a speculator)."""
+    if engine.speculator is None:
+        return {}
+    stats = engine.speculator.stats
+    return {
+        "spec_num_drafts": stats.num_drafts,
+        "spec_num_draft_tokens": stats.num_draft_tokens,
+        "spec_num_accepted_tokens": stats.num_accepted_tokens,
+        "spec_accepted_per_position": tuple(stats.accepted_per_position),
+    }
 
 
 class StatsLogger:
@@ -228,3 +252,16 @@ class StatsLogger:
             s.evicted_pages,
             s.num_retractions,
         )
+        if s.spec_num_drafts:
+            # vLLM's "SpecDecoding metrics" line: what the drafts bought since start.
+            per_position = ", ".join(f"{n / s.spec_num_drafts:.2f}" for n in s.spec_accepted_per_position)
+            logger.info(
+                "speculative decoding: mean acceptance length %.2f, acceptance rate %.1f%% (%d of %d draft tokens "
+                "in %d drafts), per-position acceptance %s",
+                1 + s.spec_num_accepted_tokens / s.spec_num_drafts,
+                100 * s.spec_num_accepted_tokens / max(s.spec_num_draft_tokens, 1),
+                s.spec_num_accepted_tokens,
+                s.spec_num_draft_tokens,
+                s.spec_num_drafts,
+                per_position,
+            )

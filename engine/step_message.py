@@ -160,7 +160,7 @@ class StepBuilder:
             request.batch_row_pages = 0
 
     def build(self, step: ScheduledStep) -> StepMessage:
-        decode = self.decode_message(step.decode_requests) if step.num_decodes else None
+        decode = self.decode_message(step.decode_requests, step.drafts) if step.num_decodes else None
         if step.is_decode:
             # Every row samples and the runner hands back the rows it read: nothing more per step.
             return StepMessage(decode, None, [])
@@ -171,8 +171,13 @@ class StepBuilder:
         sample_rows = [self.assign_row(r) for r in step.sampled_requests]
         return StepMessage(decode, extend, sample_rows)
 
-    def decode_message(self, requests: list[Request]) -> DecodeMessage:
-        """O(batch): each row's input token, position, slot and row, and the pages new since last time."""
+    def decode_message(self, requests: list[Request], drafts: list[list[int]] | None = None) -> DecodeMessage:
+        """O(batch): each row's input token, position, slot and row, and the pages new since last time.
+
+        drafts (a verify step): request i also runs drafts[i], each a row of its own at the next position,
+        reading the request's page-table row. Every layer stores all rows' K/V before any row attends, so a
+        row sees the drafts before it and not those after: causal attention over the drafts, with the decode
+        kernels and graphs as they are (a step of 1 + k rows per request)."""
         diff_rows: list[int] = []
         diff_cols: list[int] = []
         diff_pages: list[int] = []
@@ -180,7 +185,7 @@ class StepBuilder:
         row_list, token_list, position_list, slot_list = [], [], [], []
         sent: list[tuple[Request, int]] = []  # rows' new page counts, recorded once the whole message is built
         page_size = self.page_size
-        for request in requests:
+        for index, request in enumerate(requests):
             shared, private = self.pages_of(request)
             num_pages = len(shared) + len(private)
             row = self.assign_row(request)
@@ -194,12 +199,16 @@ class StepBuilder:
                     diff_pages.append(shared[column] if column < len(shared) else private[column - len(shared)])
                 sent.append((request, num_pages))
             position = request.num_tokens_with_pending - 1
-            column = position // page_size
-            page = shared[column] if column < len(shared) else private[column - len(shared)]
-            row_list.append(row)
-            token_list.append(PENDING_TOKEN if request.num_pending_tokens else request.last_token_id)
-            position_list.append(position)
-            slot_list.append(page * page_size + position % page_size)
+            fed = [PENDING_TOKEN if request.num_pending_tokens else request.last_token_id]
+            if drafts is not None:
+                fed += drafts[index]
+            for offset, token in enumerate(fed):
+                column = (position + offset) // page_size
+                page = shared[column] if column < len(shared) else private[column - len(shared)]
+                row_list.append(row)
+                token_list.append(token)
+                position_list.append(position + offset)
+                slot_list.append(page * page_size + (position + offset) % page_size)
         for request, num_pages in sent:
             request.batch_row_pages = num_pages
         diffs = None

@@ -224,7 +224,7 @@ class ModelRunner:
         """The step as one ragged batch on the device, for the runners that take one."""
         if step.is_decode:
             assert message.decode is not None
-            return self.decode_state.decode_batch(message.decode, step.requests)
+            return self.decode_state.decode_batch(message.decode, step.logit_row_requests)
         return self._extend_batch(step, message)
 
     def _extend_batch(self, step: ScheduledStep, message: StepMessage) -> ForwardBatch:
@@ -275,8 +275,9 @@ class ModelRunner:
         if rows is None or step.is_mixed:
             # An extend: requests that now start decoding got their rows in the message.
             rows = to_device(message.sample_rows, torch.int64, self.device)
-        sampled = sample(logits, step.sampled_requests, state.penalties, rows)
-        state.record_sampled(rows, sampled.token_ids)
+        sampled = sample(logits, step.logit_row_requests, state.penalties, rows)
+        if not step.is_verify:  # a verify step's next inputs are on the host (no overlap scheduling with it)
+            state.record_sampled(rows, sampled.token_ids)
         return sampled
 
 
@@ -285,7 +286,9 @@ def _shape(step: ScheduledStep, message: StepMessage) -> StepShape:
     decodes = message.decode.batch_size if message.decode is not None else 0
     extend = message.extend
     prompts, prompt_tokens = (len(extend.seq_lens), len(extend.input_ids)) if extend is not None else (0, 0)
-    if step.is_decode:
+    if step.is_verify:
+        kind = StepKind.VERIFY  # decode rows: each request's last token and its drafts
+    elif step.is_decode:
         kind = StepKind.DECODE
     elif decodes:
         kind = StepKind.MIXED

@@ -14,9 +14,11 @@ Two bases for platforms: DecodeStepRunner, the decode contract (fits, run_decode
 it, the platform-independent part of decode graphs (sizes, padding, the shared capture loop) whose subclasses
 own only a capture mechanism (CUDA graphs, compiled graphs per size on the CPU, the native CPU step).
 
-A speculative verify step (k+1 tokens per request, logits at each) is StepKind.VERIFY: the eager and
-compiled runners take it as a ragged extend whose every position samples; a graph runner that captures
-(batch size, k) buckets says so in `kinds`. No runner class is needed for it.
+A speculative verify step (k+1 tokens per request, logits at each) is StepKind.VERIFY: a decode message
+whose rows are each request's last token and its drafts at consecutive positions, sharing the request's
+page-table row (engine/step_message.py). Every layer stores all rows' K/V before any row attends, so the
+decode kernels give causal attention over the drafts, and every decode runner takes it at the size of its
+rows: the decode graphs replay it as captured, and no runner class is needed for it.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ class DecodeStepRunner(StepRunner):
     """A runner of pure decode steps up to a batch size (graphs per batch size, on every platform)."""
 
     name = "decode graphs"
-    kinds = frozenset({StepKind.DECODE})
+    kinds = frozenset({StepKind.DECODE, StepKind.VERIFY})
     replays_graphs = True
 
     @abc.abstractmethod

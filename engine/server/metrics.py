@@ -192,6 +192,10 @@ def _vllm_series(s: EngineStats) -> list[tuple[str, str, str, float]]:
         ("gauge", "vllm:gpu_cache_usage_perc", "KV-cache usage: 1 means 100 percent (the older name).", usage),
         ("counter", "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries),
         ("counter", "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", hits),
+        # Speculative decoding, as vLLM counts it: acceptance length = 1 + accepted tokens / drafts.
+        ("counter", "vllm:spec_decode_num_drafts", "Verify-step drafts (one per request and step).", s.spec_num_drafts),
+        ("counter", "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens),
+        ("counter", "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens),
     ]
 
 
@@ -220,6 +224,15 @@ class _EngineStatsCollector(_ReadAtScrape[EngineStats]):
             yield family
         for name, doc, histogram in _step_histograms(snapshot):
             yield _histogram_family(name, doc, histogram, self.model_name)
+        if snapshot.spec_accepted_per_position:
+            family = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted at each draft position.",
+                labels=["model_name", "position"],
+            )
+            for position, count in enumerate(snapshot.spec_accepted_per_position):
+                family.add_metric([self.model_name, str(position)], count)
+            yield family
 
 
 @dataclass

@@ -1,0 +1,79 @@
+"""`--speculative-config`: vLLM's JSON keys for the methods the engine has."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+# vLLM's other methods, refused by name until the engine has them (issue #43: a draft model, EAGLE-3 heads).
+NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """What to propose and how many drafts per step. ngram: drafts copied from the request's own tokens
+    after the most recent earlier occurrence of its last n tokens, n from prompt_lookup_max down to
+    prompt_lookup_min (prompt lookup decoding; vLLM's "ngram" method)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method in NOT_YET:
+            raise ValueError(f"--speculative-config method {self.method!r} is not supported yet; methods: ngram")
+        if self.method not in METHODS:
+            raise ValueError(f"--speculative-config method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"--speculative-config num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
+        low, high = self.lookup_range
+        if not 1 <= low <= high:
+            raise ValueError(
+                f"--speculative-config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}"
+            )
+
+    @property
+    def lookup_range(self) -> tuple[int, int]:
+        """(smallest, largest) n-gram matched: vLLM's defaults, one bound standing for both when alone."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            return DEFAULT_LOOKUP, DEFAULT_LOOKUP
+        return (low if low is not None else high or 0), (high if high is not None else low or 0)
+
+    @classmethod
+    def parse(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """The config from the flag's JSON (or a dict); None or empty: no speculation. Unknown keys are refused."""
+        if not text:
+            return None
+        if isinstance(text, str):
+            try:
+                values = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
+        else:
+            values = text
+        if not isinstance(values, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            known_keys = ", ".join(sorted(known))
+            raise ValueError(f"--speculative-config: unsupported keys {', '.join(unknown)}; known: {known_keys}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in values:
+                raise ValueError(f"--speculative-config needs {key!r}")
+        if values["method"] == "[ngram]":  # vLLM's older spelling
+            values = {**values, "method": "ngram"}
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = values.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"--speculative-config {key} must be an integer, got {value!r}")
+        return cls(**values)
