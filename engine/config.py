@@ -14,6 +14,7 @@ from engine.capture_sizes import cap_sizes, parse_sizes
 from engine.errors import EngineError
 from engine.platform import Platform, load_yaml_config
 from engine.setting import setting, setting_factory
+from engine.speculative.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -262,8 +263,11 @@ class EngineConfig:
         if not float(resolved.dist_timeout_s) > 0:
             raise EngineError(f"dist_timeout_s must be positive, got {resolved.dist_timeout_s!r}")
         sizes = parse_sizes(resolved.capture_sizes) or [1]
-        max_size = min(resolved.max_capture_size or sizes[-1], resolved.positive_int("max_num_seqs"))
-        # Never capture beyond what the scheduler can batch (vLLM caps at max_num_seqs too).
+        # Never capture beyond what the scheduler can batch (vLLM caps at max_num_seqs too): a decode step's
+        # rows, which a verify step multiplies by 1 + its drafts (the settings are checked here, at start).
+        spec = SpeculativeConfig.parse(resolved.speculative_config)
+        max_rows = resolved.positive_int("max_num_seqs") * (1 + (spec.num_speculative_tokens if spec else 0))
+        max_size = min(resolved.max_capture_size or sizes[-1], max_rows)
         resolved.capture_sizes = cap_sizes(sizes, max_size)
         return resolved
 
