@@ -90,6 +90,24 @@ def test_ngram_proposer_copies_what_followed_the_latest_match_of_the_longest_suf
     assert NgramProposer(4, 2, 2).propose([1, 2, 3, 1, 2]) == [3, 1, 2]  # drafts stop at the context's end
 
 
+def test_ngram_proposer_matches_a_plain_search_on_random_contexts() -> None:
+    """The vectorised search against the definition, on 3,000 small contexts over a 4-token alphabet."""
+
+    def plain(tokens: list[int], k: int, low: int, high: int) -> list[int]:
+        for n in range(min(high, len(tokens) - 1), low - 1, -1):
+            for start in range(len(tokens) - 1 - n, -1, -1):  # latest occurrence first, the suffix excluded
+                if tokens[start : start + n] == tokens[len(tokens) - n :]:
+                    return tokens[start + n : start + n + k]
+        return []
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        tokens = [rng.randrange(4) for _ in range(rng.randint(1, 40))]
+        low = rng.randint(1, 3)
+        high, k = rng.randint(low, 5), rng.randint(1, 5)
+        assert NgramProposer(k, low, high).propose(tokens) == plain(tokens, k, low, high), (tokens, low, high, k)
+
+
 def test_acceptance_keeps_the_matching_prefix_and_counts_like_vllm() -> None:
     assert accepted_length([4, 5, 6], [4, 5, 9, 1]) == 2
     assert accepted_length([4, 5, 6], [1, 5, 6, 1]) == 0

@@ -24,13 +24,18 @@ class NgramProposer:
         if k <= 0 or length < self.min_n + 1:
             return []
         context = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = context[length - n :]
-            # Every window of n tokens that ends before the last token (the suffix itself excluded).
-            windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], n)
-            starts = np.flatnonzero((windows == suffix).all(axis=1))
-            if starts.size:
-                follow = int(starts[-1]) + n  # the most recent occurrence
-                drafts: list[int] = context[follow : follow + k].tolist()
-                return drafts
-        return []
+        # Earlier positions holding the last token: the candidates' ends. One pass over the context; then
+        # each further suffix token filters them, so the work past the first pass is the candidates'.
+        ends = np.flatnonzero(context[: length - 1] == context[length - 1])
+        best, best_n, n = ends, 1, 1
+        while n < min(self.max_n, length - 1) and ends.size:
+            ends = ends[ends >= n]
+            ends = ends[context[ends - n] == context[length - 1 - n]]
+            n += 1
+            if ends.size:
+                best, best_n = ends, n
+        if best.size == 0 or best_n < self.min_n:
+            return []
+        follow = int(best[-1]) + 1  # the most recent occurrence of the longest match
+        drafts: list[int] = context[follow : follow + k].tolist()
+        return drafts
