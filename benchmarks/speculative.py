@@ -7,6 +7,10 @@
     # n-gram speculation against plain decoding on prompts whose answers copy from them (a real model: the
     # embedded SmolLM2 by default), alternating runs, one prompt at a time and all at once.
     PYTHONPATH=. python benchmarks/speculative.py ngram --device cpu --repeats 3 --output-json spec_ngram.json
+    # For dummy weights, whose drafts nothing can guess: drafts replayed from a recorded run without speculation,
+    # each draft token corrupted with a given probability, for chosen acceptance lengths (benchmarking only).
+    PYTHONPATH=. python benchmarks/speculative.py replay --device cuda --model llama-3-8b --load-format dummy \
+        --batch-sizes 1,8,32 --corruption 0,0.2,0.4,0.7 --output-json spec_replay.json
 
 Prints tables and writes JSON. Steps are timed back to back between two device synchronisations (median of 5
 groups), through ModelRunner.launch as the engine runs them: message, forward (the decode graphs where a step's
@@ -174,24 +178,105 @@ def run_ngram(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+class ReplayProposer:
+    """Drafts read from recorded outputs (prompt -> the tokens a run without speculation gave), each token
+    replaced by a random one with probability `corruption`. Benchmarking only: it knows the answers."""
+
+    def __init__(
+        self, recorded: dict[tuple[int, ...], list[int]], prompt_len: int, k: int, corruption: float, vocab: int
+    ) -> None:
+        self.recorded, self.prompt_len, self.k, self.corruption, self.vocab = recorded, prompt_len, k, corruption, vocab
+        self.rng = random.Random(0)
+
+    def propose(self, tokens: list[int], limit: int | None = None) -> list[int]:
+        output = self.recorded.get(tuple(tokens[: self.prompt_len]), [])
+        done = len(tokens) - self.prompt_len
+        drafts = output[done : done + min(self.k, limit if limit is not None else self.k)]
+        return [self.rng.randrange(self.vocab) if self.rng.random() < self.corruption else t for t in drafts]
+
+
+def run_replay(args: argparse.Namespace) -> dict[str, Any]:
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    corruptions = [float(c) for c in args.corruption.split(",")]
+    k = args.num_speculative_tokens
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": k})
+    sizing = {"kv_cache_tokens": max(batch_sizes) * (args.context + args.max_tokens + 2 * k) + 8192}
+    plain, speculative = _engine(args, **sizing), _engine(args, speculative_config=spec, **sizing)
+    assert speculative.speculator is not None
+    vocab = int(plain.model_config.vocab_size)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    rng = random.Random(1)
+    rows = []
+    for batch in batch_sizes:
+        prompts = [[rng.randrange(10, vocab - 10) for _ in range(args.context)] for _ in range(batch)]
+        plain.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm
+        start = time.perf_counter()
+        outputs = plain.generate(prompts, params)
+        plain_tok_s = batch * args.max_tokens / (time.perf_counter() - start)
+        recorded = {tuple(p): o.token_ids for p, o in zip(prompts, outputs)}
+        for corruption in corruptions:
+            speculative.speculator.proposer = ReplayProposer(recorded, args.context, k, corruption, vocab)  # type: ignore[assignment]
+            speculative.speculator.stats.__init__()  # type: ignore[misc]
+            start = time.perf_counter()
+            got = speculative.generate(prompts, params)
+            tok_s = batch * args.max_tokens / (time.perf_counter() - start)
+            stats = speculative.speculator.stats
+            same = sum(g.token_ids == o.token_ids for g, o in zip(got, outputs))
+            rows.append(
+                {
+                    "batch": batch,
+                    "corruption": corruption,
+                    "acceptance_length": stats.mean_acceptance_length,
+                    "plain_tok_s": plain_tok_s,
+                    "speculative_tok_s": tok_s,
+                    "speedup": tok_s / plain_tok_s,
+                    "identical_outputs": same,
+                }
+            )
+    print(
+        f"{'batch':>5} {'corrupt':>8} {'accept len':>11} {'plain tok/s':>12} {'spec tok/s':>11} "
+        f"{'speed-up':>9} {'same':>5}"
+    )
+    for row in rows:
+        print(
+            f"{row['batch']:>5} {row['corruption']:>8.2f} {row['acceptance_length']:>11.2f} "
+            f"{row['plain_tok_s']:>12.1f} {row['speculative_tok_s']:>11.1f} {row['speedup']:>9.2f} "
+            f"{row['identical_outputs']:>2}/{row['batch']}"
+        )
+    runners = speculative.runner.describe()
+    plain.shutdown()
+    speculative.shutdown()
+    return {
+        "mode": "replay",
+        "device": args.device,
+        "model": args.model,
+        "context": args.context,
+        "max_tokens": args.max_tokens,
+        "num_speculative_tokens": k,
+        "runners": runners,
+        "rows": rows,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["steps", "ngram"])
+    parser.add_argument("mode", choices=["steps", "ngram", "replay"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default=None, help="a path or preset (default: the embedded SmolLM2)")
     parser.add_argument("--load-format", default=None)
     parser.add_argument("--batch-sizes", default="1,8,32", help="steps: requests per step")
     parser.add_argument("--draft-tokens", default="1,2,3,4,5,6,7", help="steps: drafts per request")
-    parser.add_argument("--context", type=int, default=512, help="steps: prompt tokens of each request")
+    parser.add_argument("--context", type=int, default=512, help="steps, replay: prompt tokens of each request")
     parser.add_argument("--iters", type=int, default=50, help="steps: timed steps per case")
     parser.add_argument("--repeats", type=int, default=3, help="ngram: alternating runs")
-    parser.add_argument("--max-tokens", type=int, default=128, help="ngram: output tokens per prompt")
+    parser.add_argument("--max-tokens", type=int, default=128, help="ngram, replay: output tokens per prompt")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--corruption", default="0,0.2,0.4,0.7", help="replay: probabilities a draft token is wrong")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
-    result = run_steps(args) if args.mode == "steps" else run_ngram(args)
+    result = {"steps": run_steps, "ngram": run_ngram, "replay": run_replay}[args.mode](args)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=1)
