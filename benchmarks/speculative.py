@@ -194,6 +194,9 @@ class ReplayProposer:
         drafts = output[done : done + min(self.k, limit if limit is not None else self.k)]
         return [self.rng.randrange(self.vocab) if self.rng.random() < self.corruption else t for t in drafts]
 
+    def propose_batch(self, contexts: list[list[int]], limits: list[int]) -> list[list[int]]:
+        return [self.propose(context, limit) if limit > 0 else [] for context, limit in zip(contexts, limits)]
+
 
 def run_replay(args: argparse.Namespace) -> dict[str, Any]:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -215,7 +218,7 @@ def run_replay(args: argparse.Namespace) -> dict[str, Any]:
         plain_tok_s = batch * args.max_tokens / (time.perf_counter() - start)
         recorded = {tuple(p): o.token_ids for p, o in zip(prompts, outputs)}
         for corruption in corruptions:
-            speculative.speculator.proposer = ReplayProposer(recorded, args.context, k, corruption, vocab)  # type: ignore[assignment]
+            speculative.speculator.proposer = ReplayProposer(recorded, args.context, k, corruption, vocab)
             speculative.speculator.stats.__init__()  # type: ignore[misc]
             start = time.perf_counter()
             got = speculative.generate(prompts, params)

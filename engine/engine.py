@@ -42,6 +42,7 @@ from engine.sampler import SampledTokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import INIT_NEW_TOKEN_RATIO, ScheduledStep, Scheduler
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.speculator import Speculator
 from engine.stats import EngineStats, StatsLogger
 from engine.step_message import StepBuilder
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 
 # The start-up warm-up request's prompt: a prefill of a typical chunk size, the extend-step time model's first point.
 WARM_UP_PROMPT_TOKENS = 256
+DRAFT_KV_MEMORY_FRACTION = 0.1  # of the free device memory, for a draft model's KV pool (the target takes the rest)
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class Engine:
     # Rank 0's worker ranks under tensor parallelism (set by _join_tensor_parallel); None otherwise. A class
     # default rather than set in __init__, where mypy would take it for None for the rest of __init__.
     tp_ranks: RankGroup | None = None
+    draft_engine: Engine | None = None  # speculative decoding's draft model, an engine of its own
 
     def __init__(self, config: EngineConfig | None = None, **overrides: object) -> None:
         config = config or EngineConfig()
@@ -152,6 +155,8 @@ class Engine:
                 "gguf_path": source.path if source.kind == "gguf" else None,
             },
         )
+        # Before the KV pool: a draft model's engine takes its memory first, the target's pool the rest.
+        self.speculator = self._speculator()
         self.kv_pool = self._allocate_kv_pool()
         # KV cache events for routers (engine/kv_events.py): recorded by the prefix cache, published per step.
         events = KVEventsConfig.parse(self.config.kv_events_config)
@@ -164,7 +169,6 @@ class Engine:
         )
         max_num_seqs = self.config.positive_int("max_num_seqs")
         step_ms = self.config.max_extend_step_ms
-        self.speculator = self._speculator()
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs,
@@ -247,7 +251,34 @@ class Engine:
     def _speculator(self) -> Speculator | None:
         """The speculative decoding of --speculative-config, or None."""
         spec = SpeculativeConfig.parse(self.config.speculative_config)
-        return Speculator(spec) if spec is not None else None  # tensor parallelism refused it (preflight.py)
+        if spec is None:
+            return None  # (tensor parallelism refused it: preflight.py)
+        if spec.model is None:
+            return Speculator(spec)
+        # The draft model: an engine of its own on this device (its KV pool, its graphs), greedy, with the
+        # prefix cache its rollback. On an accelerator it takes a tenth of the free memory for its KV pool.
+        draft = Engine(
+            EngineConfig(
+                model=spec.model,
+                device=self.config.device,
+                max_num_seqs=self.config.positive_int("max_num_seqs"),
+                max_model_len=self.max_model_len,
+                page_size=self.config.positive_int("page_size"),
+                seed=self.config.seed,
+                enable_prefix_caching=True,
+                disable_graphs=self.config.disable_graphs,
+                kv_cache_memory_fraction=DRAFT_KV_MEMORY_FRACTION if self.device.type != "cpu" else None,
+            )
+        )
+        if int(draft.model_config.vocab_size) != int(self.model_config.vocab_size):
+            draft.shutdown()
+            raise EngineError(
+                f"--speculative-config: the draft model's vocabulary ({draft.model_config.vocab_size} tokens) is "
+                f"not the target's ({self.model_config.vocab_size}); a draft model must share the tokenizer"
+            )
+        self.draft_engine = draft
+        proposer = DraftModelProposer(draft, spec.num_speculative_tokens, draft.max_model_len)
+        return Speculator(spec, proposer)
 
     def _compiles(self) -> bool:
         """Whether this engine torch.compiles a step (decode or extend)."""
@@ -305,6 +336,8 @@ class Engine:
         `del` of the engine frees its memory; idempotent. The engine cannot step afterwards."""
         if self.tp_ranks is not None:
             self.tp_ranks.shutdown()
+        if self.draft_engine is not None:
+            self.draft_engine.shutdown()
         publisher = getattr(self, "kv_event_publisher", None)
         if publisher is not None:
             publisher.shutdown()

@@ -178,10 +178,10 @@ class Scheduler:
         max_model_len: int | None = None,
         max_extend_step_s: float | None = None,
         mixed_steps: bool = False,
-        drafter: Callable[[Request, int], list[int]] | None = None,
+        drafter: Callable[[list[Request], list[int]], list[list[int]]] | None = None,
     ) -> None:
-        """drafter(request, limit): at most `limit` draft tokens for a running request (speculative
-        decoding); its decode steps then become verify steps whenever some request has drafts."""
+        """drafter(requests, limits): for each running request at most its limit of draft tokens (speculative
+        decoding, all of a step's requests at once); decode steps become verify steps when some have drafts."""
         self.kv = kv
         self.page_size = kv.page_size
         self.max_num_seqs = max_num_seqs
@@ -246,14 +246,16 @@ class Scheduler:
         (none where the pool has no free page for them: drafts never retract or evict anyone); None when
         no request has any (a plain decode step)."""
         assert self.drafter is not None
-        drafts = []
-        for request in decoding:
-            # Every input token is on the host (speculation runs without overlap scheduling).
-            room = min(
+        # Every input token is on the host (speculation runs without overlap scheduling).
+        limits = [
+            min(
                 request.params.max_tokens - len(request.output_token_ids) - 1,
                 self.max_model_len - request.num_tokens - 1,
             )
-            proposed = self.drafter(request, room) if room > 0 else []
+            for request in decoding
+        ]
+        drafts = []
+        for request, proposed in zip(decoding, self.drafter(decoding, limits)):
             if proposed and self.kv.allocate(request, request.num_tokens + len(proposed), evict=False):
                 drafts.append(proposed)
             else:

@@ -63,7 +63,9 @@ def test_speculative_config_takes_vllms_keys_and_refuses_the_rest() -> None:
         '{"method": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
     ).lookup_range == (3, 3)  # type: ignore[union-attr]
     bad = {
-        '{"method": "eagle3", "num_speculative_tokens": 3, "model": "x"}': "unsupported keys model",
+        '{"method": "eagle3", "num_speculative_tokens": 3, "draft": "x"}': "unsupported keys draft",
+        '{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}': "goes with method draft_model",
+        '{"method": "draft_model", "num_speculative_tokens": 3}': "goes with method draft_model",
         '{"method": "eagle3", "num_speculative_tokens": 3}': "'eagle3' is not supported yet",
         '{"method": "medusa2", "num_speculative_tokens": 3}': "must be one of ngram",
         '{"method": "ngram"}': "needs 'num_speculative_tokens'",
@@ -375,3 +377,62 @@ def test_server_streams_speculative_tokens_and_counts_them_in_metrics(smol_engin
         assert "speculative decoding: ngram, 4 tokens, n-grams 2-4" in server.log()
     finally:
         server.stop()
+
+
+# ---- a draft model -------------------------------------------------------------------------------
+def _draft_config(model: str, k: int = 4) -> str:
+    return json.dumps({"method": "draft_model", "model": model, "num_speculative_tokens": k})
+
+
+def test_a_draft_model_gives_the_targets_greedy_text(engine_cache: Any, smol_engine: Engine) -> None:
+    """The embedded SmolLM2 drafting for itself (an engine of its own: its KV pool, its prefix cache as the
+    rollback): nearly every draft is accepted, and the text is the target's without speculation."""
+    from engine.loader.resolve import default_model_path
+
+    engine = engine_cache(None, speculative_config=_draft_config(default_model_path()), debug_kv_invariant=True)
+    assert engine.draft_engine is not None
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    prompts = PROMPTS[:6]
+    want = smol_engine.generate(prompts, params, chat=True)
+    engine.speculator.stats.__init__()  # type: ignore[union-attr,misc]
+    got = engine.generate(prompts, params, chat=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = engine.speculator.stats  # type: ignore[union-attr]
+    print(f"self-drafting: mean acceptance length {stats.mean_acceptance_length:.2f} of 5")
+    assert stats.mean_acceptance_length > 3.5
+    draft = engine.draft_engine
+    assert not draft.has_unfinished() and draft.kv_pages_in_use() == 0  # every draft request ended
+    assert draft.stats().prefix_cache_hit_tokens > 0  # the accepted context came from its cache
+
+
+def test_a_random_draft_model_is_refused_nothing_and_changes_nothing(
+    tmp_path: Any, engine_cache: Any, smol_engine: Engine
+) -> None:
+    """A tiny random model with SmolLM2's vocabulary: its drafts are almost all rejected, the text is the same;
+    one with another vocabulary is refused at start, by name."""
+    from tests.conftest import build_tiny_checkpoint
+
+    random_draft = build_tiny_checkpoint("llama", str(tmp_path / "draft"), vocab_size=49152)
+    engine = track(
+        Engine(
+            device="cpu",
+            dtype="float32",
+            page_size=16,
+            kv_cache_tokens=2048,
+            max_num_seqs=8,
+            disable_graphs=True,
+            max_extend_step_ms=0,
+            speculative_config=_draft_config(random_draft, k=3),
+            debug_kv_invariant=True,
+        )
+    )
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    want = smol_engine.generate(PROMPTS[:3], params, chat=True)
+    got = engine.generate(PROMPTS[:3], params, chat=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = engine.speculator.stats  # type: ignore[union-attr]
+    assert stats.num_drafts > 0 and stats.acceptance_rate < 0.5
+    engine.shutdown()
+    other_vocabulary = build_tiny_checkpoint("llama", str(tmp_path / "other"))
+    with pytest.raises(Exception, match="draft model's vocabulary \\(384 tokens\\) is not the target's \\(49152\\)"):
+        Engine(device="cpu", dtype="float32", disable_graphs=True, speculative_config=_draft_config(other_vocabulary))

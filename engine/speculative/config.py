@@ -6,9 +6,9 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
-# vLLM's other methods, refused by name until the engine has them (issue #43: a draft model, EAGLE-3 heads).
-NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+METHODS = ("ngram", "draft_model")
+# vLLM's other methods, refused by name until the engine has them (issue #43: EAGLE-3 heads).
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
 
@@ -17,18 +17,25 @@ DEFAULT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
 class SpeculativeConfig:
     """What to propose and how many drafts per step. ngram: drafts copied from the request's own tokens
     after the most recent earlier occurrence of its last n tokens, n from prompt_lookup_max down to
-    prompt_lookup_min (prompt lookup decoding; vLLM's "ngram" method)."""
+    prompt_lookup_min (prompt lookup decoding; vLLM's "ngram" method). draft_model: a smaller model with the
+    same vocabulary (`model`: a path or preset, as --model takes) decodes the drafts greedily."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method in NOT_YET:
             raise ValueError(f"--speculative-config method {self.method!r} is not supported yet; methods: ngram")
         if self.method not in METHODS:
             raise ValueError(f"--speculative-config method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "--speculative-config: a draft model's path goes with method draft_model, and only there"
+                f" (method {self.method!r}, model {self.model!r})"
+            )
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"--speculative-config num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}, "
@@ -67,6 +74,8 @@ class SpeculativeConfig:
         if unknown:
             known_keys = ", ".join(sorted(known))
             raise ValueError(f"--speculative-config: unsupported keys {', '.join(unknown)}; known: {known_keys}")
+        if "method" not in values and "model" in values:  # vLLM infers a draft model from its path
+            values = {**values, "method": "draft_model"}
         for key in ("method", "num_speculative_tokens"):
             if key not in values:
                 raise ValueError(f"--speculative-config needs {key!r}")

@@ -39,3 +39,7 @@ class NgramProposer:
         follow = int(best[-1]) + 1  # the most recent occurrence of the longest match
         drafts: list[int] = context[follow : follow + k].tolist()
         return drafts
+
+    def propose_batch(self, contexts: list[list[int]], limits: list[int]) -> list[list[int]]:
+        """propose() for each context, with its limit (0: no drafts)."""
+        return [self.propose(context, limit) if limit > 0 else [] for context, limit in zip(contexts, limits)]

@@ -3,20 +3,34 @@ verify step's sampled tokens mean for each request."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from engine.request import Request
 from engine.speculative.acceptance import SpecDecodeStats, accepted_length
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.ngram import NgramProposer
 
 
+class Proposer(Protocol):
+    """Drafts for a batch of contexts (each request's tokens), at most each one's limit."""
+
+    def propose_batch(self, contexts: list[list[int]], limits: list[int]) -> list[list[int]]: ...
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, draft_model: DraftModelProposer | None = None) -> None:
+        """draft_model: the proposer of the "draft_model" method (the engine builds its draft engine)."""
         self.config = config
         low, high = config.lookup_range
-        self.proposer = NgramProposer(config.num_speculative_tokens, low, high)
+        self.proposer: Proposer = (
+            draft_model if draft_model is not None else NgramProposer(config.num_speculative_tokens, low, high)
+        )
         self.stats = SpecDecodeStats()
 
     def describe(self) -> str:
+        if self.config.method == "draft_model":
+            return f"draft model {self.config.model}, {self.config.num_speculative_tokens} tokens"
         low, high = self.config.lookup_range
         return f"{self.config.method}, {self.config.num_speculative_tokens} tokens, n-grams {low}-{high}"
 
@@ -27,11 +41,10 @@ class Speculator:
         mask) change with them, but a verify step samples every position from the state before its drafts."""
         return not request.params.has_penalties and not request.edits_logits
 
-    def draft(self, request: Request, limit: int) -> list[int]:
-        """At most `limit` drafts for the request (the scheduler's drafter)."""
-        if not self.drafts_allowed(request):
-            return []
-        return self.proposer.propose(request.all_token_ids, limit)
+    def draft(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+        """At most its limit of drafts for each request (the scheduler's drafter)."""
+        allowed = [limit if self.drafts_allowed(r) else 0 for r, limit in zip(requests, limits)]
+        return self.proposer.propose_batch([r.all_token_ids for r in requests], allowed)
 
     def accept(self, drafts: list[int], sampled: list[int]) -> list[int]:
         """The tokens a request keeps from its verify rows: the drafts the target agreed with, then the
