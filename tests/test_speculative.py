@@ -71,6 +71,7 @@ def test_speculative_config_takes_vllms_keys_and_refuses_the_rest() -> None:
         '{"method": "ngram"}': "needs 'num_speculative_tokens'",
         '{"method": "ngram", "num_speculative_tokens": 0}': "1..16",
         '{"method": "ngram", "num_speculative_tokens": 2.5}': "must be an integer",
+        '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}': "must be >= 2",
         '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}': "1 <= ",
         "[1, 2]": "JSON object",
         "{nope": "not valid JSON",
@@ -121,6 +122,20 @@ def test_acceptance_keeps_the_matching_prefix_and_counts_like_vllm() -> None:
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 6, 2)
     assert stats.accepted_per_position == [1, 1, 0]
     assert stats.mean_acceptance_length == 2.0 and stats.acceptance_rate == pytest.approx(1 / 3)
+
+
+def test_which_requests_draft() -> None:
+    """Penalties and logit edits decode without drafts; a batch at disable_by_batch_size drafts nothing."""
+    from engine.speculative.speculator import Speculator
+
+    config = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 1, '
+    speculator = Speculator(SpeculativeConfig.parse(config + '"disable_by_batch_size": 4}'))  # type: ignore[arg-type]
+    plain = Request("a", [1, 2, 1], SamplingParams())
+    penalized = Request("b", [1, 2, 1], SamplingParams(presence_penalty=0.5))
+    biased = Request("c", [1, 2, 1], SamplingParams(logit_bias={5: 1.0}))
+    assert speculator.draft([plain, penalized, biased], [5, 5, 5]) == [[2, 1], [], []]
+    assert speculator.draft([plain], [1]) == [[2]]  # the room left (max_tokens, the context) caps them
+    assert speculator.draft([plain] * 4, [5] * 4) == [[]] * 4
 
 
 def test_trim_gives_back_the_pages_only_rejected_drafts_used() -> None:

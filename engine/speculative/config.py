@@ -25,6 +25,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None
+    # No drafts in a step of this many running requests or more (vLLM's key): where verify rows would make the
+    # step bound by compute, plain decode steps are faster.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method in NOT_YET:
@@ -40,6 +43,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"--speculative-config num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}, "
                 f"got {self.num_speculative_tokens}"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
+            raise ValueError(
+                f"--speculative-config disable_by_batch_size must be >= 2, got {self.disable_by_batch_size}"
             )
         low, high = self.lookup_range
         if not 1 <= low <= high:
@@ -81,7 +88,7 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config needs {key!r}")
         if values["method"] == "[ngram]":  # vLLM's older spelling
             values = {**values, "method": "ngram"}
-        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             value = values.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"--speculative-config {key} must be an integer, got {value!r}")

@@ -43,6 +43,9 @@ class Speculator:
 
     def draft(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
         """At most its limit of drafts for each request (the scheduler's drafter)."""
+        cutoff = self.config.disable_by_batch_size
+        if cutoff is not None and len(requests) >= cutoff:
+            return [[] for _ in requests]
         allowed = [limit if self.drafts_allowed(r) else 0 for r, limit in zip(requests, limits)]
         return self.proposer.propose_batch([r.all_token_ids for r in requests], allowed)
 
