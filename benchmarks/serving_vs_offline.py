@@ -20,11 +20,14 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from collections import deque
 from typing import Any
+
+import torch
 
 from benchmarks.serve_process import wait_for_health
 from engine.bench_serving import add_bench_serving_args, make_workload, run_benchmark
@@ -60,7 +63,13 @@ def serve_and_bench(
     print("starting:", shlex.join(command), flush=True)
     path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
     # A session of its own, so that one SIGINT to its group stops the server and a profiler around it.
-    server = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": path}, start_new_session=True)
+    cores = _cpu_list(bench.engine_cpus)
+    server = subprocess.Popen(
+        command,
+        env={**os.environ, "PYTHONPATH": path},
+        start_new_session=True,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
+    )
     url = f"http://127.0.0.1:{port}"
     seed = bench.seed
     try:
@@ -91,14 +100,27 @@ def serve_and_bench(
             server.kill()
 
 
+def _cpu_list(text: str | None) -> set[int]:
+    """'0,2-3' -> {0, 2, 3}; None or '' -> empty (no pinning)."""
+    cores: set[int] = set()
+    for part in (text or "").split(","):
+        if part.strip():
+            low, _, high = part.partition("-")
+            cores.update(range(int(low), int(high or low) + 1))
+    return cores
+
+
 def offline(engine: Engine, workload: list[tuple[list[int], int]], concurrency: int) -> dict[str, Any]:
-    """The same requests in-process, at most `concurrency` at once."""
+    """The same requests in-process, at most `concurrency` at once; time to first token from each add."""
     queue = deque(workload)
     live = generated = 0
+    added: dict[str, float] = {}
+    ttft: list[float] = []
 
     def submit() -> None:
         prompt, max_tokens = queue.popleft()
-        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        request_id = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        added[request_id] = time.perf_counter()
 
     engine.platform.synchronize()
     start = time.perf_counter()
@@ -108,6 +130,8 @@ def offline(engine: Engine, workload: list[tuple[list[int], int]], concurrency: 
     while engine.has_unfinished():
         for output in engine.step():
             generated += len(output.new_token_ids)
+            if output.request_id in added and output.new_token_ids:
+                ttft.append(time.perf_counter() - added.pop(output.request_id))
             if output.finished:
                 live -= 1
                 if queue:
@@ -120,6 +144,7 @@ def offline(engine: Engine, workload: list[tuple[list[int], int]], concurrency: 
         "wall_s": wall,
         "output_tokens": generated,
         "output_throughput": generated / wall,
+        "ttft_s": {"median": statistics.median(ttft), "p99": sorted(ttft)[int(0.99 * (len(ttft) - 1))]},
     }
 
 
@@ -131,6 +156,13 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=30123)
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--skip-server", action="store_true", help="only the in-process figures")
+    parser.add_argument(
+        "--engine-cpus",
+        default=None,
+        help="cores for the server and for the in-process engine alike, e.g. 0 (the client takes --client-cpus): "
+        "on a small host both engines then get the same cores, and the client none of theirs",
+    )
+    parser.add_argument("--client-cpus", default=None, help="cores for the benchmark client while the server runs")
     parser.add_argument(
         "--server-variants",
         default="",
@@ -167,6 +199,9 @@ def main() -> None:
         "output_len": args.output_len,
         "modes": modes,
     }
+    client_cores, engine_cores = _cpu_list(args.client_cpus), _cpu_list(args.engine_cpus)
+    if client_cores:
+        os.sched_setaffinity(0, client_cores)
     variants = [shlex.split(v) for v in args.server_variants.split(";")] if args.server_variants else [[]]
     report["servers"] = (
         []
@@ -183,6 +218,9 @@ def main() -> None:
     )
     engine_parser = argparse.ArgumentParser()
     add_engine_args(engine_parser)
+    if engine_cores:
+        os.sched_setaffinity(0, engine_cores)
+        torch.set_num_threads(len(engine_cores))
     engine = Engine(engine_config_from_args(engine_parser.parse_args(engine_args)))
     report["offline"] = []
     for index, concurrency in enumerate(concurrencies):
@@ -191,10 +229,11 @@ def main() -> None:
         report["offline"].append(offline(engine, workload, concurrency))  # type: ignore[arg-type]
     print(
         f"{'server flags':>22} {'concurrency':>11} {'mode':>6} {'server tok/s':>13} {'in-process tok/s':>17} "
-        f"{'ratio':>6} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'client CPU':>10}"
+        f"{'ratio':>6} {'TTFT p50/p99 ms':>16} {'in-process TTFT':>16} {'ITL p50/p99 ms':>15} {'client CPU':>10}"
     )
     for index, concurrency in enumerate(concurrencies):
         local = report["offline"][index]["output_throughput"]
+        lt = report["offline"][index]["ttft_s"]
         if not report["servers"]:
             print(f"{'-':>22} {concurrency:>11} {'-':>6} {'-':>13} {local:>17.0f}")
         for variant in report["servers"]:
@@ -206,6 +245,7 @@ def main() -> None:
                     f"{' '.join(variant['server_args']) or 'defaults':>22} {concurrency:>11} {mode:>6} "
                     f"{s['output_throughput']:>13.0f} {local:>17.0f} {ratio:>6.2f} "
                     f"{1e3 * s['ttft_s']['median']:>7.0f}/{1e3 * s['ttft_s']['p99']:<8.0f} "
+                    f"{1e3 * lt['median']:>7.0f}/{1e3 * lt['p99']:<8.0f} "
                     f"{1e3 * s['itl_s']['median']:>6.1f}/{1e3 * s['itl_s']['p99']:<8.1f} "
                     f"{s['client_cpu_fraction']:>10.2f}"
                 )
