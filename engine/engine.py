@@ -34,6 +34,7 @@ from engine.kv_manager import KVCacheManager, PrefixCacheStats
 from engine.layers.attention import Attention, AttentionBackend
 from engine.loader import ModelSource, load_model, resolve_model_source
 from engine.logit_rows import LogitRowLadder
+from engine.lora.manager import LoRAManager
 from engine.models.interface import as_module
 from engine.penalties import PenaltyState
 from engine.platform import CaptureKind
@@ -220,6 +221,7 @@ class Engine:
             self.runner: ModelRunner = TensorParallelRunner(*runner_args, step_runners, ranks=self.tp_ranks)
         else:
             self.runner = ModelRunner(*runner_args, step_runners)
+        self.lora = self._lora()
         logger.info("step runners, in the order they are offered a step: %s", self.runner.describe())
         self._pad_logit_rows()
         # Debug mode: the pool invariant after every step (ENGINE_DEBUG_KV=1 or debug_kv_invariant).
@@ -247,6 +249,49 @@ class Engine:
         if self.config.warmup:
             self._warm_up()
         self.froze_gc = bool(self.config.freeze_gc) and freeze_start_up_objects() > 0
+
+    def _lora(self) -> LoRAManager | None:
+        """The LoRA slots of --enable-lora in the model's projections, with --lora-modules loaded; None when off."""
+        if not self.config.enable_lora:
+            return None
+        dtype = self.config.torch_dtype
+        manager = LoRAManager(as_module(self.model), self.config.max_loras, self.config.max_lora_rank, dtype)
+        self.runner.lora_slots, self.runner.lora_dtype = self.config.max_loras, dtype
+        for entry in (self.config.lora_modules or "").split(","):
+            if entry.strip():
+                name, _, path = entry.partition("=")
+                if not name.strip() or not path.strip():
+                    raise EngineError(f"--lora-modules takes name=path entries, got {entry!r}")
+                adapter = manager.load(name.strip(), path.strip())
+                logger.info("LoRA adapter %s loaded from %s (rank %d)", adapter.name, adapter.path, adapter.rank)
+        logger.info(
+            "LoRA: %d slots of rank up to %d in %d projections",
+            manager.max_loras,
+            manager.max_rank,
+            len(manager.projections),
+        )
+        return manager
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT adapter folder into a free slot (vLLM's /v1/load_lora_adapter); requests may then name it."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is off: start the engine with --enable-lora")
+        adapter = self.lora.load(name, path)
+        logger.info("LoRA adapter %s loaded from %s (rank %d)", adapter.name, adapter.path, adapter.rank)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Free the adapter's slot; refused while a request uses it (requests finish first)."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is off: start the engine with --enable-lora")
+        users = [r.request_id for r in self._requests.values() if r.params.lora_name == name]
+        if users:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload it after")
+        self.lora.unload(name)
+        logger.info("LoRA adapter %s unloaded", name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Loaded adapters: name -> the folder it came from."""
+        return {name: adapter.path for name, adapter in self.lora.adapters.items()} if self.lora is not None else {}
 
     def _speculator(self) -> Speculator | None:
         """The speculative decoding of --speculative-config, or None."""
@@ -617,9 +662,17 @@ class Engine:
                 f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
                 f"({self.model_config.vocab_size})"
             )
+        lora_slot = -1
+        if params.lora_name is not None:
+            if self.lora is None:
+                raise InvalidRequestError(
+                    f"LoRA adapter {params.lora_name!r} asked for, but LoRA is off (--enable-lora)"
+                )
+            lora_slot = self.lora.slot_of(params.lora_name)
         request = Request(
             request_id, token_ids, params, prompt if isinstance(prompt, str) else None, generator=generator
         )
+        request.lora_slot = lora_slot
         if params.min_tokens:
             request.early_stop_ids = sorted(
                 set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)

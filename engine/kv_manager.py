@@ -95,7 +95,7 @@ class KVCacheManager:
             return 0
         tokens = request.all_token_ids
         # The request's cache salt is its namespace in the tree: it only ever meets pages of its own salt.
-        match = self.tree.match_prefix(tokens[: len(tokens) - 1], request.params.cache_salt)
+        match = self.tree.match_prefix(tokens[: len(tokens) - 1], request.params.cache_namespace)
         if match.pages:
             self.tree.lock(match.node)
             request.cache_node = match.node
@@ -146,7 +146,7 @@ class KVCacheManager:
             return
         table = self.page_table(request)
         result = self.tree.insert(
-            request.all_token_ids[: full * self.page_size], table[:full], request.params.cache_salt
+            request.all_token_ids[: full * self.page_size], table[:full], request.params.cache_namespace
         )
         handed_over = self.allocator.disown(request.request_id, full - shared)
         # Another request may have cached the same tokens meanwhile: keep its pages, free ours.

@@ -54,6 +54,7 @@ class Request:
     # of its pages that row already holds on the device.
     batch_row: int | None = None
     batch_row_pages: int = 0
+    lora_slot: int = -1  # the device slot of its LoRA adapter (engine/lora/), -1: the base model
     # Tokens sampled by launched steps that the host has not processed yet (overlap scheduling: the
     # next step is launched before the last one's tokens are read back). 0 or 1 whenever the
     # scheduler runs; their k/v positions follow num_tokens.

@@ -45,6 +45,8 @@ class SamplingParams:
     # vLLM's cache_salt: requests share prefix-cache pages only with requests of the same salt (None: the
     # unsalted namespace), so a tenant cannot learn from timings or counters what another one has cached.
     cache_salt: str | None = None
+    # The LoRA adapter this request runs with (its name as loaded; engine/lora/), None: the base model.
+    lora_name: str | None = None
     # The requests of one API call (its prompts x n choices) share a group: the scheduler admits groups in
     # turn, so one call cannot hold every running slot while another waits (engine/scheduler.py). None: the
     # request is a group of its own.
@@ -58,6 +60,13 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def cache_namespace(self) -> str | None:
+        """The prefix-cache namespace: the salt, and the adapter (KV is never shared between adapters)."""
+        if self.lora_name is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x1flora:{self.lora_name}"
 
     @property
     def greedy(self) -> bool:

@@ -537,7 +537,7 @@ class Scheduler:
         tokens = request.all_token_ids
         matchable = len(tokens) - 1  # a match always leaves one token to run
         for other, n in zip(admitted, lens):
-            if other.params.cache_salt != request.params.cache_salt:
+            if other.params.cache_namespace != request.params.cache_namespace:
                 continue  # another salt's pages are never shared (nor waited for: that wait would be a timing leak)
             # commonprefix compares element by element, so it serves lists of token ids (commonpath takes paths).
             shared = commonprefix([tokens, other.all_token_ids])  # noqa: RUF071
