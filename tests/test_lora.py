@@ -162,3 +162,77 @@ def test_load_and_unload_at_run_time_and_bad_adapters(tiny_llama: str, adapters:
     engine.shutdown()
     with pytest.raises(InvalidRequestError, match="LoRA is off"):
         _engine(tiny_llama).add_request([1, 2], SamplingParams(lora_name="attn"))
+
+
+# ---- the server --------------------------------------------------------------------------------
+def _smollm2_adapter(folder: str, seed: int) -> str:
+    """A random rank-4 adapter on SmolLM2-135M's q/v projections, written in PEFT's layout."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(30):
+        for module, out_features in (("q_proj", 576), ("v_proj", 192)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(4, 576, generator=generator) * 0.1
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, 4, generator=generator) * 0.1
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "bias": "none"}
+    with open(os.path.join(folder, "adapter_config.json"), "w", encoding="utf-8") as f:
+        f.write(__import__("json").dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("transport", ["--no-engine-process", "--engine-process"])
+def test_the_server_serves_adapters_by_name_and_loads_them_at_run_time(
+    transport: str, tmp_path: Any, engine_cache: Any
+) -> None:
+    """vLLM's API: the adapter's name as `model`, /v1/models listing it, /v1/load_lora_adapter and
+    /v1/unload_lora_adapter; SGLang's `lora_path`; the answers are the in-process engine's. The engine on the
+    server's thread and in a process of its own (the load and unload commands cross its pipe)."""
+    import httpx
+
+    from tests.server_helpers import start_server
+
+    first = _smollm2_adapter(str(tmp_path / "first"), 1)
+    second = _smollm2_adapter(str(tmp_path / "second"), 2)
+    local = engine_cache(None, lora_modules=f"first={first},second={second}")
+    prompt = "Write a short poem about the sea."
+    want = {
+        name: local.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, lora_name=name))[0].text
+        for name in (None, "first", "second")
+    }
+    assert len(set(want.values())) == 3  # each adapter changes the text
+    server = start_server(transport, "--lora-modules", f"first={first}", "--max-loras", "2", log_name="server-lora")
+    try:
+        url = server.base_url
+
+        def complete(**fields: Any) -> httpx.Response:
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, **fields}
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+        models = httpx.get(f"{url}/v1/models").json()["data"]
+        base = models[0]["id"]
+        assert [(m["id"], m["parent"]) for m in models] == [(base, None), ("first", base)]
+        assert complete().json()["choices"][0]["text"] == want[None]
+        assert complete(model="first").json()["choices"][0]["text"] == want["first"]
+        assert complete(model=base, lora_path="first").json()["choices"][0]["text"] == want["first"]
+        missing = complete(model="second")
+        assert missing.status_code in (400, 404) and "second" in missing.text
+        loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "second", "lora_path": second})
+        assert loaded.status_code == 200 and "added successfully" in loaded.text
+        assert complete(model="second").json()["choices"][0]["text"] == want["second"]
+        full = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "third", "lora_path": second})
+        assert full.status_code == 400 and "all 2 slots are taken" in full.text
+        gone = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "second"})
+        assert gone.status_code == 200 and "removed successfully" in gone.text
+        bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
+        assert bad.status_code == 400 and "is not a PEFT adapter folder" in bad.text
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == [base, "first"]
+        again = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "second"})
+        assert again.status_code == 400 and "'second' is not loaded" in again.text
+        metrics = server.wait_idle(timeout=20)
+        assert metrics["engine:kv_pages_used"] == 0
+    finally:
+        server.stop()

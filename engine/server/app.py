@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from engine.engine import Engine
+from engine.errors import InvalidRequestError
 from engine.server.async_engine import AsyncEngine
 from engine.server.bodies import BodyParser
 from engine.server.engine_process import EngineProcess
@@ -31,9 +32,11 @@ from engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from engine.server.replicas import ReplicaSet
 from engine.server.serving import Serving
@@ -92,11 +95,19 @@ def build_app(
     if isinstance(engine, (EngineProcess, ReplicaSet)):
         assert engine.info is not None, "start the engine process before building the app"
         # Unpickled from the engine process: already an object of this process alone.
-        model = ModelInfo(name, engine.info.max_model_len, engine.info.vocab_size, engine.info.tokenizer)
+        model = ModelInfo(
+            name, engine.info.max_model_len, engine.info.vocab_size, engine.info.tokenizer, engine.info.lora_adapters
+        )
         async_engine = AsyncEngine.over_process(engine)  # type: ignore[arg-type] (a ReplicaSet acts as one)
     else:
         tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
-        model = ModelInfo(name, engine.max_model_len, int(engine.model_config.vocab_size), tokenizer)
+        model = ModelInfo(
+            name,
+            engine.max_model_len,
+            int(engine.model_config.vocab_size),
+            tokenizer,
+            engine.lora_adapters() if engine.lora is not None else None,
+        )
         async_engine = AsyncEngine(engine, thread=engine_thread)
     metrics = ServerMetrics(lambda: async_engine.snapshot, name)
     if isinstance(engine, ReplicaSet):
@@ -159,17 +170,52 @@ def build_app(
     def card() -> ModelCard:
         return ModelCard(id=name, created=created, root=name, max_model_len=model.max_model_len)
 
+    def adapter_cards() -> list[ModelCard]:
+        """Each loaded LoRA adapter, as vLLM lists them: its name, its folder as root, the base model as parent."""
+        return [
+            ModelCard(id=lora, created=created, root=path, parent=name, max_model_len=model.max_model_len)
+            for lora, path in sorted((model.lora_adapters or {}).items())
+        ]
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card(), *adapter_cards()])
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> ModelCard:
-        if model_id != name:
-            raise APIError(
-                f"The model `{model_id}` does not exist; this server serves `{name}`.", status=404, param="model"
-            )
-        return card()
+        for found in [card(), *adapter_cards()]:
+            if found.id == model_id:
+                return found
+        raise APIError(
+            f"The model `{model_id}` does not exist; this server serves `{name}`.", status=404, param="model"
+        )
+
+    async def change_adapters(op: str, lora_name: str, lora_path: str | None) -> None:
+        if model.lora_adapters is None:
+            raise APIError("LoRA is off on this server: start it with --enable-lora", param="lora_name")
+        if isinstance(engine, ReplicaSet):
+            raise APIError("loading LoRA adapters at run time with --data-parallel-size is not supported yet")
+        try:
+            await async_engine.change_lora(op, lora_name, lora_path)
+        except InvalidRequestError as exc:
+            raise APIError(str(exc), param="lora_path" if op == "load" else "lora_name") from exc
+        if op == "load":
+            model.lora_adapters[lora_name] = lora_path or ""
+        else:
+            model.lora_adapters.pop(lora_name, None)
+
+    # vLLM's endpoints for adapters at run time (its answers are plain text).
+    @app.post("/v1/load_lora_adapter", openapi_extra=_body_schema(LoadLoRAAdapterRequest))
+    async def load_lora_adapter(raw: Request) -> Response:
+        req = await bodies.parse(raw, LoadLoRAAdapterRequest)
+        await change_adapters("load", req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_body_schema(UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(raw: Request) -> Response:
+        req = await bodies.parse(raw, UnloadLoRAAdapterRequest)
+        await change_adapters("unload", req.lora_name, None)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     # The bodies below are read by BodyParser, not by FastAPI (which parses them on the event loop);
     # openapi_extra keeps their schemas in /openapi.json.

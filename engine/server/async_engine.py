@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -121,6 +122,17 @@ class AsyncEngine:
             # The client left before the engine saw the request: it must not run unowned.
             self.abort(request_id)
             raise
+
+    async def change_lora(self, op: str, name: str, path: str | None) -> None:
+        """Load ("load", with the adapter folder) or unload a LoRA adapter on the engine's thread, between two
+        steps; raises the engine's InvalidRequestError when it refuses."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        done = asyncio.get_running_loop().create_future()
+        ticket = f"lora-{uuid.uuid4().hex}"
+        self.router.register_change(ticket, done)
+        self._send(("lora", ticket, op, name, path))
+        await done
 
     def abort(self, request_id: str) -> None:
         """Abort on the engine's thread (its KV pages are freed there, before the next step)."""

@@ -30,6 +30,7 @@ STATS_INTERVAL_S = 0.1  # at most this often a busy engine reports its counters 
 # Commands, as tuples (they cross a pipe in the engine-process mode):
 #   ("add", request_id, prompt_token_ids, params)  ("abort", request_id)
 #   ("fail_all", message)                           ("stop",)
+#   ("lora", ticket, "load" | "unload", name, path): its result comes back as accepted(ticket, error)
 Command = tuple
 
 
@@ -100,6 +101,17 @@ class EngineLoop:
             self._fail(list(self.live), EngineDeadError(command[1]))
         elif kind == "stop":
             self._stopping = True
+        elif kind == "lora":
+            _, ticket, op, name, path = command
+            try:
+                if op == "load":
+                    self.engine.load_lora_adapter(name, path)
+                else:
+                    self.engine.unload_lora_adapter(name)
+            except EngineError as exc:  # InvalidRequestError: an unknown, busy, bad or unloadable adapter
+                self.events.accepted(ticket, exc)
+            else:
+                self.events.accepted(ticket, None)
         else:
             raise ValueError(f"unknown engine command {kind!r}")
 

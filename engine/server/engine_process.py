@@ -81,6 +81,7 @@ class EngineInfo:
     tokenizer: Any  # the HF tokenizer (pickled across), or None for a model without one
     stats: EngineStats
     page_size: int = 16  # tokens per KV page (the data-parallel router mirrors prefix caches in pages)
+    lora_adapters: dict[str, str] | None = None  # loaded LoRA adapters (name -> folder); None: LoRA is off
 
 
 def _encode_error(error: BaseException | None) -> tuple[str, str] | None:
@@ -156,6 +157,7 @@ def engine_info(engine: Engine) -> EngineInfo:
         engine.tokenizer,
         engine.stats(),
         engine.kv_pool.page_size,
+        engine.lora_adapters() if engine.lora is not None else None,
     )
 
 

@@ -37,6 +37,9 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     tokenizer: Any  # the server's own copy: the engine thread decodes with the engine's one
+    # LoRA adapters the engine has loaded (name -> folder): requests name one as `model` or `lora_path`;
+    # None: LoRA is off. Kept up to date by the load and unload endpoints.
+    lora_adapters: dict[str, str] | None = None
 
 
 class Tokens:
@@ -334,6 +337,7 @@ def sampling_params(
     prompt_logprobs: int | None,
     grammar: GrammarSpec | None = None,
     group: str | None = None,
+    lora_name: str | None = None,
 ) -> SamplingParams:
     """The engine's parameters of one choice; `group`: the API call it belongs to (fair admission)."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -360,6 +364,7 @@ def sampling_params(
             allowed_token_ids=req.allowed_token_ids,
             cache_salt=req.cache_salt,
             group=group,
+            lora_name=lora_name,
         )
     except InvalidRequestError as exc:
         raise APIError(str(exc), param=_first_field(str(exc))) from exc

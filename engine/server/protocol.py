@@ -94,6 +94,8 @@ class SamplingFields(OpenAIBase):
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     # vLLM's: prefix-cache pages are shared only between requests with the same salt (docs/server.md).
     cache_salt: str | None = None
+    # SGLang's: the LoRA adapter to run with, by its loaded name (vLLM's way: the adapter's name as `model`).
+    lora_path: str | None = None
 
     @field_validator("cache_salt")
     @classmethod
@@ -285,3 +287,18 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/unload_lora_adapter body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str

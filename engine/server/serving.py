@@ -139,13 +139,30 @@ class Serving:
     def _tokenizer_info_json(self) -> str:
         return self._worker.submit(tokenizer_info_json, self.model.tokenizer, self.model.vocab_size).result()
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None, lora_path: str | None = None) -> str | None:
+        """The LoRA adapter a request runs with (None: the base model): its `model` when that names a loaded
+        adapter (vLLM), or its `lora_path` (SGLang); anything else unknown is refused."""
+        adapters = self.model.lora_adapters
+        lora = None
         if name is not None and name != self.model.name:
-            raise APIError(f"The model `{name}` does not exist; this server serves `{self.model.name}`.", param="model")
+            if adapters is None or name not in adapters:
+                known = ", ".join(f"`{m}`" for m in [self.model.name, *sorted(adapters or {})])
+                raise APIError(f"The model `{name}` does not exist; this server serves {known}.", param="model")
+            lora = name
+        if lora_path is not None:
+            if adapters is None:
+                raise APIError("lora_path: LoRA is off on this server (--enable-lora)", param="lora_path")
+            if lora_path not in adapters:
+                loaded = ", ".join(sorted(adapters)) or "none"
+                raise APIError(f"lora_path: no LoRA adapter {lora_path!r} is loaded ({loaded})", param="lora_path")
+            if lora is not None and lora != lora_path:
+                raise APIError(f"model names adapter {lora!r}, lora_path {lora_path!r}", param="lora_path")
+            lora = lora_path
+        return lora
 
     # ---- /v1/completions --------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model, req.lora_path)
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
         prompts = await self.off_loop(completion_prompts, self.model, req.prompt)
@@ -170,6 +187,7 @@ class Serving:
                     prompt_logprobs if i == 0 else None,
                     grammar,
                     request_id,
+                    lora,
                 )
                 choice = Choice(p * req.n + i, text, ids, params)
                 if prompt_logprobs is not None and i > 0:
@@ -305,7 +323,7 @@ class Serving:
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model, req.lora_path)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         kwargs = check_chat_template_kwargs(req.chat_template_kwargs, self.trust_request_chat_template)
@@ -342,7 +360,7 @@ class Serving:
                 i,
                 None,
                 ids,
-                sampling_params(req, max_tokens, derived_seed(req.seed, i), logprobs, None, grammar, request_id),
+                sampling_params(req, max_tokens, derived_seed(req.seed, i), logprobs, None, grammar, request_id, lora),
                 tool_plan=plan,
                 reasoning_parser=self.reasoning_parser if grammar is None else None,
             )

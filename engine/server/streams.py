@@ -49,6 +49,7 @@ class StreamRouter:
         self.observer = observer or StepObserver()
         self.snapshot: EngineStats | None = None  # the engine's latest counters; read by /metrics
         self._streams: dict[str, _Stream] = {}
+        self._changes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # register_change
         self._lock = threading.Lock()
 
     # ---- the event loop's side ---------------------------------------------------------------
@@ -71,7 +72,17 @@ class StreamRouter:
             return list(self._streams)
 
     # ---- the engine events' side (EngineEvents) ----------------------------------------------
+    def register_change(self, ticket: str, done: asyncio.Future) -> None:
+        """An engine change (a LoRA load or unload) whose result comes back as accepted(ticket, error)."""
+        with self._lock:
+            self._changes[ticket] = (asyncio.get_running_loop(), done)
+
     def accepted(self, request_id: str, error: BaseException | None) -> None:
+        with self._lock:
+            change = self._changes.pop(request_id, None)
+        if change is not None:
+            _call_soon(change[0], _settle, change[1], error)
+            return
         with self._lock:
             stream = self._streams.get(request_id)
             if stream is None:
