@@ -142,7 +142,7 @@ class EngineConfig:
         'speculative decoding as vLLM\'s JSON: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (docs/speculative.md); runs without overlap scheduling',
     )
-    enable_lora: bool = setting(False, "serve LoRA adapters (docs/lora.md); steps run eagerly while it is on")
+    enable_lora: bool = setting(False, "serve LoRA adapters (docs/lora.md)")
     max_loras: int = setting(4, "LoRA adapters loaded at once (device slots)")
     max_lora_rank: int = setting(16, "the largest LoRA rank an adapter may have")
     lora_modules: str | None = setting(
@@ -277,10 +277,6 @@ class EngineConfig:
                 raise EngineError(
                     f"--max-loras and --max-lora-rank must be >= 1, got {resolved.max_loras}, {resolved.max_lora_rank}"
                 )
-            if not resolved.disable_graphs:
-                # The adapters' row masks are per-step context the captured graphs do not read yet (docs/lora.md).
-                logger.warning("LoRA: graphs off, every step runs eagerly (LoRA inside captured graphs: not yet)")
-                resolved.disable_graphs = True
         sizes = parse_sizes(resolved.capture_sizes) or [1]
         # Never capture beyond what the scheduler can batch (vLLM caps at max_num_seqs too): a decode step's
         # rows, which a verify step multiplies by 1 + its drafts (the settings are checked here, at start).

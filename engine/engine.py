@@ -41,7 +41,7 @@ from engine.platform import CaptureKind
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampler import SampledTokens
 from engine.sampling_params import SamplingParams
-from engine.scheduler import INIT_NEW_TOKEN_RATIO, ScheduledStep, Scheduler
+from engine.scheduler import INIT_NEW_TOKEN_RATIO, ScheduledStep, Scheduler, max_step_tokens_for
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.speculator import Speculator
@@ -201,6 +201,7 @@ class Engine:
         self.kv_manager.on_release = self.step_builder.release
         if self._compiles():
             self.platform.wait_for_compile_workers()  # its compiler imports done before the main thread compiles
+        self.lora = self._lora()  # before anything is captured: the graphs run the adapters' matmuls too
         extend_step = self._extend_step()  # first: the CUDA decode graphs compile its layer graph for both
         graph_runner = self._graph_runner(extend_step)
         # The step runners, most specialised first (graphs/step_runner.py); the ModelRunner adds the eager one.
@@ -221,7 +222,7 @@ class Engine:
             self.runner: ModelRunner = TensorParallelRunner(*runner_args, step_runners, ranks=self.tp_ranks)
         else:
             self.runner = ModelRunner(*runner_args, step_runners)
-        self.lora = self._lora()
+        self.runner.lora_rows = self.lora.rows if self.lora is not None else None
         logger.info("step runners, in the order they are offered a step: %s", self.runner.describe())
         self._pad_logit_rows()
         # Debug mode: the pool invariant after every step (ENGINE_DEBUG_KV=1 or debug_kv_invariant).
@@ -254,9 +255,14 @@ class Engine:
         """The LoRA slots of --enable-lora in the model's projections, with --lora-modules loaded; None when off."""
         if not self.config.enable_lora:
             return None
-        dtype = self.config.torch_dtype
-        manager = LoRAManager(as_module(self.model), self.config.max_loras, self.config.max_lora_rank, dtype)
-        self.runner.lora_slots, self.runner.lora_dtype = self.config.max_loras, dtype
+        manager = LoRAManager(
+            as_module(self.model),
+            self.config.max_loras,
+            self.config.max_lora_rank,
+            self.config.torch_dtype,
+            max_step_tokens_for(self.config),
+            self.device,
+        )
         for entry in (self.config.lora_modules or "").split(","):
             if entry.strip():
                 name, _, path = entry.partition("=")

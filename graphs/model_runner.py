@@ -13,7 +13,7 @@ from engine.forward_batch import ForwardBatch, extend_forward_batch, mixed_forwa
 from engine.kv_cache import KVPool
 from engine.layers.attention import AttentionMetadata
 from engine.logit_rows import LogitRowLadder
-from engine.lora.layers import lora_rows
+from engine.lora.layers import LoRARows
 from engine.models.interface import CausalLM
 from engine.penalties import PenaltyState
 from engine.request import Request
@@ -130,9 +130,8 @@ class ModelRunner:
         self.slot_dtype = slot_dtype
         self.decode_state = decode_state
         self.step_runners = [*step_runners, EagerStepRunner(model, kv_pool)]
-        # LoRA (engine/lora/): the number of adapter slots and their dtype, set by the engine; None: off.
-        self.lora_slots: int | None = None
-        self.lora_dtype = torch.float32
+        # LoRA (engine/lora/): the token -> slot buffer the projections read, set by the engine; None: off.
+        self.lora_rows: LoRARows | None = None
         self.logit_rows: LogitRowLadder | None = None  # the platform pads the eager LM head's rows (Engine sets it)
         self.steps_run: Counter[str] = Counter()  # steps per runner name
 
@@ -202,8 +201,9 @@ class ModelRunner:
         inputs = StepInputs(_shape(step, message), message, state, lambda: self._batch(step, message))
         runner = self._first_that_runs(inputs)
         self.steps_run[runner.name] += 1
-        with lora_rows(self._lora_rows(step)):
-            result = runner.run(inputs)
+        if self.lora_rows is not None:
+            self._fill_lora_rows(step)
+        result = runner.run(inputs)
         if result.hidden is None:
             return result.logits, result.decode_rows
         hidden = result.hidden
@@ -218,22 +218,15 @@ class ModelRunner:
             return self.logit_rows.logits(self.model.compute_logits, hidden), batch.decode_rows
         return self.model.compute_logits(hidden), batch.decode_rows
 
-    def _lora_rows(self, step: ScheduledStep) -> torch.Tensor | None:
-        """Each token's LoRA slot, one-hot [tokens, slots] (engine/lora/layers.py); None when no row has an
-        adapter (or LoRA is off): the projections then run their base matmul alone."""
-        if self.lora_slots is None or not any(r.lora_slot >= 0 for r in step.requests):
-            return None
-        slots = (
-            [r.lora_slot for r in step.logit_row_requests]
-            if step.is_decode
-            else [
-                *(r.lora_slot for r in step.decode_requests),
-                *(r.lora_slot for r, n in zip(step.extend_requests, step.extend_lens) for _ in range(n)),
-            ]
-        )
-        index = to_device(slots, torch.int64, self.device)
-        rows = torch.nn.functional.one_hot(index.clamp(min=0), self.lora_slots) * (index >= 0).unsqueeze(1)
-        return rows.to(self.lora_dtype)
+    def _fill_lora_rows(self, step: ScheduledStep) -> None:
+        """Each token's LoRA slot (-1: the base model) into the buffer the projections read (engine/lora/)."""
+        assert self.lora_rows is not None
+        if step.is_decode:
+            slots = [r.lora_slot for r in step.logit_row_requests]
+        else:
+            slots = [r.lora_slot for r in step.decode_requests]
+            slots += [r.lora_slot for r, n in zip(step.extend_requests, step.extend_lens) for _ in range(n)]
+        self.lora_rows.fill(to_device(slots, torch.int64, self.device))
 
     def _first_that_runs(self, inputs: StepInputs) -> StepRunner:
         """The first runner that takes the step (the list ends with one that takes every step)."""

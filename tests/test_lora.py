@@ -74,10 +74,15 @@ def _engine(tiny_llama: str, **options: Any) -> Engine:
     )
 
 
-def test_one_batch_of_four_adapters_and_base_rows_gives_pefts_tokens(tiny_llama: str, adapters: dict[str, str]) -> None:
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_one_batch_of_four_adapters_and_base_rows_gives_pefts_tokens(
+    mode: str, tiny_llama: str, adapters: dict[str, str]
+) -> None:
+    """Eager, and in the CPU's compiled decode graphs (15 rows replay the graph of 16, its padding row a base row)."""
     modules = ",".join(f"{name}={path}" for name, path in adapters.items())
-    engine = _engine(tiny_llama, lora_modules=modules, max_lora_rank=16)
-    assert engine.config.disable_graphs and engine.lora_adapters() == adapters
+    graphs = {"disable_graphs": True} if mode == "eager" else {"capture_sizes": "16"}
+    engine = _engine(tiny_llama, lora_modules=modules, max_lora_rank=16, **graphs)
+    assert engine.lora_adapters() == adapters
     prompts = [[5, 17, 99, 23, 8, 41], [200, 3, 77, 77, 12], [9, 8, 7, 6, 5, 4, 3, 150]]
     cases = [(name, prompt) for name in [None, *adapters] for prompt in prompts]
     params = [
@@ -87,6 +92,8 @@ def test_one_batch_of_four_adapters_and_base_rows_gives_pefts_tokens(tiny_llama:
     for (name, prompt), output in zip(cases, outputs):
         want = _peft_greedy(tiny_llama, adapters[name] if name else None, prompt)
         assert output.token_ids == want, (name, prompt)
+    if mode == "graphs":
+        assert engine.runner.graph_steps > 0, engine.runner.describe()
     # The adapters do change the model (a test that cannot fail otherwise).
     base = [o.token_ids for (name, _), o in zip(cases, outputs) if name is None]
     for adapter in adapters:

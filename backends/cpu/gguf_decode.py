@@ -119,6 +119,8 @@ def native_step_unsupported(model: torch.nn.Module, kv_caches: list[tuple[torch.
         if attn.attn.softcap or (attn.qk_norm and type(attn.q_norm) is not RMSNorm):
             return "a layer soft-caps its scores or has norms of another kind"
         linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if any(lin.method.name == "lora" for lin in linears):
+            return "LoRA adapters (the native step has no adapter matmuls)"
         if not all(isinstance(lin.method, GGUFLinearMethod) for lin in linears):
             return "a layer has linears outside GGUF blocks"
         if any(lin.bias is not None for lin in linears[1:]):

@@ -13,18 +13,22 @@ from torch import nn
 from engine.errors import InvalidRequestError
 from engine.layers.linear import Linear
 from engine.lora.adapter import TARGETS, LoRAAdapter, load_adapter
-from engine.lora.layers import add_lora_slots, lora_projections, write_slot
+from engine.lora.layers import LoRARows, add_lora_slots, lora_projections, write_slot
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: object) -> None:
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, max_tokens: int, device: torch.device
+    ) -> None:
+        """max_tokens: the most tokens a step runs (its rows of the token -> slot buffer)."""
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.projections: dict[tuple[int, str], Linear] = lora_projections(model)
         if not self.projections:
             raise ValueError("LoRA: this model has no projection LoRA can target")
+        self.rows = LoRARows(max_tokens, max_loras, device)
         for layer in self.projections.values():
-            add_lora_slots(layer, max_loras, max_rank, dtype)  # type: ignore[arg-type]
+            add_lora_slots(layer, self.rows, max_rank, dtype)
         self.num_layers = 1 + max(index for index, _ in self.projections)
         self.slots: dict[str, int] = {}  # adapter name -> slot
         self.adapters: dict[str, LoRAAdapter] = {}
