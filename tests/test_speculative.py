@@ -428,26 +428,13 @@ def test_a_random_draft_model_is_refused_nothing_and_changes_nothing(
     from tests.conftest import build_tiny_checkpoint
 
     random_draft = build_tiny_checkpoint("llama", str(tmp_path / "draft"), vocab_size=49152)
-    engine = track(
-        Engine(
-            device="cpu",
-            dtype="float32",
-            page_size=16,
-            kv_cache_tokens=2048,
-            max_num_seqs=8,
-            disable_graphs=True,
-            max_extend_step_ms=0,
-            speculative_config=_draft_config(random_draft, k=3),
-            debug_kv_invariant=True,
-        )
-    )
+    engine = engine_cache(None, speculative_config=_draft_config(random_draft, k=3), debug_kv_invariant=True)
     params = SamplingParams(max_tokens=24, temperature=0.0)
     want = smol_engine.generate(PROMPTS[:3], params, chat=True)
     got = engine.generate(PROMPTS[:3], params, chat=True)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     stats = engine.speculator.stats  # type: ignore[union-attr]
     assert stats.num_drafts > 0 and stats.acceptance_rate < 0.5
-    engine.shutdown()
     other_vocabulary = build_tiny_checkpoint("llama", str(tmp_path / "other"))
     with pytest.raises(Exception, match="draft model's vocabulary \\(384 tokens\\) is not the target's \\(49152\\)"):
         Engine(device="cpu", dtype="float32", disable_graphs=True, speculative_config=_draft_config(other_vocabulary))
