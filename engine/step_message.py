@@ -199,11 +199,14 @@ class StepBuilder:
                     diff_pages.append(shared[column] if column < len(shared) else private[column - len(shared)])
                 sent.append((request, num_pages))
             position = request.num_tokens_with_pending - 1
-            fed = [PENDING_TOKEN if request.num_pending_tokens else request.last_token_id]
-            if drafts is not None:
-                fed += drafts[index]
-            for offset, token in enumerate(fed):
-                column = (position + offset) // page_size
+            column = position // page_size
+            page = shared[column] if column < len(shared) else private[column - len(shared)]
+            row_list.append(row)
+            token_list.append(PENDING_TOKEN if request.num_pending_tokens else request.last_token_id)
+            position_list.append(position)
+            slot_list.append(page * page_size + position % page_size)
+            for offset, token in enumerate(drafts[index] if drafts is not None else (), start=1):
+                column = (position + offset) // page_size  # a draft's row: the next position, the same page row
                 page = shared[column] if column < len(shared) else private[column - len(shared)]
                 row_list.append(row)
                 token_list.append(token)
