@@ -143,7 +143,12 @@ class EngineConfig:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (docs/speculative.md); runs without overlap scheduling',
     )
     enable_lora: bool = setting(False, "serve LoRA adapters (docs/lora.md)")
-    max_loras: int = setting(4, "LoRA adapters loaded at once (device slots)")
+    max_loras: int = setting(4, "LoRA adapters in device slots at once")
+    max_cpu_loras: int | None = setting(
+        None,
+        "LoRA adapters kept loaded in host memory, swapped into the device slots as requests need them "
+        "(default: --max-loras)",
+    )
     max_lora_rank: int = setting(16, "the largest LoRA rank an adapter may have")
     lora_modules: str | None = setting(
         None, "LoRA adapters to load at start, name=path[,name=path...] (implies --enable-lora)"

@@ -230,6 +230,7 @@ class Engine:
         self.stats_logger = StatsLogger(self)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        self._lora_waiting: list[Request] = []  # their adapter has no device slot yet (_admit_lora_waiting)
         self.last_step_was_decode = False  # of the step whose outputs the last step() call returned
         # A verify step's accepted tokens decide the next step's drafts: no step is launched before them.
         self.overlap = bool(self.config.overlap_schedule) and self.speculator is None
@@ -262,6 +263,7 @@ class Engine:
             self.config.torch_dtype,
             max_step_tokens_for(self.config),
             self.device,
+            self.config.max_cpu_loras,
         )
         for entry in (self.config.lora_modules or "").split(","):
             if entry.strip():
@@ -271,10 +273,11 @@ class Engine:
                 adapter = manager.load(name.strip(), path.strip())
                 logger.info("LoRA adapter %s loaded from %s (rank %d)", adapter.name, adapter.path, adapter.rank)
         logger.info(
-            "LoRA: %d slots of rank up to %d in %d projections",
+            "LoRA: %d device slots of rank up to %d in %d projections, %d adapters in host memory",
             manager.max_loras,
             manager.max_rank,
             len(manager.projections),
+            manager.max_cpu_loras,
         )
         return manager
 
@@ -294,6 +297,26 @@ class Engine:
             raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload it after")
         self.lora.unload(name)
         logger.info("LoRA adapter %s unloaded", name)
+
+    def _lora_busy(self) -> set[str]:
+        """Adapters that live requests hold a slot of (their slots must not be reused)."""
+        return {r.params.lora_name for r in self._requests.values() if r.lora_slot >= 0 and r.params.lora_name}
+
+    def _admit_lora_waiting(self) -> None:
+        """Requests whose adapter found no free slot when added: in order, those whose adapter now gets one."""
+        assert self.lora is not None
+        still = []
+        busy = self._lora_busy()
+        for request in self._lora_waiting:
+            assert request.params.lora_name is not None
+            slot = self.lora.make_resident(request.params.lora_name, busy)
+            if slot is None:
+                still.append(request)
+            else:
+                request.lora_slot = slot
+                busy.add(request.params.lora_name)
+                self._schedule_new(request)
+        self._lora_waiting = still
 
     def lora_adapters(self) -> dict[str, str]:
         """Loaded adapters: name -> the folder it came from."""
@@ -668,33 +691,47 @@ class Engine:
                 f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
                 f"({self.model_config.vocab_size})"
             )
-        lora_slot = -1
         if params.lora_name is not None:
             if self.lora is None:
                 raise InvalidRequestError(
                     f"LoRA adapter {params.lora_name!r} asked for, but LoRA is off (--enable-lora)"
                 )
-            lora_slot = self.lora.slot_of(params.lora_name)
+            self.lora.check_loaded(params.lora_name)
         request = Request(
             request_id, token_ids, params, prompt if isinstance(prompt, str) else None, generator=generator
         )
-        request.lora_slot = lora_slot
         if params.min_tokens:
             request.early_stop_ids = sorted(
                 set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
             )
-        if params.grammar is not None:
-            self.grammar_waitlist.add(request)  # scheduled once its grammar has compiled (step())
+        self.scheduler.check_fits(request)
+        if params.lora_name is not None:
+            assert self.lora is not None
+            slot = self.lora.make_resident(params.lora_name, self._lora_busy())
+            if slot is None:
+                self._lora_waiting.append(request)  # every slot is in use: placed by step() once one frees
+            else:
+                request.lora_slot = slot
+                self._schedule_new(request)
         else:
-            self.scheduler.add(request)
+            self._schedule_new(request)
         self._requests[request_id] = request
         self.stats_logger.step_sizes.record_prompt(len(token_ids))  # /metrics' prompt-length histogram
         return request_id
+
+    def _schedule_new(self, request: Request) -> None:
+        if request.params.grammar is not None:
+            self.grammar_waitlist.add(request)  # scheduled once its grammar has compiled (step())
+        else:
+            self.scheduler.add(request)
 
     def abort(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
         if self.grammar_waitlist.remove(request_id) is not None:
             return  # never scheduled: nothing to free
+        if request is not None and request in self._lora_waiting:
+            self._lora_waiting.remove(request)
+            return  # waiting for an adapter slot: nothing to free
         if request is not None and not request.finished:
             self.scheduler.finish(request, "abort")
         self._settle_if_idle()
@@ -708,7 +745,12 @@ class Engine:
             assert not dropped, "a live request in a step the scheduler no longer knows"
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None or len(self.grammar_waitlist) > 0
+        return (
+            self.scheduler.has_work()
+            or self._in_flight is not None
+            or len(self.grammar_waitlist) > 0
+            or bool(self._lora_waiting)
+        )
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; outputs of every request that produced a token (or failed).
@@ -718,6 +760,8 @@ class Engine:
         building inputs, detokenizing, stop checks) hides behind the device's. Without it (CPU, and
         `overlap_schedule: false`) each step's own outputs come back.
         """
+        if self._lora_waiting:
+            self._admit_lora_waiting()
         outputs = self._admit_compiled_grammars()
         launched = self._launch(self.scheduler.schedule())
         outputs += self._settled_early

@@ -204,13 +204,17 @@ class Scheduler:
         self.extend_time = ExtendStepTime()
         self.prompt_logprob_token_weight = PROMPT_LOGPROB_TOKEN_WEIGHT  # measured once such steps have run
 
-    def add(self, request: Request) -> None:
+    def check_fits(self, request: Request) -> None:
+        """Refuse a request the KV pool could never hold."""
         if pages_needed(request.num_tokens + 1, self.page_size) > self.kv.total_pages:
             # Engine.add_request keeps prompts under max_model_len, which the pool always holds.
             raise InvalidRequestError(
                 f"request {request.request_id} needs {request.num_tokens + 1} tokens of KV; "
                 f"the pool holds {self.kv.total_pages * self.page_size}"
             )
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request)
         self.waiting.append(request)
 
     def has_work(self) -> bool:

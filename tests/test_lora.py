@@ -101,6 +101,25 @@ def test_one_batch_of_four_adapters_and_base_rows_gives_pefts_tokens(
     engine.shutdown()
 
 
+def test_more_adapters_than_slots_take_turns_in_them(tiny_llama: str, adapters: dict[str, str]) -> None:
+    """One device slot, four adapters in host memory (vLLM's --max-cpu-loras): a batch asking for all four and
+    the base model runs them in turns (a request waits while its adapter has no slot, and the least recently
+    used adapter no request holds gives its slot up), each with PEFT's tokens; the KV invariant holds."""
+    engine = _engine(tiny_llama, enable_lora=True, max_loras=1, max_cpu_loras=4, max_lora_rank=16, disable_graphs=True)
+    for name, path in adapters.items():
+        engine.load_lora_adapter(name, path)
+    assert engine.lora is not None and list(engine.lora.slots) == ["attn"]  # the first took the free slot
+    prompt = [5, 17, 99, 23, 8, 41]
+    names = [None, *adapters, "attn"]
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, lora_name=n) for n in names]
+    outputs = engine.generate([prompt] * len(names), params)
+    for name, output in zip(names, outputs):
+        assert output.token_ids == _peft_greedy(tiny_llama, adapters[name] if name else None, prompt), name
+    # The waiting adapters took the slot in the order they were asked for: the last of them holds it now.
+    assert list(engine.lora.slots) == ["qv_rs"] and not engine._lora_waiting
+    engine.shutdown()
+
+
 def test_prefix_cache_never_shares_kv_between_adapters(tiny_llama: str, adapters: dict[str, str]) -> None:
     engine = _engine(tiny_llama, enable_lora=True, max_lora_rank=16)
     engine.load_lora_adapter("attn", adapters["attn"])
@@ -162,7 +181,9 @@ def test_load_and_unload_at_run_time_and_bad_adapters(tiny_llama: str, adapters:
     assert engine.lora_adapters() == {}
     engine.load_lora_adapter("a", adapters["attn"])
     engine.load_lora_adapter("b", adapters["mlp"])
-    with pytest.raises(InvalidRequestError, match="all 2 slots are taken"):
+    with pytest.raises(
+        InvalidRequestError, match="2 adapters are loaded \\(a, b\\); unload one or raise --max-cpu-loras"
+    ):
         engine.load_lora_adapter("c", adapters["qv_rs"])
     with pytest.raises(InvalidRequestError, match="'a' is already loaded"):
         engine.load_lora_adapter("a", adapters["attn"])
@@ -231,7 +252,7 @@ def test_the_server_serves_adapters_by_name_and_loads_them_at_run_time(
         assert loaded.status_code == 200 and "added successfully" in loaded.text
         assert complete(model="second").json()["choices"][0]["text"] == want["second"]
         full = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "third", "lora_path": second})
-        assert full.status_code == 400 and "all 2 slots are taken" in full.text
+        assert full.status_code == 400 and "unload one or raise --max-cpu-loras" in full.text
         gone = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "second"})
         assert gone.status_code == 200 and "removed successfully" in gone.text
         bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})

@@ -1,11 +1,16 @@
-"""Which adapters are loaded, in which device slot; loading and unloading at run time.
+"""Which adapters are loaded, which of them sit in a device slot; loading and unloading at run time.
 
-`max_loras` slots: an adapter takes a free one when it is loaded (its weights copied into every targeted
-projection's slot) and gives it back when it is unloaded, which is refused while a request uses it. A load
-that finds no free slot is refused with the fix in the message (unload one, or raise --max-loras).
+Two tiers, as vLLM's `--max-loras` and `--max-cpu-loras`: up to max_cpu_loras adapters are loaded (read,
+checked and kept in host memory), and up to max_loras of them are resident in a device slot (their weights
+copied into every targeted projection's slot columns). A request's adapter is made resident when it is
+scheduled: into a free slot, or into the least recently used one that no live request uses; when every slot
+is used, the request waits (the engine retries it each step). Unloading is refused while a request uses the
+adapter; a load beyond max_cpu_loras is refused with the fix in the message.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -18,10 +23,19 @@ from engine.lora.layers import LoRARows, add_lora_slots, lora_projections, write
 
 class LoRAManager:
     def __init__(
-        self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, max_tokens: int, device: torch.device
+        self,
+        model: nn.Module,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        max_tokens: int,
+        device: torch.device,
+        max_cpu_loras: int | None = None,
     ) -> None:
-        """max_tokens: the most tokens a step runs (its rows of the token -> slot buffer)."""
+        """max_tokens: the most tokens a step runs (its rows of the token -> slot buffer); max_cpu_loras:
+        adapters kept loaded in host memory (at least max_loras; None: max_loras)."""
         self.max_loras = max_loras
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.max_rank = max_rank
         self.projections: dict[tuple[int, str], Linear] = lora_projections(model)
         if not self.projections:
@@ -30,18 +44,20 @@ class LoRAManager:
         for layer in self.projections.values():
             add_lora_slots(layer, self.rows, max_rank, dtype)
         self.num_layers = 1 + max(index for index, _ in self.projections)
-        self.slots: dict[str, int] = {}  # adapter name -> slot
-        self.adapters: dict[str, LoRAAdapter] = {}
+        self.adapters: dict[str, LoRAAdapter] = {}  # loaded (host memory)
+        self.weights: dict[str, dict[tuple[int, str], dict[str, tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self.slots: OrderedDict[str, int] = OrderedDict()  # resident: name -> slot, least recently used first
 
     def load(self, name: str, path: str) -> LoRAAdapter:
-        """Read, check against the base model, and copy into a free slot; nothing changes if any step fails."""
+        """Read and check against the base model, keep in host memory, and make resident if a slot is free;
+        nothing changes if any step fails."""
         if name in self.adapters:
             raise InvalidRequestError(f"LoRA adapter {name!r} is already loaded (from {self.adapters[name].path})")
-        free = [s for s in range(self.max_loras) if s not in self.slots.values()]
-        if not free:
+        if len(self.adapters) >= self.max_cpu_loras:
+            loaded = ", ".join(sorted(self.adapters))
             raise InvalidRequestError(
-                f"LoRA adapter {name!r}: all {self.max_loras} slots are taken ({', '.join(sorted(self.slots))}); "
-                "unload one or raise --max-loras"
+                f"LoRA adapter {name!r}: {self.max_cpu_loras} adapters are loaded ({loaded}); "
+                "unload one or raise --max-cpu-loras"
             )
         adapter = load_adapter(name, path, self.max_rank, self.num_layers)
         by_projection: dict[tuple[int, str], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -59,24 +75,47 @@ class LoRAManager:
                     f"model's is {rows[1] - rows[0]} x {layer.in_features}: an adapter of another base model"
                 )
             by_projection.setdefault((layer_index, projection), {})[part] = (a, b)
-        slot = free[0]
-        for key, layer in self.projections.items():
-            write_slot(layer, slot, self.max_rank, by_projection.get(key))
-        self.slots[name] = slot
         self.adapters[name] = adapter
+        self.weights[name] = by_projection
+        self.make_resident(name, busy=set(self.slots))  # a free slot, if there is one; else on first use
         return adapter
 
     def unload(self, name: str) -> None:
-        """Empty the adapter's slot (the caller refuses while requests use it)."""
-        if name not in self.slots:
+        """Forget the adapter and empty its slot (the caller refuses while requests use it)."""
+        if name not in self.adapters:
             raise InvalidRequestError(f"LoRA adapter {name!r} is not loaded")
-        slot = self.slots.pop(name)
-        del self.adapters[name]
-        for layer in self.projections.values():
-            write_slot(layer, slot, self.max_rank, None)
+        del self.adapters[name], self.weights[name]
+        slot = self.slots.pop(name, None)
+        if slot is not None:
+            self._write(slot, None)
 
-    def slot_of(self, name: str) -> int:
-        if name not in self.slots:
-            loaded = ", ".join(sorted(self.slots)) or "none"
+    def check_loaded(self, name: str) -> None:
+        if name not in self.adapters:
+            loaded = ", ".join(sorted(self.adapters)) or "none"
             raise InvalidRequestError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})")
-        return self.slots[name]
+
+    def make_resident(self, name: str, busy: set[str]) -> int | None:
+        """The adapter's device slot, copying it in if need be: into a free slot, else over the least recently
+        used resident adapter not in `busy` (the adapters live requests use). None: every slot is busy."""
+        self.check_loaded(name)
+        if name in self.slots:
+            self.slots.move_to_end(name)
+            return self.slots[name]
+        taken = set(self.slots.values())
+        free = [s for s in range(self.max_loras) if s not in taken]
+        if free:
+            slot = free[0]
+        else:
+            victim = next((other for other in self.slots if other not in busy), None)
+            if victim is None:
+                return None
+            slot = self.slots.pop(victim)
+        self._write(slot, self.weights[name])
+        self.slots[name] = slot
+        return slot
+
+    def _write(
+        self, slot: int, weights: dict[tuple[int, str], dict[str, tuple[torch.Tensor, torch.Tensor]]] | None
+    ) -> None:
+        for key, layer in self.projections.items():
+            write_slot(layer, slot, self.max_rank, weights.get(key) if weights is not None else None)
