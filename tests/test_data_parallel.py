@@ -158,7 +158,10 @@ def test_a_replica_that_dies_fails_only_its_requests_and_comes_back(round_robin:
     [
         (["--data-parallel-size", "0"], ["--data-parallel-size must be >= 1"]),
         (["--data-parallel-size", "64"], ["--data-parallel-size 64 needs a core per replica"]),
-        (["--data-parallel-size", "2", "--tensor-parallel-size", "2"], ["--tensor-parallel-size", "not supported"]),
+        (
+            ["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"],
+            ["--tensor-parallel-size", "not supported"],
+        ),
         (["--data-parallel-size", "2", "--no-engine-process"], ["process of its own"]),
         (["--data-parallel-size", "2", "--router-cache-threshold", "2"], ["cache threshold"]),
     ],
@@ -167,3 +170,39 @@ def test_replica_flags_that_cannot_work_are_one_error_line(flags: list[str], nee
     from test_errors import assert_cli_error, run_cli
 
     assert_cli_error(run_cli("serve", "--device", "cpu", "--port", "0", *flags), *needles)
+
+
+def test_replicas_of_two_tensor_parallel_ranks_each_answer_as_one_engine_does(tiny_llama: str) -> None:
+    """--data-parallel-size 2 --tensor-parallel-size 2: each replica's engine process spawns its second rank
+    (a daemon's child: the engine process lifts the flag for that), and a tiny Llama answers with the greedy
+    ids of one engine in-process."""
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    prompts = [[5, 17, 99, 23], [200, 3, 77, 77, 12], [9, 8, 7, 6]]
+    local = Engine(model=tiny_llama, device="cpu", dtype="float32", disable_graphs=True)
+    want = [
+        o.token_ids for o in local.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    ]
+    local.shutdown()
+    server = start_server(
+        "--model",
+        tiny_llama,
+        "--disable-graphs",
+        "--data-parallel-size",
+        "2",
+        "--tensor-parallel-size",
+        "2",
+        log_name="server-dp-tp",
+    )
+    try:
+        got = []
+        for prompt in prompts:
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            got.append(response.json()["choices"][0]["token_ids"])
+        assert got == want
+        assert server.log().count("tensor parallelism: 2 ranks ready") == 2
+    finally:
+        server.stop()

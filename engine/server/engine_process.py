@@ -246,6 +246,9 @@ class Placement:
 
 def run_engine_process(config: EngineConfig, conn: Connection, placement: Placement, log_level: str) -> None:
     """The child's entry point: build the engine, report ready, run the loop until told to stop."""
+    # The server starts this process as a daemon (it dies with the server), and multiprocessing refuses
+    # children to daemons; a tensor-parallel engine spawns its ranks here, and watches and stops them itself.
+    multiprocessing.current_process().daemon = False
     if placement.visible_devices is not None:  # before anything initialises the device
         os.environ[placement.visible_devices_env] = placement.visible_devices
     if placement.cpu_cores is not None and hasattr(os, "sched_setaffinity"):

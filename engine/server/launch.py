@@ -243,8 +243,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine: Engine | EngineProcess | ReplicaSet
     engine_thread = None
     if args.data_parallel_size != 1 or args.distributed_executor_backend == "ray":
-        if config.tensor_parallel_size > 1:
-            raise ValueError("--data-parallel-size with --tensor-parallel-size > 1 is not supported yet")
+        if config.tensor_parallel_size > 1 and args.distributed_executor_backend == "ray":
+            raise ValueError(
+                "--distributed-executor-backend ray with --tensor-parallel-size > 1 is not supported yet "
+                "(--data-parallel-size with it runs each replica's ranks in processes of its own)"
+            )
         if args.engine_process is False:
             raise ValueError("--data-parallel-size runs each replica in a process of its own: drop --no-engine-process")
         policy = RoutingPolicy(
