@@ -206,3 +206,19 @@ def test_replicas_of_two_tensor_parallel_ranks_each_answer_as_one_engine_does(ti
         assert server.log().count("tensor parallelism: 2 ranks ready") == 2
     finally:
         server.stop()
+
+
+def test_tensor_parallel_replicas_take_consecutive_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device split for --data-parallel-size x --tensor-parallel-size on CUDA (no GPU needed to plan it)."""
+    from backends.cuda.platform import CudaPlatform
+    from engine.server.replicas import placements
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    shares = placements(CudaPlatform(), 2, None, devices_per_replica=4)
+    assert [(s.visible_devices, s.visible_devices_env) for s in shares] == [
+        ("0,1,2,3", "CUDA_VISIBLE_DEVICES"),
+        ("4,5,6,7", "CUDA_VISIBLE_DEVICES"),
+    ]
+    assert [s.visible_devices for s in placements(CudaPlatform(), 8, None)] == [str(i) for i in range(8)]
+    with pytest.raises(ValueError, match="needs 12 devices; 8 are visible"):
+        placements(CudaPlatform(), 3, None, devices_per_replica=4)

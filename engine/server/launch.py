@@ -267,7 +267,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             gpus = 1 if platform.replica_share == "devices" else 0
             engine = ReplicaSet(config, shares, policy, backend="ray", gpus_per_replica=gpus)
         else:
-            engine = ReplicaSet(config, placements(platform, args.data_parallel_size, args.torch_threads), policy)
+            shares = placements(platform, args.data_parallel_size, args.torch_threads, config.tensor_parallel_size)
+            engine = ReplicaSet(config, shares, policy)
         engine.start()
         use_process = True
     elif use_process:

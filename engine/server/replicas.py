@@ -44,8 +44,11 @@ MAX_RESTART_DELAY_S = 60.0
 ROUTER_PAGES_PER_REPLICA = 1 << 16  # pages each replica's routing tree keeps (SGLang: 2**24 characters in all)
 
 
-def placements(platform: Platform, replicas: int, torch_threads: int | None) -> list[Placement]:
-    """One share of the host per replica on `platform`: a device each, or on the CPU a block of cores."""
+def placements(
+    platform: Platform, replicas: int, torch_threads: int | None, devices_per_replica: int = 1
+) -> list[Placement]:
+    """One share of the host per replica on `platform`: devices_per_replica devices each (its tensor-parallel
+    ranks'), or on the CPU a block of cores (which its ranks share)."""
     if replicas < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {replicas}")
     if platform.replica_share == "devices":
@@ -54,12 +57,16 @@ def placements(platform: Platform, replicas: int, torch_threads: int | None) -> 
         devices = [d for d in visible.split(",") if d.strip()] if visible else None
         if devices is None:
             devices = [str(i) for i in range(platform.device_count() or 0)]
-        if len(devices) < replicas:
-            raise ValueError(f"--data-parallel-size {replicas} needs {replicas} devices; {len(devices)} are visible")
+        need = replicas * devices_per_replica
+        if len(devices) < need:
+            raise ValueError(
+                f"--data-parallel-size {replicas} x --tensor-parallel-size {devices_per_replica} needs {need} devices; "
+                f"{len(devices)} are visible"
+            )
         return [
             Placement(
                 torch_threads=torch_threads,
-                visible_devices=devices[i],
+                visible_devices=",".join(devices[i * devices_per_replica : (i + 1) * devices_per_replica]),
                 visible_devices_env=platform.visible_devices_env,
                 name=f"engine {i}",
             )
