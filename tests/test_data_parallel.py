@@ -158,10 +158,6 @@ def test_a_replica_that_dies_fails_only_its_requests_and_comes_back(round_robin:
     [
         (["--data-parallel-size", "0"], ["--data-parallel-size must be >= 1"]),
         (["--data-parallel-size", "64"], ["--data-parallel-size 64 needs a core per replica"]),
-        (
-            ["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"],
-            ["--tensor-parallel-size", "not supported"],
-        ),
         (["--data-parallel-size", "2", "--no-engine-process"], ["process of its own"]),
         (["--data-parallel-size", "2", "--router-cache-threshold", "2"], ["cache threshold"]),
     ],
@@ -222,3 +218,33 @@ def test_tensor_parallel_replicas_take_consecutive_gpus(monkeypatch: pytest.Monk
     assert [s.visible_devices for s in placements(CudaPlatform(), 8, None)] == [str(i) for i in range(8)]
     with pytest.raises(ValueError, match="needs 12 devices; 8 are visible"):
         placements(CudaPlatform(), 3, None, devices_per_replica=4)
+
+
+def test_a_ray_replica_runs_its_tensor_parallel_ranks(tiny_llama: str) -> None:
+    """--distributed-executor-backend ray --tensor-parallel-size 2 on a local Ray instance: the replica's
+    actor spawns its second rank beside itself, and the tiny Llama answers as one engine in-process does."""
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    prompt = [5, 17, 99, 23]
+    local = Engine(model=tiny_llama, device="cpu", dtype="float32", disable_graphs=True)
+    want = local.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids
+    local.shutdown()
+    server = start_server(
+        "--model",
+        tiny_llama,
+        "--disable-graphs",
+        "--distributed-executor-backend",
+        "ray",
+        "--tensor-parallel-size",
+        "2",
+        log_name="server-ray-tp",
+    )
+    try:
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["token_ids"] == want
+        assert "ready on Ray node" in server.log()
+    finally:
+        server.stop()

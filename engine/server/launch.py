@@ -243,11 +243,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine: Engine | EngineProcess | ReplicaSet
     engine_thread = None
     if args.data_parallel_size != 1 or args.distributed_executor_backend == "ray":
-        if config.tensor_parallel_size > 1 and args.distributed_executor_backend == "ray":
-            raise ValueError(
-                "--distributed-executor-backend ray with --tensor-parallel-size > 1 is not supported yet "
-                "(--data-parallel-size with it runs each replica's ranks in processes of its own)"
-            )
         if args.engine_process is False:
             raise ValueError("--data-parallel-size runs each replica in a process of its own: drop --no-engine-process")
         policy = RoutingPolicy(
@@ -264,7 +259,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
             threads = args.torch_threads or 1
             shares = [Placement(torch_threads=threads, name=f"engine {i}") for i in range(args.data_parallel_size)]
-            gpus = 1 if platform.replica_share == "devices" else 0
+            # A bundle per replica: its tensor-parallel ranks' GPUs (the actor spawns the ranks beside itself).
+            gpus = config.tensor_parallel_size if platform.replica_share == "devices" else 0
             engine = ReplicaSet(config, shares, policy, backend="ray", gpus_per_replica=gpus)
         else:
             shares = placements(platform, args.data_parallel_size, args.torch_threads, config.tensor_parallel_size)
