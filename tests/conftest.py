@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import gc
 import importlib
 import importlib.util
 import os
@@ -388,6 +389,15 @@ def engine_cache() -> Callable[..., Engine]:
         return _ENGINES[key]
 
     return get
+
+
+def release_cached(engine: Engine) -> None:
+    """Take an engine out of engine_cache and shut it down: for the heavy ones a module uses alone, so that the
+    session does not hold them (the suite's workers share the machine's memory)."""
+    for key in [key for key, cached in _ENGINES.items() if cached is engine]:
+        del _ENGINES[key]
+    engine.shutdown()
+    gc.collect()
 
 
 def reset_dynamo() -> None:

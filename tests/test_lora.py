@@ -13,7 +13,7 @@ import torch
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
-from tests.conftest import track
+from tests.conftest import release_cached, track
 from tests.helpers import hf_greedy
 
 NEW_TOKENS = 12
@@ -232,6 +232,7 @@ def test_the_server_serves_adapters_by_name_and_loads_them_at_run_time(
         for name in (None, "first", "second")
     }
     assert len(set(want.values())) == 3  # each adapter changes the text
+    release_cached(local)
     server = start_server(transport, "--lora-modules", f"first={first}", "--max-loras", "2", log_name="server-lora")
     try:
         url = server.base_url

@@ -11,6 +11,7 @@ import json
 import math
 import random
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.speculative.acceptance import SpecDecodeStats, accepted_length
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.ngram import NgramProposer
-from tests.conftest import track
+from tests.conftest import release_cached, track
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
 
@@ -154,8 +155,10 @@ def test_trim_gives_back_the_pages_only_rejected_drafts_used() -> None:
 
 # ---- the engine --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def spec_engine(engine_cache: Any) -> Engine:
-    return engine_cache(None, speculative_config=NGRAM, debug_kv_invariant=True)
+def spec_engine(engine_cache: Any) -> Iterator[Engine]:
+    engine = engine_cache(None, speculative_config=NGRAM, debug_kv_invariant=True)
+    yield engine
+    release_cached(engine)
 
 
 def test_greedy_text_is_identical_with_ngram_speculation(smol_engine: Engine, spec_engine: Engine) -> None:
@@ -418,6 +421,7 @@ def test_a_draft_model_gives_the_targets_greedy_text(engine_cache: Any, smol_eng
     draft = engine.draft_engine
     assert not draft.has_unfinished() and draft.kv_pages_in_use() == 0  # every draft request ended
     assert draft.stats().prefix_cache_hit_tokens > 0  # the accepted context came from its cache
+    release_cached(engine)
 
 
 def test_a_random_draft_model_is_refused_nothing_and_changes_nothing(
@@ -435,6 +439,7 @@ def test_a_random_draft_model_is_refused_nothing_and_changes_nothing(
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     stats = engine.speculator.stats  # type: ignore[union-attr]
     assert stats.num_drafts > 0 and stats.acceptance_rate < 0.5
+    release_cached(engine)
     other_vocabulary = build_tiny_checkpoint("llama", str(tmp_path / "other"))
     with pytest.raises(Exception, match="draft model's vocabulary \\(384 tokens\\) is not the target's \\(49152\\)"):
         Engine(device="cpu", dtype="float32", disable_graphs=True, speculative_config=_draft_config(other_vocabulary))

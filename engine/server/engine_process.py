@@ -281,8 +281,11 @@ def run_engine_process(config: EngineConfig, conn: Connection, placement: Placem
         raise
     conn.send(("ready", info))
     loop = EngineLoop(engine, _PipeEvents(conn), _pipe_receiver(conn, terminate))
-    loop.run()
-    conn.close()
+    try:
+        loop.run()
+    finally:
+        engine.shutdown()  # a tensor-parallel engine's ranks stop with it, whatever ended the loop
+        conn.close()
 
 
 # ---- the server's handle on it -------------------------------------------------------------------
