@@ -87,12 +87,15 @@ def time_first_tokens(
 def cpu_path(engine: Engine) -> str:
     """What the engine's prefill runs on this CPU: the ISA, and the GGUF block kernels or the dense GEMM."""
     from backends.cpu.features import cpu_features
-    from backends.cpu.gguf_linear import describe_paths
+    from backends.cpu.gguf_linear import PREFILL_MIN_ROWS, describe_paths
+    from backends.cpu.prefill_weights import has_prefill_copy
 
     methods = {getattr(getattr(m, "method", None), "name", "") for m in engine.model.modules()}
     gguf = sorted(name for name in methods if name.startswith("gguf"))
     dtype = str(engine.config.torch_dtype).replace("torch.", "")
     linear = f"GGUF block kernels ({', '.join(gguf)}; {describe_paths()})" if gguf else f"dense {dtype} GEMM"
+    if has_prefill_copy(engine.model):
+        linear = f"oneDNN bf16 GEMM over a packed bf16 copy (steps of >= {PREFILL_MIN_ROWS} rows; fewer: {linear})"
     return f"{cpu_features().describe()}, {torch.get_num_threads()} threads; model {dtype}; prefill linear: {linear}"
 
 

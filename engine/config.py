@@ -80,6 +80,7 @@ POSITIVE_INT_SETTINGS: tuple[PositiveIntSetting, ...] = (
 
 QUANTIZATIONS = ("auto", "fp8", "gguf", "none")
 GGUF_ACTIVATIONS = ("auto", "float32", "int8x2", "int8")
+CPU_PREFILL_WEIGHTS = ("auto", "bf16", "gguf")
 
 
 def _parse_device_options(text: str) -> dict[str, Any]:
@@ -118,6 +119,13 @@ class EngineConfig:
         "two int8 levels, ~16 bits, integer dot products) or int8 (one level: llama.cpp's numerics, each activation "
         "rounded to 1/254 of its block's largest); docs/quantization.md",
         choices=GGUF_ACTIVATIONS,
+    )
+    cpu_prefill_weights: str = setting(
+        "auto",
+        "kept GGUF blocks, prefill rows: auto (a packed bf16 copy for oneDNN's bf16 GEMM where the CPU has "
+        "AVX512-BF16 or AMX and the copy fits in a quarter of the free memory; else the block kernels), bf16 "
+        "(insist on the copy) or gguf (the block kernels at every row count); docs/quantization.md",
+        choices=CPU_PREFILL_WEIGHTS,
     )
     page_size: int | None = setting(None, "tokens per KV page")
     max_num_seqs: int | None = setting(None, "the most requests a step runs")

@@ -53,11 +53,6 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 MIN_EXTEND_BUDGET = 32  # prompt tokens per extend step however slow the steps are: prefill must progress
-# A request alone (nothing decoding, nothing else waiting) may take this many times the time limit per step, and
-# is never cut below LONE_MIN_CHUNK tokens: nobody's tokens wait on it, so fewer, longer steps save their fixed
-# cost; only a new arrival or its own client's hang-up waits for the step in flight, still at most that long.
-LONE_STEP_FACTOR = 3
-LONE_MIN_CHUNK = 256
 # A prompt token whose logprobs were asked for (echo) costs this many plain ones until measured: its
 # step also runs the LM head, a log-softmax and a top-k at every position, and builds an entry for
 # each (4.5 ms against 1.15 ms a token for SmolLM2 on a 2-core CPU).
@@ -199,7 +194,9 @@ class Scheduler:
         # Fairness and responsiveness: while other requests decode or wait, an extend step may take at most
         # this long, so they wait at most that. The engine reports how long every extend step took; the
         # fitted cost (fixed + per token) says how many prompt tokens fit, never fewer than MIN_EXTEND_BUDGET.
-        # A request alone gets LONE_STEP_FACTOR times the limit and at least LONE_MIN_CHUNK tokens a step.
+        # A request alone (nothing decoding, nothing else waiting) has no time limit, only the token caps: nobody's
+        # tokens wait on it, and fewer steps save their fixed cost (issue #49: one slow step had cut a lone prompt
+        # into small chunks; now only the chunk size cuts it).
         self.max_extend_step_s = max_extend_step_s
         self.extend_time = ExtendStepTime()
         self.prompt_logprob_token_weight = PROMPT_LOGPROB_TOKEN_WEIGHT  # measured once such steps have run
@@ -356,13 +353,13 @@ class Scheduler:
         return self.prompt_logprob_token_weight if timed and request.params.prompt_logprobs is not None else 1.0
 
     def _time_budget(self) -> int | None:
-        """Prompt tokens one extend step may take to stay within max_extend_step_s (a request alone: within
-        LONE_STEP_FACTOR times it, and at least LONE_MIN_CHUNK); None without a limit or before the first step."""
-        if self.max_extend_step_s is None:
-            return None
+        """Prompt tokens one extend step may take to stay within max_extend_step_s; None without a limit, before
+        the first step, or for a request alone."""
         alone = not self.running and len(self.waiting) + (self.chunked is not None) <= 1
-        fit = self.extend_time.tokens_within(self.max_extend_step_s * (LONE_STEP_FACTOR if alone else 1))
-        return None if fit is None else max(LONE_MIN_CHUNK if alone else MIN_EXTEND_BUDGET, fit)
+        if self.max_extend_step_s is None or alone:
+            return None
+        fit = self.extend_time.tokens_within(self.max_extend_step_s)
+        return None if fit is None else max(MIN_EXTEND_BUDGET, fit)
 
     def _schedule_extend(self, decode_tokens: int = 0) -> ScheduledStep | None:
         """decode_tokens: tokens of this step already taken by decodes (a mixed step)."""

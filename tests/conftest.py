@@ -367,7 +367,8 @@ def _key(model: str | None, kwargs: dict[str, Any]) -> tuple:
 def engine_cache() -> Callable[..., Engine]:
     """get(model, **options) -> a session-wide Engine, built once per (model, options).
 
-    Defaults: cpu, float32, page 16, 2048 KV tokens, max_num_seqs 8, eager, and no time budget for
+    Defaults: cpu, float32, page 16, 2048 KV tokens, max_num_seqs 8, eager, GGUF block kernels for prefill too,
+    and no time budget for
     extend steps (max_extend_step_ms=0): how prompts split into steps must not depend on how fast
     this machine happens to be, since tests count steps. The server tests keep the CPU default.
     """
@@ -381,6 +382,9 @@ def engine_cache() -> Callable[..., Engine]:
             max_num_seqs=8,
             disable_graphs=True,
             max_extend_step_ms=0,
+            # The suite's many cached SmolLM2 engines without a bf16 prefill copy each (~200 MiB): the CI machine's
+            # memory is shared by its workers. tests/test_cpu_prefill_weights.py and the parity variants run it.
+            cpu_prefill_weights="gguf",
         )
         kwargs.update(options)
         key = _key(model, kwargs)

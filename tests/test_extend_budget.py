@@ -13,7 +13,7 @@ from engine.kv_cache import PageAllocator
 from engine.kv_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import LONE_MIN_CHUNK, MIN_EXTEND_BUDGET, PROMPT_LOGPROB_TOKEN_WEIGHT, Scheduler
+from engine.scheduler import MIN_EXTEND_BUDGET, PROMPT_LOGPROB_TOKEN_WEIGHT, Scheduler
 
 # A CPU's extend step in these tests: 100 ms fixed, 1 ms a prompt token (300 ms fit 200 tokens).
 FIXED_S, PER_TOKEN_S = 0.1, 0.001
@@ -72,17 +72,17 @@ def test_prompt_logprob_steps_teach_their_weight_and_not_the_plain_speed() -> No
     assert scheduler.extend_time.tokens_within(0.3) == plain
 
 
-def test_a_request_alone_gets_three_times_the_limit_and_never_less_than_its_floor() -> None:
+def test_a_request_alone_is_cut_only_by_the_token_caps() -> None:
     scheduler = _scheduler()
     scheduler.add(Request("alone", list(range(1, 2001)), SamplingParams(max_tokens=4)))
     step = scheduler.schedule()
-    assert step is not None and step.extend_lens == [512]  # the chunk size: 800 fit 900 ms, not the 200 of 300 ms
+    assert step is not None and step.extend_lens == [512]  # the chunk size, not the 200 tokens that fit 300 ms
     slow = _scheduler()
     for tokens in (128, 400, 128, 400):
         slow.record_extend_time(tokens, step_seconds(tokens, slowdown=20.0))
     slow.add(Request("alone", list(range(1, 2001)), SamplingParams(max_tokens=4)))
     step = slow.schedule()
-    assert step is not None and step.extend_lens == [LONE_MIN_CHUNK]
+    assert step is not None and step.extend_lens == [512]  # however slow: nobody waits on it
 
 
 def test_the_budget_never_falls_under_the_floor() -> None:
@@ -134,13 +134,13 @@ def test_a_lone_prompt_is_not_cut_and_the_budget_recovers_after_a_contended_one(
     cpu_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The reproduction of issue #49 on the real engine: prompts run, one run with every step 5x slower (a busy
-    CPU), then quiet again. A prompt alone under LONE_MIN_CHUNK tokens is one step every time, however slow;
+    CPU), then quiet again. A prompt alone is one step every time, however slow;
     after four quiet requests the budget is back to what the quiet steps taught, and a prompt beside a
     decoding request is cut to that budget, not to the contended one.
 
     The engine's steps run for real, but the durations it records are the modelled CPU's (step_seconds):
     the wall clock of a test beside other test workers is itself contended, and would make this a coin toss."""
-    prompt = list(range(10, 10 + LONE_MIN_CHUNK - 16))
+    prompt = list(range(10, 250))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     scheduler = cpu_engine.scheduler
     scheduler.extend_time = ExtendStepTime()  # forget the warm-up's wall-clock step

@@ -46,6 +46,8 @@ def variant_options(request: pytest.FixtureRequest, variant: str) -> dict[str, A
     if variant == "fast-paths-off":
         request.getfixturevalue("cpu_fast_paths_off")
         return {}
+    if variant == "prefill-auto":  # the CPU's default prefill path (engine_cache pins the block kernels)
+        return {"cpu_prefill_weights": "auto"}
     return LOOPS["overlap+mixed"] if variant == "overlap+mixed" else {}
 
 
@@ -103,6 +105,8 @@ def smol_reference(smol_hf: tuple[Any, Any]) -> tuple[list[list[int]], list[list
         *((*case, "default") for case in [*MODES, GRAPHS_PAGE_1]),
         ("eager", 16, "overlap+mixed"),
         ("graphs", 16, "overlap+mixed"),
+        ("eager", 16, "prefill-auto"),
+        ("graphs", 16, "prefill-auto"),
     ],
 )
 def test_smollm2_greedy_matches_hf(

@@ -6,9 +6,10 @@ float32 that each decode step streams. Here the linear layers keep the file's bl
 16 rows at a time at load (kernels/gguf.h: the same bytes, laid out so one int8 dot-product
 instruction covers 16 rows) and multiply through kernels/gguf_matmul*.c, which unpack each block
 in registers: AVX512 (VNNI for int8 activations), AVX2 (256-bit VNNI where present), or portable C,
-chosen at run time from what the CPU has (backends/cpu/features.py). A bf16 or fp16 model's step with more
-rows than FUSED_MAX_ROWS (prefill) dequantizes the matrix in C and runs the GEMM in that dtype; a float32 model
-runs the block kernels at every row count. The token embedding
+chosen at run time from what the CPU has (backends/cpu/features.py). A step of PREFILL_MIN_ROWS rows or more
+multiplies by the layer's packed bf16 copy where it has one (prefill_weights.py: CPUs with native bf16); without
+one, a bf16 or fp16 model's step with more rows than FUSED_MAX_ROWS dequantizes the matrix in C and runs the
+GEMM in that dtype, and a float32 model runs the block kernels at every row count. The token embedding
 gathers and dequantizes its rows; a tied LM head multiplies by the same tiles. The decode step of a
 Llama-family model runs all of this in one native call (backends/cpu/gguf_decode.py).
 
@@ -44,6 +45,11 @@ logger = logging.getLogger(__name__)
 # each prefill step ~150 ms on SmolLM2 (2 threads, AVX512), and the kernels also beat the float32 GEMM per token
 # (17 / 128 / 512 / 2,000-token prompts: 37 / 146 / 888 / 8,289 ms against 176 / 333 / 1,212 / 9,399 ms).
 FUSED_MAX_ROWS = 16
+# A step of at least this many rows runs on the layer's packed bf16 copy when it has one
+# (backends/cpu/prefill_weights.py, attached to its first tiles under PREFILL_WEIGHT_ATTR); fewer rows stream
+# the blocks, which are a quarter of the bytes.
+PREFILL_MIN_ROWS = 32
+PREFILL_WEIGHT_ATTR = "_engine_prefill_bf16_packed"
 
 
 @dataclass(frozen=True)
@@ -204,6 +210,12 @@ def gguf_linear(
     quantized to one or two int8 levels per block of 32, then integer dot products."""
     cols = x.shape[-1]
     flat = x.reshape(-1, cols)
+    packed = getattr(tiles[0], PREFILL_WEIGHT_ATTR, None)
+    if packed is not None and flat.shape[0] >= PREFILL_MIN_ROWS:
+        # A prefill with a packed bf16 copy (backends/cpu/prefill_weights.py): oneDNN's bf16 GEMM (AVX512-BF16
+        # or AMX) multiplies many rows faster than the block kernels unpack them.
+        out = torch.ops.mkldnn._linear_pointwise(flat.to(torch.bfloat16), packed, None, "none", [], "")
+        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
     if flat.shape[0] > FUSED_MAX_ROWS and x.dtype != torch.float32:
         # A bf16/fp16 prefill: one dequantized matrix serves every row, and oneDNN's GEMM in that dtype is fast.
         weight = torch.cat([dequantize_tiles(t, c, r, cols) for t, c, r in zip(tiles, codes, rows)]).to(x.dtype)

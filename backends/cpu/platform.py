@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +102,29 @@ class CpuPlatform(Platform):
             activations,
             describe_paths(),
         )
+        self._prefill_weights(model, settings)
+
+    def _prefill_weights(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
+        """Many-row steps on a packed bf16 copy where the CPU multiplies bf16 natively (prefill_weights.py)."""
+        from backends.cpu import prefill_weights
+
+        layers = prefill_weights.prefill_layers(model)
+        needed = prefill_weights.copy_bytes(layers)
+        keep, reason = prefill_weights.choose_prefill_weights(
+            settings.get("cpu_prefill_weights") or "auto",
+            needed,
+            self.memory_info().free_bytes,
+            settings.get("gguf_activations") or "auto",
+        )
+        added = 0
+        if keep:
+            start = time.perf_counter()
+            # oneDNN picks its blocked layout for the rows it will see: a prefill step's token budget.
+            added = prefill_weights.attach_prefill_weights(
+                layers, settings.get("chunked_prefill_size") or settings.get("max_prefill_tokens") or 512
+            )
+            reason += f", packed in {time.perf_counter() - start:.1f} s"
+        logger.info("CPU %s", prefill_weights.describe(keep, reason, added))
 
     def capture_settings(self) -> CaptureSettings:
         # Compiled graphs run on the host: an op between their pieces may read device (host) values.
