@@ -14,7 +14,7 @@ from engine.capture_sizes import cap_sizes, parse_sizes
 from engine.errors import EngineError
 from engine.platform import Platform, load_yaml_config
 from engine.setting import setting, setting_factory
-from engine.speculative.config import SpeculativeConfig
+from engine.speculative.config import SpeculativeConfig, sglang_speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,15 @@ class EngineConfig:
         'speculative decoding as vLLM\'s JSON: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (docs/speculative.md); runs without overlap scheduling',
     )
+    speculative_algorithm: str | None = setting(
+        None, "SGLang's spelling of --speculative-config: NGRAM or STANDALONE (a draft model); docs/speculative.md"
+    )
+    speculative_num_steps: int | None = setting(None, "SGLang: draft tokens per request and step (a chain)")
+    speculative_num_draft_tokens: int | None = setting(
+        None, "SGLang: tokens each verify step scores per request (the drafts and one more)"
+    )
+    speculative_draft_model_path: str | None = setting(None, "SGLang: the draft model, with STANDALONE")
+    speculative_eagle_topk: int | None = setting(None, "SGLang: drafts per position; only 1 (chains) is supported")
     enable_lora: bool = setting(False, "serve LoRA adapters (docs/lora.md)")
     max_loras: int = setting(4, "LoRA adapters in device slots at once")
     max_cpu_loras: int | None = setting(
@@ -281,6 +290,17 @@ class EngineConfig:
             raise EngineError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if not float(resolved.dist_timeout_s) > 0:
             raise EngineError(f"dist_timeout_s must be positive, got {resolved.dist_timeout_s!r}")
+        sglang = sglang_speculative_config(
+            resolved.speculative_algorithm,
+            resolved.speculative_num_steps,
+            resolved.speculative_num_draft_tokens,
+            resolved.speculative_draft_model_path,
+            resolved.speculative_eagle_topk,
+        )
+        if sglang is not None:
+            if resolved.speculative_config:
+                raise EngineError("--speculative-algorithm (SGLang's flags) and --speculative-config: give one")
+            resolved.speculative_config = json.dumps(sglang)
         if resolved.lora_modules:
             resolved.enable_lora = True
         if resolved.enable_lora:

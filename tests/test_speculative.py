@@ -23,7 +23,7 @@ from engine.kv_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.speculative.acceptance import SpecDecodeStats, accepted_length
-from engine.speculative.config import SpeculativeConfig
+from engine.speculative.config import SpeculativeConfig, sglang_speculative_config
 from engine.speculative.ngram import NgramProposer
 from tests.conftest import release_cached, track
 
@@ -80,6 +80,30 @@ def test_speculative_config_takes_vllms_keys_and_refuses_the_rest() -> None:
     for text, message in bad.items():
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
             SpeculativeConfig.parse(text)
+
+
+def test_sglang_flags_are_the_same_config() -> None:
+    assert sglang_speculative_config(None, None, None, None, None) is None
+    assert sglang_speculative_config("NGRAM", 4, None, None, None) == {"method": "ngram", "num_speculative_tokens": 4}
+    assert sglang_speculative_config("ngram", None, 5, None, 1) == {"method": "ngram", "num_speculative_tokens": 4}
+    assert sglang_speculative_config("STANDALONE", 3, 4, "/m/draft", None) == {
+        "method": "draft_model",
+        "num_speculative_tokens": 3,
+        "model": "/m/draft",
+    }
+    bad = {
+        ("EAGLE3", 3, None, None, None): "EAGLE3 is not supported yet",
+        ("MEDUSA", 3, None, None, None): "must be one of NGRAM, STANDALONE",
+        ("NGRAM", None, None, None, None): "needs --speculative-num-steps or --speculative-num-draft-tokens",
+        ("NGRAM", 3, 8, None, None): "a chain of 3 drafts verifies 4 tokens",
+        ("NGRAM", 3, None, None, 4): "tree drafts are not supported",
+        ("STANDALONE", 3, None, None, None): "--speculative-draft-model-path goes with",
+        ("NGRAM", 3, None, "/m/draft", None): "--speculative-draft-model-path goes with",
+        (None, 3, None, None, None): "go with --speculative-algorithm",
+    }
+    for args, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            sglang_speculative_config(*args)
 
 
 def test_ngram_proposer_copies_what_followed_the_latest_match_of_the_longest_suffix() -> None:

@@ -93,3 +93,54 @@ class SpeculativeConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"--speculative-config {key} must be an integer, got {value!r}")
         return cls(**values)
+
+
+# SGLang's --speculative-algorithm names: the method each maps to, or None (refused until the engine has it).
+SGLANG_ALGORITHMS: dict[str, str | None] = {
+    "NGRAM": "ngram",
+    "STANDALONE": "draft_model",
+    "EAGLE": None,
+    "EAGLE3": None,
+    "NEXTN": None,
+}
+
+
+def sglang_speculative_config(
+    algorithm: str | None,
+    num_steps: int | None,
+    num_draft_tokens: int | None,
+    draft_model_path: str | None,
+    eagle_topk: int | None,
+) -> dict[str, Any] | None:
+    """SGLang's flags as --speculative-config's keys (None: no SGLang flag given). Chain drafts only: SGLang's
+    num_draft_tokens counts the verified token too, so a chain of k drafts is num_steps k, num_draft_tokens k + 1."""
+    given = [num_steps, num_draft_tokens, draft_model_path, eagle_topk]
+    if algorithm is None:
+        if any(value is not None for value in given):
+            raise ValueError(
+                "--speculative-num-steps, --speculative-num-draft-tokens, --speculative-draft-model-path and "
+                "--speculative-eagle-topk go with --speculative-algorithm"
+            )
+        return None
+    name = algorithm.upper()
+    if name not in SGLANG_ALGORITHMS:
+        raise ValueError(f"--speculative-algorithm must be one of {', '.join(SGLANG_ALGORITHMS)}, got {algorithm!r}")
+    method = SGLANG_ALGORITHMS[name]
+    if method is None:
+        raise ValueError(f"--speculative-algorithm {name} is not supported yet; algorithms: NGRAM, STANDALONE")
+    if eagle_topk not in (None, 1):
+        raise ValueError(f"--speculative-eagle-topk {eagle_topk}: tree drafts are not supported (chains: topk 1)")
+    if num_steps is None and num_draft_tokens is None:
+        raise ValueError("--speculative-algorithm needs --speculative-num-steps or --speculative-num-draft-tokens")
+    drafts = num_steps if num_steps is not None else int(num_draft_tokens or 0) - 1
+    if num_draft_tokens is not None and num_draft_tokens != drafts + 1:
+        raise ValueError(
+            f"--speculative-num-draft-tokens {num_draft_tokens} with --speculative-num-steps {num_steps}: a chain "
+            f"of {drafts} drafts verifies {drafts + 1} tokens (tree drafts are not supported)"
+        )
+    if (method == "draft_model") != (draft_model_path is not None):
+        raise ValueError("--speculative-draft-model-path goes with --speculative-algorithm STANDALONE, and only there")
+    config: dict[str, Any] = {"method": method, "num_speculative_tokens": drafts}
+    if draft_model_path is not None:
+        config["model"] = draft_model_path
+    return config
