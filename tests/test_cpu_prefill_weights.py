@@ -5,6 +5,7 @@ bf16 copy) are as close to HF float32's as HF bf16's own are, and greedy text ma
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +59,8 @@ def bf16_prefill_engine() -> Any:
     )
     yield engine
     engine.shutdown()
+    del engine
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +84,26 @@ def test_every_prefill_linear_has_its_copy_and_the_head_does_not(bf16_prefill_en
     assert not head or not hasattr(head[0][2], PREFILL_WEIGHT_ATTR)
 
 
+@pytest.fixture(scope="module")
+def hf_bf16() -> Any:
+    """HF transformers' bf16 model of the same GGUF (its faster dtype on a CPU with native bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader.resolve import default_model_path
+
+    folder, name = os.path.split(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16).eval()
+    yield model
+    del model
+    gc.collect()
+
+
 @needs_onednn_bf16
 def test_prefill_logits_are_as_close_to_hf_float32_as_hf_bf16s(
-    bf16_prefill_engine: Engine, smol_hf: tuple[Any, Any], long_prompts: list[list[int]]
+    bf16_prefill_engine: Engine, smol_hf: tuple[Any, Any], hf_bf16: Any, long_prompts: list[list[int]]
 ) -> None:
     hf32, _ = smol_hf
-    hf16 = _hf_bf16(smol_hf)
+    hf16 = hf_bf16
     for ids in long_prompts:
         assert len(ids) >= PREFILL_MIN_ROWS
         reference = hf_last_logits(hf32, ids)
@@ -106,21 +123,6 @@ def test_greedy_text_of_long_prompts_matches_hf_float32(
     outputs = bf16_prefill_engine.generate(long_prompts, greedy())
     for ids, output in zip(long_prompts, outputs):
         assert output.token_ids == hf_greedy(hf32, ids), f"a {len(ids)}-token prompt"
-
-
-_HF_BF16: dict[str, Any] = {}
-
-
-def _hf_bf16(smol_hf: tuple[Any, Any]) -> Any:
-    """HF transformers' bf16 model of the same GGUF (its faster dtype on a CPU with native bf16)."""
-    if "model" not in _HF_BF16:
-        from transformers import AutoModelForCausalLM
-
-        from engine.loader.resolve import default_model_path
-
-        folder, name = os.path.split(default_model_path())
-        _HF_BF16["model"] = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16).eval()
-    return _HF_BF16["model"]
 
 
 def test_the_suites_cached_engines_keep_no_copy(engine_cache: Callable[..., Engine]) -> None:
