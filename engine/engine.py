@@ -34,7 +34,8 @@ from engine.kv_manager import KVCacheManager, PrefixCacheStats
 from engine.layers.attention import Attention, AttentionBackend
 from engine.loader import ModelSource, load_model, resolve_model_source
 from engine.logit_rows import LogitRowLadder
-from engine.lora.manager import LoRAManager
+from engine.lora.manager import LoRAManager, SlotChange
+from engine.lora.matmul import DENSE_LORA
 from engine.models.interface import as_module
 from engine.penalties import PenaltyState
 from engine.platform import CaptureKind
@@ -158,6 +159,9 @@ class Engine:
         )
         # Before the KV pool: a draft model's engine takes its memory first, the target's pool the rest.
         self.speculator = self._speculator()
+        # LoRA's slots before the KV pool (the pool takes a fraction of what is free; the slots of 8 rank-16
+        # adapters on Llama-3-8B are 1 GB) and before anything is captured (the graphs run their matmuls too).
+        self.lora = self._lora()
         self.kv_pool = self._allocate_kv_pool()
         # KV cache events for routers (engine/kv_events.py): recorded by the prefix cache, published per step.
         events = KVEventsConfig.parse(self.config.kv_events_config)
@@ -201,7 +205,6 @@ class Engine:
         self.kv_manager.on_release = self.step_builder.release
         if self._compiles():
             self.platform.wait_for_compile_workers()  # its compiler imports done before the main thread compiles
-        self.lora = self._lora()  # before anything is captured: the graphs run the adapters' matmuls too
         extend_step = self._extend_step()  # first: the CUDA decode graphs compile its layer graph for both
         graph_runner = self._graph_runner(extend_step)
         # The step runners, most specialised first (graphs/step_runner.py); the ModelRunner adds the eager one.
@@ -248,6 +251,8 @@ class Engine:
         )
         if self.tp_ranks is not None:
             self.tp_ranks.wait_ready()
+            if self.lora is not None:  # the workers loaded --lora-modules themselves; later changes follow
+                self.lora.on_change = self._send_lora_change
         if self.config.warmup:
             self._warm_up()
         self.froze_gc = bool(self.config.freeze_gc) and freeze_start_up_objects() > 0
@@ -264,6 +269,7 @@ class Engine:
             max_step_tokens_for(self.config),
             self.device,
             self.config.max_cpu_loras,
+            self.platform.lora_kernels() or DENSE_LORA,
         )
         for entry in (self.config.lora_modules or "").split(","):
             if entry.strip():
@@ -273,11 +279,12 @@ class Engine:
                 adapter = manager.load(name.strip(), path.strip())
                 logger.info("LoRA adapter %s loaded from %s (rank %d)", adapter.name, adapter.path, adapter.rank)
         logger.info(
-            "LoRA: %d device slots of rank up to %d in %d projections, %d adapters in host memory",
+            "LoRA: %d device slots of rank up to %d in %d projections, %d adapters in host memory; %s matmul",
             manager.max_loras,
             manager.max_rank,
             len(manager.projections),
             manager.max_cpu_loras,
+            manager.kernels.name,
         )
         return manager
 
@@ -317,6 +324,18 @@ class Engine:
                 busy.add(request.params.lora_name)
                 self._schedule_new(request)
         self._lora_waiting = still
+
+    def _send_lora_change(self, change: SlotChange) -> None:
+        """Rank 0's adapter slot change to the other ranks, ahead of the step that may use it."""
+        from engine.distributed.channel import Command
+
+        ranks = self.tp_ranks
+        assert ranks is not None and ranks.channel is not None
+        ranks.raise_if_failed()
+        try:
+            ranks.channel.publish(Command.LORA, change)
+        except Exception as exc:
+            raise ranks.failure(exc) from exc
 
     def lora_adapters(self) -> dict[str, str]:
         """Loaded adapters: name -> the folder it came from."""

@@ -20,6 +20,7 @@ import torch
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.layers.attention import AttentionBackend, AttentionMetadata
+    from engine.lora.matmul import LoRAKernels
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 CACHE_DIR_ENV = "ENGINE_CACHE_DIR"  # a location, not a behaviour: tests point it at a temporary directory
@@ -153,6 +154,11 @@ class Platform(abc.ABC):
     def fp8_linear_method(self) -> Any:
         """The engine.layers.linear.LinearMethod FP8 linears run here; None: this platform has no FP8
         matmul kernel, and FP8 weights are dequantized once at load."""
+        return None
+
+    def lora_kernels(self) -> LoRAKernels | None:
+        """The batched LoRA matmul that reads only each row's adapter slot (engine/lora/matmul.py); None: the
+        engine's dense torch path, whose cost grows with the number of slots."""
         return None
 
     # ---- capture ---------------------------------------------------------------------

@@ -101,6 +101,9 @@ def _serve(rank: int, world_size: int, store_port: int, config: Any, commands: C
             return 1
         if command is Command.STEP:
             run_step(engine, payload)
+        elif command is Command.LORA:
+            assert engine.lora is not None  # rank 0 sends changes only with LoRA on, as every rank has it
+            engine.lora.apply_change(payload)  # rank 0's slot change, before the step that needs it
         elif command is Command.CHECK:
             report_state(engine)
         elif command is Command.STOP:
@@ -116,6 +119,7 @@ def run_step(engine: Any, wire: Any) -> None:
 
     runner, state = engine.runner, engine.decode_state
     step, message = decode_step(wire, engine.step_builder.host_page_table, runner.device)
+    runner.received_lora_slots = wire.lora_slots  # the step has no requests to read them from
     with torch.no_grad():
         logits, rows = runner.forward(step, message)
         if not wire.samples or logits is None:

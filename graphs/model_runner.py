@@ -13,7 +13,7 @@ from engine.forward_batch import ForwardBatch, extend_forward_batch, mixed_forwa
 from engine.kv_cache import KVPool
 from engine.layers.attention import AttentionMetadata
 from engine.logit_rows import LogitRowLadder
-from engine.lora.layers import LoRARows
+from engine.lora.rows import LoRARows
 from engine.models.interface import CausalLM
 from engine.penalties import PenaltyState
 from engine.request import Request
@@ -132,6 +132,7 @@ class ModelRunner:
         self.step_runners = [*step_runners, EagerStepRunner(model, kv_pool)]
         # LoRA (engine/lora/): the token -> slot buffer the projections read, set by the engine; None: off.
         self.lora_rows: LoRARows | None = None
+        self.received_lora_slots: list[int] | None = None  # a worker's next step's, from rank 0
         self.logit_rows: LogitRowLadder | None = None  # the platform pads the eager LM head's rows (Engine sets it)
         self.steps_run: Counter[str] = Counter()  # steps per runner name
 
@@ -218,15 +219,22 @@ class ModelRunner:
             return self.logit_rows.logits(self.model.compute_logits, hidden), batch.decode_rows
         return self.model.compute_logits(hidden), batch.decode_rows
 
-    def _fill_lora_rows(self, step: ScheduledStep) -> None:
-        """Each token's LoRA slot (-1: the base model) into the buffer the projections read (engine/lora/)."""
-        assert self.lora_rows is not None
+    def lora_token_slots(self, step: ScheduledStep) -> list[int]:
+        """Each token's LoRA slot (-1: the base model), in the step's token order. A tensor-parallel worker's
+        steps have no requests: rank 0's list arrives with the step (engine/distributed/wire.py) and is
+        handed over in `received_lora_slots` for the next forward."""
+        if self.received_lora_slots is not None:
+            slots, self.received_lora_slots = self.received_lora_slots, None
+            return slots
         if step.is_decode:
-            slots = [r.lora_slot for r in step.logit_row_requests]
-        else:
-            slots = [r.lora_slot for r in step.decode_requests]
-            slots += [r.lora_slot for r, n in zip(step.extend_requests, step.extend_lens) for _ in range(n)]
-        self.lora_rows.fill(to_device(slots, torch.int64, self.device))
+            return [r.lora_slot for r in step.logit_row_requests]
+        slots = [r.lora_slot for r in step.decode_requests]
+        return slots + [r.lora_slot for r, n in zip(step.extend_requests, step.extend_lens) for _ in range(n)]
+
+    def _fill_lora_rows(self, step: ScheduledStep) -> None:
+        """Each token's LoRA slot into the buffer the projections read (engine/lora/)."""
+        assert self.lora_rows is not None
+        self.lora_rows.fill(self.lora_token_slots(step))
 
     def _first_that_runs(self, inputs: StepInputs) -> StepRunner:
         """The first runner that takes the step (the list ends with one that takes every step)."""

@@ -57,7 +57,9 @@ class TensorParallelRunner(ModelRunner):
         ranks.raise_if_failed()
         assert ranks.channel is not None, "the worker ranks have not joined"
         try:
-            ranks.channel.publish(Command.STEP, encode_step(step, message, samples))
+            lora_slots = self.lora_token_slots(step) if self.lora_rows is not None else None
+            ranks.channel.publish(Command.STEP, encode_step(step, message, samples, lora_slots))
+            self.received_lora_slots = lora_slots  # the same list fills rank 0's rows: computed once
             return super().forward(step, message)
         except Exception as exc:
             raise ranks.failure(exc) from exc

@@ -16,6 +16,7 @@ from engine.sampler import PENALTY_KERNELS
 if TYPE_CHECKING:
     from backends.cuda.triton_attention import TritonAttentionBackend
     from engine.config import EngineConfig
+    from engine.lora.matmul import LoRAKernels
 
 # The sampler's penalties on CUDA (and HIP: torch's "cuda" device type) tensors: one Triton launch a batch.
 PENALTY_KERNELS["cuda"] = apply_penalties_
@@ -107,6 +108,13 @@ class CudaPlatform(Platform):
         from backends.cuda.fp8_linear import CUDA_FP8
 
         return CUDA_FP8
+
+    def lora_kernels(self) -> LoRAKernels:
+        """The grouped Triton kernels (backends/cuda/lora.py): each block of rows reads only its own slot's A
+        and B, inside the captured graphs."""
+        from backends.cuda.lora import TRITON_LORA
+
+        return TRITON_LORA
 
     def capture_settings(self) -> CaptureSettings:
         return CaptureSettings(kind=CaptureKind.CUDA_GRAPH)

@@ -22,6 +22,7 @@ class Command(enum.IntEnum):
     STEP = 1  # a WireStep: run its forward (and take its sampled tokens)
     CHECK = 2  # join the cross-rank consistency check of the decode state
     STOP = 3  # leave the loop and the group
+    LORA = 4  # a LoRA SlotChange (engine/lora/manager.py): hold rank 0's adapter slots
 
 
 class RankGoneError(RuntimeError):

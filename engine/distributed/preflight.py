@@ -12,8 +12,6 @@ from engine.platform import Platform
 def check_launch(config: Any, platform: Platform, source: Any, model_config: Any) -> None:
     """The engine config (EngineConfig, resolved), the platform, the ModelSource and its ModelConfig."""
     world = int(config.tensor_parallel_size)
-    if config.enable_lora:
-        raise EngineError(f"--enable-lora with --tensor-parallel-size {world} > 1 is not supported yet")
     if config.speculative_config:
         raise EngineError(f"--speculative-config with --tensor-parallel-size {world} > 1 is not supported yet")
     if source.kind == "gguf":

@@ -34,6 +34,7 @@ class WireStep:
     page_diffs: bytes | None  # [3, m] int64 (DecodeMessage.page_diffs)
     extend: ExtendMessage | None
     sample_rows: list[int]
+    lora_slots: list[int] | None = None  # each token's LoRA slot (engine/lora/); None: LoRA is off
 
 
 def _pack(tensor: torch.Tensor | None) -> bytes | None:
@@ -55,7 +56,9 @@ def _unpack(data: bytes | None, rows: int, device: torch.device) -> torch.Tensor
     return host_tensor(values, torch.int64, device)  # pinned where the device is CUDA, as on rank 0
 
 
-def encode_step(step: ScheduledStep, message: StepMessage, samples: bool) -> WireStep:
+def encode_step(
+    step: ScheduledStep, message: StepMessage, samples: bool, lora_slots: list[int] | None = None
+) -> WireStep:
     decode = message.decode
     return WireStep(
         is_decode=step.is_decode,
@@ -66,6 +69,7 @@ def encode_step(step: ScheduledStep, message: StepMessage, samples: bool) -> Wir
         page_diffs=_pack(decode.page_diffs) if decode is not None else None,
         extend=message.extend,
         sample_rows=message.sample_rows,
+        lora_slots=lora_slots,
     )
 
 

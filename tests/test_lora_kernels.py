@@ -1,0 +1,211 @@
+"""The batched LoRA matmul: CUDA's grouped Triton kernels (shrink + expand) and the CPU's torch paths against a
+per-row reference, with ranks padded inside the slot stacks, rows of mixed slots, base rows (-1) and a graph's
+padding rows after the step's, through the token -> slot buffers the model runner fills (engine/lora/rows.py).
+
+Without a GPU the Triton kernels run in Triton's CPU interpreter (compiled on a GPU).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import greedy
+from test_lora_tp import ALL_MODULES, make_adapter
+from triton_interpreter import interpreter_mode
+
+from engine.engine import Engine
+from engine.lora.matmul import DENSE_LORA, GATHER_LORA, TokenSlots
+from engine.lora.rows import LoRARows
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _kernels_mode() -> AbstractContextManager[None]:
+    """Compiled on a GPU; in Triton's interpreter on the CPU."""
+    return nullcontext() if ON_GPU else interpreter_mode()
+
+
+def _stacks(
+    slots: int, parts: list[int], max_rank: int, ranks: list[int], in_features: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """lora_a [S, P*R, in], lora_b [S, P*R, out] laid out as engine/lora/layers.py writes them: slot s's
+    part p in rows p*R ... p*R + ranks[s] (the rest of the R rows zero: rank padding), B's non-zero columns
+    only part p's output rows. parts: each part's output rows."""
+    generator = torch.Generator().manual_seed(seed)
+    width, out_features = len(parts) * max_rank, sum(parts)
+    lora_a = torch.zeros(slots, width, in_features)
+    lora_b = torch.zeros(slots, width, out_features)
+    for s in range(slots):
+        column = 0
+        for p, rows in enumerate(parts):
+            r = ranks[s]
+            lora_a[s, p * max_rank : p * max_rank + r] = torch.randn(r, in_features, generator=generator)
+            lora_b[s, p * max_rank : p * max_rank + r, column : column + rows] = torch.randn(
+                r, rows, generator=generator
+            )
+            column += rows
+    return lora_a, lora_b
+
+
+def _reference(
+    out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """Row by row, in float64: out_t + (A[s_t] @ x_t) @ B[s_t], out_t where s_t is -1."""
+    result = out.double().clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            result[t] += (lora_a[slot].double() @ x[t].double()) @ lora_b[slot].double()
+    return result
+
+
+def _rows(step_slots: list[int], num_slots: int, padded_rows: int, grouped: bool) -> TokenSlots:
+    """The buffers as a step of these slots leaves them (after a longer step, whose rows must be reset), viewed
+    for a graph of padded_rows rows."""
+    rows = LoRARows(max(64, padded_rows + 8), num_slots, torch.device(DEVICE), grouped=grouped)
+    rows.fill([0, 1] * 20)  # a longer step before: its rows past this one's must not leak into it
+    rows.fill(step_slots)
+    return TokenSlots(rows.slots[:padded_rows], rows.sorted_rows, rows.group_starts)
+
+
+# (slots, parts' output rows, max rank, each slot's rank, input columns): q/k/v-like parts with rank padding
+# and an input wider than one split (a partial last split); one part over several output blocks (o/down).
+SHAPES = [
+    (3, [48, 16, 16], 8, [8, 3, 5], 300),
+    (2, [300], 16, [16, 4], 96),
+]
+STEP = [0, -1, 2, 1, 2, -1, 0, 0, -1]  # mixed slots, base rows between them, a slot used by several rows
+PADDED = 12  # the graph's rows: three padding rows after the step's nine
+
+
+def _case(shape: tuple[int, list[int], int, list[int], int], seed: int) -> tuple[torch.Tensor, ...]:
+    num_slots, parts, max_rank, ranks, in_features = shape
+    lora_a, lora_b = _stacks(num_slots, parts, max_rank, ranks, in_features, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(PADDED, in_features, generator=generator)
+    out = torch.randn(PADDED, sum(parts), generator=generator)
+    return out, x, lora_a, lora_b
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["qkv-like", "one-part"])
+def test_triton_kernels_match_the_row_by_row_reference(shape: tuple[int, list[int], int, list[int], int]) -> None:
+    num_slots = shape[0]
+    step = [s % num_slots if s >= 0 else -1 for s in STEP]
+    out, x, lora_a, lora_b = _case(shape, seed=1)
+    rows = _rows(step, num_slots, PADDED, grouped=True)
+    want = _reference(out, x, lora_a, lora_b, rows.slots.cpu())
+    with _kernels_mode():
+        from backends.cuda.lora import TRITON_LORA
+
+        got = TRITON_LORA.apply(*(t.to(DEVICE) for t in (out, x, lora_a, lora_b)), rows).cpu()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    base_rows = rows.slots.cpu() < 0
+    assert int(base_rows.sum()) == 6  # three base rows and three padding rows
+    assert torch.equal(got[base_rows], out[base_rows])  # copied through, bit for bit
+    assert not torch.allclose(got[~base_rows], out[~base_rows])  # the adapters do change their rows
+
+
+# bf16 on a GPU only: Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw bits (a 16x16 dot of
+# bf16 randn is off by ~1e10 there), so the CPU runs the same kernels in float32, as the other kernels' tests do.
+DTYPES = [torch.float32, torch.bfloat16] if ON_GPU else [torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 40, 300], ids=["one-row", "two-row-blocks", "long-split"])
+def test_triton_kernels_at_decode_and_prefill_sizes(rows: int, dtype: torch.dtype) -> None:
+    """Through the op the compiled graphs hold (engine::lora_sgmv), float32 sums: one row (a decode step), rows
+    over several row blocks of one slot, and the long input splits of a prefill (300 rows)."""
+    num_slots = 2
+    lora_a, lora_b = _stacks(num_slots, [64, 64], 16, [16, 7], 2300, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    step = [[1, -1, 0, 1][i % 4] if rows > 1 else 1 for i in range(rows)]
+    x = torch.randn(rows, 2300, generator=generator)
+    out = torch.randn(rows, 128, generator=generator)
+    token_slots = _rows(step, num_slots, rows, grouped=True)
+    want = _reference(out, x, lora_a, lora_b, token_slots.slots.cpu())
+    with _kernels_mode():
+        from backends.cuda.lora import TRITON_LORA
+
+        got = TRITON_LORA.apply(*(t.to(DEVICE, dtype) for t in (out, x, lora_a, lora_b)), token_slots).cpu()
+    assert got.dtype == dtype
+    scale = want.abs().max().item()
+    tolerance = 1e-5 if dtype == torch.float32 else 0.02
+    assert (got.double() - want).abs().max().item() < tolerance * scale
+
+
+@pytest.mark.parametrize("kernels", [DENSE_LORA, GATHER_LORA], ids=lambda k: k.name)
+def test_the_torch_paths_match_the_row_by_row_reference(kernels: object) -> None:
+    out, x, lora_a, lora_b = _case(SHAPES[0], seed=5)
+    rows = _rows(STEP, SHAPES[0][0], PADDED, grouped=False)
+    got = kernels.apply(out, x, lora_a, lora_b, rows)  # type: ignore[attr-defined]
+    want = _reference(out, x, lora_a, lora_b, rows.slots)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[rows.slots < 0], out[rows.slots < 0])
+
+
+def test_the_rows_grouped_by_slot_as_the_kernels_read_them() -> None:
+    rows = LoRARows(10, 3, torch.device("cpu"), grouped=True)
+    rows.fill([2, -1, 0, 2, 0, -1, 1, 1])
+    rows.fill([2, -1, 0, 2, -1])  # shorter: the previous step's last rows back to -1 and to themselves
+    assert rows.slots.tolist() == [2, -1, 0, 2, -1, -1, -1, -1, -1, -1]
+    assert rows.sorted_rows.tolist() == [2, 0, 3, 1, 4, 5, 6, 7, 8, 9]  # slot 0, (none of 1), slot 2, the rest
+    assert rows.group_starts.tolist() == [0, 1, 1, 3, 10]
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_an_engine_on_the_triton_kernels_gives_the_dense_paths_tokens(
+    mode: str, tiny_llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole model with every projection's LoRA matmul on the Triton kernels (on the CPU the platform is made
+    to offer them, as CUDA's does, and they run in the interpreter) against the dense torch path: one batch of
+    base rows and two adapters, eager and replaying the decode graph of 8 rows (on the CPU the op inside a strict
+    fullgraph compile), its padding rows base rows."""
+    if ON_GPU:
+        from backends.cuda.platform import CudaPlatform as platform_class
+    else:
+        from backends.cpu.platform import CpuPlatform as platform_class  # type: ignore[assignment]
+
+    folders = {
+        "all": make_adapter(tiny_llama, str(tmp_path / "all"), 3, 8, ALL_MODULES),
+        "qv": make_adapter(tiny_llama, str(tmp_path / "qv"), 4, 4, ["q_proj", "v_proj"]),
+    }
+    graphs = {"disable_graphs": True} if mode == "eager" else {"capture_sizes": "8", "strict_graphs": True}
+    prompts = [[5, 17, 99, 23, 8, 41], [200, 3, 77, 77, 12], [9, 8, 7, 6, 5, 4, 3, 150]]
+    names = [None, "all", "qv", "all", None, "qv", "qv"]
+    params = [greedy(8, lora_name=name) for name in names]
+    batch = [prompts[i % len(prompts)] for i in range(len(names))]
+
+    def run() -> tuple[list[list[int]], str]:
+        engine = Engine(
+            model=tiny_llama,
+            device=DEVICE,
+            dtype="float32",
+            page_size=16,
+            kv_cache_tokens=1024,
+            max_num_seqs=8,
+            lora_modules=",".join(f"{name}={path}" for name, path in folders.items()),
+            max_lora_rank=8,
+            **graphs,
+        )
+        try:
+            assert engine.lora is not None
+            tokens = [o.token_ids for o in engine.generate(batch, params)]
+            if mode == "graphs":
+                assert engine.runner.graph_steps > 0, engine.runner.describe()
+            return tokens, engine.lora.kernels.name
+        finally:
+            engine.shutdown()
+
+    monkeypatch.setattr(platform_class, "lora_kernels", lambda self: None)
+    dense, dense_name = run()
+    with _kernels_mode():
+        from backends.cuda.lora import TRITON_LORA
+
+        monkeypatch.setattr(platform_class, "lora_kernels", lambda self: TRITON_LORA)
+        triton, triton_name = run()
+    assert (dense_name, triton_name) == ("dense", "triton_sgmv")
+    assert triton == dense
+    assert dense[1] != dense[0] and dense[2] != dense[0]  # the adapters change the tokens
