@@ -79,8 +79,24 @@ POSITIVE_INT_SETTINGS: tuple[PositiveIntSetting, ...] = (
 )
 
 QUANTIZATIONS = ("auto", "fp8", "gguf", "none")
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 GGUF_ACTIVATIONS = ("auto", "float32", "int8x2", "int8")
 CPU_PREFILL_WEIGHTS = ("auto", "bf16", "gguf")
+
+
+def _check_hierarchical_cache(config: EngineConfig) -> None:
+    """--enable-hierarchical-cache's settings make sense together (it needs the prefix cache it sits under)."""
+    if not config.enable_prefix_caching:
+        raise EngineError("--enable-hierarchical-cache needs the prefix cache (drop --disable-prefix-caching)")
+    if config.tensor_parallel_size != 1:
+        raise EngineError("--enable-hierarchical-cache with tensor parallelism is not supported yet")
+    if config.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+        raise EngineError(
+            f"unknown --hicache-write-policy {config.hicache_write_policy!r}; "
+            f"choose one of {', '.join(HICACHE_WRITE_POLICIES)}"
+        )
+    if not (float(config.hicache_size) > 0 or float(config.hicache_ratio) > 0):
+        raise EngineError("the host KV tier needs --hicache-size > 0 or --hicache-ratio > 0")
 
 
 def _parse_device_options(text: str) -> dict[str, Any]:
@@ -190,6 +206,21 @@ class EngineConfig:
         "reuse the KV of cached prompt prefixes",
         off_names=("--disable-prefix-caching", "--disable-radix-cache"),
     )
+    enable_hierarchical_cache: bool = setting(
+        False,
+        "keep KV pages evicted from the device pool in a host-memory tier and load them back on a prefix hit "
+        "instead of recomputing them (SGLang's HiCache; docs/kv_host_tier.md)",
+    )
+    hicache_ratio: float = setting(
+        2.0, "the host tier's size as a multiple of the device KV pool's (--hicache-size wins when set)"
+    )
+    hicache_size: float = setting(0.0, "the host tier's size in GiB (0: from --hicache-ratio)", metavar="GIB")
+    hicache_write_policy: str = setting(
+        "write_through",
+        "when cached pages are copied to the host tier: write_through (as soon as they are cached, so an eviction "
+        "costs no copy) or write_back (only when evicted from the device)",
+        choices=HICACHE_WRITE_POLICIES,
+    )
     chunked_prefill_size: int | None = setting(
         None, "prefill at most this many prompt tokens per step (<= 0: off; default from configs/<device>.yaml)"
     )
@@ -290,6 +321,8 @@ class EngineConfig:
             raise EngineError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if not float(resolved.dist_timeout_s) > 0:
             raise EngineError(f"dist_timeout_s must be positive, got {resolved.dist_timeout_s!r}")
+        if resolved.enable_hierarchical_cache:
+            _check_hierarchical_cache(resolved)
         sglang = sglang_speculative_config(
             resolved.speculative_algorithm,
             resolved.speculative_num_steps,

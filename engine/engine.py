@@ -30,6 +30,7 @@ from engine.gc_freeze import freeze_start_up_objects, unfreeze_gc
 from engine.kv_cache import KVPool
 from engine.kv_event_publisher import make_publisher
 from engine.kv_events import KVEventRecorder, KVEventsConfig
+from engine.kv_host_tier import HostKVPool, HostTierStats
 from engine.kv_manager import KVCacheManager, PrefixCacheStats
 from engine.layers.attention import Attention, AttentionBackend
 from engine.loader import ModelSource, load_model, resolve_model_source
@@ -170,7 +171,12 @@ class Engine:
         )
         self.kv_event_publisher = make_publisher(events)
         self.kv_manager = KVCacheManager(
-            self.kv_pool.allocator, self.kv_pool.page_size, self.config.enable_prefix_caching, self.kv_events
+            self.kv_pool.allocator,
+            self.kv_pool.page_size,
+            self.config.enable_prefix_caching,
+            self.kv_events,
+            host_tier=self._host_tier(),
+            write_through=self.config.hicache_write_policy == "write_through",
         )
         max_num_seqs = self.config.positive_int("max_num_seqs")
         step_ms = self.config.max_extend_step_ms
@@ -431,6 +437,9 @@ class Engine:
             self.tp_ranks.shutdown()
         if self.draft_engine is not None:
             self.draft_engine.shutdown()
+        kv_manager = getattr(self, "kv_manager", None)
+        if kv_manager is not None and kv_manager.host_tier is not None:
+            kv_manager.host_tier.close()
         publisher = getattr(self, "kv_event_publisher", None)
         if publisher is not None:
             publisher.shutdown()
@@ -467,6 +476,8 @@ class Engine:
         if self.kv_events is not None:
             self.kv_events.take()  # subscribers start from an empty cache; the warm-up's pages are gone
         self.kv_manager.stats = PrefixCacheStats()
+        if self.kv_manager.host_tier is not None:
+            self.kv_manager.host_tier.stats = HostTierStats()
         self.scheduler.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.runner.reset_counts()
         self.stats_logger.step_sizes.reset()
@@ -563,6 +574,16 @@ class Engine:
         )
         logger.info("KV pool: %d pages x %d tokens (%.1f MiB)", num_pages - 1, page_size, pool.nbytes() / 2**20)
         return pool
+
+    def _host_tier(self) -> HostKVPool | None:
+        """The host-memory tier under the prefix cache (--enable-hierarchical-cache), sized from the device pool."""
+        cfg = self.config
+        if not (cfg.enable_hierarchical_cache and cfg.enable_prefix_caching):
+            return None
+        num_pages = HostKVPool.num_pages_for(self.kv_pool, float(cfg.hicache_size), float(cfg.hicache_ratio))
+        if num_pages < 1:
+            raise EngineError(f"host KV tier too small: {num_pages} pages; raise --hicache-size or --hicache-ratio")
+        return HostKVPool(self.kv_pool, num_pages, self.device)
 
     def _graphs_unsupported(self) -> bool:
         """The model says its steps cannot be captured on this platform (MoE's data-dependent experts op
@@ -826,6 +847,7 @@ class Engine:
         self.stats_logger.step_sizes.record(step)  # the step-size histograms of /metrics (tune-capture reads them)
         rewind = _generator_states(step.sampled_requests)
         start = time.perf_counter()
+        self.kv_manager.fence()  # after the host tier's loads into (and write-backs out of) the pages it uses
         try:
             parts = [(step, self.runner.launch(step, self.step_builder.build(step), self._settle_constrained))]
             failed: list[tuple[Request, Exception]] = []

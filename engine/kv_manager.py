@@ -7,7 +7,8 @@ finishes or is retracted, its computed full pages move into the radix cache;
 pages the cache already held for the same tokens are freed and the request's
 table points at the cached ones instead.
 
-Pool invariant: free + evictable + protected + in use == total pages.
+Pool invariant: free + evictable + protected + in use == total pages; with the host tier
+(engine/hierarchical_cache.py) also host free + host held == host total.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.hierarchical_cache import HierarchicalRadixCache
 from engine.kv_cache import PageAllocator
 from engine.kv_events import KVEventRecorder
+from engine.kv_host_tier import HostKVPool
 from engine.radix_cache import RadixCache
 from engine.request import Request
 
@@ -46,11 +49,20 @@ class KVCacheManager:
         page_size: int,
         enable_prefix_cache: bool,
         events: KVEventRecorder | None = None,
+        host_tier: HostKVPool | None = None,
+        write_through: bool = True,
     ) -> None:
-        """events: where the prefix cache reports the pages it stores and drops (KV cache events), if anywhere."""
+        """events: where the prefix cache reports the pages it stores and drops (KV cache events), if anywhere;
+        host_tier: the host-memory tier under the prefix cache (--enable-hierarchical-cache), if any, written to
+        when pages are cached (write_through) or only when they are evicted."""
         self.allocator = allocator
         self.page_size = page_size
-        self.tree = RadixCache(page_size, allocator.release, events) if enable_prefix_cache else None
+        self.host_tier = host_tier if enable_prefix_cache else None
+        self.tree: RadixCache | None = None
+        if self.host_tier is not None:
+            self.tree = HierarchicalRadixCache(page_size, allocator, self.host_tier, write_through, events)
+        elif enable_prefix_cache:
+            self.tree = RadixCache(page_size, allocator.release, events)
         self.stats = PrefixCacheStats()
         # Told whenever a request's pages are released (finished, aborted, retracted, or any other
         # caller): the persistent decode row that mirrors its page table is freed with them.
@@ -176,6 +188,11 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         if self.tree is not None:
             self.tree.reset()
+
+    def fence(self) -> None:
+        """Before a step is launched: it runs after the host tier's copies issued so far (engine/kv_host_tier.py)."""
+        if self.host_tier is not None:
+            self.host_tier.fence()
 
     # ---- checks -----------------------------------------------------------------------
     def check_invariant(self) -> None:

@@ -7,6 +7,12 @@ whose prefix passes through it; unlocked nodes are evictable, least recently
 used leaves first. The tree owns the pages it holds: eviction hands them back
 through `free_pages`.
 
+Tiers (engine/hierarchical_cache.py): a node may also hold a host-memory copy of its
+pages (`host_pages`), and a node evicted from the device keeps its key and its host copy
+with `pages` empty. This class only ever matches and evicts device pages: its walks stop
+at a node without device pages, and its eviction goes through `_evict_leaf`, which the
+hierarchical cache overrides to write the pages back instead of dropping them.
+
 Namespaces (vLLM's `cache_salt`): the first page of every cached sequence is keyed
 by its namespace as well as its tokens, so sequences of different namespaces start
 in different subtrees of the root and never share a page, however equal their
@@ -27,7 +33,7 @@ from engine.kv_events import KVEventRecorder, page_hash
 @dataclass(eq=False)
 class RadixNode:
     key: tuple[int, ...]  # this edge's tokens, a multiple of page_size long
-    pages: list[int]  # one page id per page_size tokens of key
+    pages: list[int]  # one page id per page_size tokens of key; empty while only on the host tier
     parent: RadixNode | None
     # By first page of key; below the root by (namespace, first page): RadixCache._child_key.
     children: dict[tuple[object, ...], RadixNode] = field(default_factory=dict)
@@ -35,6 +41,8 @@ class RadixNode:
     last_access: int = 0
     namespace: str | None = None  # the cache salt of every sequence through this node
     hashes: list[int] = field(default_factory=list)  # one per page, while KV events are recorded (kv_events.py)
+    # The host tier's copy of the pages, one host page per page (or none): engine/hierarchical_cache.py.
+    host_pages: list[int] = field(default_factory=list)
 
     @property
     def is_leaf(self) -> bool:
@@ -75,6 +83,10 @@ class RadixCache:
         node, pages, _ = self._descend(token_ids, len(token_ids) - len(token_ids) % self.page_size, namespace)
         return MatchResult(pages, node)
 
+    def num_pages(self, node: RadixNode) -> int:
+        """Pages of the node's key (on the device, the host, or both)."""
+        return len(node.key) // self.page_size
+
     def insert(self, token_ids: Sequence[int], pages: Sequence[int], namespace: str | None = None) -> MatchResult:
         """Cache token_ids (page-aligned) held in `pages` under `namespace`; returns the pages the tree now holds
         for them.
@@ -85,7 +97,7 @@ class RadixCache:
         usable = len(pages) * self.page_size
         if len(token_ids) < usable:
             raise ValueError(f"{len(pages)} pages need {usable} tokens, got {len(token_ids)}")
-        node, held, offset = self._descend(token_ids, usable, namespace)
+        node, held, offset = self._descend(token_ids, usable, namespace, adopt=pages)
         if offset == usable:
             return MatchResult(held, node)
         first = offset // self.page_size
@@ -146,16 +158,32 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
-            del parent.children[self._child_key(parent, leaf.key, 0, leaf.namespace)]
             self.evictable_pages -= len(leaf.pages)
-            self.free_pages(leaf.pages)
-            if self.events is not None:
-                self.events.removed(leaf.hashes)
             freed += len(leaf.pages)
-            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+            self._evict_leaf(leaf)
+            if parent is not self.root and parent.lock_ref == 0 and self._is_device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         self.evicted_pages_total += freed
         return freed
+
+    def _evict_leaf(self, leaf: RadixNode) -> None:
+        """Take an unlocked device leaf's pages off the device: here the node leaves the tree (the hierarchical
+        cache writes them back to the host tier instead)."""
+        self._remove(leaf)
+        self.free_pages(leaf.pages)
+
+    def _remove(self, node: RadixNode) -> None:
+        """Unlink a node (it has no children) from its parent; routers hear that its pages are gone."""
+        parent = node.parent
+        assert parent is not None and not node.children
+        del parent.children[self._child_key(parent, node.key, 0, node.namespace)]
+        if self.events is not None:
+            self.events.removed(node.hashes)
+
+    @staticmethod
+    def _is_device_leaf(node: RadixNode) -> bool:
+        """Holds device pages and no child does (children only on the host tier do not count)."""
+        return bool(node.pages) and not any(child.pages for child in node.children.values())
 
     def reset(self) -> None:
         """Drop every unlocked node (e.g. when the cache is switched off or the weights change)."""
@@ -193,23 +221,30 @@ class RadixCache:
 
     # ---- internals ----------------------------------------------------------------------
     def _descend(
-        self, token_ids: Sequence[int], usable: int, namespace: str | None
+        self, token_ids: Sequence[int], usable: int, namespace: str | None, adopt: Sequence[int] | None = None
     ) -> tuple[RadixNode, list[int], int]:
-        """Follow token_ids[:usable] down `namespace`'s subtree as far as it matches, splitting an edge matched
-        part-way.
+        """Follow token_ids[:usable] down `namespace`'s subtree as far as it matches on the device, splitting an
+        edge matched part-way.
 
         Returns the deepest matched node, the pages along the way, and how many tokens matched;
-        every node on the path is touched for LRU.
+        every node on the path is touched for LRU. A node held only by the host tier ends the walk,
+        unless `adopt` (the caller's pages for token_ids, an insert) holds the same tokens on the
+        device: the node takes those pages and the walk goes on.
         """
         node, pages, offset = self.root, [], 0
         now = next(self._clock)
         while offset < usable:
             child = node.children.get(self._child_key(node, token_ids, offset, namespace))
-            if child is None:
+            if child is None or (not child.pages and adopt is None):
                 break
             matched = self._common_pages(child.key, token_ids, offset, usable)
-            if matched < len(child.pages):
+            if matched < self.num_pages(child):
                 child = self._split(child, matched)
+            if not child.pages:
+                assert adopt is not None and child.lock_ref == 0
+                first = offset // self.page_size
+                child.pages = list(adopt[first : first + self.num_pages(child)])
+                self.evictable_pages += len(child.pages)
             child.last_access = now
             pages.extend(child.pages)
             offset += len(child.key)
@@ -236,7 +271,7 @@ class RadixCache:
         """Cut node after num_pages pages; returns the new upper part (which keeps node's locks)."""
         cut = num_pages * self.page_size
         parent = node.parent
-        assert parent is not None and 0 < num_pages < len(node.pages)
+        assert parent is not None and 0 < num_pages < self.num_pages(node)
         upper = RadixNode(
             node.key[:cut],
             node.pages[:num_pages],
@@ -245,20 +280,23 @@ class RadixCache:
             last_access=node.last_access,
             namespace=node.namespace,
             hashes=node.hashes[:num_pages],
+            host_pages=node.host_pages[:num_pages],
         )
         parent.children[self._child_key(parent, node.key, 0, node.namespace)] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], upper
         node.hashes = node.hashes[num_pages:]
+        node.host_pages = node.host_pages[num_pages:]
         upper.children[self._child_key(upper, node.key, 0, node.namespace)] = node
         return upper
 
     def _evictable_leaves(self) -> list[RadixNode]:
-        leaves, stack = [], list(self.root.children.values())
+        """Unlocked device leaves. Device pages never hang below a node without them, so the walk stops there."""
+        leaves, stack = [], [child for child in self.root.children.values() if child.pages]
         while stack:
             node = stack.pop()
-            if node.is_leaf:
-                if node.lock_ref == 0:
-                    leaves.append(node)
-            else:
-                stack.extend(node.children.values())
+            below = [child for child in node.children.values() if child.pages]
+            if below:
+                stack.extend(below)
+            elif node.lock_ref == 0:
+                leaves.append(node)
         return leaves

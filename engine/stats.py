@@ -154,6 +154,16 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # The host-memory tier under the prefix cache (engine/kv_host_tier.py), all zero without it.
+    host_pages_total: int = 0
+    host_pages_used: int = 0
+    host_hits: int = 0
+    host_loaded_tokens: int = 0
+    host_loaded_bytes: int = 0
+    host_written_tokens: int = 0
+    host_written_bytes: int = 0
+    host_evicted_pages: int = 0
+    host_copy_seconds: float = 0.0
     decode_batch_sizes: HistogramSnapshot = field(default=_EMPTY_DECODE)
     extend_step_tokens: HistogramSnapshot = field(default=_EMPTY_TOKENS)
     prompt_tokens: HistogramSnapshot = field(default=_EMPTY_PROMPTS)
@@ -176,6 +186,7 @@ class EngineStats:
             evicted_pages=kv.evicted_pages,
             num_retractions=scheduler.num_retractions,
             **_speculation(engine),
+            **_host_tier(engine),
             decode_batch_sizes=engine.stats_logger.step_sizes.decode_batch.snapshot(),
             extend_step_tokens=engine.stats_logger.step_sizes.step_tokens.snapshot(),
             prompt_tokens=engine.stats_logger.step_sizes.prompt_tokens.snapshot(),
@@ -223,6 +234,25 @@ def _speculation(engine: Engine) -> dict[str, Any]:
     }
 
 
+def _host_tier(engine: Engine) -> dict[str, Any]:
+    """The host tier's counters of EngineStats (none without --enable-hierarchical-cache)."""
+    tier = engine.kv_manager.host_tier
+    if tier is None:
+        return {}
+    stats = tier.stats
+    return {
+        "host_pages_total": tier.allocator.total,
+        "host_pages_used": tier.allocator.total - tier.allocator.num_free,
+        "host_hits": stats.hits,
+        "host_loaded_tokens": stats.loaded_tokens,
+        "host_loaded_bytes": stats.loaded_bytes,
+        "host_written_tokens": stats.written_tokens,
+        "host_written_bytes": stats.written_bytes,
+        "host_evicted_pages": stats.evicted_pages,
+        "host_copy_seconds": stats.copy_seconds,
+    }
+
+
 class StatsLogger:
     """One INFO line every LOG_INTERVAL_S while the engine works (vLLM's periodic stats line)."""
 
@@ -252,6 +282,20 @@ class StatsLogger:
             s.evicted_pages,
             s.num_retractions,
         )
+        if s.host_pages_total:
+            logger.info(
+                "host KV tier: %d of %d pages used | %d hits, %d tokens loaded back (%.1f MiB), %d written (%.1f MiB), "
+                "%d pages dropped | copies %.3f s",
+                s.host_pages_used,
+                s.host_pages_total,
+                s.host_hits,
+                s.host_loaded_tokens,
+                s.host_loaded_bytes / 2**20,
+                s.host_written_tokens,
+                s.host_written_bytes / 2**20,
+                s.host_evicted_pages,
+                s.host_copy_seconds,
+            )
         if s.spec_num_drafts:
             # vLLM's "SpecDecoding metrics" line: what the drafts bought since start.
             per_position = ", ".join(f"{n / s.spec_num_drafts:.2f}" for n in s.spec_accepted_per_position)

@@ -144,6 +144,44 @@ def _engine_series(s: EngineStats) -> list[tuple[str, str, str, float]]:
         ),
         ("counter", "engine:kv_pages_evicted", "Cached KV pages evicted to make room.", s.evicted_pages),
         ("counter", "engine:num_preemptions", "Requests retracted under KV memory pressure.", s.num_retractions),
+        *_host_tier_series(s),
+    ]
+
+
+def _host_tier_series(s: EngineStats) -> list[tuple[str, str, str, float]]:
+    """The host KV tier's series (--enable-hierarchical-cache; docs/kv_host_tier.md), none without it."""
+    if not s.host_pages_total:
+        return []
+    return [
+        ("gauge", "engine:hicache_host_pages_total", "KV pages of the host-memory tier.", s.host_pages_total),
+        ("gauge", "engine:hicache_host_pages_used", "Host-tier KV pages holding cached prefixes.", s.host_pages_used),
+        (
+            "counter",
+            "engine:hicache_host_hits",
+            "Prefix matches that loaded pages back from the host tier.",
+            s.host_hits,
+        ),
+        (
+            "counter",
+            "engine:hicache_loaded_tokens",
+            "Tokens of KV loaded back from the host tier instead of recomputed.",
+            s.host_loaded_tokens,
+        ),
+        (
+            "counter",
+            "engine:hicache_loaded_bytes",
+            "Bytes copied from the host tier to the device.",
+            s.host_loaded_bytes,
+        ),
+        ("counter", "engine:hicache_written_tokens", "Tokens of KV written to the host tier.", s.host_written_tokens),
+        (
+            "counter",
+            "engine:hicache_written_bytes",
+            "Bytes copied from the device to the host tier.",
+            s.host_written_bytes,
+        ),
+        ("counter", "engine:hicache_evicted_pages", "Host-tier pages dropped to make room.", s.host_evicted_pages),
+        ("counter", "engine:hicache_copy_seconds", "Time the host-tier copies took.", s.host_copy_seconds),
     ]
 
 
