@@ -22,6 +22,18 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _slot_block(sorted_rows_ptr, group_starts_ptr, slot, block, rows, BLOCK_M: tl.constexpr):
+    """Block `block` of slot `slot`'s rows: (their token rows, which are live, whether the block is past them)."""
+    start = tl.load(group_starts_ptr + slot)
+    end = tl.minimum(tl.load(group_starts_ptr + slot + 1), rows)
+    first = start + block * BLOCK_M
+    offs_m = first + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    token = tl.load(sorted_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    return token, m_mask & (token < rows), first >= end  # never past the rows given, whatever the lists say
+
+
 @triton.jit(do_not_specialize=["rows", "IN", "K"])
 def lora_shrink_kernel(
     x_ptr,
@@ -44,15 +56,9 @@ def lora_shrink_kernel(
     block = tl.program_id(0)
     split = tl.program_id(1)
     slot = tl.program_id(2)
-    start = tl.load(group_starts_ptr + slot)
-    end = tl.minimum(tl.load(group_starts_ptr + slot + 1), rows)
-    first = start + block * BLOCK_M
-    if first >= end:
+    token, m_mask, empty = _slot_block(sorted_rows_ptr, group_starts_ptr, slot, block, rows, BLOCK_M)
+    if empty:
         return
-    offs_m = first + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    token = tl.load(sorted_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    m_mask = m_mask & (token < rows)  # never past the rows given, whatever the lists say
     offs_k = tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
     offs_in = tl.arange(0, BLOCK_IN)
@@ -97,15 +103,9 @@ def lora_expand_kernel(
     block = tl.program_id(0)
     out_block = tl.program_id(1)
     slot = tl.program_id(2)  # num_slots: the base model's rows and padding
-    start = tl.load(group_starts_ptr + slot)
-    end = tl.minimum(tl.load(group_starts_ptr + slot + 1), rows)
-    first = start + block * BLOCK_M
-    if first >= end:
+    token, m_mask, empty = _slot_block(sorted_rows_ptr, group_starts_ptr, slot, block, rows, BLOCK_M)
+    if empty:
         return
-    offs_m = first + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    token = tl.load(sorted_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    m_mask = m_mask & (token < rows)  # never past the rows given, whatever the lists say
     offs_n = out_block * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     mask = m_mask[:, None] & (offs_n < OUT)[None, :]
     result = tl.load(out_ptr + token[:, None] * stride_out + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
