@@ -36,6 +36,9 @@ SERVER_ARGS = [
     "1",
     "--header-timeout",
     "3",
+    # No bf16 prefill copy (~200 MiB an engine): the suite's servers run at once beside its workers.
+    "--cpu-prefill-weights",
+    "gguf",
     # Parsers on: they change nothing for SmolLM2 (it never thinks), and the tool tests need one.
     "--tool-call-parser",
     "hermes",
