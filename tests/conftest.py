@@ -9,6 +9,8 @@ a check that the engine is idle and its KV pool balances (see `_kv_guard`).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import ctypes
 import functools
 import gc
 import importlib
@@ -395,13 +397,23 @@ def engine_cache() -> Callable[..., Engine]:
     return get
 
 
+def return_freed_memory() -> None:
+    """Collect the engines a test dropped and hand glibc's freed heap back to the system: a worker's RSS otherwise
+    keeps every dropped engine's pages (SmolLM2 engines built and dropped 4 times: 1.27 GB, 0.67 GB after the
+    trim), and the suite's workers share the machine's memory (one was killed at 8.2 GB)."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):  # another C library (musl): nothing to trim with
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def release_cached(engine: Engine) -> None:
     """Take an engine out of engine_cache and shut it down: for the heavy ones a module uses alone, so that the
     session does not hold them (the suite's workers share the machine's memory)."""
     for key in [key for key, cached in _ENGINES.items() if cached is engine]:
         del _ENGINES[key]
     engine.shutdown()
-    gc.collect()
+    return_freed_memory()
 
 
 def reset_dynamo() -> None:
@@ -626,6 +638,9 @@ def _kv_guard(request: pytest.FixtureRequest) -> Iterator[None]:
         except AssertionError as exc:
             problems.append(str(exc))
             _reset(engine)  # keep shared engines usable by later tests
+    built_here = bool(_TOUCHED)
     _TOUCHED.clear()
+    if built_here:
+        return_freed_memory()
     if problems:
         pytest.fail("KV invariant after test: " + "; ".join(problems))
