@@ -96,9 +96,8 @@ def _engine(args: argparse.Namespace, **overrides: Any) -> Engine:
     return Engine(**options)
 
 
-def _free(engine: Engine) -> None:
-    engine.shutdown()
-    del engine
+def _return_memory() -> None:
+    """After the caller dropped its last reference to an engine (`del engine`): its device memory back."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -179,7 +178,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["base"] = {"offline": offline(engine, requests, [None]), "decode_ms": decode_step_ms(engine, args, None)}
     model_config, runners = engine.model_config, engine.runner.describe()
     report["base"]["runners"] = runners
-    _free(engine)
+    engine.shutdown()
+    del engine  # the base model's weights and pool go before the LoRA engine loads its own (an 8B twice: OOM)
+    _return_memory()
 
     with tempfile.TemporaryDirectory(prefix="lora_bench_") as root:
         started = time.perf_counter()
@@ -209,7 +210,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "decode_ms_base_row": decode_step_ms(engine, args, None),
             "runners": engine.runner.describe(),
         }
-        _free(engine)
+        engine.shutdown()
+        del engine
+        _return_memory()
     base, lora = report["base"], report["lora"]
     report["summary"] = {
         "throughput_vs_base": lora["offline"]["output_tok_s"] / base["offline"]["output_tok_s"],

@@ -139,7 +139,7 @@ def test_triton_kernels_at_decode_and_prefill_sizes(rows: int, dtype: torch.dtyp
 @pytest.mark.parametrize("kernels", [DENSE_LORA, GATHER_LORA], ids=lambda k: k.name)
 def test_the_torch_paths_match_the_row_by_row_reference(kernels: object) -> None:
     out, x, lora_a, lora_b = _case(SHAPES[0], seed=5)
-    rows = _rows(STEP, SHAPES[0][0], PADDED, grouped=False)
+    rows = TokenSlots(*(t.cpu() for t in _rows(STEP, SHAPES[0][0], PADDED, grouped=False)))  # the torch paths: CPU
     got = kernels.apply(out, x, lora_a, lora_b, rows)  # type: ignore[attr-defined]
     want = _reference(out, x, lora_a, lora_b, rows.slots)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
