@@ -27,6 +27,7 @@ import time
 from collections import deque
 from typing import Any
 
+import httpx
 import torch
 
 from benchmarks.serve_process import wait_for_health
@@ -79,9 +80,15 @@ def serve_and_bench(
             bench.base_url, bench.max_concurrency, bench.disable_stream = url, concurrency, not stream
             # Prompts of their own for each run: none finds the last run's pages in the prefix cache.
             bench.seed = seed + run
+            before = _server_ttft_histogram(url)
             summary = asyncio.run(run_benchmark(bench))
-            # The timeline (when each request went out, how long it took), to find stalls.
-            summary["timeline"] = [(round(r["sent"], 4), round(r["latency"], 4)) for r in summary.pop("requests")]
+            # The server's own time to first token (handler registered -> first output routed), beside the
+            # client's: what the client sees on top of it is the HTTP round trip and the event loop's delay.
+            summary["server_side_ttft_s"] = _histogram_median(before, _server_ttft_histogram(url))
+            # The timeline (when each request went out, its first token, how long it took), to find stalls.
+            summary["timeline"] = [
+                (round(r["sent"], 4), round(r["ttft"], 4), round(r["latency"], 4)) for r in summary.pop("requests")
+            ]
             print(
                 f"server, concurrency {concurrency}, {'streaming' if stream else 'non-streaming'}: "
                 f"{summary['output_throughput']:.0f} output tok/s, client CPU/wall "
@@ -100,6 +107,36 @@ def serve_and_bench(
             server.kill()
 
 
+def _server_ttft_histogram(url: str) -> dict[float, float]:
+    """The server's engine:time_to_first_token_seconds buckets (upper bound -> cumulative count)."""
+    buckets: dict[float, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("engine:time_to_first_token_seconds_bucket"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[float(bound)] = buckets.get(float(bound), 0.0) + float(line.rsplit(" ", 1)[1])
+    return buckets
+
+
+def _histogram_median(before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The median of the observations between two scrapes, interpolated within its bucket."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    half, lower, below = counts[-1] / 2, 0.0, 0.0
+    for bound, cumulative in zip(bounds, counts):
+        if cumulative >= half:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (half - below) / max(cumulative - below, 1e-9)
+        lower, below = bound, cumulative
+    return None
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.0f}"
+
+
 def _cpu_list(text: str | None) -> set[int]:
     """'0,2-3' -> {0, 2, 3}; None or '' -> empty (no pinning)."""
     cores: set[int] = set()
@@ -115,7 +152,8 @@ def offline(engine: Engine, workload: list[tuple[list[int], int]], concurrency: 
     queue = deque(workload)
     live = generated = 0
     added: dict[str, float] = {}
-    ttft: list[float] = []
+    first: dict[str, float] = {}
+    timeline: list[tuple[float, float, float]] = []  # as the server's: sent, time to first token, latency
 
     def submit() -> None:
         prompt, max_tokens = queue.popleft()
@@ -130,21 +168,27 @@ def offline(engine: Engine, workload: list[tuple[list[int], int]], concurrency: 
     while engine.has_unfinished():
         for output in engine.step():
             generated += len(output.new_token_ids)
-            if output.request_id in added and output.new_token_ids:
-                ttft.append(time.perf_counter() - added.pop(output.request_id))
+            now = time.perf_counter()
+            if output.request_id not in first and output.new_token_ids:
+                first[output.request_id] = now
             if output.finished:
+                sent = added.pop(output.request_id)
+                ttft = first.pop(output.request_id, now) - sent
+                timeline.append((round(sent - start, 4), round(ttft, 4), round(now - sent, 4)))
                 live -= 1
                 if queue:
                     submit()
                     live += 1
     engine.platform.synchronize()
     wall = time.perf_counter() - start
+    ttfts = sorted(entry[1] for entry in timeline)
     return {
         "concurrency": concurrency,
         "wall_s": wall,
         "output_tokens": generated,
         "output_throughput": generated / wall,
-        "ttft_s": {"median": statistics.median(ttft), "p99": sorted(ttft)[int(0.99 * (len(ttft) - 1))]},
+        "ttft_s": {"median": statistics.median(ttfts), "p99": ttfts[int(0.99 * (len(ttfts) - 1))]},
+        "timeline": timeline,
     }
 
 
@@ -229,7 +273,9 @@ def main() -> None:
         report["offline"].append(offline(engine, workload, concurrency))  # type: ignore[arg-type]
     print(
         f"{'server flags':>22} {'concurrency':>11} {'mode':>6} {'server tok/s':>13} {'in-process tok/s':>17} "
-        f"{'ratio':>6} {'TTFT p50/p99 ms':>16} {'in-process TTFT':>16} {'ITL p50/p99 ms':>15} {'client CPU':>10}"
+        f"{'ratio':>6} {'TTFT p50/p99 ms':>16} {'in-process TTFT':>16} {'server-side TTFT p50':>20} "
+        f"{'ITL p50/p99 ms':>15} "
+        f"{'client CPU':>10}"
     )
     for index, concurrency in enumerate(concurrencies):
         local = report["offline"][index]["output_throughput"]
@@ -246,6 +292,7 @@ def main() -> None:
                     f"{s['output_throughput']:>13.0f} {local:>17.0f} {ratio:>6.2f} "
                     f"{1e3 * s['ttft_s']['median']:>7.0f}/{1e3 * s['ttft_s']['p99']:<8.0f} "
                     f"{1e3 * lt['median']:>7.0f}/{1e3 * lt['p99']:<8.0f} "
+                    f"{_ms(s.get('server_side_ttft_s')):>20} "
                     f"{1e3 * s['itl_s']['median']:>6.1f}/{1e3 * s['itl_s']['p99']:<8.1f} "
                     f"{s['client_cpu_fraction']:>10.2f}"
                 )
