@@ -149,7 +149,7 @@ class _ExtendPlan:
     """An extend step being filled: its budget of prompt tokens left, and the requests admitted so far."""
 
     budget: float  # fractional once weighted tokens (prompt logprobs) are taken
-    timed: bool  # the budget comes from the step-time limit (prompt-logprob tokens weigh more)
+    timed: bool  # steps are kept short in time (prompt-logprob tokens weigh more)
     reserve: float  # tokens the running requests (and those admitted now) will still write
     requests: list[Request] = field(default_factory=list)
     lens: list[int] = field(default_factory=list)
@@ -366,7 +366,10 @@ class Scheduler:
         # Prompt tokens this step may still take; fractional once weighted tokens (_token_weight) are taken.
         budget: float = min(self.max_prefill_tokens, self.chunked_prefill_size or self.max_prefill_tokens)
         stall_budget = self._time_budget() if self.chunked_prefill_size is not None else None
-        timed = stall_budget is not None
+        # Prompt-logprob tokens weigh more wherever steps are kept short in time, a request alone included: its
+        # steps have no time limit, but one 1,900-token prompt with logits at every position took 11 s on two CPU
+        # cores, and whoever arrives meanwhile waits for the whole step.
+        timed = self.max_extend_step_s is not None and self.chunked_prefill_size is not None
         if stall_budget is not None:
             budget = min(budget, stall_budget)
         if decode_tokens:

@@ -716,40 +716,41 @@ def test_logprob_tokens_join_to_the_text_and_bytes_are_the_tokens_own(server: Se
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_clients_that_hang_up_during_prefill_free_everything(server: ServerProcess, stream: bool) -> None:
-    """A long prompt still in its chunked prefill when the client leaves: its pages are freed once the step in
-    flight ends. Alone, the prompt runs in chunks of the chunk size, with no time limit (issue #49), so how long
-    one step takes depends on how busy the CPU is: the test times the step it watched (the pages each chunk
-    takes appear when it is scheduled) and allows two of them. Without the abort the request would go on to
-    800 decode steps (the context is 2,048 tokens)."""
+    """Two long prompts still in their chunked prefill when their clients leave: their pages are freed once the
+    step in flight ends. Two, so that neither is alone: a prompt alone runs in one step on the CPU (issue #49);
+    beside another, the extend step's time limit cuts it into chunks. How long a step takes depends on how busy
+    the CPU is, so the test times one it watched (the pages a chunk takes appear when it is scheduled) and
+    allows two. Without the abort the requests would go on to 800 decode steps (the context is 2,048 tokens)."""
     server.wait_idle()
-    # Each case its own prompt: the radix cache keeps the chunks the other case computed.
-    prompt = ("river " if stream else "story ") * 1200
-    body = json.dumps({"prompt": prompt, "max_tokens": 800, "ignore_eos": True, "stream": stream}).encode()
-    request = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
     generated_before = server.metrics().get("engine:generation_tokens_total", 0)
-    sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.sendall(request)
+    sockets = []
+    for word in ("river ", "story ") if stream else ("cloud ", "stone "):  # prompts of their own: no cache hits
+        body = json.dumps({"prompt": word * 1200, "max_tokens": 800, "ignore_eos": True, "stream": stream}).encode()
+        request = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        sockets.append(socket.create_connection(("127.0.0.1", server.port)))
+        sockets[-1].sendall(request)
     deadline = time.monotonic() + 30
     chunk_seen: list[float] = []  # when the pages of a new chunk appeared
     pages = 0.0
     while len(chunk_seen) < 2:
-        assert time.monotonic() < deadline, "the prefill never started (or never got to its second chunk)"
+        assert time.monotonic() < deadline, "the prefill never started (or never got to a second chunk)"
         now_pages = server.metrics()["engine:kv_pages_used"]
         if now_pages > pages:
             chunk_seen.append(time.monotonic())
         pages = now_pages
         time.sleep(0.01)
     assert server.metrics().get("engine:generation_tokens_total", 0) == generated_before  # still prefilling
-    sock.close()
+    for sock in sockets:
+        sock.close()
     hung_up = time.monotonic()
     one_step = chunk_seen[1] - chunk_seen[0]
     allowed = 2.0 + 2 * one_step
     while server.metrics()["engine:kv_pages_used"] > 0:
         waited = time.monotonic() - hung_up
-        assert waited < allowed, f"an abandoned prefill still holds KV pages {waited:.1f} s on (one step: {one_step:.2f} s)"
+        assert waited < allowed, f"abandoned prefills still hold KV pages {waited:.1f} s on (a step: {one_step:.2f} s)"
         time.sleep(0.02)
 
 

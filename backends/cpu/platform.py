@@ -124,6 +124,13 @@ class CpuPlatform(Platform):
                 layers, settings.get("chunked_prefill_size") or settings.get("max_prefill_tokens") or 512
             )
             reason += f", packed in {time.perf_counter() - start:.1f} s"
+            set_activations = getattr(model, "set_prefill_activations", None)
+            if set_activations is not None:
+                # Long steps' MLPs in bf16 too: the packed GEMMs take and give it (decoder.py).
+                from backends.cpu.gguf_linear import PREFILL_BF16_ACTIVATION_ROWS as ROWS
+
+                switched = set_activations(torch.bfloat16, ROWS, prefill_weights.has_copy)
+                reason += f", the MLPs of {switched} layers in bf16 in steps of >= {ROWS} rows"
         logger.info("CPU %s", prefill_weights.describe(keep, reason, added))
 
     def capture_settings(self) -> CaptureSettings:

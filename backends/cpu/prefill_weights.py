@@ -42,7 +42,13 @@ def prefill_layers(model: nn.Module) -> list[Linear]:
 
 
 def has_prefill_copy(model: nn.Module) -> bool:
-    return any(hasattr(gguf_tiles(layer)[0][2], PREFILL_WEIGHT_ATTR) for layer in prefill_layers(model))
+    return any(has_copy(layer) for layer in prefill_layers(model))
+
+
+def has_copy(layer: nn.Module) -> bool:
+    """The linear multiplies many rows on a packed bf16 copy (so it takes bf16 inputs and gives bf16)."""
+    tiles = gguf_tiles(layer) if isinstance(layer, Linear) else None
+    return tiles is not None and len(tiles) > 0 and hasattr(tiles[0][2], PREFILL_WEIGHT_ATTR)
 
 
 def copy_bytes(layers: list[Linear]) -> int:

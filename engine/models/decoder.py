@@ -215,6 +215,26 @@ class DecoderForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    def set_prefill_activations(
+        self, dtype: torch.dtype, min_rows: int, takes_dtype: Callable[[nn.Module], bool]
+    ) -> int:
+        """Steps of at least min_rows tokens run each layer's MLP in `dtype`, the residual stream and attention
+        staying in the model's: the norm before the MLP writes its output in it. For a float32 GGUF model on the
+        CPU, whose many-row matmuls run on a packed bf16 copy (backends/cpu/prefill_weights.py): those GEMMs take
+        and give bf16, so three casts around the MLP's matmuls go and its activation reads half the bytes
+        (a 1,500-token prompt 18% faster). Attention stays as it was: rotary embeddings in bf16 rounded the keys
+        once more and moved greedy text away from HF float32's, for no measurable gain. Only pre-norm layers with
+        a gated MLP whose projections both take `dtype` (takes_dtype) switch; returns how many did."""
+        count = 0
+        for layer in self.decoder_layers():
+            if type(layer) is not DecoderLayer or not isinstance(layer.mlp, GatedMLP):
+                continue
+            norm = layer.post_attention_layernorm
+            if isinstance(norm, RMSNorm) and takes_dtype(layer.mlp.gate_up_proj) and takes_dtype(layer.mlp.down_proj):
+                norm.many_rows_dtype = (dtype, min_rows)
+                count += 1
+        return count
+
     def decoder_layers(self) -> nn.ModuleList:
         return self.model.layers
 
