@@ -11,6 +11,10 @@
     # chosen acceptance rates (benchmarking only): throughput against acceptance length, plain decoding beside.
     PYTHONPATH=. python benchmarks/speculative.py simulated --device cuda --model llama-3-8b --load-format dummy \
         --batch-sizes 1,8,32 --acceptance-rates 1,0.85,0.7,0.5 --output-json spec_simulated.json
+    # The same with the drafts' own cost: an EAGLE-3 head of the target's shape with dummy weights drafts every
+    # step (the public Llama-3-8B head's shape for llama-3-8b); its drafts are then replaced by the simulated ones.
+    PYTHONPATH=. python benchmarks/speculative.py simulated --eagle3-head --device cuda --model llama-3-8b \
+        --load-format dummy --batch-sizes 1,8,32 --output-json spec_simulated_eagle3.json
 
 Prints tables and writes JSON. Steps are timed back to back between two device synchronisations (median of 5
 groups), through ModelRunner.launch as the engine runs them: message, forward (the decode graphs where a step's
@@ -29,8 +33,10 @@ import time
 from typing import Any
 
 from engine.engine import Engine
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep
+from engine.speculative.eagle3 import Eagle3Proposer
 from engine.tuning.measure import steady_ms
 
 COPY_PROMPTS = [
@@ -200,11 +206,24 @@ class SimulatedDrafts:
         return drafts[:kept] + sampled[kept : kept + 1]
 
 
+def _draft_with_the_head_then_simulate(eagle: Eagle3Proposer, simulated: SimulatedDrafts) -> None:
+    """Every verify step pays for the EAGLE-3 head's drafts (its catch-up and chain), which are then replaced
+    by the simulated ones of the same lengths (dummy weights guess nothing)."""
+    head_propose = type(eagle).propose.__get__(eagle)
+
+    def propose(requests: list[Request], limits: list[int]) -> list[list[int]]:
+        drafted = head_propose(requests, limits)
+        return simulated.propose_batch([[] for _ in requests], [len(d) for d in drafted])
+
+    eagle.propose = propose  # type: ignore[method-assign]
+
+
 def run_simulated(args: argparse.Namespace) -> dict[str, Any]:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     rates = [float(c) for c in args.acceptance_rates.split(",")]
     k = args.num_speculative_tokens
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": k})
+    method = {"method": "eagle3", "model": "dummy"} if args.eagle3_head else {"method": "ngram"}
+    spec = json.dumps({**method, "num_speculative_tokens": k})
     sizing = {"kv_cache_tokens": max(batch_sizes) * (args.context + args.max_tokens + 2 * k) + 8192}
     plain, speculative = _engine(args, **sizing), _engine(args, speculative_config=spec, **sizing)
     speculator = speculative.speculator
@@ -223,6 +242,8 @@ def run_simulated(args: argparse.Namespace) -> dict[str, Any]:
         for rate in rates:
             simulated = SimulatedDrafts(rate, k, vocab)
             speculator.proposer = simulated
+            if speculator.eagle is not None:
+                _draft_with_the_head_then_simulate(speculator.eagle, simulated)
             speculator.accept = lambda drafts, sampled, s=simulated: real_accept(drafts, s.accept(drafts, sampled))  # type: ignore[method-assign]
             speculator.stats.__init__()  # type: ignore[misc]
             start = time.perf_counter()
@@ -254,6 +275,7 @@ def run_simulated(args: argparse.Namespace) -> dict[str, Any]:
         "context": args.context,
         "max_tokens": args.max_tokens,
         "num_speculative_tokens": k,
+        "drafts": "dummy EAGLE-3 head, then simulated" if args.eagle3_head else "simulated",
         "runners": runners,
         "rows": rows,
     }
@@ -275,6 +297,11 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--acceptance-rates", default="1,0.85,0.7,0.5", help="simulated: each draft's chance")
+    parser.add_argument(
+        "--eagle3-head",
+        action="store_true",
+        help="simulated: a dummy EAGLE-3 head of the target's shape drafts every step (its cost counted)",
+    )
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -167,13 +167,17 @@ class EngineConfig:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (docs/speculative.md); runs without overlap scheduling',
     )
     speculative_algorithm: str | None = setting(
-        None, "SGLang's spelling of --speculative-config: NGRAM or STANDALONE (a draft model); docs/speculative.md"
+        None,
+        "SGLang's spelling of --speculative-config: NGRAM, STANDALONE (a draft model) or EAGLE3 (an EAGLE-3 head); "
+        "docs/speculative.md",
     )
     speculative_num_steps: int | None = setting(None, "SGLang: draft tokens per request and step (a chain)")
     speculative_num_draft_tokens: int | None = setting(
         None, "SGLang: tokens each verify step scores per request (the drafts and one more)"
     )
-    speculative_draft_model_path: str | None = setting(None, "SGLang: the draft model, with STANDALONE")
+    speculative_draft_model_path: str | None = setting(
+        None, "SGLang: the draft model (STANDALONE) or the EAGLE-3 head's folder (EAGLE3)"
+    )
     speculative_eagle_topk: int | None = setting(None, "SGLang: drafts per position; only 1 (chains) is supported")
     enable_lora: bool = setting(False, "serve LoRA adapters (docs/lora.md)")
     max_loras: int = setting(4, "LoRA adapters in device slots at once")

@@ -46,9 +46,10 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import INIT_NEW_TOKEN_RATIO, ScheduledStep, Scheduler, max_step_tokens_for
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.draft_model import DraftModelProposer
+from engine.speculative.eagle3 import Eagle3Proposer
 from engine.speculative.speculator import Speculator
 from engine.stats import EngineStats, StatsLogger
-from engine.step_message import StepBuilder
+from engine.step_message import StepBuilder, StepMessage
 from engine.structured.waitlist import GrammarWaitlist
 from engine.tokenizer import encode_prompt, load_tokenizer
 from graphs.model_runner import DecodeBatchState, ModelRunner
@@ -208,7 +209,7 @@ class Engine:
             lambda request: (request.shared_pages, self.kv_pool.allocator.pages_of(request.request_id)),
             on_row_released=self.decode_state.release_row,
         )
-        self.kv_manager.on_release = self.step_builder.release
+        self.kv_manager.on_release = self._on_release
         if self._compiles():
             self.platform.wait_for_compile_workers()  # its compiler imports done before the main thread compiles
         extend_step = self._extend_step()  # first: the CUDA decode graphs compile its layer graph for both
@@ -354,6 +355,8 @@ class Engine:
             return None  # (tensor parallelism refused it: preflight.py)
         if spec.model is None:
             return Speculator(spec)
+        if spec.method == "eagle3":
+            return Speculator(spec, eagle=self._eagle3(spec))
         # The draft model: an engine of its own on this device (its KV pool, its graphs), greedy, with the
         # prefix cache its rollback. On an accelerator it takes a tenth of the free memory for its KV pool.
         draft = Engine(
@@ -378,6 +381,40 @@ class Engine:
         self.draft_engine = draft
         proposer = DraftModelProposer(draft, spec.num_speculative_tokens, draft.max_model_len)
         return Speculator(spec, proposer)
+
+    def _eagle3(self, spec: SpeculativeConfig) -> Eagle3Proposer:
+        """The EAGLE-3 head of --speculative-config on this device, and the tap that hands it the target's
+        inner-layer states (set before any graph is captured: the captures copy them too)."""
+        from engine.speculative.aux_hidden import AuxHiddenTap
+        from engine.speculative.eagle3_checkpoint import TargetShape, load_eagle3_head
+
+        assert spec.model is not None
+        mc = self.model_config
+        target = TargetShape(
+            int(mc.hidden_size),
+            int(mc.vocab_size),
+            int(mc.num_hidden_layers),
+            int(mc.num_attention_heads),
+            int(mc.num_key_value_heads),
+            int(mc.intermediate_size),
+            self.max_model_len,
+        )
+        dummy = self.config.load_format == "dummy"
+        head = load_eagle3_head(spec.model, target, self.config.torch_dtype, self.device, dummy, self.config.seed)
+        # Rows for the largest step: a prefill's token budget, or every verify row.
+        verify_rows = self.config.positive_int("max_num_seqs") * (1 + spec.num_speculative_tokens)
+        rows = max(max_step_tokens_for(self.config), verify_rows)
+        layers = head.config.target_layers(target.num_layers)
+        tap = AuxHiddenTap(layers, target.hidden_size, rows, self.config.torch_dtype, self.device)
+        self.model.aux_tap = tap
+        logger.info(
+            "EAGLE-3 head %s: draft vocabulary %d of %d, hidden states of target layers %s",
+            spec.model,
+            head.config.draft_vocab_size,
+            head.config.vocab_size,
+            tap.layers,
+        )
+        return Eagle3Proposer(head, self.model.embed, tap, spec.num_speculative_tokens, self.device)
 
     def _compiles(self) -> bool:
         """Whether this engine torch.compiles a step (decode or extend)."""
@@ -759,6 +796,13 @@ class Engine:
         self.stats_logger.step_sizes.record_prompt(len(token_ids))  # /metrics' prompt-length histogram
         return request_id
 
+    def _on_release(self, request: Request) -> None:
+        """The request holds no KV any more (finished, aborted, retracted): its decode row and its draft
+        head's cache go too."""
+        self.step_builder.release(request)
+        if self.speculator is not None:
+            self.speculator.forget(request)
+
     def _schedule_new(self, request: Request) -> None:
         if request.params.grammar is not None:
             self.grammar_waitlist.add(request)  # scheduled once its grammar has compiled (step())
@@ -848,13 +892,20 @@ class Engine:
         rewind = _generator_states(step.sampled_requests)
         start = time.perf_counter()
         self.kv_manager.fence()  # after the host tier's loads into (and write-backs out of) the pages it uses
+        ran_whole: StepMessage | None = None  # the step's message, where it ran in one piece
         try:
-            parts = [(step, self.runner.launch(step, self.step_builder.build(step), self._settle_constrained))]
+            message = self.step_builder.build(step)
+            parts = [(step, self.runner.launch(step, message, self._settle_constrained))]
             failed: list[tuple[Request, Exception]] = []
+            ran_whole = message
         except EngineStoppedError:
             raise  # a tensor-parallel rank is gone (or the ranks were shut down): no re-run can help
         except Exception as exc:
             parts, failed = self._isolate_failure(step, exc, rewind)
+        if self.speculator is not None and ran_whole is not None:
+            # An EAGLE-3 head keeps the step's hidden states (a step re-run in parts gives it none: its requests
+            # draft again once a later step has computed their last position).
+            self.speculator.observe(step, ran_whole)
         for part, sampled in parts:
             self.scheduler.on_step_launched(part)
             if sampled is not None:

@@ -86,8 +86,13 @@ class CompiledExtendStep:
             attention_context(backend, meta) as layer_meta,
             compile_report() if not self.guard.warm else nullcontext() as compiled,
         ):
-            for layer, (k_cache, v_cache) in zip(self.model.decoder_layers(), self.kv_caches):
+            tap = self.model.aux_tap
+            for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.decoder_layers(), self.kv_caches)):
+                if tap is not None:
+                    tap.record(index, hidden)
                 hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, layer_meta)
+            if tap is not None:
+                tap.record(len(self.kv_caches), hidden)
         if compiled is not None:  # the first call: not warm
             graphs = compile_count() - before
             if graphs:

@@ -210,10 +210,15 @@ class CompiledDecodeStep:
             step_context(backend, meta),
             attention_context(backend, meta) if self.opaque_attention else nullcontext(meta) as layer_meta,
         ):
-            for layer, (k_cache, v_cache) in zip(self.model.decoder_layers(), self.kv_caches):
+            tap = self.model.aux_tap
+            for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.decoder_layers(), self.kv_caches)):
+                if tap is not None:
+                    tap.record(index, hidden)
                 if mark:
                     mark_dynamic(hidden, 0)
                 hidden = self.layer_fn(layer, positions, hidden, k_cache, v_cache, layer_meta)
+            if tap is not None:
+                tap.record(len(self.kv_caches), hidden)
         if mark and self.head_fn is not None:
             torch._dynamo.maybe_mark_dynamic(hidden, 0)
         return hidden

@@ -65,9 +65,10 @@ def test_speculative_config_takes_vllms_keys_and_refuses_the_rest() -> None:
     ).lookup_range == (3, 3)  # type: ignore[union-attr]
     bad = {
         '{"method": "eagle3", "num_speculative_tokens": 3, "draft": "x"}': "unsupported keys draft",
-        '{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}': "goes with method draft_model",
-        '{"method": "draft_model", "num_speculative_tokens": 3}': "goes with method draft_model",
-        '{"method": "eagle3", "num_speculative_tokens": 3}': "'eagle3' is not supported yet",
+        '{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}': "goes with methods draft_model and eagle3",
+        '{"method": "draft_model", "num_speculative_tokens": 3}': "goes with methods draft_model and eagle3",
+        '{"method": "eagle", "num_speculative_tokens": 3}': "'eagle' is not supported yet",
+        '{"method": "eagle3", "num_speculative_tokens": 3}': "goes with methods draft_model and eagle3",
         '{"method": "medusa2", "num_speculative_tokens": 3}': "must be one of ngram",
         '{"method": "ngram"}': "needs 'num_speculative_tokens'",
         '{"method": "ngram", "num_speculative_tokens": 0}': "1..16",
@@ -92,8 +93,9 @@ def test_sglang_flags_are_the_same_config() -> None:
         "model": "/m/draft",
     }
     bad = {
-        ("EAGLE3", 3, None, None, None): "EAGLE3 is not supported yet",
+        ("EAGLE", 3, None, "/m/head", None): "EAGLE is not supported yet; algorithms: NGRAM, STANDALONE, EAGLE3",
         ("MEDUSA", 3, None, None, None): "must be one of NGRAM, STANDALONE",
+        ("EAGLE3", 3, None, None, None): "--speculative-draft-model-path goes with",
         ("NGRAM", None, None, None, None): "needs --speculative-num-steps or --speculative-num-draft-tokens",
         ("NGRAM", 3, 8, None, None): "a chain of 3 drafts verifies 4 tokens",
         ("NGRAM", 3, None, None, 4): "tree drafts are not supported",

@@ -104,6 +104,8 @@ def native_step_unsupported(model: torch.nn.Module, kv_caches: list[tuple[torch.
         return "the native GGUF kernels are not built here"
     if tp_world_size() > 1:
         return "tensor parallelism (the step holds no collectives)"
+    if model.aux_tap is not None:
+        return "an EAGLE-3 head reads inner layers' hidden states, which the native step keeps none of"
     if not model.config.family.traits.native_cpu_step:  # the family's file says whether the kernels implement it
         return f"{model.config.model_type}: its family's block is not the one kernels/gguf_decode.c implements"
     if any(k.dtype != torch.float32 or not k.is_contiguous() or not v.is_contiguous() for k, v in kv_caches):

@@ -34,6 +34,7 @@ from engine.model_config import ModelConfig
 if TYPE_CHECKING:
     from engine.loader.param_loading import CheckpointTensor
     from engine.platform import CaptureSettings
+    from engine.speculative.aux_hidden import AuxHiddenTap
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # The CUDA decode graphs write the head's output into their one float32 logits buffer this many rows at a
@@ -185,6 +186,8 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.attention_backend: AttentionBackend | None = None
+        # An EAGLE-3 head's inner-layer states (engine/speculative/aux_hidden.py); None: nothing recorded.
+        self.aux_tap: AuxHiddenTap | None = None
         self.model: DecoderStack = self.build_model()
         self.lm_head = lm_head(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
@@ -208,8 +211,13 @@ class DecoderForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed(input_ids)
-        for layer, kv_cache in zip(self.decoder_layers(), kv_caches):
+        tap = self.aux_tap
+        for index, (layer, kv_cache) in enumerate(zip(self.decoder_layers(), kv_caches)):
+            if tap is not None:
+                tap.record(index, hidden)
             hidden = layer(positions, hidden, kv_cache, meta)
+        if tap is not None:
+            tap.record(len(kv_caches), hidden)
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

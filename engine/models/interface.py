@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from engine.loader.param_loading import CheckpointTensor
     from engine.model_config import ModelConfig
     from engine.platform import CaptureSettings
+    from engine.speculative.aux_hidden import AuxHiddenTap
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -23,6 +24,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class CausalLM(Protocol):
     config: Any
     attention_backend: AttentionBackend | None
+    # Every loop over the layers records the stream entering each into it (an EAGLE-3 head's inputs); None: off.
+    aux_tap: AuxHiddenTap | None
 
     def __init__(self, config: ModelConfig) -> None:
         """Built from the config alone (ModelConfig.model_class(config), on the meta device)."""

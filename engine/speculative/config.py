@@ -6,9 +6,10 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
-# vLLM's other methods, refused by name until the engine has them (issue #43: EAGLE-3 heads).
-NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+METHODS = ("ngram", "draft_model", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle3")  # the methods whose `model` is a path
+# vLLM's other methods, refused by name until the engine has them.
+NOT_YET = ("eagle", "medusa", "mlp_speculator", "mtp", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
 
@@ -18,7 +19,9 @@ class SpeculativeConfig:
     """What to propose and how many drafts per step. ngram: drafts copied from the request's own tokens
     after the most recent earlier occurrence of its last n tokens, n from prompt_lookup_max down to
     prompt_lookup_min (prompt lookup decoding; vLLM's "ngram" method). draft_model: a smaller model with the
-    same vocabulary (`model`: a path or preset, as --model takes) decodes the drafts greedily."""
+    same vocabulary (`model`: a path or preset, as --model takes) decodes the drafts greedily. eagle3: an
+    EAGLE-3 head (`model`: its folder in the public layout, or "dummy" for random weights of the target's
+    shape) drafts from the target's hidden states."""
 
     method: str
     num_speculative_tokens: int
@@ -31,12 +34,14 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method in NOT_YET:
-            raise ValueError(f"--speculative-config method {self.method!r} is not supported yet; methods: ngram")
+            raise ValueError(
+                f"--speculative-config method {self.method!r} is not supported yet; methods: {', '.join(METHODS)}"
+            )
         if self.method not in METHODS:
             raise ValueError(f"--speculative-config method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if (self.method == "draft_model") != (self.model is not None):
+        if (self.method in MODEL_METHODS) != (self.model is not None):
             raise ValueError(
-                "--speculative-config: a draft model's path goes with method draft_model, and only there"
+                "--speculative-config: a draft model's path goes with methods draft_model and eagle3, and only there"
                 f" (method {self.method!r}, model {self.model!r})"
             )
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -100,7 +105,7 @@ SGLANG_ALGORITHMS: dict[str, str | None] = {
     "NGRAM": "ngram",
     "STANDALONE": "draft_model",
     "EAGLE": None,
-    "EAGLE3": None,
+    "EAGLE3": "eagle3",
     "NEXTN": None,
 }
 
@@ -127,9 +132,12 @@ def sglang_speculative_config(
         raise ValueError(f"--speculative-algorithm must be one of {', '.join(SGLANG_ALGORITHMS)}, got {algorithm!r}")
     method = SGLANG_ALGORITHMS[name]
     if method is None:
-        raise ValueError(f"--speculative-algorithm {name} is not supported yet; algorithms: NGRAM, STANDALONE")
+        supported = ", ".join(name for name, method in SGLANG_ALGORITHMS.items() if method is not None)
+        raise ValueError(f"--speculative-algorithm {name} is not supported yet; algorithms: {supported}")
     if eagle_topk not in (None, 1):
-        raise ValueError(f"--speculative-eagle-topk {eagle_topk}: tree drafts are not supported (chains: topk 1)")
+        raise ValueError(
+            f"--speculative-eagle-topk {eagle_topk}: tree drafts are not supported (chains: --speculative-eagle-topk 1)"
+        )
     if num_steps is None and num_draft_tokens is None:
         raise ValueError("--speculative-algorithm needs --speculative-num-steps or --speculative-num-draft-tokens")
     drafts = num_steps if num_steps is not None else int(num_draft_tokens or 0) - 1
@@ -138,8 +146,10 @@ def sglang_speculative_config(
             f"--speculative-num-draft-tokens {num_draft_tokens} with --speculative-num-steps {num_steps}: a chain "
             f"of {drafts} drafts verifies {drafts + 1} tokens (tree drafts are not supported)"
         )
-    if (method == "draft_model") != (draft_model_path is not None):
-        raise ValueError("--speculative-draft-model-path goes with --speculative-algorithm STANDALONE, and only there")
+    if (method in MODEL_METHODS) != (draft_model_path is not None):
+        raise ValueError(
+            "--speculative-draft-model-path goes with --speculative-algorithm STANDALONE or EAGLE3, and only there"
+        )
     config: dict[str, Any] = {"method": method, "num_speculative_tokens": drafts}
     if draft_model_path is not None:
         config["model"] = draft_model_path

@@ -6,10 +6,13 @@ from __future__ import annotations
 from typing import Protocol
 
 from engine.request import Request
+from engine.scheduler import ScheduledStep
 from engine.speculative.acceptance import SpecDecodeStats, accepted_length
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.draft_model import DraftModelProposer
+from engine.speculative.eagle3 import Eagle3Proposer
 from engine.speculative.ngram import NgramProposer
+from engine.step_message import StepMessage
 
 
 class Proposer(Protocol):
@@ -19,9 +22,16 @@ class Proposer(Protocol):
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, draft_model: DraftModelProposer | None = None) -> None:
-        """draft_model: the proposer of the "draft_model" method (the engine builds its draft engine)."""
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        draft_model: DraftModelProposer | None = None,
+        eagle: Eagle3Proposer | None = None,
+    ) -> None:
+        """draft_model: the proposer of the "draft_model" method (the engine builds its draft engine); eagle:
+        the "eagle3" method's (it reads the requests' own state, and each target step's hidden states)."""
         self.config = config
+        self.eagle = eagle
         low, high = config.lookup_range
         self.proposer: Proposer = (
             draft_model if draft_model is not None else NgramProposer(config.num_speculative_tokens, low, high)
@@ -29,8 +39,9 @@ class Speculator:
         self.stats = SpecDecodeStats()
 
     def describe(self) -> str:
-        if self.config.method == "draft_model":
-            return f"draft model {self.config.model}, {self.config.num_speculative_tokens} tokens"
+        if self.config.method in ("draft_model", "eagle3"):
+            kind = "EAGLE-3 head" if self.config.method == "eagle3" else "draft model"
+            return f"{kind} {self.config.model}, {self.config.num_speculative_tokens} tokens"
         low, high = self.config.lookup_range
         return f"{self.config.method}, {self.config.num_speculative_tokens} tokens, n-grams {low}-{high}"
 
@@ -47,7 +58,19 @@ class Speculator:
         if cutoff is not None and len(requests) >= cutoff:
             return [[] for _ in requests]
         allowed = [limit if self.drafts_allowed(r) else 0 for r, limit in zip(requests, limits)]
+        if self.eagle is not None:
+            return self.eagle.propose(requests, allowed)
         return self.proposer.propose_batch([r.all_token_ids for r in requests], allowed)
+
+    def observe(self, step: ScheduledStep, message: StepMessage) -> None:
+        """A target step was launched: an EAGLE-3 head keeps its tokens' hidden states (nothing otherwise)."""
+        if self.eagle is not None:
+            self.eagle.observe(step, message)
+
+    def forget(self, request: Request) -> None:
+        """The request released its KV (finished, aborted, retracted): so does the head's cache of it."""
+        if self.eagle is not None:
+            self.eagle.forget(request)
 
     def accept(self, drafts: list[int], sampled: list[int]) -> list[int]:
         """The tokens a request keeps from its verify rows: the drafts the target agreed with, then the
