@@ -17,6 +17,7 @@ _PLATFORMS: dict[str, tuple[str, str]] = {
     "rocm": ("backends.hip.platform", "HipPlatform"),
     "hpu": ("backends.hpu.platform", "HpuPlatform"),
     "npu": ("backends.npu.platform", "NpuPlatform"),
+    "xla": ("backends.xla.platform", "XlaPlatform"),
 }
 DEVICE_NAMES = (*tuple(_PLATFORMS), "auto")
 # A device YAML's own section -> (module, the dataclass that declares its keys); light modules, so that the

@@ -202,8 +202,8 @@ class EngineConfig:
     )
     extend_capture_tokens: list[int] | str | None = setting(
         None,
-        "cuda: token counts to capture extend/mixed-step CUDA graphs for, e.g. 16,64,256 ('' for none; default "
-        "from configs/<device>.yaml)",
+        "cuda: token counts to capture extend/mixed-step CUDA graphs for, e.g. 16,64,256 ('' for none); xla: the "
+        "prefill programs' token buckets (default from configs/<device>.yaml)",
     )
     enable_prefix_caching: bool = setting(
         True,

@@ -50,6 +50,7 @@ class CaptureKind(enum.StrEnum):
     COMPILE = "compile"  # torch.compile with static shapes, one compiled entry per size
     HPU_GRAPH = "hpu_graph"  # HPU lazy mode's graphs per bucket
     NPU_GRAPH = "npu_graph"  # torch.npu.NPUGraph (aclgraph) with host-side updates
+    XLA = "xla"  # jax.jit programs per bucket through torchax, KV cache donated (backends/xla/)
     NONE = "none"  # every step eager
 
 
