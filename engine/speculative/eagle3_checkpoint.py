@@ -44,7 +44,6 @@ def dummy_config(target: TargetShape) -> dict[str, Any]:
     32 heads, 8 KV heads, intermediate 14336, a 32,000-token draft vocabulary)."""
     return {
         "architectures": [ARCHITECTURE],
-        "model_type": "llama",
         "hidden_size": target.hidden_size,
         "intermediate_size": target.intermediate_size,
         "num_attention_heads": target.num_attention_heads,
