@@ -57,6 +57,10 @@ MIN_EXTEND_BUDGET = 32  # prompt tokens per extend step however slow the steps a
 # step also runs the LM head, a log-softmax and a top-k at every position, and builds an entry for
 # each (4.5 ms against 1.15 ms a token for SmolLM2 on a 2-core CPU).
 PROMPT_LOGPROB_TOKEN_WEIGHT = 4.0
+# Where extend steps are kept short (max_extend_step_s), a request alone may take a step this long: nobody waits
+# on it, so it is not held to the limit, but one that arrives meanwhile waits for the step to end, and issue
+# #48's goal for such a newcomer is 2 s. A 1,500-token prompt fits in one step on a 2-core AVX512-BF16 CPU.
+LONE_EXTEND_STEP_S = 2.0
 
 
 def group_of(request: Request) -> str:
@@ -194,9 +198,9 @@ class Scheduler:
         # Fairness and responsiveness: while other requests decode or wait, an extend step may take at most
         # this long, so they wait at most that. The engine reports how long every extend step took; the
         # fitted cost (fixed + per token) says how many prompt tokens fit, never fewer than MIN_EXTEND_BUDGET.
-        # A request alone (nothing decoding, nothing else waiting) has no time limit, only the token caps: nobody's
+        # A request alone (nothing decoding, nothing else waiting) has the longer LONE_EXTEND_STEP_S: nobody's
         # tokens wait on it, and fewer steps save their fixed cost (issue #49: one slow step had cut a lone prompt
-        # into small chunks; now only the chunk size cuts it).
+        # into small chunks; the estimate now learns from every step).
         self.max_extend_step_s = max_extend_step_s
         self.extend_time = ExtendStepTime()
         self.prompt_logprob_token_weight = PROMPT_LOGPROB_TOKEN_WEIGHT  # measured once such steps have run
@@ -353,12 +357,14 @@ class Scheduler:
         return self.prompt_logprob_token_weight if timed and request.params.prompt_logprobs is not None else 1.0
 
     def _time_budget(self) -> int | None:
-        """Prompt tokens one extend step may take to stay within max_extend_step_s; None without a limit, before
-        the first step, or for a request alone."""
-        alone = not self.running and len(self.waiting) + (self.chunked is not None) <= 1
-        if self.max_extend_step_s is None or alone:
+        """Prompt tokens one extend step may take to stay within max_extend_step_s (LONE_EXTEND_STEP_S for a
+        request alone); None without a limit or before the first step."""
+        if self.max_extend_step_s is None:
             return None
-        fit = self.extend_time.tokens_within(self.max_extend_step_s)
+        alone = not self.running and len(self.waiting) + (self.chunked is not None) <= 1
+        fit = self.extend_time.tokens_within(
+            max(self.max_extend_step_s, LONE_EXTEND_STEP_S) if alone else self.max_extend_step_s
+        )
         return None if fit is None else max(MIN_EXTEND_BUDGET, fit)
 
     def _schedule_extend(self, decode_tokens: int = 0) -> ScheduledStep | None:
@@ -366,9 +372,8 @@ class Scheduler:
         # Prompt tokens this step may still take; fractional once weighted tokens (_token_weight) are taken.
         budget: float = min(self.max_prefill_tokens, self.chunked_prefill_size or self.max_prefill_tokens)
         stall_budget = self._time_budget() if self.chunked_prefill_size is not None else None
-        # Prompt-logprob tokens weigh more wherever steps are kept short in time, a request alone included: its
-        # steps have no time limit, but one 1,900-token prompt with logits at every position took 11 s on two CPU
-        # cores, and whoever arrives meanwhile waits for the whole step.
+        # Prompt-logprob tokens weigh more wherever steps are kept short in time, a request alone included (one
+        # 1,900-token prompt with logits at every position took 11 s in one step on two CPU cores).
         timed = self.max_extend_step_s is not None and self.chunked_prefill_size is not None
         if stall_budget is not None:
             budget = min(budget, stall_budget)
