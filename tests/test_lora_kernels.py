@@ -1,12 +1,14 @@
-"""The batched LoRA matmul: CUDA's grouped Triton kernels (shrink + expand) and the CPU's torch paths against a
-per-row reference, with ranks padded inside the slot stacks, rows of mixed slots, base rows (-1) and a graph's
-padding rows after the step's, through the token -> slot buffers the model runner fills (engine/lora/rows.py).
+"""The batched LoRA matmul: CUDA's grouped Triton kernels (the split-K shrink and the expand),
+which add into out in place, and the CPU's torch paths against a per-row reference, with ranks padded inside the
+slot stacks, rows of mixed slots, base rows (-1) and a graph's padding rows after the step's, through the token
+-> slot buffers the model runner fills (engine/lora/rows.py); and the op inside an inductor graph.
 
 Without a GPU the Triton kernels run in Triton's CPU interpreter (compiled on a GPU).
 """
 
 from __future__ import annotations
 
+import re
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -72,10 +74,12 @@ def _rows(step_slots: list[int], num_slots: int, padded_rows: int, grouped: bool
 
 
 # (slots, parts' output rows, max rank, each slot's rank, input columns): q/k/v-like parts with rank padding
-# and an input wider than one split (a partial last split); one part over several output blocks (o/down).
+# and an input wider than one split (a partial last split); one part over several output blocks (o/down);
+# widths that are no power of two (K = 36 in a block of 64, 88 outputs) with an unloaded (all-zero) slot.
 SHAPES = [
     (3, [48, 16, 16], 8, [8, 3, 5], 300),
     (2, [300], 16, [16, 4], 96),
+    (3, [40, 24, 24], 12, [12, 0, 7], 200),
 ]
 STEP = [0, -1, 2, 1, 2, -1, 0, 0, -1]  # mixed slots, base rows between them, a slot used by several rows
 PADDED = 12  # the graph's rows: three padding rows after the step's nine
@@ -90,32 +94,87 @@ def _case(shape: tuple[int, list[int], int, list[int], int], seed: int) -> tuple
     return out, x, lora_a, lora_b
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=["qkv-like", "one-part"])
-def test_triton_kernels_match_the_row_by_row_reference(shape: tuple[int, list[int], int, list[int], int]) -> None:
-    num_slots = shape[0]
-    step = [s % num_slots if s >= 0 else -1 for s in STEP]
-    out, x, lora_a, lora_b = _case(shape, seed=1)
-    rows = _rows(step, num_slots, PADDED, grouped=True)
-    want = _reference(out, x, lora_a, lora_b, rows.slots.cpu())
-    with _kernels_mode():
-        from backends.cuda.lora import TRITON_LORA
-
-        got = TRITON_LORA.apply(*(t.to(DEVICE) for t in (out, x, lora_a, lora_b)), rows).cpu()
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
-    base_rows = rows.slots.cpu() < 0
-    assert int(base_rows.sum()) == 6  # three base rows and three padding rows
-    assert torch.equal(got[base_rows], out[base_rows])  # copied through, bit for bit
-    assert not torch.allclose(got[~base_rows], out[~base_rows])  # the adapters do change their rows
-
-
 # bf16 on a GPU only: Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw bits (a 16x16 dot of
 # bf16 randn is off by ~1e10 there), so the CPU runs the same kernels in float32, as the other kernels' tests do.
 DTYPES = [torch.float32, torch.bfloat16] if ON_GPU else [torch.float32]
+# A signalling NaN in out's rows of no slot: any arithmetic on it (even + 0) quiets it, so these rows keep their
+# bits only if no kernel computed on them. Their x rows are NaN too: read into a slot's row, they would poison it.
+SIGNALLING_NAN = {torch.float32: (0x7FA00001, torch.int32), torch.bfloat16: (0x7F81, torch.int16)}
+
+
+@pytest.fixture(params=["many-splits", "one-split"])
+def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The shrink's input split as the step's size chooses it (many splits: their partial sums added by the
+    expand), or whole in one split per row block."""
+    import backends.cuda.lora as cuda_lora
+
+    if request.param == "one-split":
+        monkeypatch.setattr(cuda_lora, "SPLIT_PROGRAMS", 1)
+    return str(request.param)
+
+
+def _apply_triton(
+    out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, rows: TokenSlots
+) -> torch.Tensor:
+    """TRITON_LORA.apply on the device; out is written in place and returned (checked here)."""
+    with _kernels_mode():
+        from backends.cuda.lora import TRITON_LORA
+
+        out, x, lora_a, lora_b = (t.to(DEVICE) for t in (out, x, lora_a, lora_b))
+        got = TRITON_LORA.apply(out, x, lora_a, lora_b, rows)
+    assert got is out
+    return got.cpu()
+
+
+def _check(
+    got: torch.Tensor, before: torch.Tensor, want: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype
+) -> None:
+    """The rows of a slot match the float64 reference (made from the same rounded inputs); every other row
+    keeps its bits."""
+    assert got.dtype == dtype
+    live = slots >= 0
+    scale = want[live].abs().max().item()
+    tolerance = (1e-5, 1e-4 * scale) if dtype == torch.float32 else (0.01, 0.01 * scale)
+    torch.testing.assert_close(got[live].double(), want[live], rtol=tolerance[0], atol=tolerance[1])
+    bits = SIGNALLING_NAN[dtype][1]
+    assert torch.equal(got[~live].view(bits), before[~live].view(bits))
+
+
+def _nan_rows_of_no_slot(out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+    value, bits = SIGNALLING_NAN[out.dtype]
+    base = slots < 0
+    out[base] = torch.tensor(value, dtype=bits).view(out.dtype)
+    x[base] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=["qkv-like", "one-part", "odd-widths"])
+def test_triton_kernels_match_the_row_by_row_reference(
+    shape: tuple[int, list[int], int, list[int], int], dtype: torch.dtype, kernel_path: str
+) -> None:
+    num_slots, parts, max_rank, ranks, in_features = shape
+    step = [s % num_slots if s >= 0 else -1 for s in STEP]
+    lora_a, lora_b = _stacks(num_slots, parts, max_rank, ranks, in_features, seed=1)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(PADDED, in_features, generator=generator)
+    out = torch.randn(PADDED, sum(parts), generator=generator)
+    out, x, lora_a, lora_b = (t.to(dtype) for t in (out, x, lora_a, lora_b))
+    rows = _rows(step, num_slots, PADDED, grouped=True)
+    slots = rows.slots.cpu()
+    assert int((slots < 0).sum()) == 6  # three base rows and three padding rows
+    _nan_rows_of_no_slot(out, x, slots)
+    want = _reference(out, x, lora_a, lora_b, slots)
+    got = _apply_triton(out.clone(), x, lora_a, lora_b, rows)
+    _check(got, out, want, slots, dtype)
+    changed = [not torch.allclose(got[t], out[t]) for t in range(len(step)) if step[t] >= 0]
+    unloaded = [t for t in range(len(step)) if step[t] >= 0 and ranks[step[t]] == 0]
+    assert changed == [ranks[s] > 0 for s in step if s >= 0]  # the adapters change their rows, zeros do not
+    assert all(torch.equal(got[t], out[t]) for t in unloaded)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 40, 300], ids=["one-row", "two-row-blocks", "long-split"])
-def test_triton_kernels_at_decode_and_prefill_sizes(rows: int, dtype: torch.dtype) -> None:
+def test_triton_kernels_at_decode_and_prefill_sizes(rows: int, dtype: torch.dtype, kernel_path: str) -> None:
     """Through the op the compiled graphs hold (engine::lora_sgmv), float32 sums: one row (a decode step), rows
     over several row blocks of one slot, and the long input splits of a prefill (300 rows)."""
     num_slots = 2
@@ -124,16 +183,76 @@ def test_triton_kernels_at_decode_and_prefill_sizes(rows: int, dtype: torch.dtyp
     step = [[1, -1, 0, 1][i % 4] if rows > 1 else 1 for i in range(rows)]
     x = torch.randn(rows, 2300, generator=generator)
     out = torch.randn(rows, 128, generator=generator)
+    out, x, lora_a, lora_b = (t.to(dtype) for t in (out, x, lora_a, lora_b))
     token_slots = _rows(step, num_slots, rows, grouped=True)
-    want = _reference(out, x, lora_a, lora_b, token_slots.slots.cpu())
+    slots = token_slots.slots.cpu()
+    _nan_rows_of_no_slot(out, x, slots)
+    want = _reference(out, x, lora_a, lora_b, slots)
+    got = _apply_triton(out.clone(), x, lora_a, lora_b, token_slots)
+    _check(got, out, want, slots, dtype)
+
+
+def test_an_empty_slot_stack_and_a_step_of_base_rows_leave_out_as_it_is(kernel_path: str) -> None:
+    out = torch.randn(5, 24)
+    x = torch.randn(5, 40)
+    slots = LoRARows(16, 0, torch.device(DEVICE), grouped=True)  # no slots at all
+    slots.fill([-1, -1, -1])
+    rows = TokenSlots(slots.slots[:5], slots.sorted_rows, slots.group_starts)
+    got = _apply_triton(out.clone(), x, torch.zeros(0, 8, 40), torch.zeros(0, 8, 24), rows)
+    assert torch.equal(got, out)
+    lora_a, lora_b = _stacks(2, [24], 8, [8, 8], 40, seed=6)
+    rows = _rows([-1, -1, -1], 2, 5, grouped=True)  # slots loaded, none used
+    _nan_rows_of_no_slot(out, x, rows.slots.cpu())
+    got = _apply_triton(out.clone(), x, lora_a, lora_b, rows)
+    assert torch.equal(got.view(torch.int32), out.view(torch.int32))
+
+
+def test_the_input_splits_spread_a_decode_step_and_stay_few_for_a_prefill() -> None:
+    """Llama-3-8B's down projection (14,336 inputs), 8 slots of rank 16: one row is split into 256-column
+    pieces (56 programs), a prefill of 8,192 rows into few long ones (its row blocks fill the GPU)."""
+    from backends.cuda.lora import MIN_SPLIT_IN, split_tiles
+
+    assert split_tiles(1, 8, 16, 14336).split_in == MIN_SPLIT_IN
+    prefill = split_tiles(8192, 8, 16, 14336)
+    assert -(-14336 // prefill.split_in) <= 4
+    assert all(split_tiles(rows, 8, 48, 4096).split_in % 64 == 0 for rows in (1, 7, 64, 300, 8192))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_inductor_runs_the_op_in_place_on_the_base_output(dynamic: bool) -> None:
+    """A compiled projection (base matmul, then the op), as the decode runner's layer graphs hold it: inductor
+    hands the op the matmul's own buffer and returns that buffer, with no copy of out anywhere in its code."""
+    from torch._inductor.utils import run_and_get_code
+
+    from graphs.compiled_step import private_copy
+
+    lora_a, lora_b = _stacks(3, [48, 16, 16], 8, [8, 3, 5], 300, seed=8)
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(80, 300, generator=generator)
+    x = torch.randn(PADDED, 300, generator=generator)
+    rows = _rows([s % 3 if s >= 0 else -1 for s in STEP], 3, PADDED, grouped=True)
     with _kernels_mode():
         from backends.cuda.lora import TRITON_LORA
 
-        got = TRITON_LORA.apply(*(t.to(DEVICE, dtype) for t in (out, x, lora_a, lora_b)), token_slots).cpu()
-    assert got.dtype == dtype
-    scale = want.abs().max().item()
-    tolerance = 1e-5 if dtype == torch.float32 else 0.02
-    assert (got.double() - want).abs().max().item() < tolerance * scale
+        def projection(
+            x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slots: TokenSlots
+        ) -> torch.Tensor:
+            return TRITON_LORA.apply(x @ weight.t(), x, lora_a, lora_b, slots)
+
+        compiled = torch.compile(private_copy(projection), fullgraph=True, dynamic=dynamic)
+        args = [t.to(DEVICE) for t in (x, weight, lora_a, lora_b)]
+        got, codes = run_and_get_code(compiled, *args, rows)
+    want = _reference(x @ weight.t(), x, lora_a, lora_b, rows.slots.cpu())
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-3)
+    # Where out's old values are still read after the op, inductor copies out into a new buffer first (a
+    # "clone" kernel) and hands the op that copy (reinterpret_tensor(buf...)): none of that here.
+    code = "\n".join(codes)
+    call = re.search(r"torch\.ops\.engine\.lora_sgmv\.default\((\w+),", code)
+    assert call is not None, code
+    buffer = call.group(1)
+    assert re.search(rf"mm\(.*out={buffer}\)", code), code  # the matmul's own output buffer
+    assert re.search(rf"return \({buffer}, \)", code), code  # is the result, as the op left it
+    assert not re.search(r"clone|copy_", code), code
 
 
 @pytest.mark.parametrize("kernels", [DENSE_LORA, GATHER_LORA], ids=lambda k: k.name)

@@ -1,9 +1,14 @@
-"""The batched LoRA matmul on CUDA: a grouped Triton shrink and expand (kernels/lora.py) as one opaque op.
+"""The batched LoRA matmul on CUDA: grouped Triton kernels (kernels/lora.py) as one opaque, in-place op.
 
-The op (`engine::lora_sgmv`) keeps the launches out of dynamo's sight, so the compiled layer graphs the CUDA
-decode runner captures hold it as one node with a fake shape, and the CUDA graph captures its two launches.
-It is functional (a new output tensor): inductor then needs no reasoning about a mutated input, for one
-activation-sized write that the expand kernel makes anyway.
+`engine::lora_sgmv(Tensor(a!) out, ...) -> ()` adds each slot row's adapter product into `out` and touches no
+other row: the base model's rows and a graph's padding are never read or written, so a step of base rows costs
+the launch and its programs returning at once, not a copy of the activation. The op keeps the launches out of
+dynamo's sight, so the compiled layer graphs the CUDA decode runner captures hold it as one node and the CUDA
+graph captures its launches. Under torch.compile, functionalization wraps the mutation (`auto_functionalized`)
+and inductor's reinplacing runs the op on the base projection's own output buffer, with no copy, since nothing
+reads that buffer's old values (tests/test_lora_kernels.py checks the generated code).
+
+Each projection is two launches: the split-K shrink and the expand (kernels/lora.py says why not one).
 """
 
 from __future__ import annotations
@@ -18,9 +23,16 @@ from engine.lora.matmul import TokenSlots
 
 KERNELS = "backends.cuda.kernels.lora"
 
+SPLIT_PROGRAMS = 512
+"""About how many shrink programs a step should keep busy (a few per SM of an H100): the input is split into
+enough parts for the row blocks that can hold rows to reach this many, so a decode step's few rows still
+spread each slot's A over the GPU. Never tuned on a GPU."""
+
+MIN_SPLIT_IN = 256  # input columns per shrink program at the least: shorter splits are mostly partial sums
+
 
 @dataclass(frozen=True)
-class LoRATiles:
+class SplitTiles:
     block_m: int  # rows of one slot per program
     split_in: int  # input columns per shrink program (split-K)
     block_in: int  # input columns per dot
@@ -29,16 +41,21 @@ class LoRATiles:
     num_warps: int = 4
 
 
-def choose_tiles(rows: int, width: int) -> LoRATiles:
-    """Row blocks that grow with the step (a decode step of one row still takes tl.dot's 16); narrow input
-    splits while there are few row blocks, so a slot's A is streamed by many SMs at once, and long ones when the
-    row blocks alone fill the GPU. Never tuned on a GPU (docs/lora.md)."""
+def split_tiles(rows: int, num_slots: int, width: int, in_features: int) -> SplitTiles:
+    """Row blocks that grow with the step; the input split so that about SPLIT_PROGRAMS shrink programs hold
+    rows (each slot's rows take ceil(n / block_m) blocks: at most S + (rows - 1) // block_m of them), which is
+    many narrow splits for a decode step and few long ones for a prefill, whose row blocks fill the GPU alone."""
     block_m = 16 if rows <= 16 else 32 if rows <= 256 else 64
-    return LoRATiles(
+    block_in = 64
+    live_blocks = max(1, min(rows, num_slots + (rows - 1) // block_m))
+    max_splits = max(1, -(-in_features // MIN_SPLIT_IN))
+    splits = min(max_splits, -(-SPLIT_PROGRAMS // live_blocks))
+    split_in = -(-in_features // splits)
+    return SplitTiles(
         block_m=block_m,
-        split_in=256 if rows <= 64 else 2048,
-        block_in=64,
-        block_k=max(16, triton_next_power_of_2(width)),
+        split_in=-(-split_in // block_in) * block_in,
+        block_in=block_in,
+        block_k=max(16, next_power_of_2(width)),
         block_out=128 if width <= 64 else 64,
         num_warps=4 if width <= 64 else 8,  # wide stacks (high ranks): [rows, K] accumulators over more threads
     )
@@ -51,10 +68,11 @@ def lora_sgmv(
     lora_b: torch.Tensor,
     sorted_rows: torch.Tensor,
     group_starts: torch.Tensor,
-) -> torch.Tensor:
-    """out [T, N] + (x [T, in] @ lora_a[slot].T) @ lora_b[slot] for each row of a slot, float32 sums, in out's
-    dtype; lora_a [S, K, in], lora_b [S, K, N] contiguous; sorted_rows and group_starts as engine/lora/rows.py
-    keeps them (the rows of group S, the base model's and padding, are out's as they are)."""
+) -> None:
+    """out[t] += (x[t] @ lora_a[slot].T) @ lora_b[slot] in place for each row t of a slot, float32 sums rounded
+    once to out's dtype; out [T, N], x [T, in], lora_a [S, K, in], lora_b [S, K, N] contiguous; sorted_rows and
+    group_starts as engine/lora/rows.py keeps them. The rows of group S (the base model's and padding) are
+    never read or written."""
     rows, in_features = x.shape
     num_slots, width, out_features = lora_b.shape
     if lora_a.shape != (num_slots, width, in_features) or out.shape != (rows, out_features):
@@ -64,19 +82,29 @@ def lora_sgmv(
         )
     if not (lora_a.is_contiguous() and lora_b.is_contiguous()) or group_starts.shape != (num_slots + 2,):
         raise ValueError("LoRA slot stacks must be contiguous, and group_starts hold S + 2 offsets")
-    y = torch.empty_like(out)
-    if rows == 0:
-        return y
-    x = x if x.stride(1) == 1 else x.contiguous()
-    out = out if out.stride(1) == 1 else out.contiguous()
-    tiles = choose_tiles(rows, width)
+    if rows == 0 or num_slots == 0 or width == 0 or out_features == 0:
+        return  # nothing to add (an empty grid is not a launch Triton takes)
+    x = x if x.stride(1) == 1 else x.contiguous()  # read only: a copy will do; out is written where it lies
+    _split(out, x, lora_a, lora_b, sorted_rows, group_starts)
+
+
+def _split(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    group_starts: torch.Tensor,
+) -> None:
+    """Two launches: the split-K shrink into float32 partial sums, then the expand adding into out."""
+    rows, in_features = x.shape
+    num_slots, width, out_features = lora_b.shape
+    tiles = split_tiles(rows, num_slots, width, in_features)
     num_splits = -(-in_features // tiles.split_in)
     row_blocks = -(-rows // tiles.block_m)
-    # float32 inputs (a float32 model) multiply exactly rather than in TF32; bf16/fp16 on the tensor cores.
-    ieee_fp32 = x.dtype == torch.float32
+    ieee_fp32 = x.dtype == torch.float32  # a float32 model multiplies exactly rather than in TF32
     partial = torch.empty(num_splits, rows, width, dtype=torch.float32, device=x.device)
-    shrink = load_kernel(KERNELS, "lora_shrink_kernel")
-    shrink[(row_blocks, num_splits, num_slots)](
+    load_kernel(KERNELS, "lora_shrink_kernel")[(row_blocks, num_splits, num_slots)](
         x,
         lora_a,
         sorted_rows,
@@ -88,28 +116,25 @@ def lora_sgmv(
         x.stride(0),
         lora_a.stride(0),
         lora_a.stride(1),
-        SPLIT_IN=tiles.split_in,
+        tiles.split_in,
         BLOCK_M=tiles.block_m,
         BLOCK_K=tiles.block_k,
         BLOCK_IN=tiles.block_in,
         IEEE_FP32=ieee_fp32,
         num_warps=tiles.num_warps,
     )
-    expand = load_kernel(KERNELS, "lora_expand_kernel")
-    expand[(row_blocks, -(-out_features // tiles.block_out), num_slots + 1)](
+    load_kernel(KERNELS, "lora_expand_kernel")[(row_blocks, -(-out_features // tiles.block_out), num_slots)](
         out,
         partial,
         lora_b,
         sorted_rows,
         group_starts,
-        y,
         rows,
         out_features,
         width,
         num_splits,
-        num_slots,
         out.stride(0),
-        y.stride(0),
+        out.stride(1),
         lora_b.stride(0),
         lora_b.stride(1),
         BLOCK_M=tiles.block_m,
@@ -118,10 +143,9 @@ def lora_sgmv(
         IEEE_FP32=ieee_fp32,
         num_warps=tiles.num_warps,
     )
-    return y
 
 
-def triton_next_power_of_2(n: int) -> int:
+def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -132,20 +156,21 @@ def _lora_sgmv_fake(
     lora_b: torch.Tensor,
     sorted_rows: torch.Tensor,
     group_starts: torch.Tensor,
-) -> torch.Tensor:
-    return torch.empty_like(out)
+) -> None:
+    """Nothing to return: the op's only effect is on `out`, which the schema marks mutated."""
 
 
 define_op(
     "lora_sgmv",
-    "(Tensor out, Tensor x, Tensor lora_a, Tensor lora_b, Tensor sorted_rows, Tensor group_starts) -> Tensor",
+    "(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, Tensor sorted_rows, Tensor group_starts) -> ()",
     lora_sgmv,
     _lora_sgmv_fake,
 )
 
 
 class TritonLoRA:
-    """engine.lora.matmul.LoRAKernels through the grouped Triton kernels: each row block reads only its slot."""
+    """engine.lora.matmul.LoRAKernels through the grouped Triton kernels: each row block reads only its slot, and
+    the result is `out` itself, written in place (its rows of slot -1 untouched)."""
 
     name = "triton_sgmv"
     grouped = True
@@ -153,8 +178,8 @@ class TritonLoRA:
     def apply(
         self, out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, rows: TokenSlots
     ) -> torch.Tensor:
-        result: torch.Tensor = torch.ops.engine.lora_sgmv(out, x, lora_a, lora_b, rows.sorted_rows, rows.group_starts)
-        return result
+        torch.ops.engine.lora_sgmv(out, x, lora_a, lora_b, rows.sorted_rows, rows.group_starts)
+        return out
 
 
 TRITON_LORA = TritonLoRA()

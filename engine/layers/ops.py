@@ -35,8 +35,11 @@ def define_decode_attention_op(name: str, impl: Callable[..., torch.Tensor]) -> 
     define_op(name, DECODE_ATTENTION_SCHEMA, impl, decode_attention_fake)
 
 
-def define_op(name: str, schema: str, impl: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]) -> None:
-    """engine::<name>(<schema>) implemented by `impl` on every device, `fake` for tracing."""
+def define_op(name: str, schema: str, impl: Callable[..., object], fake: Callable[..., object]) -> None:
+    """engine::<name>(<schema>) implemented by `impl` on every device, `fake` for tracing. An op that writes
+    into an argument marks it in the schema (`Tensor(a!) out`); one that only does so returns `()` and its impl
+    and fake None. Under torch.compile, inductor then runs it on the argument's own buffer when nothing reads
+    the old values afterwards, and on a copy when something does."""
     _LIBRARY.define(f"{name}{schema}")
     _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"engine::{name}", fake, lib=_LIBRARY)

@@ -5,9 +5,9 @@ lora_a [S, P*R, in] and lora_b [S, P*R, out]: slot s's rows p*R ... p*R + r of A
 zero-padded to R), and the same rows of B hold part p's B in part p's output columns only, with the
 adapter's scaling folded in. So one shrink and one expand of width P*R serve every part at once, and a row's
 slot is all a kernel needs to find its matrices (engine/lora/matmul.py: the dense torch path, or a platform's
-kernel that reads only each row's slot, CUDA's grouped Triton kernels). The shapes never change with the mix
-of adapters and nothing is synchronised with the host, so the captured graphs (CUDA graphs, the CPU's
-compiled steps) run it as they run the rest. An empty slot is zeros.
+kernel that reads only each row's slot, CUDA's grouped Triton kernels, which add into the base output in
+place). The shapes never change with the mix of adapters and nothing is synchronised with the host, so the
+captured graphs (CUDA graphs, the CPU's compiled steps) run it as they run the rest. An empty slot is zeros.
 
 Each token's slot is read from buffers every projection shares (engine/lora/rows.py, -1: the base model), which
 the model runner fills before a step as it fills the step's other inputs; the rows a graph pads with stay -1.

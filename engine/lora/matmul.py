@@ -3,8 +3,9 @@
 A projection's slots are stacked as lora_a [S, K, in] and lora_b [S, K, out] (K = parts * max rank;
 engine/lora/layers.py). For each token row t with slot s_t >= 0 the matmul adds (A[s_t] @ x_t) @ B[s_t] to
 the base output; rows of slot -1 (the base model, a graph's padding) keep it. A platform with a kernel that
-reads only each row's slot says so through `Platform.lora_kernels()` (CUDA: grouped Triton kernels,
-backends/cuda/lora.py); the others run `DENSE_LORA` below.
+reads only each row's slot says so through `Platform.lora_kernels()` (CUDA: grouped Triton kernels that add
+into the base output in place, backends/cuda/lora.py); the others run `DENSE_LORA` below, which returns a new
+tensor.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ class LoRAKernels(Protocol):
     def apply(
         self, out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, rows: TokenSlots
     ) -> torch.Tensor:
-        """out [T, out] + each row's (x [T, in] @ lora_a[slot].T) @ lora_b[slot]; rows of slot -1: out's."""
+        """out [T, out] + each row's (x [T, in] @ lora_a[slot].T) @ lora_b[slot]; rows of slot -1: out's values.
+
+        The result is either `out` itself, written in place, or a new tensor with `out` left as it was: the
+        caller passes an `out` whose old values nothing else reads (the base projection's fresh output) and
+        uses only the returned tensor. A kernel that writes in place never reads or writes the rows of slot -1
+        (they keep out's bits); the torch paths add zeros to them."""
         ...
 
 
