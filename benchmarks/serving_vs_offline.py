@@ -154,6 +154,7 @@ def offline(engine: Engine, workload: list[tuple[list[int], int]], concurrency: 
     added: dict[str, float] = {}
     first: dict[str, float] = {}
     timeline: list[tuple[float, float, float]] = []  # as the server's: sent, time to first token, latency
+    steps: list[tuple[float, float, int, int]] = []  # each engine.step(): start, ms, outputs, first tokens
 
     def submit() -> None:
         prompt, max_tokens = queue.popleft()
@@ -166,11 +167,16 @@ def offline(engine: Engine, workload: list[tuple[list[int], int]], concurrency: 
         submit()
         live += 1
     while engine.has_unfinished():
-        for output in engine.step():
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        step_end = time.perf_counter()
+        firsts = 0
+        for output in outputs:
             generated += len(output.new_token_ids)
             now = time.perf_counter()
             if output.request_id not in first and output.new_token_ids:
                 first[output.request_id] = now
+                firsts += 1
             if output.finished:
                 sent = added.pop(output.request_id)
                 ttft = first.pop(output.request_id, now) - sent
@@ -179,6 +185,7 @@ def offline(engine: Engine, workload: list[tuple[list[int], int]], concurrency: 
                 if queue:
                     submit()
                     live += 1
+        steps.append((round(step_start - start, 4), round(1e3 * (step_end - step_start), 2), len(outputs), firsts))
     engine.platform.synchronize()
     wall = time.perf_counter() - start
     ttfts = sorted(entry[1] for entry in timeline)
@@ -189,6 +196,7 @@ def offline(engine: Engine, workload: list[tuple[list[int], int]], concurrency: 
         "output_throughput": generated / wall,
         "ttft_s": {"median": statistics.median(ttfts), "p99": ttfts[int(0.99 * (len(ttfts) - 1))]},
         "timeline": timeline,
+        "steps": steps,
     }
 
 
@@ -265,7 +273,10 @@ def main() -> None:
     if engine_cores:
         os.sched_setaffinity(0, engine_cores)
         torch.set_num_threads(len(engine_cores))
-    engine = Engine(engine_config_from_args(engine_parser.parse_args(engine_args)))
+    in_process_args = engine_parser.parse_args(engine_args)
+    # As `engine serve` builds its engine (one for the process's life): start-up's objects frozen out of the
+    # garbage collector's scans unless the flags say otherwise (engine/gc_freeze.py).
+    engine = Engine(engine_config_from_args(in_process_args, freeze_gc=in_process_args.freeze_gc is not False))
     report["offline"] = []
     for index, concurrency in enumerate(concurrencies):
         seed = args.seed + index * len(modes)  # the prompts of this concurrency's first server run

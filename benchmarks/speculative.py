@@ -53,6 +53,9 @@ COPY_PROMPTS = [
 ]
 
 
+SETTLE_TOKENS = 64  # steps mode: output tokens a request may take before every request is running
+
+
 def _engine(args: argparse.Namespace, **overrides: Any) -> Engine:
     options: dict[str, Any] = {"device": args.device, "seed": 0}
     if args.model:
@@ -69,11 +72,14 @@ def run_steps(args: argparse.Namespace) -> dict[str, Any]:
     largest = max(batch_sizes)
     # The platform's own max_num_seqs and capture sizes (a verify step's rows are captured up to
     # max_num_seqs x (1 + k) when speculation is configured; here the sizes the engine captures anyway).
-    engine = _engine(args, kv_cache_tokens=largest * (args.context + max(draft_tokens) + 64) + 4096)
+    engine = _engine(args, kv_cache_tokens=largest * (args.context + max(draft_tokens) + SETTLE_TOKENS) + 4096)
     assert largest <= engine.config.positive_int("max_num_seqs"), "a batch larger than max_num_seqs"
     rng = random.Random(0)
     vocab = int(engine.model_config.vocab_size)
-    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    # Few output tokens: the requests decode only until the last of them is running (a few steps; the timed
+    # steps below are launched by hand and add none), and admission reserves KV for each request's whole
+    # max_tokens, so a large one kept most of them waiting, and retracted, in a pool sized for the context.
+    params = SamplingParams(max_tokens=SETTLE_TOKENS, temperature=0.0, ignore_eos=True)
     for _ in range(largest):
         engine.add_request([rng.randrange(10, vocab - 10) for _ in range(args.context)], params)
     while len(engine.scheduler.running) < largest or engine.scheduler.waiting or not engine.last_step_was_decode:
