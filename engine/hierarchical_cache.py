@@ -131,7 +131,7 @@ class HierarchicalRadixCache(RadixCache):
     # ---- eviction: device leaves to the host, host leaves out --------------------------------
     def _evict_leaf(self, leaf: RadixNode) -> None:
         if leaf.host_pages or self._back_up(leaf, evicting=True):
-            self.host.source_pages_freed()  # its write (back or through) may still be reading them
+            self.host.source_pages_freed(leaf.pages)  # its write (back or through) may still be reading them
             self.free_pages(leaf.pages)
             leaf.pages = []
         else:
@@ -218,7 +218,7 @@ class HierarchicalRadixCache(RadixCache):
             node.host_pages = []
         self._remove(node)
         if node.pages:
-            self.host.source_pages_freed()  # a write-through of them may still be running
+            self.host.source_pages_freed(node.pages)  # a write-through of them may still be running
             self.free_pages(node.pages)
 
     def reset(self) -> None:

@@ -25,7 +25,7 @@ from engine.engine import Engine
 from engine.errors import EngineError
 from engine.hierarchical_cache import HierarchicalRadixCache
 from engine.kv_cache import KVPool
-from engine.kv_host_tier import HostKVPool
+from engine.kv_host_tier import CopyFence, HostKVPool
 from engine.kv_manager import KVCacheManager
 from engine.radix_cache import RadixNode
 from engine.request import Request
@@ -235,6 +235,40 @@ def test_a_partial_load_keeps_the_rest_on_the_host() -> None:
     assert_pages_hold(pool.caches, final.shared_pages, final.all_token_ids, 0, 1)
     manager.release(final)
     manager.check_invariant()
+
+
+class _Copy:
+    """A copy's end as CopyFence sees a CUDA event: whether it has run."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_the_next_step_waits_only_for_the_copies_it_must() -> None:
+    """Freed pages wait for the last copy that read them, not the copies issued since; a load is always
+    waited for; pages whose copy has run, or that no copy read, wait for nothing."""
+    fence = CopyFence()
+    first, second, third = _Copy(), _Copy(), _Copy()
+    fence.read_pages([1, 2], 1, first)  # a write-through of pages 1-2
+    fence.read_pages([3], 2, second)
+    fence.read_pages([4], 3, third)
+    assert fence.take() is None  # write-throughs alone hold no step up
+    fence.pages_freed([1, 9])
+    assert fence.take() is first  # not the later copies
+    fence.pages_freed([2])
+    assert fence.take() is first  # each page keeps its reader until it is freed
+    first.done = True
+    second.done = True
+    fence.pages_freed([3])
+    assert fence.take() is None  # its copy has run
+    fence.pages_freed([4])
+    load = _Copy()
+    fence.wait_for(4, load)  # a load issued after: the latest needed covers the earlier one
+    assert fence.take() is load
+    assert fence.take() is None
 
 
 def test_settings_are_checked() -> None:
