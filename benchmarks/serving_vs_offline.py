@@ -14,7 +14,6 @@ Prints a table and writes JSON: output tok/s of both, their ratio, and the serve
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import os
@@ -31,7 +30,7 @@ import httpx
 import torch
 
 from benchmarks.serve_process import wait_for_health
-from engine.bench_serving import add_bench_serving_args, make_workload, run_benchmark
+from engine.bench_serving import add_bench_serving_args, make_workload, run_benchmark_processes
 from engine.cli import add_engine_args, engine_config_from_args
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -81,7 +80,7 @@ def serve_and_bench(
             # Prompts of their own for each run: none finds the last run's pages in the prefix cache.
             bench.seed = seed + run
             before = _server_ttft_histogram(url)
-            summary = asyncio.run(run_benchmark(bench))
+            summary = run_benchmark_processes(bench)
             # The server's own time to first token (handler registered -> first output routed), beside the
             # client's: what the client sees on top of it is the HTTP round trip and the event loop's delay.
             summary["server_side_ttft_s"] = _histogram_median(before, _server_ttft_histogram(url))

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
 import math
+import multiprocessing
 import os
 import random
 import statistics
@@ -122,6 +124,14 @@ def add_bench_serving_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="non-streaming requests (SGLang's flag): one JSON response each; TTFT is then the whole latency",
     )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="client processes, each sending its share of the requests (concurrency and rate split among "
+        "them): one Python process reading 512 streams of decode-speed chunks is CPU-bound, and then delays "
+        "what it measures",
+    )
     add_renamed(parser, "--output-json", "--output", default=None, help="write the results as JSON here")
 
 
@@ -215,6 +225,36 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 async def run_benchmark(args: argparse.Namespace) -> dict:
+    """One client process: every request of the workload, summarised."""
+    sent = await _send_workload(args, shard=(0, 1), start_at=None)
+    return summarize(args, [sent])
+
+
+@dataclass
+class ShardResults:
+    """What one client process sent and saw: its requests in workload order, and its clocks."""
+
+    base: str
+    model: str
+    results: list[RequestResult]
+    start: float  # perf_counter (CLOCK_MONOTONIC: one clock for every process of the host) of the first send
+    end: float
+    cpu_s: float
+
+
+def _share(total: int | float | None, shard: tuple[int, int]) -> int | float | None:
+    """Shard k of n's part of a concurrency cap (the remainder to the first ones) or of a request rate."""
+    index, count = shard
+    if total is None or count == 1:
+        return total
+    if isinstance(total, float):
+        return total / count
+    return total // count + (1 if index < total % count else 0)
+
+
+async def _send_workload(args: argparse.Namespace, shard: tuple[int, int], start_at: float | None) -> ShardResults:
+    """Send shard k of n of the workload (requests k, k + n, ...), at its share of the concurrency and rate;
+    start_at: a perf_counter time to begin at (the processes of one run start together)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -223,7 +263,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     # Several clients, each with a pool of a few connections: httpcore hands a request a connection by
     # scanning its whole pool, so one client of 512 connections spends most of the client's CPU there
     # (py-spy: 74% of this process at concurrency 512, non-streaming) and throttles the server it measures.
-    cap = args.max_concurrency
+    cap = _share(args.max_concurrency, shard)
+    rate = _share(args.request_rate, shard)
     lanes = min(MAX_CLIENTS, math.ceil(cap / CONNECTIONS_PER_CLIENT)) if cap else MAX_CLIENTS
     async with contextlib.AsyncExitStack() as stack:
         clients = [
@@ -240,9 +281,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         token_ids = args.dataset_name == "random"
         workload = make_workload(
             args.num_prompts, args.input_len, args.output_len, args.seed, args.vocab_size if token_ids else None
-        )
-        gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        rng = random.Random(args.seed + 1)
+        )[shard[0] :: shard[1]]
+        gate = asyncio.Semaphore(int(cap)) if cap else None
+        rng = random.Random(args.seed + 1 + shard[0])
 
         async def send(prompt: str | list[int], max_tokens: int) -> RequestResult:
             body = {
@@ -267,27 +308,39 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
                 finally:
                     in_flight[lane] -= 1
 
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         start = time.perf_counter()
         cpu_start = time.process_time()
         tasks = []
         for prompt, max_tokens in workload:
             tasks.append(asyncio.create_task(send(prompt, max_tokens)))
-            if args.request_rate:
-                await asyncio.sleep(rng.expovariate(args.request_rate))
+            if rate:
+                await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        client_cpu = time.process_time() - cpu_start
+        end = time.perf_counter()
+        cpu = time.process_time() - cpu_start
+    return ShardResults(base, model, list(results), start, end, cpu)
+
+
+def summarize(args: argparse.Namespace, shards: list[ShardResults]) -> dict:
+    """The run's figures over every client process's requests, timed from the first process's start."""
+    start = min(shard.start for shard in shards)
+    duration = max(shard.end for shard in shards) - start
+    results = [r for shard in shards for r in shard.results]
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     summary = {
-        "base_url": base,
-        "model": model,
+        "base_url": shards[0].base,
+        "model": shards[0].model,
         "num_prompts": args.num_prompts,
         "concurrency": args.max_concurrency,
         "request_rate": args.request_rate,
         "stream": not args.disable_stream,
-        # The client's own CPU time over the wall time: near 1.0, this one-process client is the bottleneck.
-        "client_cpu_fraction": client_cpu / duration,
+        "client_processes": len(shards),
+        # The busiest client process's CPU time over the wall time: near 1.0, it is the bottleneck.
+        "client_cpu_fraction": max(shard.cpu_s for shard in shards) / duration,
+        "client_start_spread_s": max(shard.start for shard in shards) - start,
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "duration_s": duration,
@@ -303,6 +356,42 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     return summary
 
 
+START_MARGIN_S = 5.0  # for the client processes to start (spawn, imports, HTTP clients) before the run begins
+
+
+def _shard_process(args: argparse.Namespace, shard: tuple[int, int], start_at: float) -> ShardResults:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return asyncio.run(_send_workload(args, shard, start_at))
+
+
+def run_benchmark_processes(args: argparse.Namespace) -> dict:
+    """The run over --client-processes processes (one: in this process), summarised as one."""
+    count = max(1, min(args.client_processes, args.max_concurrency or args.client_processes))  # a cap each
+    if count == 1:
+        return asyncio.run(run_benchmark(args))
+    if args.model is None:  # every process would ask; ask once
+        args.model = asyncio.run(_first_model(args))
+    start_at = time.perf_counter() + START_MARGIN_S
+    context = multiprocessing.get_context("spawn")  # no fork of a parent that may hold threads and sockets
+    with concurrent.futures.ProcessPoolExecutor(count, mp_context=context) as pool:
+        futures = [pool.submit(_shard_process, args, (index, count), start_at) for index in range(count)]
+        shards = [future.result() for future in futures]
+    late = max(shard.start for shard in shards) - start_at
+    if late > 0.5:
+        logging.getLogger(__name__).warning("client processes started %.1f s after the run's start", late)
+    return summarize(args, shards)
+
+
+async def _first_model(args: argparse.Namespace) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(timeout=args.timeout) as client:
+        listing = await client.get(f"{args.base_url.rstrip('/')}/v1/models", headers=headers)
+        listing.raise_for_status()
+        return str(listing.json()["data"][0]["id"])
+
+
 def format_table(s: dict) -> str:
     ms = lambda v: f"{1000 * v:.1f}"  # noqa: E731
     rows = [
@@ -314,7 +403,7 @@ def format_table(s: dict) -> str:
         ("TTFT median / p99 (ms)", f"{ms(s['ttft_s']['median'])} / {ms(s['ttft_s']['p99'])}"),
         ("ITL median / p99 (ms)", f"{ms(s['itl_s']['median'])} / {ms(s['itl_s']['p99'])}"),
         ("E2E latency median / p99 (s)", f"{s['e2e_latency_s']['median']:.2f} / {s['e2e_latency_s']['p99']:.2f}"),
-        ("client CPU / wall", f"{s['client_cpu_fraction']:.2f}"),
+        ("client processes; busiest one's CPU / wall", f"{s['client_processes']}; {s['client_cpu_fraction']:.2f}"),
     ]
     if "load_avg_1m" in s:
         rows.append(
@@ -330,7 +419,7 @@ def format_table(s: dict) -> str:
 def cmd_bench_serving(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
     load_before = os.getloadavg()[0]
-    summary = asyncio.run(run_benchmark(args))
+    summary = run_benchmark_processes(args)
     # The 1-minute load average around the run: on a shared box, a sign of contention.
     summary["load_avg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
     print(format_table(summary))
