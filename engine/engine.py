@@ -165,6 +165,9 @@ class Engine:
         # adapters on Llama-3-8B are 1 GB) and before anything is captured (the graphs run their matmuls too).
         self.lora = self._lora()
         self.kv_pool = self._allocate_kv_pool()
+        if self.speculator is not None and self.speculator.eagle is not None:
+            # The EAGLE-3 head keeps its K/V at the target pool's slots (engine/speculative/eagle3_kv.py).
+            self.speculator.eagle.allocate_store(self.kv_pool.num_pages * self.kv_pool.page_size)
         # KV cache events for routers (engine/kv_events.py): recorded by the prefix cache, published per step.
         events = KVEventsConfig.parse(self.config.kv_events_config)
         self.kv_events = (
@@ -589,6 +592,8 @@ class Engine:
         page_size = cfg.positive_int("page_size")
         kv_heads = kv_head_shard(mc.num_key_value_heads, self.tp.rank, self.tp.world_size).size  # this rank's heads
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, mc.head_dim, cfg.kv_torch_dtype)
+        if self.speculator is not None and self.speculator.eagle is not None:
+            per_token += self.speculator.eagle.kv_bytes_per_token()  # the head's store, allocated after the pool
         useful_tokens = cfg.positive_int("max_num_seqs") * self.max_model_len
         if cfg.kv_cache_tokens is not None:
             tokens = int(cfg.kv_cache_tokens)

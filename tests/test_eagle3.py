@@ -7,7 +7,9 @@ without it, eager and through the compiled decode graphs. The fuzz forces accept
 replaced by the target's own continuation, corrupted at chosen places): the text stays the target's, the KV
 invariant holds after every step, the head's cache follows the request exactly (caught up to the last computed
 position, no draft K/V left behind), and the head's own drafts for a context do not depend on the accept/reject
-history that led there, which a stale cache entry after a rollback would change.
+history that led there, which a stale cache entry after a rollback would change. The head's store is shared by
+all requests (in the target pool's slots): a batch drafts what each request drafts alone, and a freed request's
+K/V are never read by the next owner of its slots.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from engine.speculative.config import SpeculativeConfig, sglang_speculative_conf
 from engine.speculative.eagle3 import Eagle3Proposer
 from engine.speculative.eagle3_checkpoint import DUMMY, TargetShape, dummy_config, load_eagle3_head
 from engine.speculative.eagle3_head import Eagle3Config
+from engine.speculative.eagle3_kv import HeadKVStore, SlotTable, bucket, grouped_attention, stamps_of
 from tests.conftest import release_cached
 from tests.eagle3_files import build_eagle3_head
 
@@ -182,6 +185,49 @@ def test_the_tap_records_the_streams_entering_the_chosen_layers() -> None:
 
 
 # ---- the engine ------------------------------------------------------------------------------------
+def test_the_head_store_keeps_one_writer_per_slot_and_reads_only_its_own() -> None:
+    """Stamps (writer, position): a read sees only what that request wrote at that position; two writes to one
+    slot in a call keep the later one whole (keys, values and stamp together); the store grows past its first
+    size when the pool's is not given, and refuses a slot past the pool's when it is."""
+    store = HeadKVStore(kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+    keys = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 4)
+    store.write(torch.tensor([5, 9, 5]), stamps_of(torch.tensor([1, 1, 2]), torch.tensor([0, 1, 7])), keys, -keys)
+    got_keys, got_values, valid = store.gather(
+        torch.tensor([[5, 9, -1], [5, 9, 5]]), stamps_of(torch.tensor([[1], [2]]), torch.tensor([0, 1, 7]))
+    )
+    assert valid.tolist() == [[False, True, False], [False, False, True]]  # slot 5: writer 2's, for position 7
+    assert torch.equal(got_keys[1, 2], keys[2]) and torch.equal(got_values[0, 1], -keys[1])
+    store.ensure(10_000)
+    assert (
+        store.trash > 10_000 and store.gather(torch.tensor([9]), stamps_of(torch.tensor(1), torch.tensor(1)))[2].item()
+    )
+    fixed = HeadKVStore(2, 4, torch.float32, torch.device("cpu"), num_slots=64)
+    with pytest.raises(ValueError, match="slot 64 is past the head's store of 64 slots"):
+        fixed.ensure(64)
+    table = SlotTable(torch.device("cpu"))
+    rows = [table.assign() for _ in range(20)]  # past its first rows: it grows
+    assert sorted(rows) == list(range(20)) and table.slots.shape[0] >= 20
+    table.ensure_width(100)
+    assert table.slots.shape[1] == bucket(100) == 128
+
+
+def test_batched_attention_is_each_requests_own_attention() -> None:
+    """grouped_attention over a padded batch with a mask equals each row's SDPA over its allowed keys alone."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 2, 6, 8, generator=generator)  # 6 heads over 2 kv heads
+    keys, values = torch.randn(2, 3, 5, 2, 8, generator=generator).unbind(0)
+    mask = torch.rand(3, 2, 5, generator=generator) > 0.4
+    mask[..., 0] = True
+    out = grouped_attention(q, keys, values, mask)
+    for b in range(3):
+        for j in range(2):
+            allowed = mask[b, j]
+            k = keys[b, allowed].repeat_interleave(3, dim=1).transpose(0, 1)  # [heads, n, head_dim]
+            v = values[b, allowed].repeat_interleave(3, dim=1).transpose(0, 1)
+            want = torch.nn.functional.scaled_dot_product_attention(q[b, j].unsqueeze(1), k, v).squeeze(1)
+            assert torch.allclose(out[b, j], want, atol=1e-5)
+
+
 def test_greedy_text_is_identical_with_an_eagle3_head(smol_engine: Engine, eagle_engine: Engine) -> None:
     params = SamplingParams(max_tokens=24, temperature=0.0)
     want = smol_engine.generate(PROMPTS, params, chat=True)
@@ -246,17 +292,19 @@ def _drafts_from_scratch(eagle: Eagle3Proposer, tokens: list[int], features: tor
 
 class _Checked:
     """The proposer's observe and propose wrapped: after every propose each request's head cache is caught up
-    to its last computed position with no chain K/V left past it, and (at `rate` of the calls) its drafts are
-    those of the head run from scratch on the same features. force(request, drafts): the drafts handed to the
+    to its last computed position with no chain K/V left past it (dense: and every position before it is its own,
+    no prefix-cache hit), and (at `rate` of the calls) its drafts are those of the head run from scratch on the
+    same features. force(request, drafts): the drafts handed to the
     engine instead (a fuzz of accepts and rejects); None: the head's own."""
 
-    def __init__(self, eagle: Eagle3Proposer, rate: float, force: Any = None) -> None:
-        self.eagle, self.rate, self.force = eagle, rate, force
+    def __init__(self, eagle: Eagle3Proposer, rate: float, force: Any = None, dense: bool = True) -> None:
+        self.eagle, self.rate, self.force, self.dense = eagle, rate, force, dense
         self.observe, self.propose = eagle.observe, eagle.propose
         self.features: dict[str, dict[int, torch.Tensor]] = {}  # every request's latest features by position
         self.head_drafts: dict[tuple[int, ...], list[int]] = {}  # context -> the head's own drafts, every run
         self.mismatches: list[tuple[int, ...]] = []
         self.checked = 0
+        self.max_batch = 0  # the most requests drafting in one propose
         self.rng = random.Random(0)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -266,15 +314,21 @@ class _Checked:
     def observed(self, step: Any, message: Any) -> None:
         self.observe(step, message)
         for request in step.requests:
-            first, rows = self.eagle.states[request.request_id].pending[-1]
-            for offset, row in enumerate(rows):
-                self.features.setdefault(request.request_id, {})[first + offset] = row
+            pending = self.eagle.states[request.request_id].pending[-1]
+            for offset, row in enumerate(pending.rows):
+                self.features.setdefault(request.request_id, {})[pending.first + offset] = row
 
     def proposed(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
         drafts = self.propose(requests, limits)
+        self.max_batch = max(self.max_batch, sum(1 for d in drafts if d))
         for request, proposed in zip(requests, drafts):
-            cache = self.eagle.states[request.request_id].cache
-            assert cache.length == request.num_tokens - 1 and not bool(cache.filled[cache.length :].any())
+            state = self.eagle.states[request.request_id]
+            assert state.length == request.num_tokens - 1
+            # No K/V stored past the last computed position (a chain's stay in the draft loop's scratch), and
+            # without prefix-cache hits every position before it is the request's own.
+            assert not bool((self.eagle.table.slots[state.row, state.length :] >= 0).any())
+            if self.dense:
+                assert bool(self.eagle.valid_positions(request).all())
             context = tuple(request.all_token_ids)
             if not proposed:
                 continue
@@ -322,6 +376,77 @@ def test_fuzzed_accepts_and_rejects_keep_the_text_the_kv_and_the_heads_cache(
     assert min(stats.accepted_per_position) > 0  # every draft position was accepted sometimes
     assert not checked.mismatches, f"{len(checked.mismatches)} contexts drafted differently after other histories"
     assert checked.checked > 5 and eagle.states == {}
+
+
+def test_a_batch_drafts_what_each_request_drafts_alone(
+    smol_engine: Engine, eagle_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head's attention is batched over the step's requests: four requests drafting together draft, at
+    every context, the tokens each drafts when it runs alone (and those of the head run from scratch)."""
+    eagle = eagle_engine.speculator.eagle  # type: ignore[union-attr]
+    assert isinstance(eagle, Eagle3Proposer)
+    checked = _Checked(eagle, rate=1.0)
+    checked.install(monkeypatch)
+    prompts = ["The quick brown fox", "Once upon a time", "In the beginning", "My favourite colour is"]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (8, 14, 11, 10)]
+    want = [o.token_ids for o in smol_engine.generate(prompts, params)]
+    for prompt, p in zip(prompts, params):
+        eagle_engine.kv_manager.reset_prefix_cache()  # no prefix-cache hits: the head sees every position
+        eagle_engine.generate([prompt], [p])
+    alone, checked.head_drafts = checked.head_drafts, {}
+    assert checked.max_batch == 1
+    eagle_engine.kv_manager.reset_prefix_cache()
+    assert [o.token_ids for o in eagle_engine.generate(prompts, params)] == want
+    together = checked.head_drafts
+    common = alone.keys() & together.keys()
+    assert checked.max_batch == 4 and len(common) > 20
+    assert {c: together[c] for c in common} == {c: alone[c] for c in common}
+    assert not checked.mismatches and eagle.states == {}
+
+
+def test_a_freed_requests_head_kv_is_never_read_by_the_next_owner_of_its_slots(
+    smol_engine: Engine, eagle_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request aborted mid-decode leaves its head K/V at its slots; they are made garbage, and the next request
+    takes the same pages (the pool hands freed pages out first). Its drafts must be the head's from scratch at
+    every step: it rewrites a slot before it reads it, and nothing of the aborted request is read."""
+    eagle = eagle_engine.speculator.eagle  # type: ignore[union-attr]
+    assert isinstance(eagle, Eagle3Proposer)
+    eagle_engine.kv_manager.reset_prefix_cache()
+    first = eagle_engine.add_request(
+        "Once upon a time, in a land far away, there lived a",
+        SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
+    )
+    for _ in range(8):
+        eagle_engine.step()
+    state = next(iter(eagle.states.values()))
+    row = eagle.table.slots[state.row]
+    used = row[row >= 0]
+    assert used.numel() > 10
+    eagle_engine.abort(first)
+    while eagle_engine.has_unfinished():
+        eagle_engine.step()
+    assert eagle.states == {} and bool((eagle.table.slots == -1).all())
+    eagle_engine.kv_manager.reset_prefix_cache()  # its cached pages too go back to the free list
+    garbage = torch.randn(used.numel(), *eagle.store.keys.shape[1:]) * 1e3
+    eagle.store.keys[used], eagle.store.values[used] = garbage, -garbage
+    checked = _Checked(eagle, rate=1.0)
+    checked.install(monkeypatch)
+    seen: list[torch.Tensor] = []
+    observe = checked.observed
+
+    def observed(step: Any, message: Any) -> None:
+        observe(step, message)
+        for s in eagle.states.values():
+            seen.append(eagle.table.slots[s.row].clone())
+
+    monkeypatch.setattr(eagle, "observe", observed)
+    prompt = "In the beginning was the word, and the word"
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = smol_engine.generate([prompt], params)[0].token_ids
+    assert eagle_engine.generate([prompt], params)[0].token_ids == want
+    reused = set(used.tolist()) & {slot for slots in seen for slot in slots.tolist() if slot >= 0}
+    assert len(reused) > 10 and checked.checked > 3 and eagle.states == {}
 
 
 def test_steps_without_drafts_leave_features_for_the_next_draft(

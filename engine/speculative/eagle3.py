@@ -1,100 +1,69 @@
 """Drafts from an EAGLE-3 head (vLLM's "eagle3" method, SGLang's EAGLE3 algorithm), chains of topk 1.
 
 After every target step the engine hands the proposer the step's tokens' inner-layer states
-(`observe`: the tap's rows, engine/speculative/aux_hidden.py), kept per request as pending features. At the
-next draft the head first catches up: for each position p the target computed whose next token is now known
-(the prompt's, the sampled one, the kept drafts), it runs on (embedding of token p + 1, fc(features at p))
-and stores its K/V at p. Rows of rejected drafts are never run: their next token is not the request's. The
-output at the request's last computed position predicts the token after the one just sampled: draft 1. Each
-further draft feeds the head its own last output (before its final norm) and the draft just made, one
-position on. Drafts are greedy (the argmax over the draft vocabulary, mapped through d2t): a single token,
-as an n-gram's, so the verify step's acceptance rule is exact for them.
+(`observe`: the tap's rows, engine/speculative/aux_hidden.py), kept per request as pending features with the
+KV slots the target wrote those positions to. At the next draft the head first catches up: for each position
+p the target computed whose next token is now known (the prompt's, the sampled one, the kept drafts), it runs
+on (embedding of token p + 1, fc(features at p)) and stores its K/V at p's slot. Rows of rejected drafts are
+never run: their next token is not the request's. The output at the request's last computed position
+predicts the token after the one just sampled: draft 1. Each further draft feeds the head its own last output
+(before its final norm) and the draft just made, one position on. Drafts are greedy (the argmax over the
+draft vocabulary, mapped through d2t): a single token, as an n-gram's, so the verify step's acceptance rule is
+exact for them.
 
-The head's KV cache is small (one layer) and per request, indexed by position: a chain's K/V are written
-past the committed length and dropped after it, and a later catch-up overwrites positions from where it
-starts, so rejection and retraction roll it back with nothing to free. Positions the target never computed
-(a prefix-cache hit) leave gaps the head attends around: fewer drafts accepted, never a wrong token.
+The head's K/V live in one store for all requests, at the target pool's slot ids (engine/speculative/
+eagle3_kv.py): a position's head K/V sit at the slot of its target K/V, stamped with (request, position), and
+a request reads only its own stamps. Only positions whose next token is known are ever stored, so a rejection
+leaves nothing to roll back; a chain's K/V stay in a scratch buffer of the draft loop. Freed pages need
+nothing either: their stamps are no live request's. Positions the target never computed for the request (a
+prefix-cache hit) have no stamp of its own: the head attends around them, fewer drafts accepted, never a
+wrong token.
+
+Attention is batched: the catch-up is one SDPA over [requests, new positions] (causal and stamp mask; very
+unequal sizes split in a few groups), and each draft step one SDPA over [requests, 1] with the contexts
+gathered once per propose into a [requests, bucketed length + drafts] buffer.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from engine.request import Request
 from engine.scheduler import ScheduledStep
 from engine.speculative.aux_hidden import AuxHiddenTap
 from engine.speculative.eagle3_head import Eagle3Head
+from engine.speculative.eagle3_kv import HeadKVStore, SlotTable, bucket, grouped_attention, stamps_of
 from engine.step_message import StepMessage
 
-INITIAL_POSITIONS = 64  # a request's head cache grows by doubling from here
+# A catch-up group's padded batch x queries x keys stays under this (several long prompts caught up together
+# would otherwise pad every request to the longest); a single request always forms a group.
+CATCH_UP_BUDGET = 1 << 22
 
 
-class HeadCache:
-    """One request's K/V of the head's layer by position; positions below `length` are its context (those in
-    `filled`: a prefix-cache hit leaves gaps), anything written past it is a chain's and is dropped."""
+@dataclass
+class _Pending:
+    """Rows of a target step not yet run through the head: from position `first`, the tap's rows
+    [n, 3 x hidden] and the KV slots the target wrote them to."""
 
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.keys = torch.zeros(INITIAL_POSITIONS, kv_heads, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
-        self.filled = torch.zeros(INITIAL_POSITIONS, dtype=torch.bool, device=device)
-        self.length = 0
+    first: int
+    rows: torch.Tensor
+    slots: list[int]
 
-    def _ensure(self, end: int) -> None:
-        capacity = self.keys.shape[0]
-        if end <= capacity:
-            return
-        while capacity < end:
-            capacity *= 2
-        grow = capacity - self.keys.shape[0]
-        self.keys = torch.cat([self.keys, self.keys.new_zeros(grow, *self.keys.shape[1:])])
-        self.values = torch.cat([self.values, self.values.new_zeros(grow, *self.values.shape[1:])])
-        self.filled = torch.cat([self.filled, self.filled.new_zeros(grow)])
-
-    def attend(self, first: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, commit: bool) -> torch.Tensor:
-        """Store k/v at positions first.. and attend q (the same positions) causally over the cache.
-        commit: the positions become the context (a catch-up, which rolls back whatever lay past `first`);
-        otherwise they are a chain's drafts, dropped by `drop_drafts`."""
-        n = q.shape[0]
-        end = first + n
-        self._ensure(end)
-        if commit:
-            self.filled[first:] = False
-        self.keys[first:end] = k
-        self.values[first:end] = v
-        self.filled[first:end] = True
-        if commit:
-            self.length = end
-        query_positions = torch.arange(first, end, device=q.device).unsqueeze(1)
-        key_positions = torch.arange(end, device=q.device).unsqueeze(0)
-        mask = self.filled[:end].unsqueeze(0) & (key_positions <= query_positions)  # [n, end]
-        groups = q.shape[1] // k.shape[1]
-        keys = self.keys[:end].repeat_interleave(groups, dim=1).transpose(0, 1)  # [heads, end, head_dim]
-        values = self.values[:end].repeat_interleave(groups, dim=1).transpose(0, 1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
-        return out.transpose(0, 1)  # [n, heads, head_dim]
-
-    def drop_drafts(self) -> None:
-        self.filled[self.length :] = False
+    def before(self, position: int) -> _Pending:
+        keep = max(position - self.first, 0)
+        return _Pending(self.first, self.rows[:keep], self.slots[:keep])
 
 
 @dataclass
 class _RequestState:
-    cache: HeadCache
-    # (first position, the tap's rows [n, 3 x hidden]) of target steps not yet run through the head.
-    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-
-
-@dataclass
-class _Segment:
-    """Consecutive positions of one request in a batched head step."""
-
-    cache: HeadCache
-    first: int
-    size: int
+    writer: int  # the stamp's request part: unique to this state (a redo after retraction gets a new one)
+    row: int  # the request's row of the slot table
+    length: int = 0  # head positions stored: 0..length - 1 (those the target computed for it)
+    pending: list[_Pending] = field(default_factory=list)
 
 
 @dataclass
@@ -106,6 +75,15 @@ class _Output:
     hidden: torch.Tensor  # before the final norm: the next step's feature
 
 
+@dataclass
+class _CatchUpRow:
+    """One request's positions in a catch-up: its indices into the flat token list, in position order."""
+
+    state: _RequestState
+    tokens: list[int]  # indices into the flat catch-up
+    positions: list[int]
+
+
 class Eagle3Proposer:
     def __init__(
         self,
@@ -114,47 +92,72 @@ class Eagle3Proposer:
         tap: AuxHiddenTap,
         num_tokens: int,
         device: torch.device,
+        num_slots: int = 0,
     ) -> None:
         """embed: the target's token embedding (used unless the head has its own); tap: the target's
-        inner-layer states of each step (the engine sets it on the model)."""
+        inner-layer states of each step (the engine sets it on the model); num_slots: the target KV pool's
+        slots (pages x page size), so the head's store is allocated once; 0: grown to the slots seen."""
         self.head = head
         self.embed = head.embed_tokens if head.embed_tokens is not None else embed
         self.tap = tap
         self.num_tokens = num_tokens
         self.device = device
+        config = head.config
+        dtype = head.fc.weight.dtype
+        self.store = HeadKVStore(config.num_key_value_heads, config.head_dim, dtype, device, num_slots)
+        self._store_shape = (config.num_key_value_heads, config.head_dim, dtype)
+        self.table = SlotTable(device)
         self.states: dict[str, _RequestState] = {}
+        self._writers = itertools.count(1)
+
+    # ---- the engine's calls ------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        """What the head's store takes per slot of the target's pool (keys, values and a stamp): the engine
+        counts it when it sizes the pool, so that the store allocated after it fits."""
+        kv_heads, head_dim, dtype = self._store_shape
+        return 2 * kv_heads * head_dim * dtype.itemsize + 8
+
+    def allocate_store(self, num_slots: int) -> None:
+        """The store at the target pool's size (pages x page size), once the engine has allocated the pool and
+        before any request: no growth, and so no allocation, while serving."""
+        kv_heads, head_dim, dtype = self._store_shape
+        self.store = HeadKVStore(kv_heads, head_dim, dtype, self.device, num_slots)
 
     def observe(self, step: ScheduledStep, message: StepMessage) -> None:
-        """A launched target step: each request's rows of the tap, with the position of its first one."""
+        """A launched target step: each request's rows of the tap, with the position of its first one and
+        the slots of all."""
         positions: list[int] = []
+        slots: list[int] = []
         counts: list[int] = []
         if message.decode is not None:
-            positions += message.decode.inputs[1].tolist()
+            inputs = message.decode.inputs
+            positions += inputs[1].tolist()
+            slots += inputs[2].tolist()
             drafts = step.drafts or [[] for _ in range(step.num_decodes)]
             counts += [1 + len(d) for d in drafts]
         if message.extend is not None:
             positions += message.extend.positions
+            slots += message.extend.slots
             counts += step.extend_lens
         rows = self.tap.rows(len(positions))
         offset = 0
         for request, count in zip(step.requests, counts):
             state = self.states.get(request.request_id)
             if state is None:
-                state = self.states[request.request_id] = _RequestState(self._new_cache())
+                state = self.states[request.request_id] = _RequestState(next(self._writers), self.table.assign())
             first = positions[offset]
             # A step recomputes from `first` on: rows of earlier steps there were drafts it rejected.
-            state.pending = [(f, r[: first - f]) for f, r in state.pending if f < first]
-            state.pending.append((first, rows[offset : offset + count].clone()))
-            offset += count
+            state.pending = [p.before(first) for p in state.pending if p.first < first]
+            end = offset + count
+            state.pending.append(_Pending(first, rows[offset:end].clone(), slots[offset:end]))
+            offset = end
 
     def forget(self, request: Request) -> None:
-        """The request holds no KV any more (finished, aborted, retracted: a redo is observed anew)."""
-        self.states.pop(request.request_id, None)
-
-    def _new_cache(self) -> HeadCache:
-        config = self.head.config
-        dtype = self.head.fc.weight.dtype
-        return HeadCache(config.num_key_value_heads, config.head_dim, dtype, self.device)
+        """The request holds no KV any more (finished, aborted, retracted: a redo is observed anew). Its
+        stamps in the store die with its writer id; its pages' next owners rewrite them before reading."""
+        state = self.states.pop(request.request_id, None)
+        if state is not None:
+            self.table.release(state.row)
 
     @torch.no_grad()
     def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
@@ -162,85 +165,188 @@ class Eagle3Proposer:
         run through the head first (a request with limit 0 too: its cache must keep up)."""
         drafts: list[list[int]] = [[] for _ in requests]
         last = self._catch_up(requests)
-        # The chains: (request index, its cache, its number of drafts, the position of its last output).
         chains = [
-            (index, self.states[r.request_id].cache, min(self.num_tokens, limit), last[index].position)
-            for index, (r, limit) in enumerate(zip(requests, limits))
-            if limit > 0 and index in last
+            (index, min(self.num_tokens, limit)) for index, limit in enumerate(limits) if limit > 0 and index in last
         ]
-        if chains:
-            normed = torch.stack([last[index].normed for index, *_ in chains])
-            feature = torch.stack([last[index].hidden for index, *_ in chains])
-        for step in range(max((n for _, _, n, _ in chains), default=0)):
-            tokens = self.head.to_target_ids(self.head.draft_logits(normed).argmax(-1))
-            for (index, *_), token in zip(chains, tokens.tolist()):
-                drafts[index].append(token)
-            going = [i for i, (_, _, n, _) in enumerate(chains) if n > step + 1]
-            if not going:
-                break
-            keep = torch.tensor(going, device=self.device)
-            chains = [chains[i] for i in going]
-            position = [p + step + 1 for *_, p in chains]  # each draft one position past the last
-            segments = [_Segment(cache, p, 1) for (_, cache, _, _), p in zip(chains, position)]
-            normed, feature = self.head.layer(
-                self.embed(tokens[keep]),
-                feature[keep],
-                torch.tensor(position, device=self.device),
-                self._attend(segments, commit=False),
-            )
-        for r in requests:
-            state = self.states.get(r.request_id)
-            if state is not None:
-                state.cache.drop_drafts()
+        if not chains:
+            return drafts
+        states = [self.states[requests[index].request_id] for index, _ in chains]
+        outputs = [last[index] for index, _ in chains]
+        tokens = self._chains(states, outputs, max(n for _, n in chains))
+        for (index, n), chain in zip(chains, tokens):
+            drafts[index] = chain[:n]
         return drafts
 
+    def valid_positions(self, request: Request) -> torch.Tensor:
+        """[length] bool: the head positions of the request it would attend to (its own stored K/V)."""
+        state = self.states[request.request_id]
+        self.table.ensure_width(state.length)
+        slots = self.table.slots[state.row, : state.length]
+        expected = stamps_of(
+            torch.tensor(state.writer, device=self.device), torch.arange(state.length, device=self.device)
+        )
+        return self.store.gather(slots, expected)[2]
+
+    # ---- the catch-up ------------------------------------------------------------------------------
     def _catch_up(self, requests: list[Request]) -> dict[int, _Output]:
         """Run each request's pending positions whose next token is known through the head, in one batch;
         {request index: (its last position, normed output, output before the norm)} for the requests whose
         last computed position (the one before the token just sampled) was among them."""
-        segments: list[_Segment] = []
         token_ids: list[int] = []
         aux: list[torch.Tensor] = []
         positions: list[int] = []
-        owners: list[tuple[int, int]] = []  # (request index, row of its last position) where it can draft
+        slots: list[int] = []
+        batch: list[_CatchUpRow] = []
+        owners: list[tuple[int, int]] = []  # (request index, flat row of its last position) where it can draft
         for index, request in enumerate(requests):
             state = self.states.get(request.request_id)
             if state is None:
                 continue
-            tokens = request.all_token_ids
-            for first, rows in state.pending:
-                size = min(rows.shape[0], len(tokens) - 1 - first)  # positions whose next token is known
-                if size <= 0:
-                    continue
-                segments.append(_Segment(state.cache, first, size))
-                token_ids += tokens[first + 1 : first + 1 + size]
-                aux.append(rows[:size])
-                positions += range(first, first + size)
+            row = self._gather_pending(state, request.all_token_ids, token_ids, aux, positions, slots)
             state.pending = []
-            if positions and positions[-1] == len(tokens) - 2 and segments[-1].cache is state.cache:
-                owners.append((index, len(positions) - 1))
-        if not segments:
+            if row is None:
+                continue
+            batch.append(row)
+            if row.positions[-1] == len(request.all_token_ids) - 2:
+                owners.append((index, row.tokens[-1]))
+        if not batch:
             return {}
+        self.store.ensure(max(slots))
+        self.table.ensure_width(max(positions) + 1)
         embeds = self.embed(torch.tensor(token_ids, device=self.device))
         feature = self.head.fuse(torch.cat(aux).to(embeds.dtype))
         position_tensor = torch.tensor(positions, device=self.device)
-        normed, hidden = self.head.layer(embeds, feature, position_tensor, self._attend(segments, commit=True))
+        slot_tensor = torch.tensor(slots, device=self.device)
+        attend = self._catch_up_attention(batch, position_tensor, slot_tensor)
+        normed, hidden = self.head.layer(embeds, feature, position_tensor, attend)
         return {index: _Output(positions[row], normed[row], hidden[row]) for index, row in owners}
 
-    @staticmethod
-    def _attend(
-        segments: list[_Segment], commit: bool
+    def _gather_pending(
+        self,
+        state: _RequestState,
+        tokens: list[int],
+        token_ids: list[int],
+        aux: list[torch.Tensor],
+        positions: list[int],
+        slots: list[int],
+    ) -> _CatchUpRow | None:
+        """Append the request's runnable pending positions to the flat lists; its row of the batch (None:
+        nothing to run). Positions from the first on are the request's anew (a recomputation drops what
+        the head stored past it)."""
+        row: _CatchUpRow | None = None
+        for pending in state.pending:
+            size = min(pending.rows.shape[0], len(tokens) - 1 - pending.first)  # positions whose next token is known
+            if size <= 0:
+                continue
+            if row is None:
+                row = _CatchUpRow(state, [], [])
+                if pending.first < state.length:
+                    self.table.forget_from(state.row, pending.first)
+            start = len(positions)
+            row.tokens += range(start, start + size)
+            row.positions += range(pending.first, pending.first + size)
+            token_ids += tokens[pending.first + 1 : pending.first + 1 + size]
+            aux.append(pending.rows[:size])
+            positions += range(pending.first, pending.first + size)
+            slots += pending.slots[:size]
+        if row is not None:
+            state.length = row.positions[-1] + 1
+        return row
+
+    def _catch_up_attention(
+        self, batch: list[_CatchUpRow], positions: torch.Tensor, slots: torch.Tensor
     ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The head's attention over each segment's request cache, segment by segment in order (a request's
-        later positions see its earlier ones)."""
+        """The catch-up's attention: store every new K/V first (a request's later positions see its earlier
+        ones), then each group of requests in one SDPA over [group, new positions] x [its bucketed context]."""
+        writers = torch.tensor([r.state.writer for r in batch for _ in r.tokens], device=self.device)
+        rows = torch.tensor([r.state.row for r in batch for _ in r.tokens], device=self.device)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            outs = []
-            start = 0
-            for segment in segments:
-                rows = slice(start, start + segment.size)
-                outs.append(segment.cache.attend(segment.first, q[rows], k[rows], v[rows], commit))
-                start = rows.stop
-            return torch.cat(outs)
+            self.store.write(slots, stamps_of(writers, positions), k, v)
+            self.table.set(rows, positions, slots)
+            out = torch.empty_like(q)
+            for group in _groups(batch):
+                self._attend_group(group, q, out)
+            return out
 
         return attend
+
+    def _attend_group(self, group: list[_CatchUpRow], q: torch.Tensor, out: torch.Tensor) -> None:
+        """Queries padded to [group, most new positions], keys to [group, bucket(last position + 1)]: each
+        query sees its request's stored positions up to its own."""
+        queries = max(len(r.tokens) for r in group)
+        length = bucket(max(r.positions[-1] for r in group) + 1)
+        self.table.ensure_width(length)
+        device = self.device
+        flat = torch.tensor([t for r in group for t in r.tokens], device=device)
+        batch_index = torch.tensor([b for b, r in enumerate(group) for _ in r.tokens], device=device)
+        query_index = torch.tensor([j for r in group for j in range(len(r.tokens))], device=device)
+        query_positions = torch.full((len(group), queries), -1, dtype=torch.int64, device=device)
+        query_positions[batch_index, query_index] = torch.tensor([p for r in group for p in r.positions], device=device)
+        padded = q.new_zeros(len(group), queries, *q.shape[1:])
+        padded[batch_index, query_index] = q[flat]
+        keys, values, valid = self._context([r.state for r in group], length)
+        columns = torch.arange(length, device=device)
+        mask = valid.unsqueeze(1) & (columns <= query_positions.unsqueeze(2))  # padding rows: none (discarded)
+        out[flat] = grouped_attention(padded, keys, values, mask)[batch_index, query_index]
+
+    def _context(self, states: list[_RequestState], length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The requests' stored K/V by position [batch, length, kv_heads, head_dim] and where they are
+        theirs [batch, length]."""
+        rows = torch.tensor([s.row for s in states], device=self.device)
+        writers = torch.tensor([s.writer for s in states], device=self.device)
+        columns = torch.arange(length, device=self.device)
+        return self.store.gather(self.table.slots[rows, :length], stamps_of(writers.unsqueeze(1), columns))
+
+    # ---- the chains --------------------------------------------------------------------------------
+    def _chains(self, states: list[_RequestState], outputs: list[_Output], num_drafts: int) -> list[list[int]]:
+        """num_drafts greedy drafts for every chain, batched: the same ops for any number of requests. The
+        contexts are gathered once into [batch, bucketed length + drafts]; draft step j writes its K/V at
+        column length + j and attends over the context's own positions and the chain so far."""
+        batch = len(states)
+        device = self.device
+        ends = torch.tensor([o.position + 1 for o in outputs], device=device)  # the first chain position
+        length = bucket(max(o.position for o in outputs) + 1)
+        self.table.ensure_width(length)
+        context_keys, context_values, valid = self._context(states, length)
+        valid &= torch.arange(length, device=device) < ends.unsqueeze(1)
+        steps = num_drafts - 1
+        keys = torch.cat([context_keys, context_keys.new_zeros(batch, steps, *context_keys.shape[2:])], 1)
+        values = torch.cat([context_values, context_values.new_zeros(batch, steps, *context_values.shape[2:])], 1)
+        mask = torch.cat([valid, valid.new_zeros(batch, steps)], 1)
+        normed = torch.stack([o.normed for o in outputs])
+        feature = torch.stack([o.hidden for o in outputs])
+        tokens = self.head.to_target_ids(self.head.draft_logits(normed).argmax(-1))
+        drafted = [tokens]
+        for step in range(steps):
+            column = length + step
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, column: int = column) -> torch.Tensor:
+                keys[:, column] = k
+                values[:, column] = v
+                mask[:, column] = True
+                return grouped_attention(q.unsqueeze(1), keys, values, mask.unsqueeze(1)).squeeze(1)
+
+            normed, feature = self.head.layer(self.embed(tokens), feature, ends + step, attend)
+            tokens = self.head.to_target_ids(self.head.draft_logits(normed).argmax(-1))
+            drafted.append(tokens)
+        result: list[list[int]] = torch.stack(drafted, 1).tolist()  # the one read-back of the draft loop
+        return result
+
+
+def _groups(batch: list[_CatchUpRow]) -> list[list[_CatchUpRow]]:
+    """The catch-up's requests in groups whose padded size stays within CATCH_UP_BUDGET, by size: at decode
+    time every request has a few new positions and they form one group; a prompt's catch-up goes apart."""
+    groups: list[list[_CatchUpRow]] = []
+    current: list[_CatchUpRow] = []
+    queries = keys = 0
+    for row in sorted(batch, key=lambda r: len(r.tokens)):
+        grown_queries = max(queries, len(row.tokens))
+        grown_keys = max(keys, bucket(row.positions[-1] + 1))
+        if current and (len(current) + 1) * grown_queries * grown_keys > CATCH_UP_BUDGET:
+            groups.append(current)
+            current, grown_queries, grown_keys = [], len(row.tokens), bucket(row.positions[-1] + 1)
+        current.append(row)
+        queries, keys = grown_queries, grown_keys
+    groups.append(current)
+    return groups

@@ -10,8 +10,9 @@ concatenation (2 x hidden inputs); the residual stream is the feature. Its own `
 draft vocabulary of `draft_vocab_size` tokens, and `d2t` maps a draft id to the target's: target = draft +
 d2t[draft]. `t2d` (target vocabulary, bool) marks the target ids that have a draft id.
 
-The head's attention keeps no paged cache: the caller passes an `attend` function (the proposer's small
-per-request caches, engine/speculative/eagle3.py).
+The head keeps no cache itself: the caller passes an `attend` function that stores the layer's K/V and attends
+over them (the proposer's batched attention over its store in the target pool's slot space,
+engine/speculative/eagle3_kv.py).
 """
 
 from __future__ import annotations
