@@ -166,11 +166,13 @@ def sample(
     requests: list[Request],
     penalties: PenaltyState | None = None,
     rows: torch.Tensor | None = None,
+    row_drafts: list[tuple[int, list[int]]] | None = None,
 ) -> SampledTokens:
     """logits [batch, vocab] float32 -> one token id per request, on the device (no host sync).
 
     `rows`: each request's decode row (device) where the penalty state lives; needed when any
-    request has penalties. Logprobs (params.logprobs) come with the result, for the rows that ask.
+    request has penalties. `row_drafts`: a verify step's drafts before each row
+    (ScheduledStep.logit_row_drafts). Logprobs (params.logprobs) come with the result, for the rows that ask.
     """
     device = logits.device
     logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
@@ -185,7 +187,7 @@ def sample(
             raise ValueError("penalized requests need their decode rows (DecodeBatchState) to sample")
         logits, recorded = _apply_penalties(logits, requests, penalties, rows)
     if any(r.edits_logits for r in requests):  # one pass over the batch; the common step stops here
-        edit_logits(logits, requests)
+        edit_logits(logits, requests, row_drafts)
     chosen_ids = _sample(logits, requests)
     if recorded is not None and penalties is not None:
         penalty_rows, index = recorded

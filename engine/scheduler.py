@@ -137,6 +137,15 @@ class ScheduledStep:
             return self.sampled_requests
         return [r for r, drafts in zip(self.requests, self.drafts) for _ in range(1 + len(drafts))]
 
+    @property
+    def logit_row_drafts(self) -> list[tuple[int, list[int]]] | None:
+        """A verify step: for each row of logits, (j, its request's drafts): the row predicts the token after
+        the first j drafts, so position-dependent logit edits (a grammar's mask, min_tokens) treat those j
+        drafts as already taken. None for any other step."""
+        if self.drafts is None:
+            return None
+        return [(offset, drafts) for drafts in self.drafts for offset in range(1 + len(drafts))]
+
     def parts(self) -> list[ScheduledStep]:
         """A mixed step as its decode step and its extend step (failure isolation re-runs them apart)."""
         if not self.is_mixed:

@@ -298,7 +298,7 @@ class ModelRunner:
         if rows is None or step.is_mixed:
             # An extend: requests that now start decoding got their rows in the message.
             rows = to_device(message.sample_rows, torch.int64, self.device)
-        sampled = sample(logits, step.logit_row_requests, state.penalties, rows)
+        sampled = sample(logits, step.logit_row_requests, state.penalties, rows, step.logit_row_drafts)
         if not step.is_verify:  # a verify step's next inputs are on the host (no overlap scheduling with it)
             state.record_sampled(rows, sampled.token_ids)
         return sampled

@@ -152,7 +152,8 @@ def test_acceptance_keeps_the_matching_prefix_and_counts_like_vllm() -> None:
 
 
 def test_which_requests_draft() -> None:
-    """Penalties and logit edits decode without drafts; a batch at disable_by_batch_size drafts nothing."""
+    """Penalties decode without drafts (logit edits draft: they see the drafts before each row); a batch at
+    disable_by_batch_size drafts nothing."""
     from engine.speculative.speculator import Speculator
 
     config = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 1, '
@@ -160,7 +161,7 @@ def test_which_requests_draft() -> None:
     plain = Request("a", [1, 2, 1], SamplingParams())
     penalized = Request("b", [1, 2, 1], SamplingParams(presence_penalty=0.5))
     biased = Request("c", [1, 2, 1], SamplingParams(logit_bias={5: 1.0}))
-    assert speculator.draft([plain, penalized, biased], [5, 5, 5]) == [[2, 1], [], []]
+    assert speculator.draft([plain, penalized, biased], [5, 5, 5]) == [[2, 1], [], [2, 1]]
     assert speculator.draft([plain], [1]) == [[2]]  # the room left (max_tokens, the context) caps them
     assert speculator.draft([plain] * 4, [5] * 4) == [[]] * 4
 
@@ -227,12 +228,91 @@ def test_stops_max_tokens_and_penalties_hold_inside_kept_drafts(smol_engine: Eng
         SamplingParams(max_tokens=7, temperature=0.0),  # max_tokens cuts the drafts
         SamplingParams(max_tokens=60, temperature=0.0, stop=["10,"]),  # a stop string inside kept tokens
         SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.3),  # penalized: no drafts
-        SamplingParams(max_tokens=30, temperature=0.0, min_tokens=20),  # logit edits: no drafts
+        SamplingParams(max_tokens=30, temperature=0.0, min_tokens=20),  # EOS blocked in each row before the 20th
     ]
     for params in cases:
         want = smol_engine.generate(prompt, params, chat=True)[0]
         got = spec_engine.generate(prompt, params, chat=True)[0]
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), params
+
+
+COPY_JSON = (
+    'Copy this JSON exactly: {"name": "Ada Lovelace", "city": "London", "languages": ["English", "French", '
+    '"Italian"], "numbers": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}'
+)
+COPY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "city": {"type": "string"},
+        "languages": {"type": "array", "items": {"type": "string"}},
+        "numbers": {"type": "array", "items": {"type": "integer"}},
+    },
+    "required": ["name", "city", "languages", "numbers"],
+}
+
+
+def test_grammar_requests_verify_drafts_and_keep_their_greedy_text(smol_engine: Engine, spec_engine: Engine) -> None:
+    """A JSON schema and a JSON object request with n-gram drafts: the grammar masks each verify row after the
+    drafts before it, so greedy output is the output without speculation, and drafts were kept."""
+    from engine.structured import GrammarSpec
+
+    cases = [
+        SamplingParams(max_tokens=90, temperature=0.0, grammar=GrammarSpec.json_schema(COPY_SCHEMA)),
+        SamplingParams(max_tokens=90, temperature=0.0, grammar=GrammarSpec("json_object"), min_tokens=40),
+    ]
+    for params in cases:
+        want = smol_engine.generate(COPY_JSON, params, chat=True)[0]
+        spec_engine.speculator.stats.__init__()  # type: ignore[union-attr,misc]
+        got = spec_engine.generate(COPY_JSON, params, chat=True)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        json.loads(got.text)
+        stats = spec_engine.speculator.stats  # type: ignore[union-attr]
+        assert stats.num_accepted_tokens > 10, stats.num_accepted_tokens  # the copy was drafted, and kept
+
+
+def test_grammar_masks_of_draft_rows_are_those_after_the_drafts(smol_engine: Engine) -> None:
+    """Each verify row's mask equals a fresh matcher's after the drafts before the row; the request's matcher
+    ends where it was; grammar_drafts keeps the prefix the grammar allows."""
+    from engine.structured.mask import apply_grammar_masks, grammar_drafts
+    from engine.structured.spec import import_xgrammar
+
+    xgr = import_xgrammar()
+    tokenizer = smol_engine.tokenizer
+    vocab = int(smol_engine.model_config.vocab_size)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(COPY_SCHEMA))
+    text = '{"name": "Ada", "city": "Lon'
+    prefix = tokenizer.encode(text, add_special_tokens=False)
+    drafts = tokenizer.encode('don", "languages": [', add_special_tokens=False)
+    wrong = tokenizer.encode("} oops", add_special_tokens=False)
+    request = Request("r", [1], SamplingParams())
+    request.grammar = xgr.GrammarMatcher(compiled)
+    for token in prefix:
+        assert request.grammar.accept_token(token)
+    assert grammar_drafts(request.grammar, drafts + wrong) == drafts  # cut at the first refused token
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    assert grammar_drafts(request.grammar, newline + drafts) == []  # inside a string: no raw newline
+    logits = torch.zeros(len(drafts) + 1, vocab)
+    apply_grammar_masks(logits, [request] * len(logits), [(j, drafts) for j in range(len(logits))])
+    for j in range(len(logits)):
+        fresh = xgr.GrammarMatcher(compiled)
+        for token in prefix + drafts[:j]:
+            assert fresh.accept_token(token)
+        bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+        fresh.fill_next_token_bitmask(bitmask)
+        allowed = ~forbidden(bitmask, vocab)[0]
+        assert torch.equal(logits[j] == 0, allowed), j
+    assert logits[0].isinf().sum() != logits[len(drafts)].isinf().sum()  # the rows do differ
+    after = torch.zeros(1, vocab)
+    apply_grammar_masks(after, [request])
+    assert torch.equal(after[0], logits[0])  # rolled back: the next position is the first row's
+
+
+def forbidden(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    from engine.structured.mask import forbidden_tokens
+
+    return forbidden_tokens(bitmask, vocab)
 
 
 def test_seeded_sampling_with_speculation_is_reproducible(spec_engine: Engine) -> None:

@@ -13,6 +13,7 @@ from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.eagle3 import Eagle3Proposer
 from engine.speculative.ngram import NgramProposer
 from engine.step_message import StepMessage
+from engine.structured.mask import grammar_drafts
 
 
 class Proposer(Protocol):
@@ -47,10 +48,11 @@ class Speculator:
 
     @staticmethod
     def drafts_allowed(request: Request) -> bool:
-        """Requests whose sampling reads per-token host state decode without drafts (exactly, one token a
-        step): penalties count the tokens before each position, and logit edits (min_tokens, a grammar's
-        mask) change with them, but a verify step samples every position from the state before its drafts."""
-        return not request.params.has_penalties and not request.edits_logits
+        """Penalized requests decode without drafts (exactly, one token a step): their penalties count the
+        tokens before each position on the device, where a verify step keeps the state before its drafts.
+        The other logit edits see the drafts before each row (engine/logit_processors.py): a grammar's mask
+        is filled row by row from its matcher advanced through them, min_tokens counts them."""
+        return not request.params.has_penalties
 
     def draft(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
         """At most its limit of drafts for each request (the scheduler's drafter)."""
@@ -59,8 +61,11 @@ class Speculator:
             return [[] for _ in requests]
         allowed = [limit if self.drafts_allowed(r) else 0 for r, limit in zip(requests, limits)]
         if self.eagle is not None:
-            return self.eagle.propose(requests, allowed)
-        return self.proposer.propose_batch([r.all_token_ids for r in requests], allowed)
+            drafts = self.eagle.propose(requests, allowed)
+        else:
+            drafts = self.proposer.propose_batch([r.all_token_ids for r in requests], allowed)
+        # A grammar's request verifies only the drafts its grammar allows (the matcher walks them and rolls back).
+        return [grammar_drafts(r.grammar, d) if r.grammar is not None and d else d for r, d in zip(requests, drafts)]
 
     def observe(self, step: ScheduledStep, message: StepMessage) -> None:
         """A target step was launched: an EAGLE-3 head keeps its tokens' hidden states (nothing otherwise)."""

@@ -24,15 +24,22 @@ def constrained_rows(requests: Sequence[Any]) -> list[int]:
     return [i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.is_terminated()]
 
 
-def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> None:
-    """Set to -inf, in place, every logit a request's grammar forbids at its next position."""
+def apply_grammar_masks(
+    logits: torch.Tensor, requests: Sequence[Any], row_drafts: Sequence[tuple[int, list[int]]] | None = None
+) -> None:
+    """Set to -inf, in place, every logit a request's grammar forbids at its next position; in a verify step
+    (`row_drafts`), at each row's position, after the drafts before it."""
     rows = constrained_rows(requests)
     if not rows:
         return
     vocab = logits.shape[1]
     words = (vocab + 31) // 32
     host = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=logits.is_cuda)
-    _batch_matcher().batch_fill_next_token_bitmask([requests[i].grammar for i in rows], host)
+    first = [p for p, row in enumerate(rows) if row_drafts is None or row_drafts[row][0] == 0]
+    _batch_matcher().batch_fill_next_token_bitmask([requests[rows[p]].grammar for p in first], host, first)
+    if len(first) < len(rows):
+        assert row_drafts is not None
+        _fill_draft_rows(host, [requests[row] for row in rows], [row_drafts[row] for row in rows])
     for position, row in enumerate(rows):
         guard = requests[row].grammar_guard
         if guard is not None:
@@ -43,6 +50,46 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> None:
         return
     index = to_device(rows, torch.int64, logits.device)
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(forbidden, float("-inf")))
+
+
+def _fill_draft_rows(host: torch.Tensor, requests: list[Any], row_drafts: list[tuple[int, list[int]]]) -> None:
+    """The masks of a verify step's draft rows (host rows with j > 0; row j - 1 of the same request precedes
+    each): the request's matcher takes its drafts one by one, each row's mask is filled after the drafts before
+    it, and the matcher is rolled back to where it was. After a draft the grammar refuses or that ends it,
+    the rows repeat the last mask: the target cannot keep that draft, so those rows are never used (the
+    speculator drops such drafts before the step anyway)."""
+    position = 0
+    while position < len(requests):
+        matcher = requests[position].grammar
+        drafts = row_drafts[position][1]
+        end = position + 1
+        while end < len(requests) and row_drafts[end][0] > 0 and requests[end] is requests[position]:
+            end += 1
+        taken = 0
+        for row in range(position + 1, end):
+            token = drafts[row_drafts[row][0] - 1]
+            if taken == row_drafts[row][0] - 1 and not matcher.is_terminated() and matcher.accept_token(token):
+                taken += 1
+                if not matcher.is_terminated():
+                    matcher.fill_next_token_bitmask(host, row)
+                    continue
+            host[row] = host[row - 1]
+        if taken:
+            matcher.rollback(taken)
+        position = end
+
+
+def grammar_drafts(matcher: Any, drafts: list[int]) -> list[int]:
+    """The longest prefix of the drafts the grammar allows from the matcher's state (which it keeps): a draft
+    it refuses can never be kept, so verifying it and those after it would be wasted rows."""
+    taken = 0
+    for token in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        taken += 1
+    if taken:
+        matcher.rollback(taken)
+    return drafts[:taken]
 
 
 @lru_cache(maxsize=1)
