@@ -85,20 +85,7 @@ def lora_sgmv(
     if rows == 0 or num_slots == 0 or width == 0 or out_features == 0:
         return  # nothing to add (an empty grid is not a launch Triton takes)
     x = x if x.stride(1) == 1 else x.contiguous()  # read only: a copy will do; out is written where it lies
-    _split(out, x, lora_a, lora_b, sorted_rows, group_starts)
-
-
-def _split(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    sorted_rows: torch.Tensor,
-    group_starts: torch.Tensor,
-) -> None:
-    """Two launches: the split-K shrink into float32 partial sums, then the expand adding into out."""
-    rows, in_features = x.shape
-    num_slots, width, out_features = lora_b.shape
+    # Two launches: the split-K shrink into float32 partial sums, then the expand adding into out.
     tiles = split_tiles(rows, num_slots, width, in_features)
     num_splits = -(-in_features // tiles.split_in)
     row_blocks = -(-rows // tiles.block_m)
