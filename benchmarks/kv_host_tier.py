@@ -163,12 +163,15 @@ def build(args: argparse.Namespace, tier: bool, kv_tokens: int) -> Engine:
     return Engine(**options)
 
 
-def release(engine: Engine) -> None:
-    engine.shutdown()
-    del engine
+def free_device_memory() -> None:
+    """After the last reference to an engine is gone: its pool and graphs back to the device before the next
+    engine is built (two Llama-3-8B engines with pools for 200 conversations do not fit an 80 GB GPU)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        logging.info(
+            "engine released: %.1f GiB of device memory still allocated", torch.cuda.memory_allocated() / 2**30
+        )
 
 
 def main() -> None:
@@ -196,8 +199,17 @@ def main() -> None:
     parser.add_argument("--hicache-size", type=float, default=0.0, help="host tier in GiB (wins over the ratio)")
     parser.add_argument("--hicache-write-policy", default="write_through", choices=("write_through", "write_back"))
     parser.add_argument("--repeats", type=int, default=1, help="runs of each engine, alternating which goes first")
+    parser.add_argument(
+        "--workloads",
+        default="multi-turn,no-reuse",
+        help="comma-separated: multi-turn (conversations that come back), no-reuse (every prompt unique)",
+    )
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
+    workloads = [name.replace("-", " ").replace("multi turn", "multi-turn") for name in args.workloads.split(",")]
+    unknown = set(workloads) - {"multi-turn", "no reuse"}
+    if unknown:
+        parser.error(f"--workloads: unknown {sorted(unknown)}; known: multi-turn, no-reuse")
 
     final_len = args.history_tokens + args.turns * args.turn_tokens
     # A quarter of the histories, but never less than the running batch needs (it must fit, tier or not).
@@ -206,7 +218,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     same: dict[str, float] = {}
     vocab = 0
-    for workload in ("multi-turn", "no reuse"):
+    for workload in workloads:
         outputs: dict[str, list[list[int]]] = {}
         # Alternating which engine goes first from one repeat to the next: neither gains from running second.
         order = [(r, tier) for r in range(args.repeats) for tier in ((False, True) if r % 2 == 0 else (True, False))]
@@ -222,7 +234,9 @@ def main() -> None:
             result = run(engine, convs, args)
             outputs["on" if tier else "off"] = result.pop("tokens")
             rows.append({"workload": workload, "tier": "on" if tier else "off", "repeat": repeat, **result})
-            release(engine)
+            engine.shutdown()
+            del engine
+            free_device_memory()
         # Greedy tokens of the last run of each: a prefix loaded back gives the tokens the device's own cache
         # would, but recomputing a prefix in other chunks than the ones that cached it moves float sums (as the
         # plain prefix cache does), and the CPU's extend-step time budget makes chunks timing-dependent.
@@ -231,7 +245,7 @@ def main() -> None:
 
     print_table(rows)
     summary: dict[str, dict[str, float]] = {}
-    for workload in ("multi-turn", "no reuse"):
+    for workload in workloads:
 
         def median_of(key: str, tier: str, workload: str = workload) -> float:
             return statistics.median(r[key] for r in rows if r["workload"] == workload and r["tier"] == tier)
@@ -262,6 +276,7 @@ def main() -> None:
         "hicache_size": args.hicache_size,
         "hicache_write_policy": args.hicache_write_policy,
         "repeats": args.repeats,
+        "workloads": workloads,
         "rows": rows,
         "summary": summary,
         "same_tokens": same,

@@ -44,6 +44,7 @@ from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampler import SampledTokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import INIT_NEW_TOKEN_RATIO, ScheduledStep, Scheduler, max_step_tokens_for
+from engine.speculative.acceptance import SpecDecodeStats
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.eagle3 import Eagle3Proposer
@@ -500,14 +501,20 @@ class Engine:
         prefix cache, its counters, the step counters and the scheduler's
         admission ratio are reset afterwards.
         """
-        # Room for two new tokens: prefill, then one decode.
-        prompt_len = min(WARM_UP_PROMPT_TOKENS, self.max_model_len - 2)
+        # Room for two new tokens: prefill, then one decode. With speculative decoding, room for two verify steps
+        # as well: their kernels (k + 1 rows per request, the draft's own) compile here, not in a user's request.
+        new_tokens = 2
+        if self.speculator is not None:
+            new_tokens += 2 * (self.speculator.config.num_speculative_tokens + 1)
+        prompt_len = min(WARM_UP_PROMPT_TOKENS, self.max_model_len - new_tokens)
         if prompt_len < 1:
             return
         start = time.perf_counter()
         request_id = "engine-warm-up"
         self.add_request(
-            [0] * prompt_len, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), request_id=request_id
+            [0] * prompt_len,
+            SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
+            request_id=request_id,
         )
         while self.has_unfinished():
             self.step()
@@ -519,10 +526,15 @@ class Engine:
         if self.kv_manager.host_tier is not None:
             self.kv_manager.host_tier.stats = HostTierStats()
         self.scheduler.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        if self.speculator is not None:
+            self.speculator.stats = SpecDecodeStats()
         self.runner.reset_counts()
         self.stats_logger.step_sizes.reset()
         logger.info(
-            "warm-up request (%d-token prefill, 1 decode step) took %.2f s", prompt_len, time.perf_counter() - start
+            "warm-up request (%d-token prefill, %d new tokens) took %.2f s",
+            prompt_len,
+            new_tokens,
+            time.perf_counter() - start,
         )
 
     # ---- construction -------------------------------------------------------------
@@ -625,7 +637,7 @@ class Engine:
         num_pages = HostKVPool.num_pages_for(self.kv_pool, float(cfg.hicache_size), float(cfg.hicache_ratio))
         if num_pages < 1:
             raise EngineError(f"host KV tier too small: {num_pages} pages; raise --hicache-size or --hicache-ratio")
-        return HostKVPool(self.kv_pool, num_pages, self.device)
+        return HostKVPool(self.kv_pool, num_pages, self.device, self.platform.kv_page_mover())
 
     def _graphs_unsupported(self) -> bool:
         """The model says its steps cannot be captured on this platform (MoE's data-dependent experts op

@@ -7,7 +7,8 @@ A node's pages may live on the device (`pages`), on the host tier (`host_pages`)
   where the host tier has no room even after dropping its own least recently used leaves, the node and
   whatever hangs below it leave the tree, as without the tier;
 - write-through (`--hicache-write-policy write_through`, SGLang's default) copies pages to the host as soon as
-  they are cached, so that a later eviction costs no copy; write-back copies them only when evicted;
+  they are cached (dropping the host's least recently used leaves for room), so that a later eviction costs no
+  copy; write-back copies them only when evicted;
 - a prefix match continues past the device part into nodes held only by the host, and loads them back
   into newly allocated device pages (evicting other device leaves for room if need be) instead of leaving
   those tokens to be computed again; the host copy stays, so evicting such a node again is free;
@@ -104,7 +105,9 @@ class HierarchicalRadixCache(RadixCache):
                     host_node = self._split(host_node, room)  # load what fits; the rest stays on the host
                 pages = self.allocator.allocate(LOAD_OWNER, room)
                 self.allocator.disown(LOAD_OWNER, room)
-                self.host.load(host_node.host_pages, pages)
+                # Evicted leaves' pages come back with the step count their last reader was launched before: the
+                # load waits for those steps only, so it overlaps the step in flight where it can.
+                self.host.load(host_node.host_pages, pages, self.allocator.unused_since(pages))
                 host_node.pages = pages
                 self.evictable_pages += room
                 self.lock(host_node)
@@ -129,10 +132,13 @@ class HierarchicalRadixCache(RadixCache):
         return result
 
     # ---- eviction: device leaves to the host, host leaves out --------------------------------
+    def _steps_launched(self) -> int:
+        return self.allocator.steps_launched
+
     def _evict_leaf(self, leaf: RadixNode) -> None:
         if leaf.host_pages or self._back_up(leaf, evicting=True):
             self.host.source_pages_freed(leaf.pages)  # its write (back or through) may still be reading them
-            self.free_pages(leaf.pages)
+            self.allocator.release(leaf.pages, leaf.released_at)
             leaf.pages = []
         else:
             self._drop_subtree(leaf)
@@ -142,14 +148,17 @@ class HierarchicalRadixCache(RadixCache):
 
         Room for a node leaving the device (`evicting`) comes first from host copies of pages that are on the
         device as well (nothing is lost: they would only be copied again if evicted in turn), then from the
-        host's least recently used leaves. A write-through takes free host pages only: it saves a copy later,
-        which is not worth a prefix the host alone holds, nor another device node's copy.
+        host's least recently used leaves. A write-through makes room from those leaves only, never from
+        another device node's copy. It does make room, as SGLang's does: a write-through that waited for free
+        host pages left every node cached once the host was full to be copied when evicted, a copy the step
+        that reuses its device pages must wait for. The leaves it drops are older than the node written, which
+        LRU across the tiers would drop first anyway.
         """
         need = len(node.pages)
         if self.host.num_free < need and evicting:
             self._drop_host_copies(need - self.host.num_free)
-            if self.host.num_free < need:
-                self.evict_host(need - self.host.num_free)
+        if self.host.num_free < need:
+            self.evict_host(need - self.host.num_free)
         if self.host.num_free < need:
             return False
         node.host_pages = self.host.allocator.allocate(need)
@@ -219,7 +228,7 @@ class HierarchicalRadixCache(RadixCache):
         self._remove(node)
         if node.pages:
             self.host.source_pages_freed(node.pages)  # a write-through of them may still be running
-            self.free_pages(node.pages)
+            self.allocator.release(node.pages, node.released_at)
 
     def reset(self) -> None:
         """Drop every unlocked node from both tiers (nothing is written back)."""

@@ -27,6 +27,11 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
         self._owned: dict[str, list[int]] = {}
+        # Steps launched so far (KVCacheManager.fence advances it before every launch), and per page the count
+        # when it was last freed: no step launched after that reads or writes it, so a copy into the page (the
+        # host tier's load) waits for the steps before that count only, not for the step in flight.
+        self.steps_launched = 0
+        self._freed_at = [0] * num_pages
 
     @property
     def total(self) -> int:
@@ -49,6 +54,7 @@ class PageAllocator:
 
     def free(self, owner: str) -> int:
         pages = self._owned.pop(owner, [])
+        self._stamp(pages, self.steps_launched)
         self._free.extend(reversed(pages))
         return len(pages)
 
@@ -61,6 +67,7 @@ class PageAllocator:
         freed, self._owned[owner] = pages[-count:], pages[:-count]
         if not self._owned[owner]:
             del self._owned[owner]
+        self._stamp(freed, self.steps_launched)
         self._free.extend(reversed(freed))
         return count
 
@@ -74,9 +81,19 @@ class PageAllocator:
             del self._owned[owner]
         return moved
 
-    def release(self, pages: list[int]) -> None:
-        """Return pages nobody owns any more (evicted from the prefix cache, or duplicates of cached ones)."""
+    def release(self, pages: list[int], last_used_before: int | None = None) -> None:
+        """Return pages nobody owns any more (evicted from the prefix cache, or duplicates of cached ones).
+        `last_used_before`: no step launched from that count on uses them (default: the steps launched so far)."""
+        self._stamp(pages, self.steps_launched if last_used_before is None else last_used_before)
         self._free.extend(reversed(pages))
+
+    def _stamp(self, pages: list[int], steps: int) -> None:
+        for page in pages:
+            self._freed_at[page] = steps
+
+    def unused_since(self, pages: list[int]) -> int:
+        """The step count from which no launched step uses these (free, or just allocated) pages."""
+        return max((self._freed_at[page] for page in pages), default=0)
 
     def pages_of(self, owner: str) -> list[int]:
         return self._owned.get(owner, [])

@@ -190,9 +190,11 @@ class KVCacheManager:
             self.tree.reset()
 
     def fence(self) -> None:
-        """Before a step is launched: it runs after the host tier's copies issued so far (engine/kv_host_tier.py)."""
+        """Before a step is launched: it runs after the host tier's copies it needs (engine/kv_host_tier.py), and
+        it is counted (PageAllocator.steps_launched: which steps may still use a freed page)."""
         if self.host_tier is not None:
-            self.host_tier.fence()
+            self.host_tier.fence(self.allocator.steps_launched)
+        self.allocator.steps_launched += 1
 
     # ---- checks -----------------------------------------------------------------------
     def check_invariant(self) -> None:

@@ -19,6 +19,7 @@ import torch
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.kv_host_tier import PageMover
     from engine.layers.attention import AttentionBackend, AttentionMetadata
     from engine.lora.matmul import LoRAKernels
 
@@ -155,6 +156,11 @@ class Platform(abc.ABC):
     def fp8_linear_method(self) -> Any:
         """The engine.layers.linear.LinearMethod FP8 linears run here; None: this platform has no FP8
         matmul kernel, and FP8 weights are dequantized once at load."""
+        return None
+
+    def kv_page_mover(self) -> PageMover | None:
+        """How the host KV tier moves pages of every layer at once (engine/kv_host_tier.py); None: one torch
+        gather or scatter per layer and tensor."""
         return None
 
     def lora_kernels(self) -> LoRAKernels | None:

@@ -43,6 +43,9 @@ class RadixNode:
     hashes: list[int] = field(default_factory=list)  # one per page, while KV events are recorded (kv_events.py)
     # The host tier's copy of the pages, one host page per page (or none): engine/hierarchical_cache.py.
     host_pages: list[int] = field(default_factory=list)
+    # Steps launched when the last request let go of the node (lock_ref fell to 0): no step launched since
+    # reads its pages (engine/hierarchical_cache.py passes it on when they are evicted).
+    released_at: int = 0
 
     @property
     def is_leaf(self) -> bool:
@@ -107,6 +110,7 @@ class RadixCache:
             node,
             last_access=next(self._clock),
             namespace=namespace,
+            released_at=self._steps_launched(),  # launched steps wrote these pages
         )
         node.children[self._child_key(node, leaf.key, 0, namespace)] = leaf
         self.evictable_pages += len(leaf.pages)
@@ -140,7 +144,12 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.protected_pages -= len(node.pages)
                 self.evictable_pages += len(node.pages)
+                node.released_at = self._steps_launched()
             node = self._parent(node)
+
+    def _steps_launched(self) -> int:
+        """Steps launched so far, where a subclass tracks them (the host tier's loads need it; here none)."""
+        return 0
 
     @staticmethod
     def _parent(node: RadixNode) -> RadixNode:
@@ -244,6 +253,7 @@ class RadixCache:
                 assert adopt is not None and child.lock_ref == 0
                 first = offset // self.page_size
                 child.pages = list(adopt[first : first + self.num_pages(child)])
+                child.released_at = self._steps_launched()  # launched steps wrote these pages
                 self.evictable_pages += len(child.pages)
             child.last_access = now
             pages.extend(child.pages)
@@ -281,6 +291,7 @@ class RadixCache:
             namespace=node.namespace,
             hashes=node.hashes[:num_pages],
             host_pages=node.host_pages[:num_pages],
+            released_at=node.released_at,
         )
         parent.children[self._child_key(parent, node.key, 0, node.namespace)] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], upper

@@ -25,7 +25,7 @@ from engine.engine import Engine
 from engine.errors import EngineError
 from engine.hierarchical_cache import HierarchicalRadixCache
 from engine.kv_cache import KVPool
-from engine.kv_host_tier import CopyFence, HostKVPool
+from engine.kv_host_tier import CopyFence, HostKVPool, StepEnds
 from engine.kv_manager import KVCacheManager
 from engine.radix_cache import RadixNode
 from engine.request import Request
@@ -82,7 +82,7 @@ def assert_tree_data(tree: HierarchicalRadixCache, pool: KVPool, host: HostKVPoo
         if node.pages:
             assert_pages_hold(pool.caches, node.pages, tokens, start, pool.page_size)
         if node.host_pages:
-            assert_pages_hold(host.caches, node.host_pages, tokens, start, pool.page_size)
+            assert_pages_hold(host.slot_caches(), node.host_pages, tokens, start, pool.page_size)
         stack.extend((child, start + len(node.key)) for child in node.children.values())
 
 
@@ -215,6 +215,29 @@ def test_an_evicted_prefix_is_loaded_back_from_the_host(write_through: bool) -> 
     manager.check_invariant()
 
 
+def test_a_write_through_makes_room_on_a_full_host() -> None:
+    """Once the host is full, a write-through drops the host's least recently used leaf, so the node's eviction
+    later costs no copy (a copy at eviction is one the next step must wait for)."""
+    manager, pool, host = make_manager(device_pages=4, host_pages=4, page_size=1, write_through=True)
+    for name, first in (("a", 1), ("b", 11), ("c", 21)):
+        request = Request(name, list(range(first, first + 5)), SamplingParams())
+        manager.match_prefix(request)
+        assert manager.allocate(request, 4)  # the pool's four pages: the previous request's leave the device
+        compute(pool, manager, request, 4)
+        manager.release(request)
+        manager.check_invariant()
+    # Each request written once, when cached: "b" dropped "a" from the full host, "c" dropped "b"; evicting "a"
+    # and "b" from the device copied nothing.
+    assert host.stats.written_tokens == 12 and host.stats.evicted_pages == 8
+    again = Request("d", list(range(21, 26)), SamplingParams())
+    assert manager.match_prefix(again) == 4  # "c" is still on the device
+    manager.release(again)
+    lost = Request("e", list(range(1, 6)), SamplingParams())
+    assert manager.match_prefix(lost) == 0  # "a" was dropped for "b"
+    manager.release(lost)
+    manager.check_invariant()
+
+
 def test_a_partial_load_keeps_the_rest_on_the_host() -> None:
     manager, pool, host = make_manager(device_pages=4, host_pages=8, page_size=1, write_through=False)
     first = Request("a", [1, 2, 3, 4, 5], SamplingParams())
@@ -235,6 +258,39 @@ def test_a_partial_load_keeps_the_rest_on_the_host() -> None:
     assert_pages_hold(pool.caches, final.shared_pages, final.all_token_ids, 0, 1)
     manager.release(final)
     manager.check_invariant()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_the_triton_page_mover_moves_what_torch_moves(dtype: torch.dtype) -> None:
+    """The CUDA mover (one launch for every layer's pages; the Triton interpreter here) against the portable one:
+    the same host pages after a write, the same device pages after a load; bytes, where a page is no whole
+    number of int32 words (uint8, head_dim 6)."""
+    pytest.importorskip("triton")
+    from backends.cuda.kv_pages import TritonPageMover
+
+    cpu = torch.device("cpu")
+    pool = KVPool(3, 9, 4, 2, 6, dtype, cpu)
+    generator = torch.Generator().manual_seed(0)
+    for k, v in pool.caches:
+        for tensor in (k, v):
+            tensor.copy_(torch.randint(0, 120, tensor.shape, generator=generator).to(dtype))
+    original = [t.clone() for kv in pool.caches for t in kv]
+    hosts = [HostKVPool(pool, 6, cpu), HostKVPool(pool, 6, cpu, TritonPageMover())]
+    hosts[1]._chunk_pages = 2  # copies staged in chunks, as a big copy is (STAGING_BYTES)
+    for host in hosts:
+        host.write([3, 1, 7], [0, 1, 2])
+        host.write([5, 6], [4, 5])
+    written = [0, 1, 2, 4, 5]
+    assert torch.equal(hosts[0].pages[written], hosts[1].pages[written])
+    assert hosts[0].pages.dtype == (torch.uint8 if dtype == torch.uint8 else torch.int32)
+    for host in hosts:
+        for tensor in (t for kv in pool.caches for t in kv):
+            tensor.zero_()
+        host.load(written, [2, 4, 6, 8, 1])
+        moved = [t.clone() for kv in pool.caches for t in kv]
+        for before, after in zip(original, moved, strict=True):
+            for source, target in ((3, 2), (1, 4), (7, 6), (5, 8), (6, 1)):
+                assert torch.equal(after[target * 4 : target * 4 + 4], before[source * 4 : source * 4 + 4])
 
 
 class _Copy:
@@ -394,3 +450,45 @@ def test_flags_are_sglangs() -> None:
     assert config.hicache_write_policy == "write_back" and config.hicache_ratio == 2.0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "--hicache-write-policy", "write_through_selective"])
+
+
+def test_a_load_waits_only_for_the_steps_that_may_use_its_pages() -> None:
+    """StepEnds: an end recorded before each launch; a load into pages unused since step count T waits for the
+    end before step T only (nothing once it has run), and for all queued work where no step was launched since."""
+    steps = StepEnds()
+    ends = [_Copy() for _ in range(4)]
+    for step, end in enumerate(ends):
+        steps.launching(step, end)  # steps 0..3 launched; 3 is in flight
+    assert steps.before(0) is None  # nothing launched before step 0
+    assert steps.before(2) is ends[2]
+    assert steps.before(4) is True  # steps up to the one in flight: no end recorded after it yet
+    ends[0].done = ends[1].done = ends[2].done = True  # steps 0 and 1 have run
+    assert steps.before(2) is None and steps.before(3) is ends[3]
+    after_three = _Copy()
+    steps.launching(4, after_three)
+    assert steps.before(3) is ends[3] and steps.before(4) is after_three and steps.before(5) is True
+    ends[3].done = True
+    assert steps.before(3) is None and steps.before(4) is after_three
+
+
+def test_freed_pages_carry_the_steps_that_may_still_use_them() -> None:
+    """Pages freed by a request: every step launched so far may use them; pages of an evicted cache node: only
+    the steps launched before its last request let go of it."""
+    manager, pool, _ = make_manager(device_pages=4, host_pages=8, page_size=1, write_through=True)
+    allocator = manager.allocator
+    first = Request("a", [1, 2, 3, 4, 5], SamplingParams())
+    manager.match_prefix(first)
+    assert manager.allocate(first, 4)
+    compute(pool, manager, first, 4)
+    manager.fence()
+    manager.fence()  # two steps launched with "a" in them
+    manager.release(first)  # the node is let go at count 2
+    for _ in range(5):
+        manager.fence()  # five steps launched since, none with "a"
+    other = Request("b", [9, 9, 9, 9, 9], SamplingParams())
+    manager.match_prefix(other)
+    assert manager.allocate(other, 4)  # evicts "a" to the host
+    assert allocator.unused_since(allocator.pages_of("b")) == 2
+    manager.release(other, cache=False)  # b's own pages, freed now
+    assert allocator.unused_since(list(range(1, 5))) == 7
+    manager.check_invariant()

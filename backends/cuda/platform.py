@@ -16,6 +16,7 @@ from engine.sampler import PENALTY_KERNELS
 if TYPE_CHECKING:
     from backends.cuda.triton_attention import TritonAttentionBackend
     from engine.config import EngineConfig
+    from engine.kv_host_tier import PageMover
     from engine.lora.matmul import LoRAKernels
 
 # The sampler's penalties on CUDA (and HIP: torch's "cuda" device type) tensors: one Triton launch a batch.
@@ -108,6 +109,12 @@ class CudaPlatform(Platform):
         from backends.cuda.fp8_linear import CUDA_FP8
 
         return CUDA_FP8
+
+    def kv_page_mover(self) -> PageMover:
+        """One Triton launch per staged chunk for the pages of every layer (backends/cuda/kv_pages.py)."""
+        from backends.cuda.kv_pages import TRITON_PAGE_MOVER
+
+        return TRITON_PAGE_MOVER
 
     def lora_kernels(self) -> LoRAKernels:
         """The grouped Triton kernels (backends/cuda/lora.py): each block of rows reads only its own slot's A
