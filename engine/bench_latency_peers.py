@@ -85,7 +85,7 @@ def time_first_tokens(
 
 
 def cpu_path(engine: Engine) -> str:
-    """What the engine's prefill runs on this CPU: the ISA, and the GGUF block kernels or the dense GEMM."""
+    """What the engine's prefill runs on this CPU: the ISA, the GGUF block kernels or the dense GEMM, and attention."""
     from backends.cpu.features import cpu_features
     from backends.cpu.gguf_linear import PREFILL_MIN_ROWS, describe_paths
     from backends.cpu.prefill_weights import has_prefill_copy
@@ -96,7 +96,12 @@ def cpu_path(engine: Engine) -> str:
     linear = f"GGUF block kernels ({', '.join(gguf)}; {describe_paths()})" if gguf else f"dense {dtype} GEMM"
     if has_prefill_copy(engine.model):
         linear = f"oneDNN bf16 GEMM over a packed bf16 copy (steps of >= {PREFILL_MIN_ROWS} rows; fewer: {linear})"
-    return f"{cpu_features().describe()}, {torch.get_num_threads()} threads; model {dtype}; prefill linear: {linear}"
+    rows = getattr(getattr(engine.model, "attention_backend", None), "bf16_prefill_rows", 0)
+    attention = f"bf16 kernel (requests of >= {rows} new tokens; fewer: float32 SDPA)" if rows else "float32 SDPA"
+    return (
+        f"{cpu_features().describe()}, {torch.get_num_threads()} threads; model {dtype}; prefill linear: {linear}; "
+        f"prefill attention: {attention}"
+    )
 
 
 def print_table(cases: list[dict[str, Any]], names: list[str]) -> None:

@@ -82,6 +82,7 @@ QUANTIZATIONS = ("auto", "fp8", "gguf", "none")
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 GGUF_ACTIVATIONS = ("auto", "float32", "int8x2", "int8")
 CPU_PREFILL_WEIGHTS = ("auto", "bf16", "gguf")
+CPU_PREFILL_ATTENTION = ("auto", "bf16", "float32")
 
 
 def _check_hierarchical_cache(config: EngineConfig) -> None:
@@ -142,6 +143,14 @@ class EngineConfig:
         "AVX512-BF16 or AMX and the copy fits in a quarter of the free memory; else the block kernels), bf16 "
         "(insist on the copy) or gguf (the block kernels at every row count); docs/quantization.md",
         choices=CPU_PREFILL_WEIGHTS,
+    )
+    cpu_prefill_attention: str = setting(
+        "auto",
+        "CPU, prefill steps whose every request has 32 new tokens or more: attention with bf16 dot products "
+        "(a native AVX512-BF16 kernel, softmax in float32) or float32 SDPA. auto: bf16 where the CPU has "
+        "AVX512-BF16 and the step's matmuls already run in bf16 (--cpu-prefill-weights' copy kept), else float32; "
+        "bf16: insist (an error without AVX512-BF16); float32: SDPA always; docs/cpu.md",
+        choices=CPU_PREFILL_ATTENTION,
     )
     page_size: int | None = setting(None, "tokens per KV page")
     max_num_seqs: int | None = setting(None, "the most requests a step runs")

@@ -35,6 +35,7 @@ def test_peers_time_the_same_prompts_and_agree_on_the_first_token(tiny_llama: st
     args.func(args)
     report = json.loads(output.read_text(encoding="utf-8"))
     assert "threads" in report["cpu_path"] and "prefill linear: dense float32 GEMM" in report["cpu_path"]
+    assert "prefill attention: float32 SDPA" in report["cpu_path"]  # float32 matmuls: exact attention too (auto)
     assert [case["input_len"] for case in report["cases"]] == [7, 40]
     for case in report["cases"]:
         systems = case["systems"]

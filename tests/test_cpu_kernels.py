@@ -19,7 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.cpu.attention import cpu_paged_decode, native_decode_available, native_decode_supported
+from backends.cpu import attention as cpu_attention
+from backends.cpu.attention import (
+    CpuAttentionBackend,
+    bf16_prefill_cpu,
+    choose_prefill_attention,
+    cpu_paged_decode,
+    native_decode_available,
+    native_decode_supported,
+)
 from backends.cpu.features import native_gemv_bf16_supported
 from backends.cpu.native import load, native_kernels_enabled
 from backends.cpu.packed_linear import (
@@ -29,8 +37,10 @@ from backends.cpu.packed_linear import (
     onednn_packing_supported,
     pack_linear_weights,
 )
+from engine.errors import EngineError
+from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import Linear
-from engine.layers.torch_attention import paged_decode_attention
+from engine.layers.torch_attention import TorchAttentionBackend, paged_decode_attention
 
 
 @pytest.fixture(autouse=True, params=["fast-paths-on", "fast-paths-off"])
@@ -42,6 +52,7 @@ def fast_paths(request: pytest.FixtureRequest) -> None:
 def test_the_kernels_build_here() -> None:
     assert (load("paged_decode") is not None) == native_kernels_enabled()
     assert (_gemv_kernel() is not None) == (native_kernels_enabled() and native_gemv_bf16_supported())
+    assert (cpu_attention._prefill_kernel() is not None) == (native_kernels_enabled() and bf16_prefill_cpu())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -214,3 +225,107 @@ def test_smollm2_bfloat16_decode_with_native_kernels_tracks_float32_transformers
     _, decode = engine_logits(engine, prompt[:-1], prompt[-1])  # the last prompt token fed as a decode step
     assert int(decode.argmax()) == int(want.argmax())
     assert F.cosine_similarity(decode.float(), want, dim=0) > 0.995
+
+
+def extend_step(
+    requests: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, page_size: int, seed: int
+) -> dict[str, Any]:
+    """An extend step over (cached prefix, new tokens) requests: caches holding every prefix on scattered pages,
+    this step's q / k / v, and its metadata."""
+    lengths = [prefix + new for prefix, new in requests]
+    batch = random_paged_batch(lengths, page_size, kv_heads, dim, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    slots = []
+    for row, (prefix, new) in enumerate(requests):
+        positions = torch.arange(prefix, prefix + new)
+        slots.append(batch["page_table"][row, positions // page_size].long() * page_size + positions % page_size)
+    tokens = sum(new for _, new in requests)
+    starts = [0]
+    for _, new in requests:
+        starts.append(starts[-1] + new)
+    meta = AttentionMetadata(
+        is_decode=False,
+        slot_indices=torch.cat(slots),
+        page_table=batch["page_table"],
+        seq_lens=batch["seq_lens"],
+        page_size=page_size,
+        query_start_loc=starts,
+        seq_lens_cpu=lengths,
+    )
+    return dict(
+        q=torch.randn(tokens, heads, dim, generator=generator),
+        k=torch.randn(tokens, kv_heads, dim, generator=generator),
+        v=torch.randn(tokens, kv_heads, dim, generator=generator),
+        k_cache=batch["k_cache"],
+        v_cache=batch["v_cache"],
+        meta=meta,
+    )
+
+
+@pytest.mark.parametrize(
+    "requests,heads,kv_heads,dim,page_size",
+    [
+        ([(0, 300)], 9, 3, 64, 16),  # SmolLM2's heads, a prompt alone: keys read from this step's k / v
+        ([(0, 33)], 4, 4, 64, 1),  # a partial query block and key tile, no GQA
+        ([(100, 70)], 9, 3, 64, 16),  # a cached prefix: keys gathered from the pages
+        ([(0, 64), (50, 129)], 8, 2, 128, 16),  # two requests, a wider head
+    ],
+)
+def test_bf16_prefill_attention_is_as_close_to_exact_as_torchs_bf16(
+    requests: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, page_size: int
+) -> None:
+    """The bf16 prefill kernel (kernels/prefill_attention_bf16.c) against float64 attention: within twice the
+    error of torch's own bf16 SDPA (q, k, v rounded to bf16), and storing the step's k / v as the torch path
+    does. Where the kernel is absent (fast paths off, no AVX512-BF16) the backend runs SDPA in float32."""
+    step = extend_step(requests, heads, kv_heads, dim, page_size, seed=len(requests) + heads + dim)
+    backend = CpuAttentionBackend()
+    backend.bf16_prefill_rows = 1
+    assert backend.bf16_prefill_applies(step["q"], step["meta"], 0, 0.0) == (
+        cpu_attention._prefill_kernel() is not None
+    )
+    args = (step["meta"], 0.125)
+    caches = (step["k_cache"].clone(), step["v_cache"].clone())
+    got = backend.forward(step["q"], step["k"], step["v"], *caches, *args)
+
+    def torch_attention(dtype: torch.dtype) -> torch.Tensor:
+        plain = TorchAttentionBackend(dtype)
+        q, k, v, k_cache, v_cache = (step[name].to(dtype) for name in ("q", "k", "v", "k_cache", "v_cache"))
+        return plain.forward(q, k, v, k_cache, v_cache, step["meta"], 0.125).double()
+
+    exact = torch_attention(torch.float64)
+    error = (got.double() - exact).abs().max().item()
+    torch_bf16_error = (torch_attention(torch.bfloat16) - exact).abs().max().item()
+    assert error <= 2 * torch_bf16_error, f"{error:.4f} against torch bf16's {torch_bf16_error:.4f}"
+    if cpu_attention._prefill_kernel() is None:
+        assert error < 1e-5  # float32 SDPA
+    torch.testing.assert_close(caches[0], step["k_cache"].index_copy(0, step["meta"].slot_indices, step["k"]))
+    torch.testing.assert_close(caches[1], step["v_cache"].index_copy(0, step["meta"].slot_indices, step["v"]))
+
+
+def test_bf16_prefill_attention_leaves_short_requests_windows_and_softcaps_to_sdpa() -> None:
+    step = extend_step([(0, 40), (0, 300)], 9, 3, 64, 16, seed=5)
+    backend = CpuAttentionBackend()
+    assert not backend.bf16_prefill_applies(step["q"], step["meta"], 0, 0.0)  # not chosen
+    backend.bf16_prefill_rows = 256
+    assert not backend.bf16_prefill_applies(step["q"], step["meta"], 0, 0.0)  # a request of 40 new tokens
+    backend.bf16_prefill_rows = 40
+    available = cpu_attention._prefill_kernel() is not None
+    assert backend.bf16_prefill_applies(step["q"], step["meta"], 0, 0.0) == available
+    assert not backend.bf16_prefill_applies(step["q"], step["meta"], 128, 0.0)
+    assert not backend.bf16_prefill_applies(step["q"], step["meta"], 0, 30.0)
+    assert not backend.bf16_prefill_applies(step["q"][..., :32], step["meta"], 0, 0.0)  # a head size it skips
+
+
+def test_bf16_prefill_attention_is_chosen_only_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert choose_prefill_attention("float32", True) == (False, "--cpu-prefill-attention float32")
+    with pytest.raises(EngineError, match="choose one of auto, bf16, float32"):
+        choose_prefill_attention("fp8", True)
+    if cpu_attention._prefill_kernel() is not None:
+        assert choose_prefill_attention("auto", True)[0] and choose_prefill_attention("bf16", False)[0]
+        keep, why = choose_prefill_attention("auto", False)
+        assert not keep and "float32" in why  # exact matmuls asked for: exact attention too
+    monkeypatch.setattr(cpu_attention, "bf16_prefill_cpu", lambda: False)  # an AVX2-only CPU
+    keep, why = choose_prefill_attention("auto", True)
+    assert not keep and "no AVX512-BF16" in why
+    with pytest.raises(EngineError, match="needs AVX512-BF16"):
+        choose_prefill_attention("bf16", True)

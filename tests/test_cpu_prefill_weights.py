@@ -1,7 +1,9 @@
 """The CPU's prefill on a packed bf16 copy of the GGUF weights (backends/cpu/prefill_weights.py, issue #49).
 
 Where it is used, and numerics held to HF transformers: the prefill logits of long prompts (every linear on the
-bf16 copy) are as close to HF float32's as HF bf16's own are, and greedy text matches HF float32's."""
+bf16 copy, and attention on bf16 dot products where the CPU has AVX512-BF16, backends/cpu/attention.py; from 256
+tokens the MLP's activations in bf16 too) are as close to HF float32's as HF bf16's own are, and greedy text matches
+HF float32's."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from helpers import engine_logits, greedy, hf_greedy, hf_last_logits
 
 from backends.cpu import prefill_weights
+from backends.cpu.attention import PREFILL_BF16_ATTENTION_ROWS, CpuAttentionBackend, _prefill_kernel
 from backends.cpu.features import onednn_bf16_supported
 from backends.cpu.gguf_linear import PREFILL_MIN_ROWS, PREFILL_WEIGHT_ATTR, gguf_tiles
 from engine.engine import Engine
@@ -82,6 +85,11 @@ def test_every_prefill_linear_has_its_copy_and_the_head_does_not(bf16_prefill_en
     assert all(hasattr(gguf_tiles(layer)[0][2], PREFILL_WEIGHT_ATTR) for layer in layers)
     head = gguf_tiles(model.lm_head)
     assert not head or not hasattr(head[0][2], PREFILL_WEIGHT_ATTR)
+    # With the copy, a CPU with AVX512-BF16 runs the prompts' attention on the bf16 kernel (auto): the tests
+    # below hold it to HF too.
+    backend = model.attention_backend
+    assert isinstance(backend, CpuAttentionBackend)
+    assert backend.bf16_prefill_rows == (PREFILL_BF16_ATTENTION_ROWS if _prefill_kernel() is not None else 0)
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,7 @@ class CpuPlatform(Platform):
         from backends.cpu.packed_linear import pack_linear_weights
 
         self._keep_gguf_blocks(model, settings)
+        self._prefill_attention(model, settings)
         packed = 0
         if settings.get("onednn_packed_linear", True):
             # oneDNN picks its blocked layout for the batch sizes it will see: the largest captured one.
@@ -133,6 +134,20 @@ class CpuPlatform(Platform):
                 reason += f", the MLPs of {switched} layers in bf16 in steps of >= {ROWS} rows"
         logger.info("CPU %s", prefill_weights.describe(keep, reason, added))
 
+    def _prefill_attention(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
+        """Prefill attention on the bf16 kernel where --cpu-prefill-attention picks it (attention.py)."""
+        from backends.cpu.attention import PREFILL_BF16_ATTENTION_ROWS, CpuAttentionBackend, choose_prefill_attention
+        from backends.cpu.prefill_weights import has_prefill_copy
+
+        backend = getattr(model, "attention_backend", None)
+        if not isinstance(backend, CpuAttentionBackend):
+            return
+        mode = settings.get("cpu_prefill_attention") or "auto"
+        chosen, reason = choose_prefill_attention(mode, has_prefill_copy(model))
+        rows = backend.bf16_prefill_rows = PREFILL_BF16_ATTENTION_ROWS if chosen else 0
+        path = f"bf16 kernel in steps whose requests have >= {rows} new tokens each" if rows else "float32 SDPA"
+        logger.info("CPU prefill attention: %s (%s)", path, reason)
+
     def capture_settings(self) -> CaptureSettings:
         # Compiled graphs run on the host: an op between their pieces may read device (host) values.
         return CaptureSettings(kind=CaptureKind.COMPILE, compile_backend="inductor", host_syncs_ok=True)
@@ -198,6 +213,7 @@ def forget_cpu_paths() -> None:
         features.cpu_features,
         native.load,
         attention._kernel,
+        attention._prefill_kernel,
         packed_linear._gemv_kernel,
         gguf_linear._library,
         gguf_linear.code_paths,
