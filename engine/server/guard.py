@@ -1,7 +1,7 @@
 """The server's front door, as pure ASGI middleware: auth, host check and body limits before any work.
 
 Pure ASGI, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware
-wraps `receive`, and under it `request.is_disconnected()` never turns true,
+wraps `receive`, and under it a disconnect never reaches the app (engine/server/disconnects.py),
 so a non-streaming request whose client left ran to its end. Here the
 app's `receive` is the server's own (wrapped only to count body bytes), and:
 

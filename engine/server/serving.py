@@ -19,6 +19,7 @@ from engine.errors import InvalidRequestError, RequestFailedError
 from engine.request import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestGroup
+from engine.server.disconnects import client_gone
 from engine.server.errors import APIError, error_body
 from engine.server.grammar_gate import await_verdict
 from engine.server.params import (
@@ -60,7 +61,6 @@ from engine.structured.spec import GrammarSpec
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 HEAVY_RESPONSE_TOKENS = 4096  # a whole response of more tokens (prompts with echo, outputs) is built off the loop
 
 
@@ -462,7 +462,7 @@ class Serving:
                     raise APIError(
                         "structured output needs the model's tokenizer, and this model has none", param=asked.field
                     )
-                await await_verdict(self.grammars, asked.spec, asked.field, raw, DISCONNECT_POLL_S)
+                await await_verdict(self.grammars, asked.spec, asked.field, raw)
             for choice in choices:
                 choice.request_id = f"{request_id}-{choice.index}"
                 await group.add(choice.request_id, choice.prompt_ids, choice.params)
@@ -484,17 +484,18 @@ class Serving:
                     by_id[output.request_id].final = output
 
         task = asyncio.ensure_future(drain())
+        gone = asyncio.ensure_future(client_gone(raw))
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if not task.done() and await raw.is_disconnected():
-                    logger.debug("client of %s went away: aborting", next(iter(by_id)))
-                    task.cancel()
-                    raise APIError("client disconnected", status=499)
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                logger.debug("client of %s went away: aborting", next(iter(by_id)))
+                task.cancel()
+                raise APIError("client disconnected", status=499)
             task.result()
         except (RequestFailedError, EngineDeadError) as exc:
             raise APIError(str(exc), status=503 if isinstance(exc, EngineDeadError) else 500) from exc
         finally:
+            gone.cancel()
             if not task.done():
                 task.cancel()
             group.abort()
