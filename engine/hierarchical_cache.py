@@ -7,8 +7,7 @@ A node's pages may live on the device (`pages`), on the host tier (`host_pages`)
   where the host tier has no room even after dropping its own least recently used leaves, the node and
   whatever hangs below it leave the tree, as without the tier;
 - write-through (`--hicache-write-policy write_through`, SGLang's default) copies pages to the host as soon as
-  they are cached (dropping the host's least recently used leaves for room), so that a later eviction costs no
-  copy; write-back copies them only when evicted;
+  they are cached, so that a later eviction costs no copy; write-back copies them only when evicted;
 - a prefix match continues past the device part into nodes held only by the host, and loads them back
   into newly allocated device pages (evicting other device leaves for room if need be) instead of leaving
   those tokens to be computed again; the host copy stays, so evicting such a node again is free;
@@ -148,17 +147,18 @@ class HierarchicalRadixCache(RadixCache):
 
         Room for a node leaving the device (`evicting`) comes first from host copies of pages that are on the
         device as well (nothing is lost: they would only be copied again if evicted in turn), then from the
-        host's least recently used leaves. A write-through makes room from those leaves only, never from
-        another device node's copy. It does make room, as SGLang's does: a write-through that waited for free
-        host pages left every node cached once the host was full to be copied when evicted, a copy the step
-        that reuses its device pages must wait for. The leaves it drops are older than the node written, which
-        LRU across the tiers would drop first anyway.
+        host's least recently used leaves. A write-through takes free host pages only: it saves a copy later,
+        which is not worth a prefix the host alone holds, nor another device node's copy. (SGLang's write-through
+        drops the host's least recently used leaves for room. Tried here, it made the host a copy of the device
+        once full, the two tiers holding what the host alone holds, not the sum: 200 conversations coming back
+        round robin over a host 3x the device pool then never hit; and it did not lower the tier's cost on a
+        workload with no reuse, on the H100.)
         """
         need = len(node.pages)
         if self.host.num_free < need and evicting:
             self._drop_host_copies(need - self.host.num_free)
-        if self.host.num_free < need:
-            self.evict_host(need - self.host.num_free)
+            if self.host.num_free < need:
+                self.evict_host(need - self.host.num_free)
         if self.host.num_free < need:
             return False
         node.host_pages = self.host.allocator.allocate(need)

@@ -215,26 +215,22 @@ def test_an_evicted_prefix_is_loaded_back_from_the_host(write_through: bool) -> 
     manager.check_invariant()
 
 
-def test_a_write_through_makes_room_on_a_full_host() -> None:
-    """Once the host is full, a write-through drops the host's least recently used leaf, so the node's eviction
-    later costs no copy (a copy at eviction is one the next step must wait for)."""
+def test_a_write_through_never_drops_a_prefix_for_a_copy() -> None:
+    """A full host keeps what it alone holds: the next node's write-through waits (it is written if evicted), so
+    the two tiers hold the sum of their sizes, one prefix on the host and another on the device."""
     manager, pool, host = make_manager(device_pages=4, host_pages=4, page_size=1, write_through=True)
-    for name, first in (("a", 1), ("b", 11), ("c", 21)):
+    for name, first in (("a", 1), ("b", 11)):
         request = Request(name, list(range(first, first + 5)), SamplingParams())
         manager.match_prefix(request)
-        assert manager.allocate(request, 4)  # the pool's four pages: the previous request's leave the device
+        assert manager.allocate(request, 4)  # the pool's four pages: "a" leaves the device for "b"
         compute(pool, manager, request, 4)
         manager.release(request)
         manager.check_invariant()
-    # Each request written once, when cached: "b" dropped "a" from the full host, "c" dropped "b"; evicting "a"
-    # and "b" from the device copied nothing.
-    assert host.stats.written_tokens == 12 and host.stats.evicted_pages == 8
-    again = Request("d", list(range(21, 26)), SamplingParams())
-    assert manager.match_prefix(again) == 4  # "c" is still on the device
+    assert host.stats.written_tokens == 4 and host.stats.evicted_pages == 0  # "b" was not copied over "a"
+    again = Request("c", list(range(1, 6)), SamplingParams())
+    assert manager.match_prefix(again) == 4 and host.stats.hits == 1  # "a", loaded back from the host
+    assert_pages_hold(pool.caches, again.shared_pages, again.all_token_ids, 0, 1)
     manager.release(again)
-    lost = Request("e", list(range(1, 6)), SamplingParams())
-    assert manager.match_prefix(lost) == 0  # "a" was dropped for "b"
-    manager.release(lost)
     manager.check_invariant()
 
 
