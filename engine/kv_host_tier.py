@@ -5,7 +5,7 @@ Layout: page-major, one host buffer [num_pages, layers * 2, page words] (a page'
 after the other), so that a run of consecutive host pages is one contiguous block and one memcpy. The device
 pool keeps per-layer k and v tensors (engine/kv_cache.py); a `PageMover` gathers the pages of a copy from all of
 them into a staging buffer of the host layout (or scatters them back) in one pass: one Triton kernel on CUDA
-(backends/cuda/kv_page_copy.py) instead of one gather per layer and tensor, which put 64 small kernels per copy
+(backends/cuda/kv_pages.py) instead of one gather per layer and tensor, which put 64 small kernels per copy
 for Llama-3-8B beside the compute stream's. On CUDA the host buffer is page-locked with cudaHostRegister, so that
 copies run asynchronously: `pin_memory=True` would go through torch's caching host allocator, which rounds every
 block up to a power of two (a 40 GiB tier would take 64). Host page ids run 0..num_pages-1 (no page is reserved:
