@@ -405,6 +405,7 @@ class Engine:
         )
         dummy = self.config.load_format == "dummy"
         head = load_eagle3_head(spec.model, target, self.config.torch_dtype, self.device, dummy, self.config.seed)
+        self.platform.prepare_draft_module(head)
         # Rows for the largest step: a prefill's token budget, or every verify row.
         verify_rows = self.config.positive_int("max_num_seqs") * (1 + spec.num_speculative_tokens)
         rows = max(max_step_tokens_for(self.config), verify_rows)
@@ -418,7 +419,18 @@ class Engine:
             head.config.vocab_size,
             tap.layers,
         )
-        return Eagle3Proposer(head, self.model.embed, tap, spec.num_speculative_tokens, self.device)
+        # The draft loop (a Llama layer whatever the target) runs in the platform's device graphs unless graphs
+        # are off, captured per shape on first use (engine/speculative/eagle3_loop.py).
+        graphs = None if self.config.disable_graphs else self.platform.device_graphs()
+        return Eagle3Proposer(
+            head,
+            self.model.embed,
+            tap,
+            spec.num_speculative_tokens,
+            self.device,
+            max_batch=self.config.positive_int("max_num_seqs"),
+            graphs=graphs,
+        )
 
     def _compiles(self) -> bool:
         """Whether this engine torch.compiles a step (decode or extend)."""

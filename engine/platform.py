@@ -13,7 +13,7 @@ import enum
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -66,6 +66,18 @@ class CaptureSettings:
     # the host and call such an op between their pieces); a device graph replays kernels only, so a model
     # with such an op (MoE's torch experts) runs eagerly there.
     host_syncs_ok: bool = False
+
+
+class DeviceGraphs(Protocol):
+    """Device graphs for work outside the step runners (the EAGLE-3 head's draft loop): a function of
+    persistent tensors captured once and replayed, with none of its ops launched from the host again."""
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Run fn to warm it up, capture its device work, and return what replays it. fn may read and write
+        only tensors that outlive the graph (what it allocates lives in the platform's graph pool, reused by
+        the next graph captured), must not read device values on the host, and runs in no other stream's
+        work: replays are ordered on the current stream."""
+        ...
 
 
 class Platform(abc.ABC):
@@ -166,6 +178,15 @@ class Platform(abc.ABC):
     def lora_kernels(self) -> LoRAKernels | None:
         """The batched LoRA matmul that reads only each row's adapter slot (engine/lora/matmul.py); None: the
         engine's dense torch path, whose cost grows with the number of slots."""
+        return None
+
+    def prepare_draft_module(self, module: torch.nn.Module) -> None:
+        """Give a draft module's dense linears (an EAGLE-3 head's) the platform's kernels for the few rows
+        a draft step has, as prepare_model does for the target's; nothing by default."""
+
+    def device_graphs(self) -> DeviceGraphs | None:
+        """Device graphs for work beside the step runners; None: that work runs eagerly (the host launches
+        each op)."""
         return None
 
     # ---- capture ---------------------------------------------------------------------

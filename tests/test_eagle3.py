@@ -404,6 +404,61 @@ def test_a_batch_drafts_what_each_request_drafts_alone(
     assert not checked.mismatches and eagle.states == {}
 
 
+class _ReplayingGraphs:
+    """engine.platform.DeviceGraphs on the CPU: a capture runs the function (its warm-up) and a replay runs
+    it again, reading the persistent buffers as they are then. A function that kept a value of the call it
+    was captured in (a tensor made on the host, a Python int) would replay that value, as a device graph
+    does, and draft wrongly for later steps."""
+
+    def __init__(self) -> None:
+        self.captured: list[Any] = []
+        self.replays = 0
+
+    def capture(self, fn: Any) -> Any:
+        fn()
+        self.captured.append(fn)
+
+        def replay() -> None:
+            self.replays += 1
+            fn()
+
+        return replay
+
+
+def test_the_draft_loop_replays_its_captured_shapes_and_drafts_what_the_head_drafts(
+    smol_engine: Engine, eagle_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between verify steps the catch-up and the chain run in fixed shapes (batch padded to a power of two,
+    context to its bucket) captured once per shape: replayed for four requests of different lengths, every
+    draft is still the head's from scratch and the text the target's."""
+    eagle = eagle_engine.speculator.eagle  # type: ignore[union-attr]
+    assert isinstance(eagle, Eagle3Proposer)
+    graphs = _ReplayingGraphs()
+    monkeypatch.setattr(eagle.loop, "graphs", graphs)
+    monkeypatch.setattr(eagle.loop, "replays", {})
+    decode_shaped = []
+    decode_catch_up = eagle._decode_catch_up
+
+    def counted(requests: list[Request]) -> Any:
+        rows = decode_catch_up(requests)
+        decode_shaped.append(rows is not None)
+        return rows
+
+    monkeypatch.setattr(eagle, "_decode_catch_up", counted)
+    checked = _Checked(eagle, rate=1.0)
+    checked.install(monkeypatch)
+    prompts = ["The quick brown fox", "Once upon a time", "In the beginning", "My favourite colour is"]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 15, 12, 20)]
+    want = [o.token_ids for o in smol_engine.generate(prompts, params)]
+    eagle_engine.kv_manager.reset_prefix_cache()
+    assert [o.token_ids for o in eagle_engine.generate(prompts, params)] == want
+    kinds = {key[0] for key in eagle.loop.replays}
+    batches = {key[1] for key in eagle.loop.replays}
+    assert kinds == {"catch-up", "chain"} and {1, 2, 4} <= batches
+    assert graphs.replays > 2 * len(graphs.captured) and sum(decode_shaped) > 2 * decode_shaped.count(False)
+    assert checked.checked > 10 and not checked.mismatches and eagle.states == {}
+
+
 def test_a_freed_requests_head_kv_is_never_read_by_the_next_owner_of_its_slots(
     smol_engine: Engine, eagle_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from backends.cuda.triton_penalties import apply_penalties_
-from engine.platform import CaptureKind, CaptureSettings, MemoryInfo, Platform
+from engine.platform import CaptureKind, CaptureSettings, DeviceGraphs, MemoryInfo, Platform
 from engine.sampler import PENALTY_KERNELS
 
 if TYPE_CHECKING:
@@ -115,6 +115,19 @@ class CudaPlatform(Platform):
         from backends.cuda.kv_pages import TRITON_PAGE_MOVER
 
         return TRITON_PAGE_MOVER
+
+    def prepare_draft_module(self, module: torch.nn.Module) -> None:
+        """A draft step of one request is one row: the head's linears take the Triton GEMV as the target's do."""
+        from backends.cuda.gemv import use_gemv
+
+        if self.one_row_gemv and (layers := use_gemv(module)):
+            logger.info("GEMV: %d linears of the draft head take one-row inputs through the Triton GEMV", layers)
+
+    def device_graphs(self) -> DeviceGraphs:
+        """CUDA graphs over one pool of their own (backends/cuda/device_graphs.py)."""
+        from backends.cuda.device_graphs import CudaDeviceGraphs
+
+        return CudaDeviceGraphs()
 
     def lora_kernels(self) -> LoRAKernels:
         """The grouped Triton kernels (backends/cuda/lora.py): each block of rows reads only its own slot's A

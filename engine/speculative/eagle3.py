@@ -32,11 +32,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.platform import DeviceGraphs
 from engine.request import Request
 from engine.scheduler import ScheduledStep
 from engine.speculative.aux_hidden import AuxHiddenTap
 from engine.speculative.eagle3_head import Eagle3Head
 from engine.speculative.eagle3_kv import HeadKVStore, SlotTable, bucket, grouped_attention, stamps_of
+from engine.speculative.eagle3_loop import CatchUpRow, DraftLoop
 from engine.step_message import StepMessage
 
 # A catch-up group's padded batch x queries x keys stays under this (several long prompts caught up together
@@ -47,15 +49,21 @@ CATCH_UP_BUDGET = 1 << 22
 @dataclass
 class _Pending:
     """Rows of a target step not yet run through the head: from position `first`, the tap's rows
-    [n, 3 x hidden] and the KV slots the target wrote them to."""
+    [n, 3 x hidden] (rows `start`.. of the step's copy of the tap, `source`) and the KV slots the target
+    wrote them to."""
 
     first: int
-    rows: torch.Tensor
+    source: torch.Tensor
+    start: int
     slots: list[int]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.source[self.start : self.start + len(self.slots)]
 
     def before(self, position: int) -> _Pending:
         keep = max(position - self.first, 0)
-        return _Pending(self.first, self.rows[:keep], self.slots[:keep])
+        return _Pending(self.first, self.source, self.start, self.slots[:keep])
 
 
 @dataclass
@@ -93,10 +101,14 @@ class Eagle3Proposer:
         num_tokens: int,
         device: torch.device,
         num_slots: int = 0,
+        max_batch: int = 256,
+        graphs: DeviceGraphs | None = None,
     ) -> None:
         """embed: the target's token embedding (used unless the head has its own); tap: the target's
         inner-layer states of each step (the engine sets it on the model); num_slots: the target KV pool's
-        slots (pages x page size), so the head's store is allocated once; 0: grown to the slots seen."""
+        slots (pages x page size), so the head's store is allocated once; 0: grown to the slots seen.
+        max_batch: the most requests in a step; graphs: the platform's device graphs, which capture the
+        draft loop (None: it runs eagerly)."""
         self.head = head
         self.embed = head.embed_tokens if head.embed_tokens is not None else embed
         self.tap = tap
@@ -109,6 +121,7 @@ class Eagle3Proposer:
         self.table = SlotTable(device)
         self.states: dict[str, _RequestState] = {}
         self._writers = itertools.count(1)
+        self.loop = DraftLoop(head, self.embed, num_tokens, max_batch, device, graphs)
 
     # ---- the engine's calls ------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -139,7 +152,7 @@ class Eagle3Proposer:
             positions += message.extend.positions
             slots += message.extend.slots
             counts += step.extend_lens
-        rows = self.tap.rows(len(positions))
+        rows = self.tap.rows(len(positions)).clone()  # the step's rows, one copy (the tap is rewritten next step)
         offset = 0
         for request, count in zip(step.requests, counts):
             state = self.states.get(request.request_id)
@@ -149,7 +162,7 @@ class Eagle3Proposer:
             # A step recomputes from `first` on: rows of earlier steps there were drafts it rejected.
             state.pending = [p.before(first) for p in state.pending if p.first < first]
             end = offset + count
-            state.pending.append(_Pending(first, rows[offset:end].clone(), slots[offset:end]))
+            state.pending.append(_Pending(first, rows, offset, slots[offset:end]))
             offset = end
 
     def forget(self, request: Request) -> None:
@@ -164,6 +177,17 @@ class Eagle3Proposer:
         """At most min(num_tokens, limit) greedy drafts per request; every request's pending features are
         run through the head first (a request with limit 0 too: its cache must keep up)."""
         drafts: list[list[int]] = [[] for _ in requests]
+        kept = self._decode_catch_up(requests)
+        if kept is not None:
+            # Every request's last verify step, in the loop's fixed shapes; the chain runs for all of them.
+            length = bucket(max(r.first + len(r.next_tokens) for r in kept))
+            self.table.ensure_width(length)
+            self.loop.bind(self.store, self.table)
+            self.loop.catch_up(kept, length)
+            if not any(limits):
+                return drafts
+            tokens = self.loop.chains(len(requests), length)
+            return [chain[: min(self.num_tokens, limit)] for chain, limit in zip(tokens, limits)]
         last = self._catch_up(requests)
         chains = [
             (index, min(self.num_tokens, limit)) for index, limit in enumerate(limits) if limit > 0 and index in last
@@ -172,10 +196,57 @@ class Eagle3Proposer:
             return drafts
         states = [self.states[requests[index].request_id] for index, _ in chains]
         outputs = [last[index] for index, _ in chains]
-        tokens = self._chains(states, outputs, max(n for _, n in chains))
+        length = bucket(max(o.position for o in outputs) + 1)
+        self.table.ensure_width(length)
+        self.loop.bind(self.store, self.table)
+        self.loop.set_chain_inputs(
+            [s.row for s in states],
+            [s.writer for s in states],
+            [o.position + 1 for o in outputs],
+            torch.stack([o.normed for o in outputs]),
+            torch.stack([o.hidden for o in outputs]),
+        )
+        tokens = self.loop.chains(len(chains), length)
         for (index, n), chain in zip(chains, tokens):
             drafts[index] = chain[:n]
         return drafts
+
+    def _decode_catch_up(self, requests: list[Request]) -> list[CatchUpRow] | None:
+        """Each request's kept positions of its last verify step, where every request has just those: one
+        step's rows, 1 to k + 1 positions right after what the head stored, the last one the position before
+        the token just sampled. None otherwise (a prompt, steps without drafts piled up, a recomputation):
+        the general catch-up runs."""
+        rows: list[CatchUpRow] = []
+        for request in requests:
+            state = self.states.get(request.request_id)
+            if state is None or len(state.pending) != 1:
+                return None
+            pending = state.pending[0]
+            num_tokens = request.num_tokens
+            size = num_tokens - 1 - pending.first  # positions whose next token is known
+            if pending.first != state.length or not 0 < size <= min(len(pending.slots), self.loop.queries):
+                return None
+            output = request.output_token_ids
+            first_output = num_tokens - len(output)
+            if pending.first + 1 < first_output:
+                return None
+            next_tokens = output[pending.first + 1 - first_output : num_tokens - first_output]
+            rows.append(
+                CatchUpRow(
+                    state.row,
+                    state.writer,
+                    pending.first,
+                    next_tokens,
+                    pending.slots[:size],
+                    pending.source,
+                    pending.start,
+                )
+            )
+        for request, row in zip(requests, rows):
+            state = self.states[request.request_id]
+            state.pending = []
+            state.length = row.first + len(row.next_tokens)
+        return rows
 
     def valid_positions(self, request: Request) -> torch.Tensor:
         """[length] bool: the head positions of the request it would attend to (its own stored K/V)."""
@@ -297,41 +368,6 @@ class Eagle3Proposer:
         writers = torch.tensor([s.writer for s in states], device=self.device)
         columns = torch.arange(length, device=self.device)
         return self.store.gather(self.table.slots[rows, :length], stamps_of(writers.unsqueeze(1), columns))
-
-    # ---- the chains --------------------------------------------------------------------------------
-    def _chains(self, states: list[_RequestState], outputs: list[_Output], num_drafts: int) -> list[list[int]]:
-        """num_drafts greedy drafts for every chain, batched: the same ops for any number of requests. The
-        contexts are gathered once into [batch, bucketed length + drafts]; draft step j writes its K/V at
-        column length + j and attends over the context's own positions and the chain so far."""
-        batch = len(states)
-        device = self.device
-        ends = torch.tensor([o.position + 1 for o in outputs], device=device)  # the first chain position
-        length = bucket(max(o.position for o in outputs) + 1)
-        self.table.ensure_width(length)
-        context_keys, context_values, valid = self._context(states, length)
-        valid &= torch.arange(length, device=device) < ends.unsqueeze(1)
-        steps = num_drafts - 1
-        keys = torch.cat([context_keys, context_keys.new_zeros(batch, steps, *context_keys.shape[2:])], 1)
-        values = torch.cat([context_values, context_values.new_zeros(batch, steps, *context_values.shape[2:])], 1)
-        mask = torch.cat([valid, valid.new_zeros(batch, steps)], 1)
-        normed = torch.stack([o.normed for o in outputs])
-        feature = torch.stack([o.hidden for o in outputs])
-        tokens = self.head.to_target_ids(self.head.draft_logits(normed).argmax(-1))
-        drafted = [tokens]
-        for step in range(steps):
-            column = length + step
-
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, column: int = column) -> torch.Tensor:
-                keys[:, column] = k
-                values[:, column] = v
-                mask[:, column] = True
-                return grouped_attention(q.unsqueeze(1), keys, values, mask.unsqueeze(1)).squeeze(1)
-
-            normed, feature = self.head.layer(self.embed(tokens), feature, ends + step, attend)
-            tokens = self.head.to_target_ids(self.head.draft_logits(normed).argmax(-1))
-            drafted.append(tokens)
-        result: list[list[int]] = torch.stack(drafted, 1).tolist()  # the one read-back of the draft loop
-        return result
 
 
 def _groups(batch: list[_CatchUpRow]) -> list[list[_CatchUpRow]]:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.speculative.aux_hidden import default_aux_layers
@@ -113,18 +114,18 @@ class Eagle3Attention(nn.Module):
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()
         inputs, heads, kv = 2 * config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = nn.Linear(inputs, heads * config.head_dim, bias=False)
-        self.k_proj = nn.Linear(inputs, kv * config.head_dim, bias=False)
-        self.v_proj = nn.Linear(inputs, kv * config.head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * config.head_dim, config.hidden_size, bias=False)
+        self.q_proj = Linear(inputs, heads * config.head_dim, bias=False)
+        self.k_proj = Linear(inputs, kv * config.head_dim, bias=False)
+        self.v_proj = Linear(inputs, kv * config.head_dim, bias=False)
+        self.o_proj = Linear(heads * config.head_dim, config.hidden_size, bias=False)
 
 
 class Eagle3MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -158,10 +159,10 @@ class Eagle3Head(nn.Module):
 
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if own_embedding else None
-        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.fc = Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         rope_config = _rope_hf_config(config.hf)
