@@ -430,6 +430,7 @@ class Engine:
             self.device,
             max_batch=self.config.positive_int("max_num_seqs"),
             graphs=graphs,
+            max_context=self.max_model_len,
         )
 
     def _compiles(self) -> bool:

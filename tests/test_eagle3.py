@@ -456,6 +456,8 @@ def test_the_draft_loop_replays_its_captured_shapes_and_drafts_what_the_head_dra
     batches = {key[1] for key in eagle.loop.replays}
     assert kinds == {"catch-up", "chain"} and {1, 2, 4} <= batches
     assert graphs.replays > 2 * len(graphs.captured) and sum(decode_shaped) > 2 * decode_shaped.count(False)
+    # Each shape captured once: the slot table was sized at start, so no growth dropped the graphs.
+    assert len(graphs.captured) == len(eagle.loop.replays)
     assert checked.checked > 10 and not checked.mismatches and eagle.states == {}
 
 

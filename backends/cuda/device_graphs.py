@@ -18,7 +18,6 @@ class CudaDeviceGraphs:
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream()
-        self.graphs: list[torch.cuda.CUDAGraph] = []  # kept alive: a replay function holds only its graph
 
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         self.stream.wait_stream(torch.cuda.current_stream())
@@ -29,5 +28,4 @@ class CudaDeviceGraphs:
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             fn()
         torch.cuda.current_stream().wait_stream(self.stream)
-        self.graphs.append(graph)
-        return graph.replay
+        return graph.replay  # the bound method keeps the graph: dropping it frees the graph

@@ -44,6 +44,8 @@ from engine.step_message import StepMessage
 # A catch-up group's padded batch x queries x keys stays under this (several long prompts caught up together
 # would otherwise pad every request to the longest); a single request always forms a group.
 CATCH_UP_BUDGET = 1 << 22
+# The slot table is allocated for contexts up to this many positions (8 bytes per position and request).
+MAX_RESERVED_CONTEXT = 1 << 14
 
 
 @dataclass
@@ -103,12 +105,14 @@ class Eagle3Proposer:
         num_slots: int = 0,
         max_batch: int = 256,
         graphs: DeviceGraphs | None = None,
+        max_context: int = 0,
     ) -> None:
         """embed: the target's token embedding (used unless the head has its own); tap: the target's
         inner-layer states of each step (the engine sets it on the model); num_slots: the target KV pool's
         slots (pages x page size), so the head's store is allocated once; 0: grown to the slots seen.
         max_batch: the most requests in a step; graphs: the platform's device graphs, which capture the
-        draft loop (None: it runs eagerly)."""
+        draft loop (None: it runs eagerly); max_context: the target's context length (0: unknown), for
+        which the slot table is sized when the store is allocated."""
         self.head = head
         self.embed = head.embed_tokens if head.embed_tokens is not None else embed
         self.tap = tap
@@ -122,6 +126,7 @@ class Eagle3Proposer:
         self.states: dict[str, _RequestState] = {}
         self._writers = itertools.count(1)
         self.loop = DraftLoop(head, self.embed, num_tokens, max_batch, device, graphs)
+        self.max_batch, self.max_context = max_batch, max_context
 
     # ---- the engine's calls ------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -135,6 +140,9 @@ class Eagle3Proposer:
         before any request: no growth, and so no allocation, while serving."""
         kv_heads, head_dim, dtype = self._store_shape
         self.store = HeadKVStore(kv_heads, head_dim, dtype, self.device, num_slots)
+        # The slot table too, for every request a step holds (and the draft loop's padding row), over the
+        # context up to MAX_RESERVED_CONTEXT positions (a longer one grows it when it comes).
+        self.table.reserve(self.max_batch + 2, bucket(min(self.max_context, MAX_RESERVED_CONTEXT)))
 
     def observe(self, step: ScheduledStep, message: StepMessage) -> None:
         """A launched target step: each request's rows of the tap, with the position of its first one and

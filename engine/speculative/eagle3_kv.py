@@ -106,6 +106,15 @@ class SlotTable:
         self.slots = torch.full((INITIAL_ROWS, MIN_BUCKET), -1, dtype=torch.int64, device=device)
         self.free = list(range(INITIAL_ROWS - 1, -1, -1))
 
+    def reserve(self, rows: int, width: int) -> None:
+        """Room for this many live requests and positions up front: a table that grows is a new tensor, and
+        the draft loop's captured graphs read the old one (they are captured again)."""
+        grow_rows = rows - self.slots.shape[0]
+        if grow_rows > 0:
+            self.free = list(range(rows - 1, self.slots.shape[0] - 1, -1)) + self.free
+            self.slots = torch.cat([self.slots, self.slots.new_full((grow_rows, self.slots.shape[1]), -1)])
+        self.ensure_width(width)
+
     def assign(self) -> int:
         if not self.free:
             rows, width = self.slots.shape

@@ -100,9 +100,9 @@ class DraftLoop:
     def bind(self, store: HeadKVStore, table: SlotTable) -> None:
         """The store and slot table the functions read; graphs captured over other tensors are dropped (a
         store or table that grew is a new tensor)."""
-        if store is not self.store or table is not self.table:
-            self.store, self.table = store, table
+        if table is not self.table:
             self.padding_row = table.assign()  # never released: all -1, what padding rows read
+        self.store, self.table = store, table
         tensors = (store.keys, store.values, store.stamps, table.slots)
         if len(tensors) != len(self._captured_over) or any(a is not b for a, b in zip(tensors, self._captured_over)):
             self.replays.clear()
