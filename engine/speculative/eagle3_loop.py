@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.platform import DeviceGraphs
 from engine.speculative.eagle3_head import Eagle3Head
@@ -204,8 +205,6 @@ class DraftLoop:
         an H100 machine's host each, four per propose at k = 4)."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     # ---- what the graphs capture ----------------------------------------------------------------------
