@@ -12,7 +12,8 @@
     PYTHONPATH=. python benchmarks/speculative.py simulated --device cuda --model llama-3-8b --load-format dummy \
         --batch-sizes 1,8,32 --acceptance-rates 1,0.85,0.7,0.5 --output-json spec_simulated.json
     # The same with the drafts' own cost: an EAGLE-3 head of the target's shape with dummy weights drafts every
-    # step (the public Llama-3-8B head's shape for llama-3-8b); its drafts are then replaced by the simulated ones.
+    # step (the public Llama-3-8B head's shape for llama-3-8b), and the verify steps run its drafts; the verdict
+    # is drawn.
     PYTHONPATH=. python benchmarks/speculative.py simulated --eagle3-head --device cuda --model llama-3-8b \
         --load-format dummy --batch-sizes 1,8,32 --output-json spec_simulated_eagle3.json
 
@@ -38,10 +39,8 @@ from typing import Any
 import torch
 
 from engine.engine import Engine
-from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep
-from engine.speculative.eagle3 import Eagle3Proposer
 from engine.tuning.measure import steady_ms
 
 COPY_PROMPTS = [
@@ -217,18 +216,6 @@ class SimulatedDrafts:
         return drafts[:kept] + sampled[kept : kept + 1]
 
 
-def _draft_with_the_head_then_simulate(eagle: Eagle3Proposer, simulated: SimulatedDrafts) -> None:
-    """Every verify step pays for the EAGLE-3 head's drafts (its catch-up and chain), which are then replaced
-    by the simulated ones of the same lengths (dummy weights guess nothing)."""
-    head_propose = type(eagle).propose.__get__(eagle)
-
-    def propose(requests: list[Request], limits: list[int]) -> list[list[int]]:
-        drafted = head_propose(requests, limits)
-        return simulated.propose_batch([[] for _ in requests], [len(d) for d in drafted])
-
-    eagle.propose = propose  # type: ignore[method-assign]
-
-
 @contextlib.contextmanager
 def _traced(trace_dir: str | None, name: str) -> Iterator[None]:
     """A torch.profiler chrome trace (host ops and device kernels) of the block into trace_dir/name.json.gz,
@@ -273,9 +260,9 @@ def run_simulated(args: argparse.Namespace) -> dict[str, Any]:
         plain_tok_s = batch * args.max_tokens / (time.perf_counter() - start)
         for rate in rates:
             simulated = SimulatedDrafts(rate, k, vocab)
+            # The n-gram proposer's drafts are replaced by random ones; an EAGLE-3 head drafts (and pays for) its
+            # own, left on the device as in serving. Either way the verdict is drawn.
             speculator.proposer = simulated
-            if speculator.eagle is not None:
-                _draft_with_the_head_then_simulate(speculator.eagle, simulated)
             speculator.accept = lambda drafts, sampled, s=simulated: real_accept(drafts, s.accept(drafts, sampled))  # type: ignore[method-assign]
             speculative.generate(warm_prompts, warm_params)
             speculator.stats.__init__()  # type: ignore[misc]

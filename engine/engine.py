@@ -204,6 +204,8 @@ class Engine:
             self.platform.slot_index_dtype,
         )
         self.decode_state.penalties = PenaltyState(max_num_seqs, int(self.model_config.vocab_size), self.device)
+        if self.speculator is not None and self.speculator.eagle is not None and self.speculator.drafts_on_device:
+            self.decode_state.device_drafts = self.speculator.eagle.loop.drafts.view(-1)
         # The host side of the decode rows, and the builder of every step's message (engine/step_message.py).
         self.step_builder = StepBuilder(
             max_num_seqs,
@@ -360,7 +362,9 @@ class Engine:
         if spec.model is None:
             return Speculator(spec)
         if spec.method == "eagle3":
-            return Speculator(spec, eagle=self._eagle3(spec))
+            # Where steps read their input tokens on the device (overlap scheduling's platforms), the head's
+            # drafts stay there: the host builds the verify step while the device drafts.
+            return Speculator(spec, eagle=self._eagle3(spec), drafts_on_device=bool(self.config.overlap_schedule))
         # The draft model: an engine of its own on this device (its KV pool, its graphs), greedy, with the
         # prefix cache its rollback. On an accelerator it takes a tenth of the free memory for its KV pool.
         draft = Engine(
@@ -986,6 +990,7 @@ class Engine:
         and the target's token after them, appended one by one (a stop among them ends it there), as one
         output; pages that only rejected drafts used go back to the pool."""
         assert step.drafts is not None and self.speculator is not None
+        self.speculator.resolve(step.drafts)
         outputs = []
         start = 0
         for request, drafts in zip(step.requests, step.drafts):

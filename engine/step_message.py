@@ -29,13 +29,23 @@ from engine.scheduler import ScheduledStep
 from engine.transfer import host_tensor
 
 PENDING_TOKEN = -1  # a decode row's input token still on the device (overlap scheduling)
+# A verify step's draft still on the device, as the proposer left it: FIRST_PENDING_DRAFT - i stands for entry i
+# of the draft buffer (DecodeBatchState.device_drafts). The host builds the verify step while the device drafts,
+# and reads the values back with the step's sampled tokens.
+FIRST_PENDING_DRAFT = -2
+
+
+def pending_draft(index: int) -> int:
+    """The input token that stands for entry `index` of the device's draft buffer."""
+    return FIRST_PENDING_DRAFT - index
 
 
 @dataclass
 class DecodeMessage:
     """The decode rows of a step."""
 
-    inputs: torch.Tensor  # [4, n] int64 on the host (pinned for CUDA): token or PENDING_TOKEN, position, slot, row
+    # [4, n] int64 on the host (pinned for CUDA): token (or PENDING_TOKEN, or a pending draft), position, slot, row
+    inputs: torch.Tensor
     page_diffs: torch.Tensor | None  # [3, m] int64 on the host: (row, column, page) written since the last step
     # This process's host copy of every row's pages (kept from the same diffs): for runners that pad
     # on the host (HPU buckets, NPU host lengths). A receiving rank keeps its own from page_diffs.
@@ -47,7 +57,7 @@ class DecodeMessage:
 
     @property
     def has_pending_tokens(self) -> bool:
-        return bool((self.inputs[0] == PENDING_TOKEN).any())
+        return bool((self.inputs[0] < 0).any())  # PENDING_TOKEN or a pending draft
 
     def host_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input ids, positions, slots, page-table rows, seq lens) as host tensors, for runners that

@@ -19,7 +19,7 @@ from engine.penalties import PenaltyState
 from engine.request import Request
 from engine.sampler import SampledTokens, record_prompt_logprobs, sample
 from engine.scheduler import ScheduledStep
-from engine.step_message import DecodeMessage, ExtendMessage, StepMessage
+from engine.step_message import FIRST_PENDING_DRAFT, DecodeMessage, ExtendMessage, StepMessage
 from engine.transfer import to_device
 from graphs.step_runner import (
     DecodeStepRunner,
@@ -55,7 +55,8 @@ class DecodeBatchState:
     The last sampled token of every row lives on the device too (`last_tokens`):
     with overlap scheduling the next step is launched before the host has seen
     that token, so a request with a token still pending feeds it from there
-    (its host token is sent as -1), with no host round trip.
+    (its host token is sent as -1), with no host round trip. A verify step's drafts may still be on the
+    device too, in the proposer's buffer (`device_drafts`): their host tokens name their entry there.
     """
 
     def __init__(
@@ -68,6 +69,8 @@ class DecodeBatchState:
         self.device = device
         self.slot_dtype = slot_dtype
         self.penalties: PenaltyState | None = None  # set by the engine (needs the vocabulary size)
+        # The draft proposer's flat buffer of drafts (speculative decoding with drafts left on the device).
+        self.device_drafts: torch.Tensor | None = None
 
     def apply(self, message: DecodeMessage) -> None:
         """The message's new page-table entries into the device rows (one small copy)."""
@@ -85,8 +88,13 @@ class DecodeBatchState:
         self.last_tokens.index_copy_(0, rows, token_ids)
 
     def input_tokens(self, host_tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Each request's input token: the host's where it has it, else the row's last sampled token."""
-        return torch.where(host_tokens >= 0, host_tokens, self.last_tokens.index_select(0, rows))
+        """Each row's input token: the host's where it has it, else the row's last sampled token, or for a
+        pending draft (engine/step_message.py) its entry of the draft buffer."""
+        tokens = torch.where(host_tokens >= 0, host_tokens, self.last_tokens.index_select(0, rows))
+        if self.device_drafts is None:
+            return tokens
+        entries = (FIRST_PENDING_DRAFT - host_tokens).clamp_(min=0)
+        return torch.where(host_tokens <= FIRST_PENDING_DRAFT, self.device_drafts.index_select(0, entries), tokens)
 
     def decode_batch(self, message: DecodeMessage, requests: list[Request]) -> ForwardBatch:
         """The decode rows as a ForwardBatch on the device (eager steps, mixed steps, runners that take one)."""

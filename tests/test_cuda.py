@@ -503,3 +503,49 @@ def test_batch1_graph_is_captured_over_two_rows_without_a_compile_of_its_own(
         del engine
     assert compiles["1"] == 1 and compiles["0"] == 2, compiles
     assert tokens["1"] == tokens["0"] == tokens["eager"]
+
+
+def test_eagle3_drafts_left_on_the_device_verify_as_drafts_read_back_on_cuda_graphs(tmp_path) -> None:
+    """Speculative decoding with an EAGLE-3 head (dummy weights of the target's shape) on CUDA graphs: the draft
+    loop replays its captured graphs, and with overlap scheduling on its drafts stay on the device for the verify
+    step. Every verify step then checks the same drafts and samples the same tokens at every row as with the
+    drafts read back first, and the text is that of decoding without speculation."""
+    import json
+
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    model = _tiny_llama(tmp_path)
+    prompts = [[1, 5, 9], [7] * 40, list(range(3, 90)), [2, 4, 8, 16, 32, 64, 128]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    common = dict(
+        model=model, device=ENGINE_DEVICE, dtype="float32", page_size=16, capture_sizes="1,2,4,8,16,32",
+        kv_cache_tokens=4096, debug_kv_invariant=True,
+    )  # fmt: skip
+    plain = Engine(**common)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    plain.shutdown()
+    spec = json.dumps({"method": "eagle3", "model": "dummy", "num_speculative_tokens": 3})
+    verdicts = []
+    for on_device in (False, True):
+        engine = Engine(**common, speculative_config=spec, overlap_schedule=on_device)
+        speculator = engine.speculator
+        assert speculator is not None and speculator.eagle is not None
+        assert speculator.drafts_on_device == on_device
+        seen: list[tuple[list[int], list[int]]] = []
+        accept = speculator.accept
+
+        def recorded(drafts: list[int], sampled: list[int], accept=accept, seen=seen) -> list[int]:
+            seen.append((list(drafts), list(sampled)))
+            return accept(drafts, sampled)
+
+        speculator.accept = recorded  # type: ignore[method-assign]
+        got = [o.token_ids for o in engine.generate(prompts, params)]
+        verdicts.append(seen)
+        assert {key[0] for key in speculator.eagle.loop.replays} == {"catch-up", "chain"}  # the loop's graphs ran
+        assert engine.runner.graph_steps > 0 and engine.kv_pages_in_use() == 0
+        engine.shutdown()
+        assert got == want
+    host, device = verdicts
+    assert len(host) > 20 and all(t >= 0 for drafts, _ in device for t in drafts)
+    assert device == host

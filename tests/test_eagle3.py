@@ -265,6 +265,43 @@ def test_greedy_text_is_identical_through_the_compiled_decode_graphs(
     release_cached(engine)
 
 
+def test_drafts_left_on_the_device_verify_as_drafts_read_back(
+    smol_engine: Engine, eagle_engine: Engine, engine_cache: Any, head_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where steps read their input tokens on the device (overlap scheduling's platforms) the head's drafts stay
+    there: the verify step is built from pending draft tokens and reads the drafts from the loop's buffer. Every
+    verify step then checks the same drafts and samples the same token at every row (a wrongly fed draft changes
+    the rows after it) as with the drafts read back before the step, and the text is the target's."""
+    on_device = engine_cache(None, speculative_config=_eagle(head_path), debug_kv_invariant=True, overlap_schedule=True)
+    speculator = on_device.speculator
+    assert speculator is not None and speculator.drafts_on_device and on_device.decode_state.device_drafts is not None
+    assert not on_device.overlap  # verify steps still wait for their verdict before the next step
+    loop = speculator.eagle.loop  # type: ignore[union-attr]
+    reads = []
+    read_drafts = loop.read_drafts
+    monkeypatch.setattr(loop, "read_drafts", lambda: reads.append(1) or read_drafts())
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 15, 12)]
+    prompts = ["The quick brown fox", "Once upon a time", "My favourite colour is"]
+    verdicts: list[list[tuple[list[int], list[int]]]] = []
+    for engine in (eagle_engine, on_device):
+        seen: list[tuple[list[int], list[int]]] = []
+        verdicts.append(seen)
+        accept = engine.speculator.accept  # type: ignore[union-attr]
+
+        def recorded(drafts: list[int], sampled: list[int], accept: Any = accept, seen: Any = seen) -> list[int]:
+            seen.append((list(drafts), list(sampled)))
+            return accept(drafts, sampled)  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(engine.speculator, "accept", recorded)
+        engine.kv_manager.reset_prefix_cache()
+        got = [o.token_ids for o in engine.generate(prompts, params)]
+        assert got == [o.token_ids for o in smol_engine.generate(prompts, params)]
+    host, device = verdicts
+    assert reads and len(host) > 20 and all(t >= 0 for drafts, _ in device for t in drafts)
+    assert device == host
+    release_cached(on_device)
+
+
 def _drafts_from_scratch(eagle: Eagle3Proposer, tokens: list[int], features: torch.Tensor, k: int) -> list[int]:
     """The head's chain for a context computed without any cache: every position again, full causal attention
     (positions 0..len(tokens) - 2 with their features, then each draft appended with the head's own output)."""
@@ -318,7 +355,8 @@ class _Checked:
             for offset, row in enumerate(pending.rows):
                 self.features.setdefault(request.request_id, {})[pending.first + offset] = row
 
-    def proposed(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+    def proposed(self, requests: list[Request], limits: list[int], on_device: bool = False) -> list[list[int]]:
+        assert not on_device  # the drafts are checked by value
         drafts = self.propose(requests, limits)
         self.max_batch = max(self.max_batch, sum(1 for d in drafts if d))
         for request, proposed in zip(requests, drafts):

@@ -181,9 +181,10 @@ class Eagle3Proposer:
             self.table.release(state.row)
 
     @torch.no_grad()
-    def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+    def propose(self, requests: list[Request], limits: list[int], on_device: bool = False) -> list[list[int]]:
         """At most min(num_tokens, limit) greedy drafts per request; every request's pending features are
-        run through the head first (a request with limit 0 too: its cache must keep up)."""
+        run through the head first (a request with limit 0 too: its cache must keep up). on_device: the
+        drafts stay on the device, as pending draft tokens (DraftLoop.chains): the host does not wait for them."""
         drafts: list[list[int]] = [[] for _ in requests]
         kept = self._decode_catch_up(requests)
         if kept is not None:
@@ -194,7 +195,7 @@ class Eagle3Proposer:
             self.loop.catch_up(kept, length)
             if not any(limits):
                 return drafts
-            tokens = self.loop.chains(len(requests), length)
+            tokens = self.loop.chains(len(requests), length, on_device)
             return [chain[: min(self.num_tokens, limit)] for chain, limit in zip(tokens, limits)]
         last = self._catch_up(requests)
         chains = [
@@ -214,7 +215,7 @@ class Eagle3Proposer:
             torch.stack([o.normed for o in outputs]),
             torch.stack([o.hidden for o in outputs]),
         )
-        tokens = self.loop.chains(len(chains), length)
+        tokens = self.loop.chains(len(chains), length, on_device)
         for (index, n), chain in zip(chains, tokens):
             drafts[index] = chain[:n]
         return drafts

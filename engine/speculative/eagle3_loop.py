@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine.platform import DeviceGraphs
 from engine.speculative.eagle3_head import Eagle3Head
 from engine.speculative.eagle3_kv import HeadKVStore, SlotTable, grouped_attention, stamps_of
+from engine.step_message import pending_draft
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ class DraftLoop:
         self.device = device
         self.graphs = graphs
         width = self.max_batch * self.queries
-        self.host = torch.zeros(NUM_FIELDS, width, dtype=torch.int64, pin_memory=device.type == "cuda")
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(NUM_FIELDS, width, dtype=torch.int64, pin_memory=pinned)
         self.fields = torch.zeros(NUM_FIELDS, width, dtype=torch.int64, device=device)
         config = head.config
         dtype = head.fc.weight.dtype
@@ -91,6 +93,9 @@ class DraftLoop:
         self.normed = torch.zeros(self.max_batch, config.hidden_size, dtype=dtype, device=device)
         self.hidden = torch.zeros_like(self.normed)
         self.drafts = torch.zeros(self.max_batch, num_tokens, dtype=torch.int64, device=device)
+        # Drafts left on the device for the verify step come back here, copied while the verify step runs.
+        self.host_drafts = torch.zeros(self.max_batch * num_tokens, dtype=torch.int64, pin_memory=pinned)
+        self._drafts_copied: torch.cuda.Event | None = None
         self.store: HeadKVStore | None = None
         self.table: SlotTable | None = None
         self.padding_row = -1
@@ -166,12 +171,29 @@ class DraftLoop:
         self.normed[: len(rows)] = normed
         self.hidden[: len(rows)] = hidden
 
-    def chains(self, num_chains: int, length: int) -> list[list[int]]:
-        """k greedy drafts for each of the first num_chains rows of the chain's inputs."""
+    def chains(self, num_chains: int, length: int, on_device: bool = False) -> list[list[int]]:
+        """k greedy drafts for each of the first num_chains rows of the chain's inputs. on_device: without
+        waiting for them: each draft is a pending draft token naming its entry of `drafts` (engine/
+        step_message.py), which the verify step reads on the device; `read_drafts` gives the values later."""
         batch = padded_batch(num_chains, self.max_batch)
         self._run("chain", batch, length, self._chain)
-        drafts: list[list[int]] = self.drafts[:num_chains].tolist()  # the one read-back of a propose
-        return drafts
+        if not on_device:
+            drafts: list[list[int]] = self.drafts[:num_chains].tolist()  # the one read-back of a propose
+            return drafts
+        k = self.num_tokens
+        self.host_drafts[: num_chains * k].copy_(self.drafts[:num_chains].view(-1), non_blocking=True)
+        if self.device.type == "cuda":
+            self._drafts_copied = torch.cuda.Event()
+            self._drafts_copied.record()
+        return [[pending_draft(b * k + j) for j in range(k)] for b in range(num_chains)]
+
+    def read_drafts(self) -> list[int]:
+        """The last on-device chains' drafts, flat (entry b * k + j: chain b's draft j); valid until the next
+        chains."""
+        if self._drafts_copied is not None:
+            self._drafts_copied.synchronize()
+        values: list[int] = self.host_drafts.tolist()
+        return values
 
     def _run(self, kind: str, batch: int, length: int, fn: Callable[[int, int], None]) -> None:
         key = (kind, batch, length)

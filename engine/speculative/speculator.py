@@ -12,7 +12,7 @@ from engine.speculative.config import SpeculativeConfig
 from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.eagle3 import Eagle3Proposer
 from engine.speculative.ngram import NgramProposer
-from engine.step_message import StepMessage
+from engine.step_message import FIRST_PENDING_DRAFT, StepMessage
 from engine.structured.mask import grammar_drafts
 
 
@@ -28,11 +28,16 @@ class Speculator:
         config: SpeculativeConfig,
         draft_model: DraftModelProposer | None = None,
         eagle: Eagle3Proposer | None = None,
+        drafts_on_device: bool = False,
     ) -> None:
         """draft_model: the proposer of the "draft_model" method (the engine builds its draft engine); eagle:
-        the "eagle3" method's (it reads the requests' own state, and each target step's hidden states)."""
+        the "eagle3" method's (it reads the requests' own state, and each target step's hidden states).
+        drafts_on_device: an EAGLE-3 head's drafts stay on the device for the verify step, which the host
+        builds and launches while the device still drafts (where the step runner reads input tokens on the
+        device: the platforms with overlap scheduling); the host reads them after the step (`resolve`)."""
         self.config = config
         self.eagle = eagle
+        self.drafts_on_device = drafts_on_device and eagle is not None
         low, high = config.lookup_range
         self.proposer: Proposer = (
             draft_model if draft_model is not None else NgramProposer(config.num_speculative_tokens, low, high)
@@ -42,7 +47,8 @@ class Speculator:
     def describe(self) -> str:
         if self.config.method in ("draft_model", "eagle3"):
             kind = "EAGLE-3 head" if self.config.method == "eagle3" else "draft model"
-            return f"{kind} {self.config.model}, {self.config.num_speculative_tokens} tokens"
+            where = ", drafts left on the device for the verify step" if self.drafts_on_device else ""
+            return f"{kind} {self.config.model}, {self.config.num_speculative_tokens} tokens{where}"
         low, high = self.config.lookup_range
         return f"{self.config.method}, {self.config.num_speculative_tokens} tokens, n-grams {low}-{high}"
 
@@ -61,7 +67,9 @@ class Speculator:
             return [[] for _ in requests]
         allowed = [limit if self.drafts_allowed(r) else 0 for r, limit in zip(requests, limits)]
         if self.eagle is not None:
-            drafts = self.eagle.propose(requests, allowed)
+            # A grammar filters its request's drafts by value (below) before the step is built: read back.
+            on_device = self.drafts_on_device and all(r.grammar is None for r in requests)
+            drafts = self.eagle.propose(requests, allowed, on_device)
         else:
             drafts = self.proposer.propose_batch([r.all_token_ids for r in requests], allowed)
         # A grammar's request verifies only the drafts its grammar allows (the matcher walks them and rolls back).
@@ -76,6 +84,17 @@ class Speculator:
         """The request released its KV (finished, aborted, retracted): so does the head's cache of it."""
         if self.eagle is not None:
             self.eagle.forget(request)
+
+    def resolve(self, drafts: list[list[int]]) -> None:
+        """A launched verify step's drafts that stayed on the device (pending draft tokens) replaced in place
+        by their values, read back: the host needs them only to see which the target kept."""
+        if self.eagle is None or not any(d and d[0] <= FIRST_PENDING_DRAFT for d in drafts):
+            return
+        values = self.eagle.loop.read_drafts()
+        for request_drafts in drafts:
+            request_drafts[:] = [
+                values[FIRST_PENDING_DRAFT - t] if t <= FIRST_PENDING_DRAFT else t for t in request_drafts
+            ]
 
     def accept(self, drafts: list[int], sampled: list[int]) -> list[int]:
         """The tokens a request keeps from its verify rows: the drafts the target agreed with, then the
