@@ -135,7 +135,13 @@ class HierarchicalRadixCache(RadixCache):
         return self.allocator.steps_launched
 
     def _evict_leaf(self, leaf: RadixNode) -> None:
-        if leaf.host_pages or self._back_up(leaf, evicting=True):
+        if leaf.host_pages and not leaf.children and self.host.write_pending(leaf.pages):
+            # Its write-through has not run: keeping the copy would hold the next step until it has, behind every
+            # copy queued before it on the write stream (a pool with no room beyond its running requests evicts
+            # what a request cached a moment ago). The node leaves the tree instead, as without the tier.
+            self.host.stats.evicted_pages += len(leaf.host_pages)
+            self._drop_subtree(leaf)
+        elif leaf.host_pages or self._back_up(leaf, evicting=True):
             self.host.source_pages_freed(leaf.pages)  # its write (back or through) may still be reading them
             self.allocator.release(leaf.pages, leaf.released_at)
             leaf.pages = []
@@ -227,7 +233,7 @@ class HierarchicalRadixCache(RadixCache):
             node.host_pages = []
         self._remove(node)
         if node.pages:
-            self.host.source_pages_freed(node.pages)  # a write-through of them may still be running
+            self.host.source_pages_dropped(node.pages)  # a write-through of them may still run: its copy is gone
             self.allocator.release(node.pages, node.released_at)
 
     def reset(self) -> None:

@@ -26,7 +26,10 @@ pages only, not for copies issued since (`CopyFence`, one per stream). A write-t
 alone never holds a step up: those pages stay the tree's, unchanged, until they are evicted, and by then their
 copy has usually run, so freeing them waits for nothing. (Waiting for every copy issued so far instead put the
 compute stream behind the latest write-through at each eviction: 8% of the throughput of a run whose pool
-evicted at every step, in the first H100 run.) Neither wait blocks the host. An abort or a retraction between a
+evicted at every step, in the first H100 run.) Pages evicted before their write-through has run are dropped with
+their unfinished host copy instead (`source_pages_dropped`, engine/hierarchical_cache.py): waiting for that write
+also waited for every copy queued before it, ~20 ms a step on an H100 where the pool had no room beyond its
+running requests. Neither wait blocks the host. An abort or a retraction between a
 copy and its fence therefore frees pages safely: whoever reuses them is ordered after the copy. On the CPU (and
 devices without streams) copies are plain synchronous tensor copies and the fence does nothing.
 """
@@ -56,7 +59,7 @@ class HostTierStats:
     loaded_bytes: int = 0
     written_tokens: int = 0  # written back to (or through to) the host tier
     written_bytes: int = 0
-    evicted_pages: int = 0  # dropped from the host tier to make room
+    evicted_pages: int = 0  # dropped from the host tier to make room, or evicted from the device before written
     copy_seconds: float = 0.0  # time the copies took (CUDA: measured by events on the side stream)
 
 
@@ -120,6 +123,11 @@ class CopyFence:
         )
         if last is not None and not last[1].query():
             self.wait_for(*last)
+
+    def forget(self, pages: list[int]) -> None:
+        """These device pages went back to the free list and no one reads what their copies make: no wait."""
+        for page in pages:
+            self._readers.pop(page, None)
 
     def take(self) -> Completion | None:
         """The copy the next step waits for (None: none), and no wait owed after it."""
@@ -382,6 +390,17 @@ class HostKVPool:
         """These device pages went back to the free list: the next step waits for the last copy that read them
         before it can overwrite them, if that copy has not run yet."""
         self._write_fence.pages_freed(device_pages)
+
+    def write_pending(self, device_pages: list[int]) -> bool:
+        """Whether a write that reads these device pages has not run yet (never, where copies are synchronous)."""
+        return any(not self._device_read[page].query() for page in device_pages if page in self._device_read)
+
+    def source_pages_dropped(self, device_pages: list[int]) -> None:
+        """These device pages went back to the free list, and the host copy a write was making of them (if any) was
+        dropped with them: nothing will read it, so no step waits for the write (a step that overwrites the pages
+        while it runs only spoils that copy; a later write into its host pages runs after it on the same stream,
+        and a load from them waits for that later write)."""
+        self._write_fence.forget(device_pages)
 
     def fence(self, step: int | None = None) -> None:
         """Before step number `step` is launched: the compute stream waits for the copies it needs (never the

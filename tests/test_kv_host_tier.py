@@ -323,6 +323,38 @@ def test_the_next_step_waits_only_for_the_copies_it_must() -> None:
     assert fence.take() is None
 
 
+@pytest.mark.parametrize("copied", [True, False])
+def test_a_prefix_evicted_before_its_write_through_ran_is_dropped_not_waited_for(copied: bool) -> None:
+    """A device leaf whose write-through has run goes to the host and comes back on a hit. One whose write has not
+    run yet (a pool with no room beyond its running requests evicts what a request cached a moment ago) leaves the
+    tree instead: the next step must not wait for that write, queued behind every earlier copy."""
+    manager, pool, host = make_manager(device_pages=4, host_pages=8, page_size=2, write_through=True)
+    first = Request("a", list(range(1, 9)), SamplingParams())
+    manager.match_prefix(first)
+    assert manager.allocate(first, 8)
+    compute(pool, manager, first, 8)
+    pages = manager.page_table(first)
+    manager.release(first)
+    assert host.stats.written_tokens == 8
+    write = _Copy()  # the CPU copies at once: here "a"'s write-through is still on the write stream
+    write.done = copied
+    host._write_fence.read_pages(pages, 1, write)
+    host._device_read.update(dict.fromkeys(pages, write))
+    other = Request("b", list(range(20, 28)), SamplingParams())  # takes the whole pool: "a" leaves the device
+    manager.match_prefix(other)
+    assert manager.allocate(other, 8)
+    assert host._write_fence.take() is None  # no step waits: the copy has run, or it is dropped
+    assert host.stats.evicted_pages == (0 if copied else 4)
+    compute(pool, manager, other, 8)
+    manager.release(other)
+    manager.check_invariant()
+    again = Request("c", [*range(1, 9), 99], SamplingParams())
+    assert manager.match_prefix(again) == (8 if copied else 0)
+    assert host.stats.hits == (1 if copied else 0)
+    manager.release(again)
+    manager.check_invariant()
+
+
 def test_settings_are_checked() -> None:
     with pytest.raises(EngineError, match="needs the prefix cache"):
         Engine(device="cpu", enable_hierarchical_cache=True, enable_prefix_caching=False, warmup=False)

@@ -180,7 +180,12 @@ def _host_tier_series(s: EngineStats) -> list[tuple[str, str, str, float]]:
             "Bytes copied from the device to the host tier.",
             s.host_written_bytes,
         ),
-        ("counter", "engine:hicache_evicted_pages", "Host-tier pages dropped to make room.", s.host_evicted_pages),
+        (
+            "counter",
+            "engine:hicache_evicted_pages",
+            "Host-tier pages dropped (for room, or evicted from the device before their copy ran).",
+            s.host_evicted_pages,
+        ),
         ("counter", "engine:hicache_copy_seconds", "Time the host-tier copies took.", s.host_copy_seconds),
     ]
 
