@@ -296,7 +296,7 @@ def run_simulated(args: argparse.Namespace) -> dict[str, Any]:
         "context": args.context,
         "max_tokens": args.max_tokens,
         "num_speculative_tokens": k,
-        "drafts": "dummy EAGLE-3 head, then simulated" if args.eagle3_head else "simulated",
+        "drafts": "a dummy EAGLE-3 head's, the verdict simulated" if args.eagle3_head else "simulated",
         "runners": runners,
         "rows": rows,
     }
