@@ -53,6 +53,7 @@ from engine.stats import EngineStats, StatsLogger
 from engine.step_message import StepBuilder, StepMessage
 from engine.structured.waitlist import GrammarWaitlist
 from engine.tokenizer import encode_prompt, load_tokenizer
+from engine.transfer import to_device
 from graphs.model_runner import DecodeBatchState, ModelRunner
 
 if TYPE_CHECKING:
@@ -993,6 +994,7 @@ class Engine:
         self.speculator.resolve(step.drafts)
         outputs = []
         start = 0
+        penalized: tuple[list[int], list[int]] = ([], [])  # (decode row, kept token) of penalized requests
         for request, drafts in zip(step.requests, step.drafts):
             rows = slice(start, start + 1 + len(drafts))
             start = rows.stop
@@ -1001,6 +1003,9 @@ class Engine:
                 continue
             kept = self.speculator.accept(drafts, tokens[rows])
             self.scheduler.on_verified(request, len(kept) - 1)
+            if request.params.has_penalties and request.batch_row is not None:
+                penalized[0].extend([request.batch_row] * len(kept))
+                penalized[1].extend(kept)
             parts = []
             for token, entry in zip(kept, logprobs[rows]):
                 if entry is not None:
@@ -1011,6 +1016,10 @@ class Engine:
             if not parts[-1].finished:
                 self.scheduler.trim_drafts(request)
             outputs.append(_merged(parts))
+        if penalized[0] and self.decode_state.penalties is not None:
+            # The verify step sampled every row; only the kept tokens count as generated (engine/sampler.py).
+            kept_rows, kept_tokens = to_device(list(penalized), torch.int64, self.device)
+            self.decode_state.penalties.record(kept_rows, kept_tokens)
         return outputs
 
     def _isolate_failure(

@@ -7,6 +7,7 @@ generator so a seed reproduces regardless of batch composition.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,7 +27,11 @@ PENALTY_KERNELS: dict[str, PenaltyKernel] = {}
 
 
 def _apply_penalties(
-    logits: torch.Tensor, requests: list[Request], penalties: PenaltyState, rows: torch.Tensor
+    logits: torch.Tensor,
+    requests: list[Request],
+    penalties: PenaltyState,
+    rows: torch.Tensor,
+    row_drafts: list[tuple[int, list[int]]] | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None] | None]:
     """Repetition (HF: every token seen in prompt or output, once), presence and frequency (OpenAI:
     counts over generated tokens) penalties for the whole batch at once.
@@ -36,10 +41,78 @@ def _apply_penalties(
     tokens can be recorded there; None when no request is penalized. Each full-vocabulary pass costs
     ~0.1 ms at batch 256 on an H200, so there are as few as the requests need: no gather when every
     row is penalized, no counts without a frequency or presence penalty.
+
+    A verify step's row after j drafts (`row_drafts`) is penalized as if those drafts were taken: every row
+    of a request reads the state from before its drafts, and the logits of the tokens among the j drafts are
+    penalized again afterwards from their raw values (`_penalize_drafted`).
     """
     positions = [i for i, r in enumerate(requests) if r.params.has_penalties]
     if not positions:
         return logits, None
+    drafted = _drafted_tokens(positions, row_drafts, logits.device)
+    raw = logits[drafted[0], drafted[1]] if drafted is not None else None  # before the kernel edits them
+    logits, recorded = _penalize(logits, requests, penalties, rows, positions)
+    if drafted is not None and raw is not None:
+        _penalize_drafted(logits, raw, drafted, requests, penalties, rows)
+    return logits, recorded
+
+
+def _drafted_tokens(
+    positions: list[int], row_drafts: list[tuple[int, list[int]]] | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]] | None:
+    """(batch rows and token ids on the device, how often each token is among the drafts before its row, the
+    batch rows on the host) of the penalized rows that follow drafts; None where none does."""
+    if row_drafts is None:
+        return None
+    batch_rows: list[int] = []
+    token_ids: list[int] = []
+    repeats: list[int] = []
+    for position in positions:
+        taken, drafts = row_drafts[position]
+        for token, count in collections.Counter(drafts[:taken]).items():
+            batch_rows.append(position)
+            token_ids.append(token)
+            repeats.append(count)
+    if not batch_rows:
+        return None
+    pairs = to_device([batch_rows, token_ids], torch.int64, device)
+    return pairs[0], pairs[1], repeats, batch_rows
+
+
+def _penalize_drafted(
+    logits: torch.Tensor,
+    raw: torch.Tensor,
+    drafted: tuple[torch.Tensor, torch.Tensor, list[int], list[int]],
+    requests: list[Request],
+    penalties: PenaltyState,
+    rows: torch.Tensor,
+) -> None:
+    """The logits of tokens among a row's drafts, penalized from their raw values as seen (repetition) and
+    generated once more per occurrence (frequency; presence: now present), on top of the row's state."""
+    assert penalties.counts is not None
+    device = logits.device
+    batch_rows, token_ids, repeats, host_rows = drafted
+    params = [requests[b].params for b in host_rows]
+    values = to_device(
+        [
+            [p.repetition_penalty for p in params],
+            [p.frequency_penalty for p in params],
+            [p.presence_penalty for p in params],
+            [float(n) for n in repeats],
+        ],
+        torch.float32,
+        device,
+    ).to(logits.dtype)
+    repetition, frequency, presence, extra = values[0], values[1], values[2], values[3]
+    counts = penalties.counts[rows.index_select(0, batch_rows), token_ids].to(logits.dtype) + extra
+    scores = torch.where(raw > 0, raw / repetition, raw * repetition)
+    logits[batch_rows, token_ids] = scores - frequency * counts - presence
+
+
+def _penalize(
+    logits: torch.Tensor, requests: list[Request], penalties: PenaltyState, rows: torch.Tensor, positions: list[int]
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Every penalized row from its decode row's state (`_apply_penalties`)."""
     device = logits.device
     penalized = [requests[i] for i in positions]
     everyone = len(positions) == len(requests)
@@ -185,11 +258,12 @@ def sample(
     if any(r.params.has_penalties for r in requests):
         if penalties is None or rows is None:
             raise ValueError("penalized requests need their decode rows (DecodeBatchState) to sample")
-        logits, recorded = _apply_penalties(logits, requests, penalties, rows)
+        logits, recorded = _apply_penalties(logits, requests, penalties, rows, row_drafts)
     if any(r.edits_logits for r in requests):  # one pass over the batch; the common step stops here
         edit_logits(logits, requests, row_drafts)
     chosen_ids = _sample(logits, requests)
-    if recorded is not None and penalties is not None:
+    # A verify step's rows are not all taken: the engine records the kept tokens (Engine._complete_verify).
+    if recorded is not None and penalties is not None and row_drafts is None:
         penalty_rows, index = recorded
         penalties.record(penalty_rows, chosen_ids if index is None else chosen_ids.index_select(0, index))
     groups: list[LogprobGroup] = []

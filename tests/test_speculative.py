@@ -152,7 +152,7 @@ def test_acceptance_keeps_the_matching_prefix_and_counts_like_vllm() -> None:
 
 
 def test_which_requests_draft() -> None:
-    """Penalties decode without drafts (logit edits draft: they see the drafts before each row); a batch at
+    """Penalized and biased requests draft (their logit edits see the drafts before each row); a batch at
     disable_by_batch_size drafts nothing."""
     from engine.speculative.speculator import Speculator
 
@@ -161,7 +161,7 @@ def test_which_requests_draft() -> None:
     plain = Request("a", [1, 2, 1], SamplingParams())
     penalized = Request("b", [1, 2, 1], SamplingParams(presence_penalty=0.5))
     biased = Request("c", [1, 2, 1], SamplingParams(logit_bias={5: 1.0}))
-    assert speculator.draft([plain, penalized, biased], [5, 5, 5]) == [[2, 1], [], [2, 1]]
+    assert speculator.draft([plain, penalized, biased], [5, 5, 5]) == [[2, 1], [2, 1], [2, 1]]
     assert speculator.draft([plain], [1]) == [[2]]  # the room left (max_tokens, the context) caps them
     assert speculator.draft([plain] * 4, [5] * 4) == [[]] * 4
 
@@ -227,13 +227,65 @@ def test_stops_max_tokens_and_penalties_hold_inside_kept_drafts(smol_engine: Eng
     cases = [
         SamplingParams(max_tokens=7, temperature=0.0),  # max_tokens cuts the drafts
         SamplingParams(max_tokens=60, temperature=0.0, stop=["10,"]),  # a stop string inside kept tokens
-        SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.3),  # penalized: no drafts
+        # Penalties: each verify row penalized as after the drafts before it, only kept tokens recorded.
+        SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(max_tokens=40, temperature=0.0, frequency_penalty=0.4, presence_penalty=0.3),
+        SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.2),
         SamplingParams(max_tokens=30, temperature=0.0, min_tokens=20),  # EOS blocked in each row before the 20th
     ]
     for params in cases:
         want = smol_engine.generate(prompt, params, chat=True)[0]
         got = spec_engine.generate(prompt, params, chat=True)[0]
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), params
+
+
+def test_a_verify_rows_penalties_count_the_drafts_before_it() -> None:
+    """Row j of a verify step is penalized as if its request had taken drafts[:j]: its logits equal those of the
+    request with the drafts appended to its output, penalized from scratch (repetition over prompt + output,
+    frequency and presence over the output); and the step records nothing (the engine records the kept tokens)."""
+    from engine.penalties import PenaltyState
+    from engine.sampler import _apply_penalties, sample
+
+    vocab, prompt, output, drafts = 12, [1, 2, 3], [4, 5, 4], [6, 4, 6]
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2)
+    request = Request("a", prompt, params)
+    request.output_token_ids = list(output)
+    request.batch_row = 0
+    torch.manual_seed(0)
+    logits = torch.randn(1 + len(drafts), vocab)
+    state = PenaltyState(2, vocab, torch.device("cpu"))
+    rows = torch.zeros(1 + len(drafts), dtype=torch.int64)
+    row_drafts = [(j, drafts) for j in range(1 + len(drafts))]
+    got, _ = _apply_penalties(logits.clone(), [request] * len(row_drafts), state, rows, row_drafts)
+    for j in range(1 + len(drafts)):
+        alone = Request("b", prompt, params)
+        alone.output_token_ids = output + drafts[:j]
+        alone.batch_row = 1
+        reference = PenaltyState(2, vocab, torch.device("cpu"))
+        want, _ = _apply_penalties(logits[j : j + 1].clone(), [alone], reference, torch.ones(1, dtype=torch.int64))
+        assert not torch.equal(want[0], logits[j]) and torch.allclose(got[j], want[0]), j
+    sample(logits.clone(), [request] * len(row_drafts), state, rows, row_drafts)
+    assert state.counts is not None and int(state.counts[0].sum()) == len(output)  # nothing recorded
+
+
+def test_penalized_requests_record_only_their_kept_tokens(spec_engine: Engine) -> None:
+    """After each step of a penalized request with n-gram drafts, its row's counts are its output's histogram."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.2)
+    spec_engine.kv_manager.reset_prefix_cache()
+    spec_engine.speculator.stats.__init__()  # type: ignore[union-attr,misc]
+    request_id = spec_engine.add_request(PROMPTS[1], params, chat=True)
+    request = spec_engine._requests[request_id]
+    checked = 0
+    while spec_engine.has_unfinished():
+        spec_engine.step()
+        state = spec_engine.decode_state.penalties
+        if request.finished or request.batch_row is None or state is None or state.counts is None:
+            continue
+        histogram = torch.bincount(torch.tensor(request.output_token_ids), minlength=state.counts.shape[1])
+        assert torch.equal(state.counts[request.batch_row].long(), histogram)
+        checked += 1
+    stats = spec_engine.speculator.stats  # type: ignore[union-attr]
+    assert checked > 5 and stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
 
 
 COPY_JSON = (

@@ -52,26 +52,19 @@ class Speculator:
         low, high = self.config.lookup_range
         return f"{self.config.method}, {self.config.num_speculative_tokens} tokens, n-grams {low}-{high}"
 
-    @staticmethod
-    def drafts_allowed(request: Request) -> bool:
-        """Penalized requests decode without drafts (exactly, one token a step): their penalties count the
-        tokens before each position on the device, where a verify step keeps the state before its drafts.
-        The other logit edits see the drafts before each row (engine/logit_processors.py): a grammar's mask
-        is filled row by row from its matcher advanced through them, min_tokens counts them."""
-        return not request.params.has_penalties
-
     def draft(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
         """At most its limit of drafts for each request (the scheduler's drafter)."""
         cutoff = self.config.disable_by_batch_size
         if cutoff is not None and len(requests) >= cutoff:
             return [[] for _ in requests]
-        allowed = [limit if self.drafts_allowed(r) else 0 for r, limit in zip(requests, limits)]
         if self.eagle is not None:
-            # A grammar filters its request's drafts by value (below) before the step is built: read back.
-            on_device = self.drafts_on_device and all(r.grammar is None for r in requests)
-            drafts = self.eagle.propose(requests, allowed, on_device)
+            # A grammar filters its request's drafts by value (below) before the step is built, and penalties
+            # are applied to each row after the drafts before it (engine/sampler.py): read back for them.
+            by_value = any(r.grammar is not None or r.params.has_penalties for r in requests)
+            on_device = self.drafts_on_device and not by_value
+            drafts = self.eagle.propose(requests, limits, on_device)
         else:
-            drafts = self.proposer.propose_batch([r.all_token_ids for r in requests], allowed)
+            drafts = self.proposer.propose_batch([r.all_token_ids for r in requests], limits)
         # A grammar's request verifies only the drafts its grammar allows (the matcher walks them and rolls back).
         return [grammar_drafts(r.grammar, d) if r.grammar is not None and d else d for r, d in zip(requests, drafts)]
 
