@@ -20,7 +20,9 @@ import torch
 from engine.engine import Engine
 from engine.kv_cache import PageAllocator
 from engine.kv_manager import KVCacheManager
+from engine.penalties import PenaltyState
 from engine.request import Request
+from engine.sampler import _apply_penalties, sample
 from engine.sampling_params import SamplingParams
 from engine.speculative.acceptance import SpecDecodeStats, accepted_length
 from engine.speculative.config import SpeculativeConfig, sglang_speculative_config
@@ -243,9 +245,6 @@ def test_a_verify_rows_penalties_count_the_drafts_before_it() -> None:
     """Row j of a verify step is penalized as if its request had taken drafts[:j]: its logits equal those of the
     request with the drafts appended to its output, penalized from scratch (repetition over prompt + output,
     frequency and presence over the output); and the step records nothing (the engine records the kept tokens)."""
-    from engine.penalties import PenaltyState
-    from engine.sampler import _apply_penalties, sample
-
     vocab, prompt, output, drafts = 12, [1, 2, 3], [4, 5, 4], [6, 4, 6]
     params = SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2)
     request = Request("a", prompt, params)
