@@ -7,6 +7,8 @@
     # n-gram speculation against plain decoding on prompts whose answers copy from them (a real model: the
     # embedded SmolLM2 by default), alternating runs, one prompt at a time and all at once.
     PYTHONPATH=. python benchmarks/speculative.py ngram --device cpu --repeats 3 --output-json spec_ngram.json
+    # The same with every request penalized (its verify rows penalized as after the drafts before each).
+    PYTHONPATH=. python benchmarks/speculative.py ngram --device cpu --repeats 3 --repetition-penalty 1.1
     # For dummy weights, whose drafts nothing can guess: verify steps as they run, the kept-draft count drawn at
     # chosen acceptance rates (benchmarking only): throughput against acceptance length, plain decoding beside.
     PYTHONPATH=. python benchmarks/speculative.py simulated --device cuda --model llama-3-8b --load-format dummy \
@@ -144,7 +146,9 @@ def run_ngram(args: argparse.Namespace) -> dict[str, Any]:
         }
     )
     engines = {"plain": _engine(args), "ngram": _engine(args, speculative_config=spec)}
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    # A repetition penalty (vLLM users often set 1.05-1.1) makes every request penalized: each verify row is then
+    # penalized as after the drafts before it.
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, repetition_penalty=args.repetition_penalty)
     shapes = {"one at a time": [[p] for p in COPY_PROMPTS], "all at once": [COPY_PROMPTS]}
     for engine in engines.values():
         engine.generate(COPY_PROMPTS[:1], params, chat=True)  # warm
@@ -187,6 +191,7 @@ def run_ngram(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model or "embedded SmolLM2",
         "speculative_config": json.loads(spec),
         "max_tokens": args.max_tokens,
+        "repetition_penalty": args.repetition_penalty,
         "runners": runners,
         "runs": results,
         "acceptance_length": acceptance,
@@ -317,6 +322,7 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="ngram: every request's (1: none)")
     parser.add_argument("--acceptance-rates", default="1,0.85,0.7,0.5", help="simulated: each draft's chance")
     parser.add_argument(
         "--eagle3-head",
