@@ -3,7 +3,8 @@
 A node's pages may live on the device (`pages`), on the host tier (`host_pages`), or both:
 
 - eviction from the device (the radix cache's LRU over unlocked device leaves) writes a leaf's pages back to
-  the host tier, unless they are there already, and keeps the node in the tree with its host copy only;
+  the host tier, unless they are there already, and keeps the node in the tree with its host copy only (a leaf
+  whose write-through has not run yet leaves the tree instead: the next step would wait for that write);
   where the host tier has no room even after dropping its own least recently used leaves, the node and
   whatever hangs below it leave the tree, as without the tier;
 - write-through (`--hicache-write-policy write_through`, SGLang's default) copies pages to the host as soon as
