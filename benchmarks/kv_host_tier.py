@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from engine.engine import Engine
+from engine.profiling import chrome_trace
 from engine.sampling_params import SamplingParams
 
 
@@ -204,6 +205,11 @@ def main() -> None:
         default="multi-turn,no-reuse",
         help="comma-separated: multi-turn (conversations that come back), no-reuse (every prompt unique)",
     )
+    parser.add_argument(
+        "--trace-dir",
+        default=None,
+        help="a torch.profiler chrome trace of each run (the compute stream's waits for the copy streams show there)",
+    )
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     workloads = [name.replace("-", " ").replace("multi turn", "multi-turn") for name in args.workloads.split(",")]
@@ -231,7 +237,9 @@ def main() -> None:
                 rng = random.Random(2)
                 n = args.conversations * args.turns
                 convs = [[[rng.randrange(100, vocab - 100) for _ in range(final_len)]] for _ in range(n)]
-            result = run(engine, convs, args)
+            trace_name = f"{workload.replace(' ', '-')}_tier-{'on' if tier else 'off'}_{repeat}"
+            with chrome_trace(args.trace_dir, trace_name):
+                result = run(engine, convs, args)
             outputs["on" if tier else "off"] = result.pop("tokens")
             rows.append({"workload": workload, "tier": "on" if tier else "off", "repeat": repeat, **result})
             engine.shutdown()

@@ -28,19 +28,15 @@ which speculation only matches plain decoding: verify ms / decode ms.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import os
 import random
 import statistics
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from engine.engine import Engine
+from engine.profiling import chrome_trace
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep
 from engine.tuning.measure import steady_ms
@@ -221,22 +217,6 @@ class SimulatedDrafts:
         return drafts[:kept] + sampled[kept : kept + 1]
 
 
-@contextlib.contextmanager
-def _traced(trace_dir: str | None, name: str) -> Iterator[None]:
-    """A torch.profiler chrome trace (host ops and device kernels) of the block into trace_dir/name.json.gz,
-    where the host's launches and waits show beside the device's kernels; nothing without a trace_dir."""
-    if trace_dir is None:
-        yield
-        return
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    os.makedirs(trace_dir, exist_ok=True)
-    with torch.profiler.profile(activities=activities) as prof:
-        yield
-    prof.export_chrome_trace(os.path.join(trace_dir, f"{name}.json.gz"))
-
-
 def run_simulated(args: argparse.Namespace) -> dict[str, Any]:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     rates = [float(c) for c in args.acceptance_rates.split(",")]
@@ -271,7 +251,7 @@ def run_simulated(args: argparse.Namespace) -> dict[str, Any]:
             speculator.accept = lambda drafts, sampled, s=simulated: real_accept(drafts, s.accept(drafts, sampled))  # type: ignore[method-assign]
             speculative.generate(warm_prompts, warm_params)
             speculator.stats.__init__()  # type: ignore[misc]
-            with _traced(args.trace_dir, f"batch{batch}_rate{rate}"):
+            with chrome_trace(args.trace_dir, f"batch{batch}_rate{rate}"):
                 start = time.perf_counter()
                 speculative.generate(prompts, params)
                 tok_s = batch * args.max_tokens / (time.perf_counter() - start)

@@ -454,6 +454,8 @@ def test_the_benchmark_runs_a_tiny_case(tmp_path: object) -> None:
         "16",
         "--concurrency",
         "2",
+        "--trace-dir",
+        os.path.join(str(tmp_path), "traces"),
         "--output-json",
         out,
     ]
@@ -463,6 +465,8 @@ def test_the_benchmark_runs_a_tiny_case(tmp_path: object) -> None:
     with open(out) as f:
         report = json.load(f)
     assert {row["workload"] for row in report["rows"]} == {"multi-turn", "no reuse"}
+    traces = sorted(os.listdir(os.path.join(str(tmp_path), "traces")))  # a chrome trace of each run
+    assert traces == [f"{w}_tier-{t}_0.json.gz" for w in ("multi-turn", "no-reuse") for t in ("off", "on")]
     # Exactness is test_greedy_tokens_are_the_same_with_the_host_tier's (a fixed schedule); the benchmark's
     # extend steps follow the machine's speed, so its chunks, and with them float sums, may differ.
     assert 0 < report["same_tokens"]["multi-turn"] <= 1 and report["rows"][1]["host_hits"] > 0
