@@ -170,7 +170,9 @@ class HierarchicalRadixCache(RadixCache):
             return False
         node.host_pages = self.host.allocator.allocate(need)
         self.host_pages_held += need
-        self.host.write(node.pages, node.host_pages)
+        # A node leaving the device was last written by steps launched before its last request let go of it:
+        # its write-back need not wait for the step in flight (which the next step would then wait for).
+        self.host.write(node.pages, node.host_pages, computed_before=node.released_at if evicting else None)
         return True
 
     def evict_host(self, num_pages: int) -> int:

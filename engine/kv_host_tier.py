@@ -13,8 +13,10 @@ padded rows never write here). Which pages hold what is the radix tree's busines
 (engine/hierarchical_cache.py); this file moves bytes and counts them.
 
 Ordering on CUDA. Writes (device to host) run on one side stream, loads (host to device) on another, each in
-issue order. A write runs after the compute stream's work queued so far (a launched step may still be computing
-its pages) and after the last load (which may still read host pages freed and now written again). A load runs
+issue order. A write-through runs after the compute stream's work queued so far (a launched step may still be
+computing its pages); a write-back of an evicted node after the steps launched before its last request let go
+of it only, so that it overlaps the step in flight; both after the last load (which may still read host pages
+freed and now written again). A load runs
 after the steps that may still use its device pages, and no others: the allocator stamps each page with the
 count of steps launched when it was freed (a radix node's pages, when the last request let go of the node), and
 `StepEnds` holds an event recorded before each launch, so a load into pages evicted from the cache long ago
@@ -297,11 +299,13 @@ class HostKVPool:
         return [(slots[i], slots[i + 1]) for i in range(0, num_tensors, 2)]
 
     # ---- copies ---------------------------------------------------------------------------
-    def write(self, device_pages: list[int], host_pages: list[int]) -> None:
+    def write(self, device_pages: list[int], host_pages: list[int], computed_before: int | None = None) -> None:
         """Copy device pages into host pages (a write-back, or a write-through of newly cached pages). On CUDA
-        after every launched step (one may still be computing these pages) and after the last load (it may
-        still read host pages freed and now written again)."""
-        end = self._copy(device_pages, host_pages, to_host=True, after_steps_before=None)
+        after the steps that may still be computing these pages: those launched before count `computed_before`
+        (a write-back of a cache node: the steps before its last request let go of it, so the copy overlaps the
+        step in flight), or every launched step (None: a write-through of pages just computed); and after the
+        last load (it may still read host pages freed and now written again)."""
+        end = self._copy(device_pages, host_pages, to_host=True, after_steps_before=computed_before)
         if end is not None:
             self._write_fence.read_pages(device_pages, self._issued, end)  # a step may overwrite them once freed
             for page in device_pages:

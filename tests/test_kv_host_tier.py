@@ -524,3 +524,35 @@ def test_freed_pages_carry_the_steps_that_may_still_use_them() -> None:
     manager.release(other, cache=False)  # b's own pages, freed now
     assert allocator.unused_since(list(range(1, 5))) == 7
     manager.check_invariant()
+
+
+@pytest.mark.parametrize("write_through", [True, False])
+def test_a_write_back_waits_only_for_the_steps_that_computed_its_pages(write_through: bool) -> None:
+    """A write-through follows every launched step (its pages were just computed); the write-back of an evicted
+    node follows only the steps launched before its last request let go of it, so that on CUDA it overlaps the
+    step in flight instead of making the next step wait for both."""
+    manager, pool, host = make_manager(device_pages=4, host_pages=8, page_size=1, write_through=write_through)
+    writes: list[int | None] = []
+    copy = host._copy
+
+    def recording_copy(device_pages: list[int], host_pages: list[int], to_host: bool, after_steps_before: int | None):
+        if to_host:
+            writes.append(after_steps_before)
+        return copy(device_pages, host_pages, to_host, after_steps_before)
+
+    host._copy = recording_copy  # type: ignore[method-assign]
+    first = Request("a", [1, 2, 3, 4, 5], SamplingParams())
+    manager.match_prefix(first)
+    assert manager.allocate(first, 4)
+    compute(pool, manager, first, 4)
+    manager.fence()
+    manager.fence()  # two steps launched with "a" in them
+    manager.release(first)  # the node is let go at count 2
+    for _ in range(5):
+        manager.fence()
+    other = Request("b", [9, 9, 9, 9, 9], SamplingParams())
+    manager.match_prefix(other)
+    assert manager.allocate(other, 4)  # evicts "a" to the host
+    assert writes == ([None] if write_through else [2])
+    manager.release(other)
+    manager.check_invariant()
