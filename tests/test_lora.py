@@ -74,15 +74,26 @@ def _engine(tiny_llama: str, **options: Any) -> Engine:
     )
 
 
-@pytest.mark.parametrize("mode", ["eager", "graphs"])
+@pytest.mark.parametrize("mode", ["eager", "graphs", "graphs-folded"])
 def test_one_batch_of_four_adapters_and_base_rows_gives_pefts_tokens(
-    mode: str, tiny_llama: str, adapters: dict[str, str]
+    mode: str, tiny_llama: str, adapters: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Eager, and in the CPU's compiled decode graphs (15 rows replay the graph of 16, its padding row a base row)."""
+    """Eager, and in the CPU's compiled decode graphs (15 rows replay the graph of 16, its padding row a base row);
+    "folded": every projection's A folded into its base weight (as on CUDA: plain weights, not oneDNN-packed
+    ones; and no limit on the slots' rows, which the tiny model's narrow projections would exceed)."""
+    import engine.lora.layers as lora_layers
+    from backends.cpu.packed_linear import PACKING_ENV
+
+    if mode.endswith("folded"):
+        monkeypatch.setenv(PACKING_ENV, "0")
+        monkeypatch.setattr(lora_layers, "FOLD_MAX_FRACTION", 0)
     modules = ",".join(f"{name}={path}" for name, path in adapters.items())
     graphs = {"disable_graphs": True} if mode == "eager" else {"capture_sizes": "16"}
     engine = _engine(tiny_llama, lora_modules=modules, max_lora_rank=16, **graphs)
     assert engine.lora_adapters() == adapters
+    assert engine.lora is not None
+    folded = {layer.method.folded for layer in engine.lora.projections.values()}  # type: ignore[attr-defined]
+    assert folded == {mode.endswith("folded")}
     prompts = [[5, 17, 99, 23, 8, 41], [200, 3, 77, 77, 12], [9, 8, 7, 6, 5, 4, 3, 150]]
     cases = [(name, prompt) for name in [None, *adapters] for prompt in prompts]
     params = [

@@ -255,6 +255,83 @@ def test_inductor_runs_the_op_in_place_on_the_base_output(dynamic: bool) -> None
     assert not re.search(r"clone|copy_", code), code
 
 
+def _folded_case(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A folded projection's matmul output (base columns, then every slot's low-rank columns) for SHAPES[0], as
+    one tensor; and x, lora_a, lora_b."""
+    out, x, lora_a, lora_b = (t.to(dtype) for t in _case(SHAPES[0], seed=seed))
+    num_slots, width, in_features = lora_a.shape
+    low_rank = (x @ lora_a.reshape(num_slots * width, in_features).t()).to(dtype)
+    return torch.cat([out, low_rank], dim=1), x, lora_a, lora_b
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_expand_kernel_adds_into_a_folded_matmuls_base_columns(dtype: torch.dtype) -> None:
+    """A folded into the base weight: the expand alone reads each row's slot's columns of the low-rank part and
+    adds into the base part, both column slices of one tensor; the low-rank columns and the other rows keep
+    their bits."""
+    both, x, lora_a, lora_b = _folded_case(seed=11, dtype=dtype)
+    out_features = lora_b.shape[2]
+    rows = _rows([s % 3 if s >= 0 else -1 for s in STEP], 3, PADDED, grouped=True)
+    slots = rows.slots.cpu()
+    value, bits = SIGNALLING_NAN[dtype]
+    both[slots < 0, :out_features] = torch.tensor(value, dtype=bits).view(dtype)
+    want = _reference(both[:, :out_features], x, lora_a, lora_b, slots)
+    with _kernels_mode():
+        from backends.cuda.lora import TRITON_LORA
+
+        on_device = both.to(DEVICE)
+        got = TRITON_LORA.expand(
+            on_device[:, :out_features], on_device[:, out_features:], lora_b.to(DEVICE), rows
+        ).cpu()
+    _check(got, both[:, :out_features], want, slots, dtype)
+    assert torch.equal(on_device.cpu()[:, out_features:].view(bits), both[:, out_features:].view(bits))
+    assert torch.equal(on_device.cpu()[:, :out_features].view(bits), got.view(bits))  # written where it lies
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_inductor_runs_the_expand_in_place_on_the_folded_matmuls_output(dynamic: bool) -> None:
+    """A compiled folded projection (one matmul over the base weight with A's rows appended, then the expand on
+    its column slices): the expand runs on the matmul's own buffer, with no copy of it anywhere in the code."""
+    from torch._inductor.utils import run_and_get_code
+
+    from graphs.compiled_step import private_copy
+
+    _, x, lora_a, lora_b = _folded_case(seed=13, dtype=torch.float32)
+    num_slots, width, in_features = lora_a.shape
+    out_features = lora_b.shape[2]
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(14))
+    folded = torch.cat([weight, lora_a.reshape(num_slots * width, in_features)])
+    rows = _rows([s % 3 if s >= 0 else -1 for s in STEP], 3, PADDED, grouped=True)
+    with _kernels_mode():
+        from backends.cuda.lora import TRITON_LORA
+
+        def projection(x: torch.Tensor, folded: torch.Tensor, lora_b: torch.Tensor, slots: TokenSlots) -> torch.Tensor:
+            both = x @ folded.t()
+            return TRITON_LORA.expand(both[:, :out_features], both[:, out_features:], lora_b, slots)
+
+        compiled = torch.compile(private_copy(projection), fullgraph=True, dynamic=dynamic)
+        args = [t.to(DEVICE) for t in (x, folded, lora_b)]
+        got, codes = run_and_get_code(compiled, *args, rows)
+    want = _reference(x @ weight.t(), x, lora_a, lora_b, rows.slots.cpu())
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-3)
+    code = "\n".join(codes)
+    call = re.search(r"torch\.ops\.engine\.lora_expand\.default\(reinterpret_tensor\((\w+),", code)
+    assert call is not None, code
+    buffer = call.group(1)
+    assert re.search(rf"mm\(.*out={buffer}\)", code), code  # the matmul's own output buffer
+    assert not re.search(r"clone|copy_", code), code
+
+
+@pytest.mark.parametrize("kernels", [DENSE_LORA, GATHER_LORA], ids=lambda k: k.name)
+def test_the_torch_paths_expand_a_folded_matmuls_columns(kernels: object) -> None:
+    both, x, lora_a, lora_b = _folded_case(seed=12, dtype=torch.float32)
+    out_features = lora_b.shape[2]
+    rows = TokenSlots(*(t.cpu() for t in _rows(STEP, SHAPES[0][0], PADDED, grouped=False)))
+    got = kernels.expand(both[:, :out_features], both[:, out_features:], lora_b, rows)  # type: ignore[attr-defined]
+    want = _reference(both[:, :out_features], x, lora_a, lora_b, rows.slots)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("kernels", [DENSE_LORA, GATHER_LORA], ids=lambda k: k.name)
 def test_the_torch_paths_match_the_row_by_row_reference(kernels: object) -> None:
     out, x, lora_a, lora_b = _case(SHAPES[0], seed=5)
@@ -274,14 +351,18 @@ def test_the_rows_grouped_by_slot_as_the_kernels_read_them() -> None:
     assert rows.group_starts.tolist() == [0, 1, 1, 3, 10]
 
 
-@pytest.mark.parametrize("mode", ["eager", "graphs"])
+@pytest.mark.parametrize("mode", ["eager", "graphs", "graphs-folded"])
 def test_an_engine_on_the_triton_kernels_gives_the_dense_paths_tokens(
     mode: str, tiny_llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The whole model with every projection's LoRA matmul on the Triton kernels (on the CPU the platform is made
     to offer them, as CUDA's does, and they run in the interpreter) against the dense torch path: one batch of
     base rows and two adapters, eager and replaying the decode graph of 8 rows (on the CPU the op inside a strict
-    fullgraph compile), its padding rows base rows."""
+    fullgraph compile), its padding rows base rows. "folded": the Triton run with A folded into every base weight
+    (the expand kernel alone), against the dense path unfolded."""
+    import engine.lora.layers as lora_layers
+    from backends.cpu.packed_linear import PACKING_ENV
+
     if ON_GPU:
         from backends.cuda.platform import CudaPlatform as platform_class
     else:
@@ -311,6 +392,8 @@ def test_an_engine_on_the_triton_kernels_gives_the_dense_paths_tokens(
         )
         try:
             assert engine.lora is not None
+            folded = {layer.method.folded for layer in engine.lora.projections.values()}  # type: ignore[attr-defined]
+            assert folded == {lora_layers.FOLD_MAX_FRACTION == 0}
             tokens = [o.token_ids for o in engine.generate(batch, params)]
             if mode == "graphs":
                 assert engine.runner.graph_steps > 0, engine.runner.describe()
@@ -324,6 +407,9 @@ def test_an_engine_on_the_triton_kernels_gives_the_dense_paths_tokens(
         from backends.cuda.lora import TRITON_LORA
 
         monkeypatch.setattr(platform_class, "lora_kernels", lambda self: TRITON_LORA)
+        if mode.endswith("folded"):
+            monkeypatch.setenv(PACKING_ENV, "0")  # the CPU's plain weights (CUDA's are never packed)
+            monkeypatch.setattr(lora_layers, "FOLD_MAX_FRACTION", 0)  # the tiny model's projections are narrow
         triton, triton_name = run()
     assert (dense_name, triton_name) == ("dense", "triton_sgmv")
     assert triton == dense

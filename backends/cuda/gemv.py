@@ -131,9 +131,12 @@ class GemvLinearMethod:
         # Every 2-D input goes through the op, which picks the GEMV or cuBLAS by its rows at run time: a
         # branch on the rows here would be traced into the compiled graphs as a guard. cuBLAS inside the op
         # was also a little faster than traced F.linear (batch-32 replay 5.466 against 5.532 ms, docs/cuda.md).
+        return self.matmul(x, layer.weight, layer.bias)
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2:
-            return torch.ops.engine.dense_gemv(x, layer.weight, layer.bias)
-        return F.linear(x, layer.weight, layer.bias)
+            return torch.ops.engine.dense_gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
 
 
 GEMV = GemvLinearMethod()

@@ -8,7 +8,8 @@ graph captures its launches. Under torch.compile, functionalization wraps the mu
 and inductor's reinplacing runs the op on the base projection's own output buffer, with no copy, since nothing
 reads that buffer's old values (tests/test_lora_kernels.py checks the generated code).
 
-Each projection is two launches: the split-K shrink and the expand (kernels/lora.py says why not one).
+Each projection is two launches, the split-K shrink and the expand (kernels/lora.py says why not one), or only the
+expand (`engine::lora_expand`) where A is folded into the base weight and the base matmul made the low-rank rows.
 """
 
 from __future__ import annotations
@@ -110,6 +111,23 @@ def lora_sgmv(
         IEEE_FP32=ieee_fp32,
         num_warps=tiles.num_warps,
     )
+    _expand(out, partial, lora_b, sorted_rows, group_starts, tiles, num_splits, (rows * width, width, 0))
+
+
+def _expand(
+    out: torch.Tensor,
+    partial: torch.Tensor,
+    lora_b: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    group_starts: torch.Tensor,
+    tiles: SplitTiles,
+    num_splits: int,
+    partial_strides: tuple[int, int, int],
+) -> None:
+    """The expand launch: partial_strides are (split, row, slot) strides of the low-rank sums it reads."""
+    rows, out_features = out.shape
+    num_slots, width, _ = lora_b.shape
+    row_blocks = -(-rows // tiles.block_m)
     load_kernel(KERNELS, "lora_expand_kernel")[(row_blocks, -(-out_features // tiles.block_out), num_slots)](
         out,
         partial,
@@ -120,6 +138,7 @@ def lora_sgmv(
         out_features,
         width,
         num_splits,
+        *partial_strides,
         out.stride(0),
         out.stride(1),
         lora_b.stride(0),
@@ -127,9 +146,34 @@ def lora_sgmv(
         BLOCK_M=tiles.block_m,
         BLOCK_K=tiles.block_k,
         BLOCK_OUT=tiles.block_out,
-        IEEE_FP32=ieee_fp32,
+        IEEE_FP32=out.dtype == torch.float32,
         num_warps=tiles.num_warps,
     )
+
+
+def lora_expand(
+    out: torch.Tensor,
+    low_rank: torch.Tensor,
+    lora_b: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    group_starts: torch.Tensor,
+) -> None:
+    """out[t] += low_rank[t, slot*K : (slot+1)*K] @ lora_b[slot] in place for each row t of a slot (A folded into
+    the base weight: low_rank holds every slot's columns); out and low_rank may be column slices of one tensor
+    (any row stride, unit column stride). Rows of group S are never read or written."""
+    rows, out_features = out.shape
+    num_slots, width, b_out = lora_b.shape
+    if low_rank.shape != (rows, num_slots * width) or b_out != out_features:
+        raise ValueError(
+            f"LoRA expand shapes disagree: out {tuple(out.shape)}, low rank {tuple(low_rank.shape)}, "
+            f"B {tuple(lora_b.shape)}"
+        )
+    if not lora_b.is_contiguous() or low_rank.stride(1) != 1 or group_starts.shape != (num_slots + 2,):
+        raise ValueError("LoRA expand: B contiguous, low-rank columns unit-strided, group_starts S + 2 offsets")
+    if rows == 0 or num_slots == 0 or width == 0 or out_features == 0:
+        return
+    tiles = split_tiles(rows, num_slots, width, width)
+    _expand(out, low_rank, lora_b, sorted_rows, group_starts, tiles, 1, (0, low_rank.stride(0), width))
 
 
 def next_power_of_2(n: int) -> int:
@@ -147,6 +191,22 @@ def _lora_sgmv_fake(
     """Nothing to return: the op's only effect is on `out`, which the schema marks mutated."""
 
 
+def _lora_expand_fake(
+    out: torch.Tensor,
+    low_rank: torch.Tensor,
+    lora_b: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    group_starts: torch.Tensor,
+) -> None:
+    """As _lora_sgmv_fake."""
+
+
+define_op(
+    "lora_expand",
+    "(Tensor(a!) out, Tensor low_rank, Tensor lora_b, Tensor sorted_rows, Tensor group_starts) -> ()",
+    lora_expand,
+    _lora_expand_fake,
+)
 define_op(
     "lora_sgmv",
     "(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, Tensor sorted_rows, Tensor group_starts) -> ()",
@@ -166,6 +226,10 @@ class TritonLoRA:
         self, out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, rows: TokenSlots
     ) -> torch.Tensor:
         torch.ops.engine.lora_sgmv(out, x, lora_a, lora_b, rows.sorted_rows, rows.group_starts)
+        return out
+
+    def expand(self, out: torch.Tensor, low_rank: torch.Tensor, lora_b: torch.Tensor, rows: TokenSlots) -> torch.Tensor:
+        torch.ops.engine.lora_expand(out, low_rank, lora_b, rows.sorted_rows, rows.group_starts)
         return out
 
 

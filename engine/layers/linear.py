@@ -53,11 +53,22 @@ class LinearMethod(Protocol):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
 
 
+class WeightMatmul(Protocol):
+    """A LinearMethod whose product reads nothing but the weight and bias tensors it is given, so that it serves
+    any weight of the layer's layout, such as one with rows appended (engine/lora/layers.py folds LoRA's A into
+    the base weight through it); methods with packed or quantized copies of the weight have no `matmul`."""
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
 class DenseLinearMethod:
     name = "dense"
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        return self.matmul(x, layer.weight, layer.bias)
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
 
 
 DENSE = DenseLinearMethod()

@@ -9,6 +9,10 @@ kernel that reads only each row's slot, CUDA's grouped Triton kernels, which add
 place). The shapes never change with the mix of adapters and nothing is synchronised with the host, so the
 captured graphs (CUDA graphs, the CPU's compiled steps) run it as they run the rest. An empty slot is zeros.
 
+Where the base matmul reads a plain weight and the slots' rows are few next to it (`can_fold`), A is folded
+into the base weight: one weight [out + S*K, in], the layer's `weight` a view of its first rows and `lora_a` of
+the rest, so one matmul makes the base output and every slot's low-rank columns, and only the expand runs.
+
 Each token's slot is read from buffers every projection shares (engine/lora/rows.py, -1: the base model), which
 the model runner fills before a step as it fills the step's other inputs; the rows a graph pads with stay -1.
 
@@ -29,23 +33,39 @@ from engine.lora.rows import LoRARows
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # what a LoRA adapter can target
 
 
+FOLD_MAX_FRACTION = 8
+"""A into the base weight only while every slot's rows add at most 1/8 of the projection's own (Llama-3-8B,
+8 slots of rank 16: 1/16 for q/k/v, 1/112 for gate/up): every token computes every slot's low-rank columns
+there, work that grows with the slots, where the shrink kernel reads only each row's own slot."""
+
+
 class LoRALinearMethod:
     """The layer's own matmul, plus its tokens' adapters."""
 
     name = "lora"
 
-    def __init__(self, base: LinearMethod, kernels: LoRAKernels) -> None:
+    def __init__(self, base: LinearMethod, kernels: LoRAKernels, folded: bool) -> None:
+        """folded: A is folded into the base weight (`lora_folded_weight`), and `base` is a WeightMatmul."""
         self.base = base
         self.kernels = kernels
+        self.folded = folded
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        out = self.base.apply(layer, x)
-        lora_a: torch.Tensor = layer.lora_a  # type: ignore[assignment]
         lora_b: torch.Tensor = layer.lora_b  # type: ignore[assignment]
         slots: torch.Tensor = layer.lora_token_slots  # type: ignore[assignment]
         sorted_rows: torch.Tensor = layer.lora_sorted_rows  # type: ignore[assignment]
         group_starts: torch.Tensor = layer.lora_group_starts  # type: ignore[assignment]
-        return self.kernels.apply(out, x, lora_a, lora_b, TokenSlots(slots[: x.shape[0]], sorted_rows, group_starts))
+        rows = TokenSlots(slots[: x.shape[0]], sorted_rows, group_starts)
+        if self.folded:
+            # One matmul makes the base output and every slot's low-rank columns side by side; the expand adds
+            # each row's own slot's product into the base columns (a view: no copy of either part).
+            folded_weight: torch.Tensor = layer.lora_folded_weight  # type: ignore[assignment]
+            folded_bias: torch.Tensor | None = layer.lora_folded_bias  # type: ignore[assignment]
+            both = self.base.matmul(x, folded_weight, folded_bias)  # type: ignore[attr-defined]
+            out_features = layer.weight.shape[0]
+            return self.kernels.expand(both[..., :out_features], both[..., out_features:], lora_b, rows)
+        lora_a: torch.Tensor = layer.lora_a  # type: ignore[assignment]
+        return self.kernels.apply(self.base.apply(layer, x), x, lora_a, lora_b, rows)
 
 
 def part_names(layer: Linear) -> list[str]:
@@ -54,16 +74,54 @@ def part_names(layer: Linear) -> list[str]:
 
 
 def add_lora_slots(layer: Linear, rows: LoRARows, max_rank: int, dtype: torch.dtype, kernels: LoRAKernels) -> None:
-    """Give the projection its (empty) slots, the shared token -> slot buffer, and the LoRA matmul."""
+    """Give the projection its (empty) slots, the shared token -> slot buffer, and the LoRA matmul: A folded into
+    the base weight where `can_fold` says so, else a stack of its own."""
     width = len(part_names(layer)) * max_rank
     device = layer.weight.device
     shape = (rows.num_slots, width)
-    layer.register_buffer("lora_a", torch.zeros(*shape, layer.in_features, dtype=dtype, device=device))
+    folded = can_fold(layer, rows.num_slots * width, dtype)
+    if folded:
+        fold_lora_a(layer, rows.num_slots, width)
+    else:
+        layer.register_buffer("lora_a", torch.zeros(*shape, layer.in_features, dtype=dtype, device=device))
     layer.register_buffer("lora_b", torch.zeros(*shape, layer.out_features, dtype=dtype, device=device))
     layer.register_buffer("lora_token_slots", rows.slots, persistent=False)
     layer.register_buffer("lora_sorted_rows", rows.sorted_rows, persistent=False)
     layer.register_buffer("lora_group_starts", rows.group_starts, persistent=False)
-    layer.method = LoRALinearMethod(layer.method, kernels)
+    layer.method = LoRALinearMethod(layer.method, kernels, folded)
+
+
+def can_fold(layer: Linear, lora_rows: int, dtype: torch.dtype) -> bool:
+    """Whether the layer's matmul can make A's low-rank rows with its own product: its method reads the weight
+    tensor as given (a WeightMatmul; not a packed or quantized copy), of LoRA's dtype, and every slot's rows
+    are few next to the weight's (FOLD_MAX_FRACTION)."""
+    weight = layer.weight
+    return (
+        callable(getattr(layer.method, "matmul", None))
+        and weight.dim() == 2
+        and weight.dtype == dtype
+        and lora_rows * FOLD_MAX_FRACTION <= weight.shape[0]
+    )
+
+
+@torch.no_grad()
+def fold_lora_a(layer: Linear, num_slots: int, width: int) -> None:
+    """One weight [out + S*K, in]: the base weight's rows, then every slot's A (zeros: empty slots). The layer's
+    `weight` (and `bias`) become views of its first rows, so the base model reads what it read before, and
+    `lora_a` [S, K, in] a view of the rest, which write_slot fills."""
+    weight = layer.weight
+    out_features, in_features = weight.shape
+    folded = torch.zeros(out_features + num_slots * width, in_features, dtype=weight.dtype, device=weight.device)
+    folded[:out_features].copy_(weight)
+    weight.data = folded[:out_features]
+    layer.register_buffer("lora_folded_weight", folded, persistent=False)
+    layer.register_buffer("lora_a", folded[out_features:].view(num_slots, width, in_features), persistent=False)
+    folded_bias = None
+    if layer.bias is not None:
+        folded_bias = torch.zeros(folded.shape[0], dtype=layer.bias.dtype, device=layer.bias.device)
+        folded_bias[:out_features].copy_(layer.bias)
+        layer.bias.data = folded_bias[:out_features]
+    layer.register_buffer("lora_folded_bias", folded_bias, persistent=False)
 
 
 def full_shape(layer: Linear, part: str) -> tuple[int, int]:

@@ -24,8 +24,10 @@ class TokenSlots(NamedTuple):
 
 
 class LoRAKernels(Protocol):
-    """One batched LoRA matmul for every projection; it must run inside the platform's captured graphs
-    (static shapes, the slots read on the device, no host synchronisation)."""
+    """The batched LoRA matmul for every projection; it must run inside the platform's captured graphs
+    (static shapes, the slots read on the device, no host synchronisation). Two entry points: `apply`, the whole
+    product from x, and `expand`, its second half, for a projection whose base matmul already computed every
+    slot's low-rank columns (A folded into the base weight: engine/lora/layers.py)."""
 
     name: str
     grouped: bool  # reads TokenSlots.sorted_rows and group_starts (the host then computes them every step)
@@ -39,6 +41,12 @@ class LoRAKernels(Protocol):
         caller passes an `out` whose old values nothing else reads (the base projection's fresh output) and
         uses only the returned tensor. A kernel that writes in place never reads or writes the rows of slot -1
         (they keep out's bits); the torch paths add zeros to them."""
+        ...
+
+    def expand(self, out: torch.Tensor, low_rank: torch.Tensor, lora_b: torch.Tensor, rows: TokenSlots) -> torch.Tensor:
+        """out [T, out] + each row's low_rank[t, slot*K : (slot+1)*K] @ lora_b[slot]: low_rank [T, S*K] holds
+        every slot's low-rank columns of each row (x @ A[s].T for every s); out and low_rank may be column
+        slices of one matmul's output (row strides larger than their widths). In place or new, as `apply`."""
         ...
 
 
@@ -55,12 +63,16 @@ class DenseLoRA:
     def apply(
         self, out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, rows: TokenSlots
     ) -> torch.Tensor:
-        slots = rows.slots
         num_slots, width, in_features = lora_a.shape
-        slot_ids = torch.arange(num_slots, dtype=slots.dtype, device=slots.device)
-        mask = (slots.unsqueeze(1) == slot_ids).to(lora_a.dtype).repeat_interleave(width, dim=1)  # [T, S*K]
         low_rank = x.to(lora_a.dtype) @ lora_a.reshape(num_slots * width, in_features).t()
-        return out + ((low_rank * mask) @ lora_b.reshape(num_slots * width, -1)).to(out.dtype)
+        return self.expand(out, low_rank, lora_b, rows)
+
+    def expand(self, out: torch.Tensor, low_rank: torch.Tensor, lora_b: torch.Tensor, rows: TokenSlots) -> torch.Tensor:
+        slots = rows.slots
+        num_slots, width, _ = lora_b.shape
+        slot_ids = torch.arange(num_slots, dtype=slots.dtype, device=slots.device)
+        mask = (slots.unsqueeze(1) == slot_ids).to(lora_b.dtype).repeat_interleave(width, dim=1)  # [T, S*K]
+        return out + ((low_rank.to(lora_b.dtype) * mask) @ lora_b.reshape(num_slots * width, -1)).to(out.dtype)
 
 
 class GatherLoRA:
@@ -74,11 +86,22 @@ class GatherLoRA:
     def apply(
         self, out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, rows: TokenSlots
     ) -> torch.Tensor:
-        slots = rows.slots
-        live = (slots >= 0).to(lora_a.dtype).unsqueeze(1)
-        index = slots.clamp(min=0)
+        index = rows.slots.clamp(min=0)
         low_rank = torch.bmm(lora_a[index], x.to(lora_a.dtype).unsqueeze(2)).squeeze(2)  # [T, K]
-        delta = torch.bmm(low_rank.unsqueeze(1), lora_b[index]).squeeze(1)  # [T, out]
+        return self._add(out, low_rank, lora_b, rows)
+
+    def expand(self, out: torch.Tensor, low_rank: torch.Tensor, lora_b: torch.Tensor, rows: TokenSlots) -> torch.Tensor:
+        num_slots, width, _ = lora_b.shape
+        index = rows.slots.clamp(min=0)
+        own = low_rank.reshape(-1, num_slots, width)[torch.arange(len(index), device=index.device), index]  # [T, K]
+        return self._add(out, own, lora_b, rows)
+
+    @staticmethod
+    def _add(out: torch.Tensor, low_rank: torch.Tensor, lora_b: torch.Tensor, rows: TokenSlots) -> torch.Tensor:
+        """out + each row's own low-rank columns [T, K] @ B[slot]; zeros for the rows of slot -1."""
+        slots = rows.slots
+        live = (slots >= 0).to(lora_b.dtype).unsqueeze(1)
+        delta = torch.bmm(low_rank.to(lora_b.dtype).unsqueeze(1), lora_b[slots.clamp(min=0)]).squeeze(1)  # [T, out]
         return out + (delta * live).to(out.dtype)
 
 

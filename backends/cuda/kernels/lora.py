@@ -14,7 +14,9 @@ written. Each (row, output column) belongs to exactly one program, so the adds n
   zeroed buffer, and the sum does not depend on the order programs run in). The splits are what spreads a slot's
   A over the SMs when a step has few row blocks (decode).
 - expand, grid (row blocks, output blocks, S): out[row, block] += (sum over splits of partial[:, row]) @
-  B[slot, :, block].
+  B[slot, :, block]. Where A is folded into the base weight (engine/lora/layers.py), the base matmul's extra
+  columns are the low-rank rows, every slot's side by side: the expand alone runs, reading its slot's K columns
+  of them (one "split").
 
 A fused kernel (each program recomputing its row block's shrink over the whole input, then its part of the
 expand: one launch instead of two) was built and measured on an H100 at batch 1: 14.2 ms a Llama-3-8B decode
@@ -136,7 +138,9 @@ def lora_shrink_kernel(
     tl.store(partial, acc, mask=m_mask[:, None] & k_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["rows", "OUT", "K", "num_splits"])
+@triton.jit(
+    do_not_specialize=["rows", "OUT", "K", "num_splits", "stride_partial_split", "stride_partial_row", "stride_out"]
+)
 def lora_expand_kernel(
     out_ptr,
     partial_ptr,
@@ -147,6 +151,9 @@ def lora_expand_kernel(
     OUT,
     K,
     num_splits,
+    stride_partial_split,
+    stride_partial_row,
+    stride_partial_slot,  # 0: one slot's K columns per row (the shrink's); K: every slot's (A folded)
     stride_out,
     stride_out_n,
     stride_b_slot,
@@ -164,11 +171,12 @@ def lora_expand_kernel(
         return
     offs_k = tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
-    partial = partial_ptr + token[:, None] * K + offs_k[None, :]
+    slot_columns = slot.to(tl.int64) * stride_partial_slot
+    partial = partial_ptr + token[:, None] * stride_partial_row + slot_columns + offs_k[None, :]
     pk_mask = m_mask[:, None] & k_mask[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for split in range(num_splits):
-        acc += tl.load(partial + split * rows * K, mask=pk_mask, other=0.0)
+        acc += tl.load(partial + split * stride_partial_split, mask=pk_mask, other=0.0).to(tl.float32)
     b_rows = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_k[:, None].to(tl.int64) * stride_b_k
     offs_n = out_block * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     # Rounded once to B's dtype, as a torch bf16 matmul rounds its low-rank product, then a tensor-core dot.
