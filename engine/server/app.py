@@ -21,7 +21,7 @@ from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.server.async_engine import AsyncEngine
 from engine.server.bodies import BodyParser
-from engine.server.engine_process import EngineProcess
+from engine.server.engine_process import EngineHandle
 from engine.server.engine_thread import EngineThread
 from engine.server.errors import APIError, error_response, install_error_handlers
 from engine.server.fields import check_request_fields
@@ -48,8 +48,8 @@ API_KEY_ENV = "ENGINE_API_KEY"
 SHUTDOWN_MARGIN_S = 1.0  # open requests are failed this long before uvicorn's shutdown deadline
 
 
-def default_model_name(engine: Engine | EngineProcess | ReplicaSet) -> str:
-    model = engine.config.model
+def default_model_name(engine: Engine | EngineHandle) -> str:
+    model = engine.config.model if isinstance(engine, Engine) else engine.info.model if engine.info else None
     if model is None:
         return "SmolLM2-135M-Instruct"
     return os.path.basename(os.path.normpath(model)) or str(model)
@@ -75,13 +75,14 @@ class ServerSettings:
 
 
 def build_app(
-    engine: Engine | EngineProcess | ReplicaSet,
+    engine: Engine | EngineHandle,
     model_name: str | None = None,
     api_key: str | None = None,
     settings: ServerSettings | None = None,
     engine_thread: EngineThread | None = None,
 ) -> FastAPI:
-    """An app serving `engine` (an Engine, run on a thread, or a started EngineProcess or ReplicaSet); the
+    """An app serving `engine` (an Engine, run on a thread, or a started EngineHandle: an EngineProcess, a
+    ReplicaSet, an extra API server's EngineClient); the
     engine loop starts and stops with the app's lifespan.
 
     engine_thread: the thread the engine was built on (`engine serve` builds it there), which then
@@ -92,7 +93,7 @@ def build_app(
     name = model_name or default_model_name(engine)
     # The server tokenizes on its own worker thread while the engine thread decodes: separate
     # objects, so the two threads never share a tokenizer's mutable state.
-    if isinstance(engine, (EngineProcess, ReplicaSet)):
+    if not isinstance(engine, Engine):
         assert engine.info is not None, "start the engine process before building the app"
         # Unpickled from the engine process: already an object of this process alone.
         model = ModelInfo(
@@ -199,10 +200,19 @@ def build_app(
             await async_engine.change_lora(op, lora_name, lora_path)
         except InvalidRequestError as exc:
             raise APIError(str(exc), param="lora_path" if op == "load" else "lora_name") from exc
+        record_lora_change(op, lora_name, lora_path)
+
+    def record_lora_change(op: str, lora_name: str, lora_path: str | None) -> None:
+        """The adapters /v1/models lists: after a change through this server, or through another API-server
+        process over the same engine (the router's announcement)."""
+        if model.lora_adapters is None:
+            return
         if op == "load":
             model.lora_adapters[lora_name] = lora_path or ""
         else:
             model.lora_adapters.pop(lora_name, None)
+
+    async_engine.router.on_lora_change = record_lora_change
 
     # vLLM's endpoints for adapters at run time (its answers are plain text).
     @app.post("/v1/load_lora_adapter", openapi_extra=_body_schema(LoadLoRAAdapterRequest))

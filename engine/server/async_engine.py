@@ -37,7 +37,7 @@ from engine.server.streams import StepObserver, StreamRouter
 from engine.stats import EngineStats
 
 if TYPE_CHECKING:
-    from engine.server.engine_process import EngineProcess
+    from engine.server.engine_process import EngineHandle
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class AsyncEngine:
         engine: Engine | None,
         observer: StepObserver | None = None,
         thread: EngineThread | None = None,
-        process: EngineProcess | None = None,
+        process: EngineHandle | None = None,
     ) -> None:
         """The thread transport for `engine`: `thread` is the thread that built it (engine/server/
         engine_thread.py says why it should run its loop too), by default a new one. With `process`
@@ -69,7 +69,7 @@ class AsyncEngine:
         self._stopped = False
 
     @classmethod
-    def over_process(cls, process: EngineProcess, observer: StepObserver | None = None) -> AsyncEngine:
+    def over_process(cls, process: EngineHandle, observer: StepObserver | None = None) -> AsyncEngine:
         return cls(None, observer, process=process)
 
     @property

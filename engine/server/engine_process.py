@@ -26,7 +26,6 @@ ends with EngineDeadError and /health answers 503.
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import logging
 import multiprocessing
@@ -38,18 +37,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.config import EngineConfig
 from engine.errors import (
     EngineError,
-    InvalidRequestError,
-    ModelLoadError,
-    RequestFailedError,
-    UnsupportedArchitectureError,
 )
-from engine.request import RequestOutput
 from engine.server.engine_loop import Command, EngineDeadError, EngineLoop
+from engine.server.engine_pipes import EnginePipes, TerminateRequest
+from engine.server.events_encoding import decode_error, deliver_event, encode_error
 from engine.server.streams import StreamRouter
 from engine.stats import EngineStats
 
@@ -57,18 +53,6 @@ if TYPE_CHECKING:
     from engine.engine import Engine
 
 logger = logging.getLogger("engine.server.engine_process")
-
-_ERRORS: dict[str, type[BaseException]] = {
-    cls.__name__: cls
-    for cls in (
-        EngineError,
-        InvalidRequestError,
-        ModelLoadError,
-        UnsupportedArchitectureError,
-        RequestFailedError,
-        EngineDeadError,
-    )
-}
 
 
 @dataclass
@@ -84,70 +68,6 @@ class EngineInfo:
     lora_adapters: dict[str, str] | None = None  # loaded LoRA adapters (name -> folder); None: LoRA is off
 
 
-def _encode_error(error: BaseException | None) -> tuple[str, str] | None:
-    return None if error is None else (type(error).__name__, str(error))
-
-
-def _decode_error(encoded: tuple[str, str] | None) -> BaseException | None:
-    if encoded is None:
-        return None
-    name, message = encoded
-    cls = _ERRORS.get(name)
-    return cls(message) if cls is not None else RuntimeError(f"{name}: {message}")
-
-
-def _encode_output(output: RequestOutput) -> tuple:
-    final = (output.text, output.token_ids, output.logprobs) if output.finished else None
-    # Prompt logprobs (echo) are whole with every output: the server reads them from a request's first output
-    # (a stream's echo) and its last (a whole response), so only those carry them across the pipe.
-    first = len(output.token_ids) <= 1
-    return (
-        output.request_id,
-        output.new_token_ids,
-        output.new_text,
-        output.finish_reason,
-        output.new_logprobs,
-        output.prompt_logprobs if first or output.finished else None,
-        output.error,
-        final,
-    )
-
-
-def _decode_output(item: tuple) -> RequestOutput:
-    request_id, new_token_ids, new_text, finish_reason, new_logprobs, prompt_logprobs, error, final = item
-    text, token_ids, logprobs = final if final is not None else ("", [], None)
-    return RequestOutput(
-        request_id=request_id,
-        prompt=None,
-        prompt_token_ids=[],
-        token_ids=token_ids,
-        text=text,
-        finished=finish_reason is not None,
-        finish_reason=finish_reason,
-        new_token_ids=new_token_ids,
-        new_text=new_text,
-        logprobs=logprobs,
-        new_logprobs=new_logprobs,
-        prompt_logprobs=prompt_logprobs,
-        error=error,
-    )
-
-
-def deliver_event(message: tuple[Any, ...], router: StreamRouter) -> None:
-    """One of the engine's events, as EncodedEvents wrote it, to the server's router."""
-    kind = message[0]
-    if kind == "outputs":
-        router.outputs([_decode_output(item) for item in message[1]])
-    elif kind == "accepted":
-        router.accepted(message[1], _decode_error(message[2]))
-    elif kind == "failed":
-        router.failed(message[1], _decode_error(message[2]) or EngineDeadError("failed"))
-    elif kind == "stats":
-        router.stats(message[1])
-    else:
-        raise ValueError(f"unknown engine event {kind!r}")
-
-
 def engine_info(engine: Engine) -> EngineInfo:
     """What the server needs of an engine built elsewhere (an engine process, a Ray actor)."""
     return EngineInfo(
@@ -161,76 +81,21 @@ def engine_info(engine: Engine) -> EngineInfo:
     )
 
 
-# ---- the engine process --------------------------------------------------------------------------
+class EngineHandle(Protocol):
+    """What the server uses of an engine in another process (or several): an EngineProcess, a ReplicaSet, or an
+    extra API server's EngineClient (engine/server/api_servers.py)."""
 
+    info: EngineInfo | None  # set once the engine is ready
+    on_terminate: Callable[[], None] | None  # a SIGTERM the engine got: the server's graceful shutdown
 
-class EncodedEvents(abc.ABC):
-    """EngineEvents as plain tuples (what crosses a pipe or a Ray call; deliver_event reads them back)."""
+    @property
+    def alive(self) -> bool: ...
 
-    def accepted(self, request_id: str, error: BaseException | None) -> None:
-        self._send(("accepted", request_id, _encode_error(error)))
+    def send(self, command: Command) -> None: ...
 
-    def outputs(self, outputs: list[RequestOutput]) -> None:
-        self._send(("outputs", [_encode_output(o) for o in outputs]))
+    def start_events(self, router: StreamRouter) -> None: ...
 
-    def failed(self, request_ids: list[str], error: BaseException) -> None:
-        self._send(("failed", request_ids, _encode_error(error)))
-
-    def stats(self, snapshot: EngineStats) -> None:
-        self._send(("stats", snapshot))
-
-    @abc.abstractmethod
-    def _send(self, message: tuple[Any, ...]) -> None:
-        """Hand one event on (the pipe, the actor's buffer)."""
-
-
-class _PipeEvents(EncodedEvents):
-    """The events written to the pipe (engine side)."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.server_gone = False
-
-    def _send(self, message: tuple[Any, ...]) -> None:
-        # A server that stopped closed its end first; what the loop reports while it winds down (the final
-        # counters, the errors of what was open) has nobody left to read it, and is no error of the engine's.
-        if self.server_gone:
-            return
-        try:
-            self.conn.send(message)
-        except (BrokenPipeError, ConnectionResetError):
-            self.server_gone = True
-            logger.info("the server closed the pipe: nothing more is reported")
-
-
-class _TerminateRequest:
-    """A SIGTERM the engine process got: its handler only notes it (it may interrupt a send on the pipe);
-    the loop's next receive tells the server, which leads the shutdown (drains, then sends "stop")."""
-
-    def __init__(self) -> None:
-        self.signal: str | None = None
-        self.reported = False
-
-    def handle(self, signum: int, frame: object) -> None:
-        self.signal = signal.Signals(signum).name
-
-
-def _pipe_receiver(conn: Connection, terminate: _TerminateRequest):
-    def receive(timeout: float | None) -> list[Command]:
-        try:
-            if terminate.signal is not None and not terminate.reported:
-                terminate.reported = True
-                conn.send(("terminate", terminate.signal))
-            if not conn.poll(timeout or 0):
-                return []
-            commands = [conn.recv()]
-            while conn.poll(0):
-                commands.append(conn.recv())
-            return commands
-        except (EOFError, OSError):  # the server is gone: stop, so this process never outlives it
-            return [("stop",)]
-
-    return receive
+    def stop(self, timeout: float = 30.0) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -244,8 +109,15 @@ class Placement:
     name: str = "engine"  # its tag in the log lines
 
 
-def run_engine_process(config: EngineConfig, conn: Connection, placement: Placement, log_level: str) -> None:
-    """The child's entry point: build the engine, report ready, run the loop until told to stop."""
+def run_engine_process(
+    config: EngineConfig,
+    conn: Connection,
+    placement: Placement,
+    log_level: str,
+    api_conns: tuple[Connection, ...] = (),
+) -> None:
+    """The child's entry point: build the engine, report ready, run the loop until told to stop. conn: the main
+    server's pipe; api_conns: those of the extra API-server processes (engine/server/engine_pipes.py)."""
     # The server starts this process as a daemon (it dies with the server), and multiprocessing refuses
     # children to daemons; a tensor-parallel engine spawns its ranks here, and watches and stops them itself.
     multiprocessing.current_process().daemon = False
@@ -255,10 +127,10 @@ def run_engine_process(config: EngineConfig, conn: Connection, placement: Placem
         os.sched_setaffinity(0, placement.cpu_cores)
     torch_threads = placement.torch_threads
     # Ctrl-C and SIGTERM reach the whole process group (a terminal, `docker stop`, systemd). The server
-    # decides when the engine stops: Ctrl-C is its alone, a SIGTERM is passed on to it (_TerminateRequest),
+    # decides when the engine stops: Ctrl-C is its alone, a SIGTERM is passed on to it (TerminateRequest),
     # and the pipe's end stops this process if the server is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    terminate = _TerminateRequest()
+    terminate = TerminateRequest()
     signal.signal(signal.SIGTERM, terminate.handle)
     logging.basicConfig(
         level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [{placement.name}]: %(message)s", stream=sys.stderr
@@ -275,17 +147,18 @@ def run_engine_process(config: EngineConfig, conn: Connection, placement: Placem
         info = engine_info(engine)
         logger.info("engine process %d ready in %.1f s", os.getpid(), time.perf_counter() - start)
     except BaseException as exc:
-        conn.send(("dead", _encode_error(exc)))
+        conn.send(("dead", encode_error(exc)))
         if isinstance(exc, EngineError):
             sys.exit(1)  # a user's error (bad model, bad flag): the server prints it, no traceback here
         raise
     conn.send(("ready", info))
-    loop = EngineLoop(engine, _PipeEvents(conn), _pipe_receiver(conn, terminate))
+    pipes = EnginePipes([conn, *api_conns], terminate)
+    loop = EngineLoop(engine, pipes, pipes.receive)
     try:
         loop.run()
     finally:
         engine.shutdown()  # a tensor-parallel engine's ranks stop with it, whatever ended the loop
-        conn.close()
+        pipes.close()
 
 
 # ---- the server's handle on it -------------------------------------------------------------------
@@ -293,10 +166,18 @@ def run_engine_process(config: EngineConfig, conn: Connection, placement: Placem
 
 class EngineProcess:
     def __init__(
-        self, config: EngineConfig, torch_threads: int | None = None, placement: Placement | None = None
+        self,
+        config: EngineConfig,
+        torch_threads: int | None = None,
+        placement: Placement | None = None,
+        api_servers: int = 1,
     ) -> None:
+        """api_servers: the API-server processes the engine serves (engine/server/api_servers.py); after start(),
+        `api_pipes` holds the server ends of the pipes of all but this one."""
         self.config = config
         self.placement = placement or Placement(torch_threads=torch_threads)
+        self.api_servers = api_servers
+        self.api_pipes: list[Connection] = []
         self.info: EngineInfo | None = None  # type: ignore[assignment]
         self.error: str | None = None  # why the process ended, when it did on its own
         self._conn: Connection | None = None
@@ -308,21 +189,27 @@ class EngineProcess:
         # Called (on the events thread) when the engine process gets SIGTERM: the server's graceful shutdown.
         # None: the process is stopped at once.
         self.on_terminate: Callable[[], None] | None = None
+        # Called with stop()'s timeout before the engine is stopped: the other API servers drain first.
+        self.before_stop: Callable[[float], None] | None = None
 
     def start(self, ready_timeout: float | None = None) -> EngineInfo:
         """Spawn the engine process and wait until its engine is built; raises its error if it fails."""
         # spawn, not fork: a forked child of a process that touched CUDA (or OpenMP) cannot use it.
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
+        extra = [context.Pipe() for _ in range(self.api_servers - 1)]
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self._process = context.Process(
             target=run_engine_process,
             name="engine-core",
-            args=(self.config, child, self.placement, level),
+            args=(self.config, child, self.placement, level, tuple(engine_end for _, engine_end in extra)),
             daemon=True,
         )
         self._process.start()
         child.close()
+        for _, engine_end in extra:
+            engine_end.close()
+        self.api_pipes = [server_end for server_end, _ in extra]
         self._conn = parent
         logger.info("engine process %d started (%s); building the engine", self._process.pid, self.placement.name)
         deadline = None if ready_timeout is None else time.monotonic() + ready_timeout
@@ -340,7 +227,7 @@ class EngineProcess:
             ) from None
         if kind != "ready":
             self._process.join(10)
-            raise _decode_error(payload) or RuntimeError("the engine process failed to start")
+            raise decode_error(payload) or RuntimeError("the engine process failed to start")
         self.info = payload
         return payload
 
@@ -397,6 +284,8 @@ class EngineProcess:
         self._stopping = True
         if self._process is None:
             return
+        if self.before_stop is not None:
+            self.before_stop(timeout)
         with contextlib.suppress(EngineDeadError):
             self.send(("stop",))
         if self._reader is not None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
+import socket
 import time
 
 from engine.server.prefix_routing import POLICIES
@@ -15,7 +14,6 @@ from engine.structured.limits import (
     DEFAULT_MAX_CHARS,
     DEFAULT_MAX_DEPTH,
     DEFAULT_WORKERS,
-    GrammarLimits,
 )
 
 logger = logging.getLogger("engine.server")
@@ -149,6 +147,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "(default: on for accelerators, off on the CPU, where two cores gain nothing from a second process)",
     )
     group.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="HTTP server processes over the one engine process, sharing the listening socket (vLLM's flag): "
+        "parsing, tokenizing and streaming for many clients spread over as many cores (needs the engine in its "
+        "own process; not with --data-parallel-size)",
+    )
+    group.add_argument(
         "--torch-threads",
         type=int,
         default=None,
@@ -202,20 +208,21 @@ def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from engine.server.api_servers import ApiServers, prepare_shared_metrics
 
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.api_server_count > 1:
+        if args.engine_process is False:
+            raise ValueError("--api-server-count > 1 serves the engine in its own process: drop --no-engine-process")
+        if args.data_parallel_size != 1 or args.distributed_executor_backend == "ray":
+            raise ValueError("--api-server-count > 1 with --data-parallel-size is not supported yet: choose one")
+        prepare_shared_metrics()  # before anything imports prometheus_client
     from engine.cli import engine_config_from_args
     from engine.engine import Engine
-    from engine.server.app import API_KEY_ENV, ServerSettings, build_app
-    from engine.server.connections import (
-        ConnectionGate,
-        GatedServer,
-        connection_limits,
-        guarded_protocol,
-        raise_fd_limit,
-    )
     from engine.server.engine_process import EngineProcess, Placement
     from engine.server.engine_thread import EngineThread
+    from engine.server.http_server import serve_http
     from engine.server.prefix_routing import RoutingPolicy
     from engine.server.replicas import ReplicaSet, placements
 
@@ -267,8 +274,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine = ReplicaSet(config, shares, policy)
         engine.start()
         use_process = True
-    elif use_process:
-        engine = EngineProcess(config, args.torch_threads)
+    elif use_process or args.api_server_count > 1:
+        use_process = True
+        engine = EngineProcess(config, args.torch_threads, api_servers=args.api_server_count)
         engine.start()
     else:
         if args.torch_threads is not None:
@@ -283,76 +291,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         time.perf_counter() - start,
         "its own process" if use_process else "a thread of the server process",
     )
-    settings = ServerSettings(
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        open_metrics=args.open_metrics,
-        enable_docs=args.enable_docs,
-        allowed_hosts=allowed_hosts(args.allowed_hosts, args.host),
-        max_body_bytes=args.max_body_bytes,
-        body_timeout_s=args.body_timeout,
-        max_pending_requests=args.max_pending_requests,
-        trust_request_chat_template=args.trust_request_chat_template,
-        allow_unknown_fields=args.allow_unknown_fields,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        grammar_limits=GrammarLimits(
-            args.grammar_max_chars, args.grammar_max_depth, args.grammar_compile_timeout, args.grammar_workers
-        ),
-    )
-    app = build_app(engine, args.served_model_name, settings=settings, engine_thread=engine_thread)
-    # Each connection holds a descriptor: lift the soft limit so the connection cap, not EMFILE, decides; the cap
-    # and the listen backlog (accepted at once before the cap is seen) fit under it with room for the engine's files.
-    fd_limit = raise_fd_limit(max(65536, 4 * args.max_connections))
-    max_connections, backlog = connection_limits(fd_limit, args.max_connections)
-    gate = ConnectionGate(max_connections, args.max_connections_per_address)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.uvicorn_log_level,
-        access_log=False,  # one debug line per request comes from our own middleware
-        timeout_graceful_shutdown=max(0.0, args.shutdown_timeout),
-        timeout_keep_alive=args.timeout_keep_alive,
-        http=guarded_protocol(gate, args.header_timeout),
-        h11_max_incomplete_event_size=64 * 1024,  # request line + headers; larger gets a 400
-        backlog=backlog,
-        loop="asyncio",  # the connection gate pauses asyncio's listening sockets (engine/server/connections.py)
-    )
-    server = GatedServer(config, gate)
-    app.state.uvicorn_server = server  # the shutdown watcher reads its should_exit and deadline
-    if isinstance(engine, (EngineProcess, ReplicaSet)):
-        engine.on_terminate = server.request_shutdown  # a SIGTERM the engine got: drain, then stop it
-    # Uvicorn re-raises the signal that stopped it once it has shut down gracefully; with these
-    # handlers in place that re-raise is a no-op, so a SIGTERM/SIGINT shutdown exits with status 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _after_shutdown)
-    logger.info(
-        "listening on http://%s:%d (max %d connections, backlog %d, open-files limit %d, header timeout %.0f s, "
-        "body limit %d bytes)",
-        args.host,
-        args.port,
-        max_connections,
-        backlog,
-        fd_limit,
-        args.header_timeout,
-        args.max_body_bytes,
-    )
-    server.run()
-    logger.info("server stopped")
+    if args.api_server_count == 1:
+        serve_http(engine, args, engine_thread)
+        return 0
+    assert isinstance(engine, EngineProcess) and engine.info is not None
+    listening = bind_listening_socket(args.host, args.port)
+    api_servers = ApiServers()
+    api_servers.start(args, engine.info, engine.api_pipes, listening)
+    engine.before_stop = api_servers.stop  # they drain before the engine stops
+    serve_http(engine, args, sockets=[listening])
     return 0
 
 
-def _after_shutdown(signum: int, frame: object) -> None:
-    logger.info("signal %d: shutdown already complete", signum)
+def bind_listening_socket(host: str, port: int) -> socket.socket:
+    """The socket every API-server process listens on (uvicorn's own binding: address reuse, inheritable)."""
+    import uvicorn
 
-
-def allowed_hosts(flag: str | None, bind_host: str) -> tuple[str, ...] | None:
-    """The Host allow-list: as given, else loopback names for a loopback bind (DNS rebinding), else any."""
-    from engine.server.guard import LOOPBACK_HOSTS
-
-    if flag:
-        hosts = tuple(h.strip().lower() for h in flag.split(",") if h.strip())
-        return None if "*" in hosts else hosts
-    if bind_host in LOOPBACK_HOSTS or bind_host.startswith("127."):
-        return LOOPBACK_HOSTS + ((bind_host,) if bind_host not in LOOPBACK_HOSTS else ())
-    return None
+    return uvicorn.Config(app=None, host=host, port=port).bind_socket()

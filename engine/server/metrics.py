@@ -14,14 +14,17 @@ its snapshot; `engine tune-capture --metrics-url` reads them back.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 
+from engine.server.api_servers import MULTIPROCESS_DIR_ENV
 from engine.server.async_engine import StepObserver
 from engine.stats import EngineStats, HistogramSnapshot
 from engine.structured.pool import PoolCounts
@@ -35,20 +38,26 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 class ServerMetrics:
     def __init__(self, snapshot: Callable[[], EngineStats], model_name: str) -> None:
         """snapshot: the engine's latest EngineStats (AsyncEngine rewrites it after every step)."""
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()  # what /metrics renders
         labels = ["model_name"]
-        r = self.registry
-        r.register(_EngineStatsCollector(snapshot, model_name))
+        exposed = self.registry
+        exposed.register(_EngineStatsCollector(snapshot, model_name))
         # The grammar checks' counts (engine/structured/pool.py); build_app points this at its checker.
         self.grammar_counts: Callable[[], PoolCounts] = PoolCounts
-        r.register(_GrammarCollector(lambda: self.grammar_counts(), model_name))
+        exposed.register(_GrammarCollector(lambda: self.grammar_counts(), model_name))
         # Engine requests the server holds (build_app points this at Serving.pending): the engine's own gauges
         # miss those still tokenized, checked or on their way to the engine.
         self.pending: Callable[[], int] = lambda: 0
-        r.register(_PendingCollector(lambda: self.pending(), model_name))
+        exposed.register(_PendingCollector(lambda: self.pending(), model_name))
         # Data-parallel replicas (build_app points this at the ReplicaSet): per replica, up, requests, restarts.
         self.replicas: Callable[[], ReplicaCounts | None] = lambda: None
-        r.register(_ReplicaCollector(lambda: self.replicas(), model_name))
+        exposed.register(_ReplicaCollector(lambda: self.replicas(), model_name))
+        r = exposed
+        if os.environ.get(MULTIPROCESS_DIR_ENV):
+            # Several API-server processes (engine/server/api_servers.py): the counters and histograms each
+            # process feeds live in prometheus_client's shared files, and every process renders their sum.
+            MultiProcessCollector(exposed)
+            r = CollectorRegistry()  # this process's own copies: written through to the files, never rendered
         self.prompt_tokens = Counter("engine:prompt_tokens", "Prompt tokens admitted.", labels, registry=r).labels(
             model_name
         )

@@ -26,7 +26,8 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.server.engine_loop import Command, EngineDeadError, EngineLoop
-from engine.server.engine_process import EncodedEvents, EngineInfo, Placement, deliver_event, engine_info
+from engine.server.engine_process import EngineInfo, Placement, engine_info
+from engine.server.events_encoding import EncodedEvents, deliver_event
 from engine.server.streams import StreamRouter
 
 logger = logging.getLogger(__name__)

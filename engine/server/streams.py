@@ -50,6 +50,9 @@ class StreamRouter:
         self.snapshot: EngineStats | None = None  # the engine's latest counters; read by /metrics
         self._streams: dict[str, _Stream] = {}
         self._changes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # register_change
+        # A LoRA adapter loaded ("load", name, path) or unloaded ("unload", name, None) through another API-server
+        # process over the same engine (engine/server/engine_pipes.py); build_app keeps /v1/models in step.
+        self.on_lora_change: Callable[[str, str, str | None], None] = lambda op, name, path: None
         self._lock = threading.Lock()
 
     # ---- the event loop's side ---------------------------------------------------------------
