@@ -503,35 +503,14 @@ def test_a_load_waits_only_for_the_steps_that_may_use_its_pages() -> None:
     assert steps.before(3) is None and steps.before(4) is after_three
 
 
-def test_freed_pages_carry_the_steps_that_may_still_use_them() -> None:
-    """Pages freed by a request: every step launched so far may use them; pages of an evicted cache node: only
-    the steps launched before its last request let go of it."""
-    manager, pool, _ = make_manager(device_pages=4, host_pages=8, page_size=1, write_through=True)
-    allocator = manager.allocator
-    first = Request("a", [1, 2, 3, 4, 5], SamplingParams())
-    manager.match_prefix(first)
-    assert manager.allocate(first, 4)
-    compute(pool, manager, first, 4)
-    manager.fence()
-    manager.fence()  # two steps launched with "a" in them
-    manager.release(first)  # the node is let go at count 2
-    for _ in range(5):
-        manager.fence()  # five steps launched since, none with "a"
-    other = Request("b", [9, 9, 9, 9, 9], SamplingParams())
-    manager.match_prefix(other)
-    assert manager.allocate(other, 4)  # evicts "a" to the host
-    assert allocator.unused_since(allocator.pages_of("b")) == 2
-    manager.release(other, cache=False)  # b's own pages, freed now
-    assert allocator.unused_since(list(range(1, 5))) == 7
-    manager.check_invariant()
-
-
 @pytest.mark.parametrize("write_through", [True, False])
-def test_a_write_back_waits_only_for_the_steps_that_computed_its_pages(write_through: bool) -> None:
-    """A write-through follows every launched step (its pages were just computed); the write-back of an evicted
-    node follows only the steps launched before its last request let go of it, so that on CUDA it overlaps the
-    step in flight instead of making the next step wait for both."""
+def test_freed_pages_carry_the_steps_that_may_still_use_them(write_through: bool) -> None:
+    """Pages freed by a request: every step launched so far may use them; pages of an evicted cache node: only
+    the steps launched before its last request let go of it. So a write-through follows every launched step
+    (its pages were just computed), and the write-back of an evicted node only the steps before its release,
+    which on CUDA overlaps it with the step in flight instead of making the next step wait for both."""
     manager, pool, host = make_manager(device_pages=4, host_pages=8, page_size=1, write_through=write_through)
+    allocator = manager.allocator
     writes: list[int | None] = []
     copy = host._copy
 
@@ -549,10 +528,12 @@ def test_a_write_back_waits_only_for_the_steps_that_computed_its_pages(write_thr
     manager.fence()  # two steps launched with "a" in them
     manager.release(first)  # the node is let go at count 2
     for _ in range(5):
-        manager.fence()
+        manager.fence()  # five steps launched since, none with "a"
     other = Request("b", [9, 9, 9, 9, 9], SamplingParams())
     manager.match_prefix(other)
     assert manager.allocate(other, 4)  # evicts "a" to the host
     assert writes == ([None] if write_through else [2])
-    manager.release(other)
+    assert allocator.unused_since(allocator.pages_of("b")) == 2
+    manager.release(other, cache=False)  # b's own pages, freed now
+    assert allocator.unused_since(list(range(1, 5))) == 7
     manager.check_invariant()

@@ -180,38 +180,21 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _lora_sgmv_fake(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    sorted_rows: torch.Tensor,
-    group_starts: torch.Tensor,
-) -> None:
-    """Nothing to return: the op's only effect is on `out`, which the schema marks mutated."""
-
-
-def _lora_expand_fake(
-    out: torch.Tensor,
-    low_rank: torch.Tensor,
-    lora_b: torch.Tensor,
-    sorted_rows: torch.Tensor,
-    group_starts: torch.Tensor,
-) -> None:
-    """As _lora_sgmv_fake."""
+def _only_out_mutated(*tensors: torch.Tensor) -> None:
+    """Both ops' fake: nothing to return, their only effect is on `out`, which the schema marks mutated."""
 
 
 define_op(
     "lora_expand",
     "(Tensor(a!) out, Tensor low_rank, Tensor lora_b, Tensor sorted_rows, Tensor group_starts) -> ()",
     lora_expand,
-    _lora_expand_fake,
+    _only_out_mutated,
 )
 define_op(
     "lora_sgmv",
     "(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, Tensor sorted_rows, Tensor group_starts) -> ()",
     lora_sgmv,
-    _lora_sgmv_fake,
+    _only_out_mutated,
 )
 
 
