@@ -42,15 +42,22 @@ class SplitTiles:
     num_warps: int = 4
 
 
+def live_blocks(rows: int, num_slots: int, block_m: int) -> int:
+    """The most blocks of block_m rows the slots' rows fill, each slot's from a block boundary: the grids' first
+    dimension. Slot s's c_s rows take ceil(c_s / block_m) blocks, whose sum is at most S + (rows - 1) // block_m;
+    each block holds a row, so there are never more than the rows."""
+    return max(1, min(rows, num_slots + (rows - 1) // block_m))
+
+
 def split_tiles(rows: int, num_slots: int, width: int, in_features: int) -> SplitTiles:
     """Row blocks that grow with the step; the input split so that about SPLIT_PROGRAMS shrink programs hold
     rows (each slot's rows take ceil(n / block_m) blocks: at most S + (rows - 1) // block_m of them), which is
     many narrow splits for a decode step and few long ones for a prefill, whose row blocks fill the GPU alone."""
     block_m = 16 if rows <= 16 else 32 if rows <= 256 else 64
     block_in = 64
-    live_blocks = max(1, min(rows, num_slots + (rows - 1) // block_m))
+    live = live_blocks(rows, num_slots, block_m)
     max_splits = max(1, -(-in_features // MIN_SPLIT_IN))
-    splits = min(max_splits, -(-SPLIT_PROGRAMS // live_blocks))
+    splits = min(max_splits, -(-SPLIT_PROGRAMS // live))
     split_in = -(-in_features // splits)
     return SplitTiles(
         block_m=block_m,
@@ -89,16 +96,16 @@ def lora_sgmv(
     # Two launches: the split-K shrink into float32 partial sums, then the expand adding into out.
     tiles = split_tiles(rows, num_slots, width, in_features)
     num_splits = -(-in_features // tiles.split_in)
-    row_blocks = -(-rows // tiles.block_m)
     ieee_fp32 = x.dtype == torch.float32  # a float32 model multiplies exactly rather than in TF32
     partial = torch.empty(num_splits, rows, width, dtype=torch.float32, device=x.device)
-    load_kernel(KERNELS, "lora_shrink_kernel")[(row_blocks, num_splits, num_slots)](
+    load_kernel(KERNELS, "lora_shrink_kernel")[(live_blocks(rows, num_slots, tiles.block_m), num_splits)](
         x,
         lora_a,
         sorted_rows,
         group_starts,
         partial,
         rows,
+        num_slots,
         in_features,
         width,
         x.stride(0),
@@ -127,14 +134,15 @@ def _expand(
     """The expand launch: partial_strides are (split, row, slot) strides of the low-rank sums it reads."""
     rows, out_features = out.shape
     num_slots, width, _ = lora_b.shape
-    row_blocks = -(-rows // tiles.block_m)
-    load_kernel(KERNELS, "lora_expand_kernel")[(row_blocks, -(-out_features // tiles.block_out), num_slots)](
+    grid = (live_blocks(rows, num_slots, tiles.block_m), -(-out_features // tiles.block_out))
+    load_kernel(KERNELS, "lora_expand_kernel")[grid](
         out,
         partial,
         lora_b,
         sorted_rows,
         group_starts,
         rows,
+        num_slots,
         out_features,
         width,
         num_splits,

@@ -9,11 +9,11 @@ Every kernel adds into `out` in place, and only into the rows of a slot: no prog
 model's rows and the rows a graph pads with (the last group of sorted_rows), so those are never read or
 written. Each (row, output column) belongs to exactly one program, so the adds need no atomics.
 
-- shrink, grid (row blocks, input splits, S): partial[split, row, :] = x[row, split's columns] @
+- shrink, grid (live row blocks, input splits): partial[split, row, :] = x[row, split's columns] @
   A[slot, :, those columns].T, split-K over the input, each split into its own partial sums (no atomics and no
   zeroed buffer, and the sum does not depend on the order programs run in). The splits are what spreads a slot's
   A over the SMs when a step has few row blocks (decode).
-- expand, grid (row blocks, output blocks, S): out[row, block] += (sum over splits of partial[:, row]) @
+- expand, grid (live row blocks, output blocks): out[row, block] += (sum over splits of partial[:, row]) @
   B[slot, :, block]. Where A is folded into the base weight (engine/lora/layers.py), the base matmul's extra
   columns are the low-rank rows, every slot's side by side: the expand alone runs, reading its slot's K columns
   of them (one "split").
@@ -23,9 +23,13 @@ expand: one launch instead of two) was built and measured on an H100 at batch 1:
 step against 7.7 with these two, since each program streamed its slot's whole A through one SM. So two launches.
 
 Sums are float32; the low-rank rows are rounded to B's dtype before the expand's dot, as a torch bf16 matmul
-would round them. The grids are fixed by the step's row count and S: a program whose block lies past its
-slot's rows returns at once. The row lists and group offsets are read on the device, so the launches are the
-same for every mix of adapters and need no host synchronisation: they run inside captured CUDA graphs.
+would round them. The grids are fixed by the step's row count and S: their first dimension counts the blocks
+of BLOCK_M rows the slots' rows can fill at most (each slot's rows from a block boundary: at most S + (rows -
+1) // BLOCK_M, and never more than the rows), and each program finds its slot and block by walking the
+slots' row counts; a program past the step's blocks returns at once. (A grid of every row block for every
+slot launched S times the programs, at batch 1 all but one per output block returning at once.) The row lists
+and group offsets are read on the device, so the launches are the same for every mix of adapters and need no
+host synchronisation: they run inside captured CUDA graphs.
 """
 
 import triton
@@ -33,15 +37,30 @@ import triton.language as tl
 
 
 @triton.jit
-def _slot_block(sorted_rows_ptr, group_starts_ptr, slot, block, rows, BLOCK_M: tl.constexpr):
-    """Block `block` of slot `slot`'s rows: (their token rows, which are live, whether the block is past them)."""
-    start = tl.load(group_starts_ptr + slot)
-    end = tl.minimum(tl.load(group_starts_ptr + slot + 1), rows)
-    first = start + block * BLOCK_M
+def _live_block(sorted_rows_ptr, group_starts_ptr, live_block, num_slots, rows, BLOCK_M: tl.constexpr):
+    """Block number `live_block` of the slots' rows, counted slot after slot in blocks of BLOCK_M rows: (its
+    slot, its token rows, which are live, whether it lies past every slot's rows). The grid holds only as many
+    blocks as the step's rows can fill, never a block per slot that no row uses."""
+    zero = tl.load(group_starts_ptr) * 0  # int64 scalars for the loop-carried values
+    slot = tl.program_id(0) * 0
+    first = zero
+    end = zero
+    seen = zero  # blocks of the slots before s
+    found = zero
+    for s in range(num_slots):
+        start_s = tl.load(group_starts_ptr + s)
+        end_s = tl.minimum(tl.load(group_starts_ptr + s + 1), rows)
+        blocks = (tl.maximum(end_s - start_s, 0) + BLOCK_M - 1) // BLOCK_M
+        here = (found == 0) & (live_block < seen + blocks)
+        slot = tl.where(here, s, slot)
+        first = tl.where(here, start_s + (live_block - seen) * BLOCK_M, first)
+        end = tl.where(here, end_s, end)
+        found = tl.where(here, 1, found)
+        seen += blocks
     offs_m = first + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
+    m_mask = (offs_m < end) & (found == 1)
     token = tl.load(sorted_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    return token, m_mask & (token < rows), first >= end  # never past the rows given, whatever the lists say
+    return slot, token, m_mask & (token < rows), found == 0  # never past the rows given, whatever the lists say
 
 
 @triton.jit
@@ -103,7 +122,7 @@ def _add_expand(
     tl.store(target, result.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["rows", "IN", "K", "split_in"])
+@triton.jit(do_not_specialize=["rows", "num_slots", "IN", "K", "split_in"])
 def lora_shrink_kernel(
     x_ptr,
     a_ptr,
@@ -111,6 +130,7 @@ def lora_shrink_kernel(
     group_starts_ptr,
     partial_ptr,
     rows,
+    num_slots,
     IN,
     K,
     stride_x,
@@ -122,10 +142,10 @@ def lora_shrink_kernel(
     BLOCK_IN: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
-    block = tl.program_id(0)
     split = tl.program_id(1)
-    slot = tl.program_id(2)
-    token, m_mask, empty = _slot_block(sorted_rows_ptr, group_starts_ptr, slot, block, rows, BLOCK_M)
+    slot, token, m_mask, empty = _live_block(
+        sorted_rows_ptr, group_starts_ptr, tl.program_id(0), num_slots, rows, BLOCK_M
+    )
     if empty:
         return
     offs_k = tl.arange(0, BLOCK_K)
@@ -148,6 +168,7 @@ def lora_expand_kernel(
     sorted_rows_ptr,
     group_starts_ptr,
     rows,
+    num_slots,
     OUT,
     K,
     num_splits,
@@ -163,10 +184,10 @@ def lora_expand_kernel(
     BLOCK_OUT: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
-    block = tl.program_id(0)
     out_block = tl.program_id(1)
-    slot = tl.program_id(2)
-    token, m_mask, empty = _slot_block(sorted_rows_ptr, group_starts_ptr, slot, block, rows, BLOCK_M)
+    slot, token, m_mask, empty = _live_block(
+        sorted_rows_ptr, group_starts_ptr, tl.program_id(0), num_slots, rows, BLOCK_M
+    )
     if empty:
         return
     offs_k = tl.arange(0, BLOCK_K)
