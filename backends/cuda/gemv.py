@@ -170,12 +170,24 @@ def precompile_gemv(model: nn.Module) -> int:
     seen: set[tuple] = set()
     with compile_only():
         for module in model.modules():
-            if not isinstance(module, Linear) or module.method is not GEMV:
+            operands = _gemv_operands(module) if isinstance(module, Linear) else None
+            if operands is None:
                 continue
-            weight, bias = module.weight, module.bias
+            weight, bias = operands
             key = (tuple(weight.shape), weight.dtype, bias is not None)
             if key in seen:
                 continue
             seen.add(key)
             gemv(torch.empty(1, weight.shape[1], dtype=weight.dtype, device=weight.device), weight, bias)
     return len(seen)
+
+
+def _gemv_operands(module: Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """What the layer's one-row matmul reads: its weight (and bias) under the GEMV, or the weight with LoRA's A
+    folded in under a LoRA method over the GEMV (engine/lora/layers.py); None: no GEMV."""
+    method = module.method
+    if method is GEMV:
+        return module.weight, module.bias
+    if getattr(method, "base", None) is GEMV and getattr(method, "folded", False):
+        return module.lora_folded_weight, module.lora_folded_bias  # type: ignore[return-value]
+    return None
