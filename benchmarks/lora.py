@@ -39,7 +39,6 @@ import torch
 from engine.engine import Engine
 from engine.profiling import time_by_name
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledStep
 from engine.tuning.measure import steady_ms
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -145,7 +144,11 @@ def decode_step_ms(
     while len(engine.scheduler.running) < batch or engine.scheduler.waiting or not engine.last_step_was_decode:
         engine.step()
     engine.step()  # overlap scheduling: nothing left in flight that the timed steps would race
-    step = ScheduledStep(True, list(engine.scheduler.running), [])
+    # The scheduler's own next step: it holds the page each request's next token needs (a step built from the
+    # running list alone misses the pages of requests at a page boundary). Launched again and again, it rewrites
+    # the same KV slots, which is all the timing needs.
+    step = engine.scheduler.schedule()
+    assert step is not None and step.is_decode and step.num_decodes == batch, step
 
     def launch() -> None:
         sampled = engine.runner.launch(step, engine.step_builder.build(step))
