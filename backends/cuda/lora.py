@@ -115,6 +115,7 @@ def lora_sgmv(
         BLOCK_M=tiles.block_m,
         BLOCK_K=tiles.block_k,
         BLOCK_IN=tiles.block_in,
+        SLOTS=next_power_of_2(num_slots),
         IEEE_FP32=ieee_fp32,
         num_warps=tiles.num_warps,
     )
@@ -154,6 +155,7 @@ def _expand(
         BLOCK_M=tiles.block_m,
         BLOCK_K=tiles.block_k,
         BLOCK_OUT=tiles.block_out,
+        SLOTS=next_power_of_2(num_slots),
         IEEE_FP32=out.dtype == torch.float32,
         num_warps=tiles.num_warps,
     )

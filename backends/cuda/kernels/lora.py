@@ -37,28 +37,28 @@ import triton.language as tl
 
 
 @triton.jit
-def _live_block(sorted_rows_ptr, group_starts_ptr, live_block, num_slots, rows, BLOCK_M: tl.constexpr):
+def _live_block(
+    sorted_rows_ptr, group_starts_ptr, live_block, num_slots, rows, BLOCK_M: tl.constexpr, SLOTS: tl.constexpr
+):
     """Block number `live_block` of the slots' rows, counted slot after slot in blocks of BLOCK_M rows: (its
     slot, its token rows, which are live, whether it lies past every slot's rows). The grid holds only as many
-    blocks as the step's rows can fill, never a block per slot that no row uses."""
-    zero = tl.load(group_starts_ptr) * 0  # int64 scalars for the loop-carried values
-    slot = tl.program_id(0) * 0
-    first = zero
-    end = zero
-    seen = zero  # blocks of the slots before s
-    found = zero
-    for s in range(num_slots):
-        start_s = tl.load(group_starts_ptr + s)
-        end_s = tl.minimum(tl.load(group_starts_ptr + s + 1), rows)
-        blocks = (tl.maximum(end_s - start_s, 0) + BLOCK_M - 1) // BLOCK_M
-        here = (found == 0) & (live_block < seen + blocks)
-        slot = tl.where(here, s, slot)
-        first = tl.where(here, start_s + (live_block - seen) * BLOCK_M, first)
-        end = tl.where(here, end_s, end)
-        found = tl.where(here, 1, found)
-        seen += blocks
+    blocks as the step's rows can fill, never a block per slot that no row uses. Every slot's offsets come in
+    one vector load (SLOTS: num_slots padded to a power of two), so finding the block costs one load's
+    latency, not one per slot."""
+    s = tl.arange(0, SLOTS)
+    valid = s < num_slots
+    starts = tl.load(group_starts_ptr + s, mask=valid, other=0)
+    ends = tl.minimum(tl.load(group_starts_ptr + s + 1, mask=valid, other=0), rows)
+    blocks = tl.where(valid, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
+    through = tl.cumsum(blocks, axis=0)  # blocks of slots 0..s
+    before = through - blocks
+    here = valid & (live_block >= before) & (live_block < through)
+    slot = tl.sum(tl.where(here, s, 0), axis=0)
+    first = tl.sum(tl.where(here, starts + (live_block - before) * BLOCK_M, 0), axis=0)
+    end = tl.sum(tl.where(here, ends, 0), axis=0)
+    found = tl.sum(here.to(tl.int32), axis=0)  # 1, or 0 past every slot's blocks
     offs_m = first + tl.arange(0, BLOCK_M)
-    m_mask = (offs_m < end) & (found == 1)
+    m_mask = (offs_m < end) & (found > 0)
     token = tl.load(sorted_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     return slot, token, m_mask & (token < rows), found == 0  # never past the rows given, whatever the lists say
 
@@ -140,11 +140,12 @@ def lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_IN: tl.constexpr,
+    SLOTS: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
     split = tl.program_id(1)
     slot, token, m_mask, empty = _live_block(
-        sorted_rows_ptr, group_starts_ptr, tl.program_id(0), num_slots, rows, BLOCK_M
+        sorted_rows_ptr, group_starts_ptr, tl.program_id(0), num_slots, rows, BLOCK_M, SLOTS
     )
     if empty:
         return
@@ -182,11 +183,12 @@ def lora_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
+    SLOTS: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
     out_block = tl.program_id(1)
     slot, token, m_mask, empty = _live_block(
-        sorted_rows_ptr, group_starts_ptr, tl.program_id(0), num_slots, rows, BLOCK_M
+        sorted_rows_ptr, group_starts_ptr, tl.program_id(0), num_slots, rows, BLOCK_M, SLOTS
     )
     if empty:
         return
