@@ -22,12 +22,15 @@ by the engine; the others keep serving.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import multiprocessing
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -179,10 +182,6 @@ class ApiServers:
 def prepare_shared_metrics() -> str:
     """Before prometheus_client is first imported in this process (and before the API servers start): its
     multiprocess mode, over a fresh directory this process removes at exit."""
-    import atexit
-    import shutil
-    import tempfile
-
     if "prometheus_client" in sys.modules:
         raise RuntimeError("prometheus_client was imported before its multiprocess directory was set")
     directory = tempfile.mkdtemp(prefix="engine-metrics-")
