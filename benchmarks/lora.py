@@ -41,6 +41,7 @@ from engine.profiling import time_by_name
 from engine.sampling_params import SamplingParams
 from engine.tuning.measure import steady_ms
 
+logger = logging.getLogger("benchmarks.lora")
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -126,6 +127,8 @@ def offline(engine: Engine, requests: list[tuple[list[int], int]], adapters: lis
         generated += sum(len(o.new_token_ids) for o in engine.step())
     sync()
     wall = time.perf_counter() - start
+    # Each phase logged as it ends: a run cut short (a device call's time limit) shows how far it got.
+    logger.info("offline run of %d requests: %.1f s, %.0f output tok/s", len(requests), wall, generated / wall)
     return {"requests": len(requests), "wall_s": wall, "output_tokens": generated, "output_tok_s": generated / wall}
 
 
@@ -156,6 +159,7 @@ def decode_step_ms(
         sampled.token_ids.sum().item()  # read back, as the engine reads its tokens
 
     result: dict[str, Any] = {"batch": batch, "ms": steady_ms(engine.platform.synchronize, launch, args.iters)}
+    logger.info("decode step of %d rows (adapters %s): %.3f ms", batch, sorted(set(map(str, lora_names))), result["ms"])
     if profile:
         with torch.profiler.profile(activities=profiler_activities()) as prof:
             for _ in range(args.iters):
