@@ -48,6 +48,7 @@ class HierarchicalRadixCache(RadixCache):
         super().__init__(page_size, allocator.release, events)
         self.allocator = allocator
         self.host = host
+        allocator.on_reuse = host.device_pages_reused  # a page handed out again waits for a copy still reading it
         self.write_through = write_through
         self.host_pages_held = 0
         # The deepest node of a host path being loaded back: the host tier never drops it (nor so its ancestors,
@@ -143,7 +144,7 @@ class HierarchicalRadixCache(RadixCache):
             self.host.stats.evicted_pages += len(leaf.host_pages)
             self._drop_subtree(leaf)
         elif leaf.host_pages or self._back_up(leaf, evicting=True):
-            self.host.source_pages_freed(leaf.pages)  # its write (back or through) may still be reading them
+            # Its write (back or through) may still be reading the pages: whoever gets them next waits for it.
             self.allocator.release(leaf.pages, leaf.released_at)
             leaf.pages = []
         else:

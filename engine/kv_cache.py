@@ -7,6 +7,8 @@ a captured batch write their k/v there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.errors import EngineError
@@ -32,6 +34,10 @@ class PageAllocator:
         # host tier's load) waits for the steps before that count only, not for the step in flight.
         self.steps_launched = 0
         self._freed_at = [0] * num_pages
+        self.allocated_total = 0  # pages handed out since start (how many a step takes: KVCacheManager.fence)
+        # Told of every page handed out again: the host tier makes the next step wait for a copy still reading
+        # one (engine/kv_host_tier.py), which is why a freed page need not wait for its copy when it is freed.
+        self.on_reuse: Callable[[list[int]], None] | None = None
 
     @property
     def total(self) -> int:
@@ -50,6 +56,9 @@ class PageAllocator:
             raise OutOfPagesError(f"need {count} KV pages, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(count)]
         self._owned.setdefault(owner, []).extend(pages)
+        self.allocated_total += count
+        if self.on_reuse is not None:
+            self.on_reuse(pages)
         return pages
 
     def free(self, owner: str) -> int:

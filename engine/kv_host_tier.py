@@ -22,11 +22,13 @@ count of steps launched when it was freed (a radix node's pages, when the last r
 `StepEnds` holds an event recorded before each launch, so a load into pages evicted from the cache long ago
 overlaps the step in flight; it also waits for a write still reading its device pages or still writing its host
 pages. Before the next step is launched, `fence()` makes the compute stream wait for the side streams where it
-must: after a load (the step may read the pages), and after device pages that were the source of a write went
-back to the free list (`source_pages_freed`: a step may overwrite them), for the last write that read those
-pages only, not for copies issued since (`CopyFence`, one per stream). A write-through of newly cached pages
-alone never holds a step up: those pages stay the tree's, unchanged, until they are evicted, and by then their
-copy has usually run, so freeing them waits for nothing. (Waiting for every copy issued so far instead put the
+must: after a load (the step may read the pages), and after device pages that were the source of a write were
+handed out again (`device_pages_reused`, told by the allocator: a step may overwrite them), for the last write that
+read those pages only, not for copies issued since (`CopyFence`, one per stream). Freeing a page waits for
+nothing: the KV manager evicts a step's worth of pages ahead of need (KVCacheManager.fence), so their write-backs
+run beside the step in flight and have usually run when the next step takes the pages. A write-through of newly
+cached pages alone never holds a step up: those pages stay the tree's, unchanged, until they are evicted, and by
+then their copy has usually run. (Waiting for every copy issued so far instead put the
 compute stream behind the latest write-through at each eviction: 8% of the throughput of a run whose pool
 evicted at every step, in the first H100 run.) Pages evicted before their write-through has run are dropped with
 their unfinished host copy instead (`source_pages_dropped`, engine/hierarchical_cache.py): waiting for that write
@@ -118,8 +120,10 @@ class CopyFence:
         if self._needed is None or self._needed[0] < issued:
             self._needed = (issued, end)
 
-    def pages_freed(self, pages: list[int]) -> None:
-        """These device pages went back to the free list: a step may overwrite them once their copies ran."""
+    def pages_reused(self, pages: list[int]) -> None:
+        """These device pages were handed out again: the next step may overwrite them, so it waits for the last
+        copy that read them if that copy has not run. (Freeing them waits for nothing: a page evicted ahead of
+        need has usually been copied by the time it is handed out.)"""
         last = max(
             (self._readers.pop(page) for page in pages if page in self._readers), key=lambda r: r[0], default=None
         )
@@ -287,6 +291,11 @@ class HostKVPool:
     def num_free(self) -> int:
         return self.allocator.num_free
 
+    @property
+    def copies_asynchronously(self) -> bool:
+        """Whether copies run on side streams (CUDA), not synchronously on the host."""
+        return self._write_stream is not None
+
     def nbytes(self) -> int:
         return self.pages.nbytes
 
@@ -390,10 +399,10 @@ class HostKVPool:
             if not to_host:
                 self.mover.scatter(self.device_tensors, dev, staging)
 
-    def source_pages_freed(self, device_pages: list[int]) -> None:
-        """These device pages went back to the free list: the next step waits for the last copy that read them
-        before it can overwrite them, if that copy has not run yet."""
-        self._write_fence.pages_freed(device_pages)
+    def device_pages_reused(self, device_pages: list[int]) -> None:
+        """These device pages were handed out again (PageAllocator.on_reuse): the next step waits for the last
+        copy that read them before it can overwrite them, if that copy has not run yet."""
+        self._write_fence.pages_reused(device_pages)
 
     def write_pending(self, device_pages: list[int]) -> bool:
         """Whether a write that reads these device pages has not run yet (never, where copies are synchronous)."""

@@ -51,10 +51,12 @@ class KVCacheManager:
         events: KVEventRecorder | None = None,
         host_tier: HostKVPool | None = None,
         write_through: bool = True,
+        evict_ahead: bool | None = None,
     ) -> None:
         """events: where the prefix cache reports the pages it stores and drops (KV cache events), if anywhere;
         host_tier: the host-memory tier under the prefix cache (--enable-hierarchical-cache), if any, written to
-        when pages are cached (write_through) or only when they are evicted."""
+        when pages are cached (write_through) or only when they are evicted; evict_ahead: keep a step's worth of
+        pages free before each launch (`fence`; default: where the tier copies asynchronously)."""
         self.allocator = allocator
         self.page_size = page_size
         self.host_tier = host_tier if enable_prefix_cache else None
@@ -64,6 +66,10 @@ class KVCacheManager:
         elif enable_prefix_cache:
             self.tree = RadixCache(page_size, allocator.release, events)
         self.stats = PrefixCacheStats()
+        self.evict_ahead = self.host_tier is not None and (
+            self.host_tier.copies_asynchronously if evict_ahead is None else evict_ahead
+        )
+        self._allocated_at_fence = 0
         # Told whenever a request's pages are released (finished, aborted, retracted, or any other
         # caller): the persistent decode row that mirrors its page table is freed with them.
         self.on_release: Callable[[Request], None] = lambda request: None
@@ -192,9 +198,23 @@ class KVCacheManager:
     def fence(self) -> None:
         """Before a step is launched: it runs after the host tier's copies it needs (engine/kv_host_tier.py), and
         it is counted (PageAllocator.steps_launched: which steps may still use a freed page)."""
+        if self.evict_ahead:
+            self._evict_ahead()
         if self.host_tier is not None:
             self.host_tier.fence(self.allocator.steps_launched)
         self.allocator.steps_launched += 1
+
+    def _evict_ahead(self) -> None:
+        """Keep as many pages free as the step about to launch took (at most a quarter of the pool), evicting the
+        least recently used prefixes now: their write-backs to the host tier run beside this step, so the next
+        step, which takes those pages, finds them copied rather than waiting for the copies (a page handed out
+        again waits for a copy still reading it: PageAllocator.on_reuse). Evicting only when a step needs the
+        pages put every write-back between two steps. SGLang frees evicted pages once their copy has run."""
+        taken = self.allocator.allocated_total - self._allocated_at_fence
+        short = min(taken, self.total_pages // 4) - self.allocator.num_free
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short)
+        self._allocated_at_fence = self.allocator.allocated_total
 
     # ---- checks -----------------------------------------------------------------------
     def check_invariant(self) -> None:

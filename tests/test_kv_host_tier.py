@@ -35,11 +35,13 @@ LAYERS = 2
 
 
 def make_manager(
-    device_pages: int, host_pages: int, page_size: int, write_through: bool
+    device_pages: int, host_pages: int, page_size: int, write_through: bool, evict_ahead: bool | None = None
 ) -> tuple[KVCacheManager, KVPool, HostKVPool]:
     pool = KVPool(LAYERS, device_pages + 1, page_size, 1, 2, torch.float32, torch.device("cpu"))
     host = HostKVPool(pool, host_pages, torch.device("cpu"))
-    manager = KVCacheManager(pool.allocator, page_size, True, host_tier=host, write_through=write_through)
+    manager = KVCacheManager(
+        pool.allocator, page_size, True, host_tier=host, write_through=write_through, evict_ahead=evict_ahead
+    )
     return manager, pool, host
 
 
@@ -94,7 +96,7 @@ class Fuzz:
         self.rng = random.Random(seed)
         self.ps = self.rng.choice([1, 2, 4])
         self.manager, self.pool, self.host = make_manager(
-            self.rng.randint(6, 30), self.rng.randint(1, 40), self.ps, self.rng.random() < 0.5
+            self.rng.randint(6, 30), self.rng.randint(1, 40), self.ps, self.rng.random() < 0.5, evict_ahead=True
         )
         tree = self.manager.tree
         assert isinstance(tree, HierarchicalRadixCache)
@@ -169,6 +171,8 @@ class Fuzz:
             self.manager.release(request)
         elif op < 0.9:
             self.retract(self.rng.choice(self.running))
+        elif op < 0.93:
+            self.manager.fence()  # a launch: a step's worth of pages evicted ahead
         elif op < 0.97:
             self.tree.evict(self.rng.randint(1, 8))
         elif op < 0.99:
@@ -308,15 +312,15 @@ def test_the_next_step_waits_only_for_the_copies_it_must() -> None:
     fence.read_pages([3], 2, second)
     fence.read_pages([4], 3, third)
     assert fence.take() is None  # write-throughs alone hold no step up
-    fence.pages_freed([1, 9])
+    fence.pages_reused([1, 9])
     assert fence.take() is first  # not the later copies
-    fence.pages_freed([2])
+    fence.pages_reused([2])
     assert fence.take() is first  # each page keeps its reader until it is freed
     first.done = True
     second.done = True
-    fence.pages_freed([3])
+    fence.pages_reused([3])
     assert fence.take() is None  # its copy has run
-    fence.pages_freed([4])
+    fence.pages_reused([4])
     load = _Copy()
     fence.wait_for(4, load)  # a load issued after: the latest needed covers the earlier one
     assert fence.take() is load
@@ -536,4 +540,50 @@ def test_freed_pages_carry_the_steps_that_may_still_use_them(write_through: bool
     assert allocator.unused_since(allocator.pages_of("b")) == 2
     manager.release(other, cache=False)  # b's own pages, freed now
     assert allocator.unused_since(list(range(1, 5))) == 7
+    manager.check_invariant()
+
+
+@pytest.mark.parametrize("copied", [True, False])
+def test_pages_evicted_ahead_wait_for_their_write_back_only_when_handed_out_again(copied: bool) -> None:
+    """Before a launch the manager frees as many pages as that step took (a quarter of the pool at most) by
+    evicting least recently used prefixes to the host: their write-backs run beside the step, and freeing the
+    pages makes no step wait. The step that takes the pages again waits for a write still reading them, and only
+    then (here with the write's end held open, as if it were still on the CUDA write stream)."""
+    manager, pool, host = make_manager(device_pages=8, host_pages=8, page_size=1, write_through=False, evict_ahead=True)
+    assert not make_manager(8, 8, 1, False)[0].evict_ahead  # by default only where copies are asynchronous
+    write = _Copy()
+    write.done = copied
+    copy = host._copy
+
+    def held_open_copy(device_pages: list[int], host_pages: list[int], to_host: bool, after_steps_before: int | None):
+        copy(device_pages, host_pages, to_host, after_steps_before)  # the CPU's copy has run; its end is the test's
+        return write if to_host else None
+
+    host._copy = held_open_copy  # type: ignore[method-assign]
+    first = Request("a", [1, 2, 3, 4, 5], SamplingParams())
+    manager.match_prefix(first)
+    assert manager.allocate(first, 4)
+    compute(pool, manager, first, 4)
+    manager.release(first)  # "a" cached: 4 evictable pages, 4 free
+    second = Request("b", [9, 8, 7, 6, 5], SamplingParams())
+    manager.match_prefix(second)
+    assert manager.allocate(second, 4)  # the pool is full: 4 in use, 4 cached
+    a_pages = manager.tree.all_pages()
+    manager.fence()  # 8 pages taken since start, at most 2 kept free: "a" (one node of 4 pages) goes to the host
+    assert manager.allocator.num_free == 4 and host.stats.written_tokens == 4
+    assert host._write_fence.take() is None  # freeing them holds no step up
+    third = Request("c", [4, 4, 4], SamplingParams())
+    manager.match_prefix(third)
+    assert manager.allocate(third, 3)
+    taken = manager.allocator.pages_of("c")
+    assert set(taken) <= set(a_pages)  # "a"'s pages, handed out again
+    assert host._write_fence.take() is (None if copied else write)  # the next step waits if the write has not run
+    manager.fence()  # 3 taken since the last launch: 1 free, so nothing more is evicted ("a" is on the host only)
+    assert manager.allocator.num_free == 1 and host.stats.written_tokens == 4
+    for request in (second, third):
+        manager.release(request, cache=False)
+    manager.check_invariant()
+    again = Request("d", [1, 2, 3, 4, 9], SamplingParams())
+    assert manager.match_prefix(again) == 4  # loaded back from the host
+    manager.release(again)
     manager.check_invariant()
