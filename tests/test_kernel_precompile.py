@@ -1,7 +1,8 @@
 """Compiling the engine's Triton kernels ahead (backends/cuda/triton_build.py compile_only, BackgroundCompiles;
-TritonAttentionBackend.precompile_kernels; gemv.precompile_gemv): the launchers' own argument logic, run in
-compile-only mode, reaches every variant the decode graphs and extend steps launch, and runs no kernel.
-Under Triton's interpreter (these CPU tests) a compile-only launch is recorded instead of compiled."""
+TritonAttentionBackend.precompile_kernels; gemv.precompile_gemv; lora.precompile_lora): the launchers' own
+argument logic, run in compile-only mode, reaches every variant the decode graphs and extend steps launch, and
+runs no kernel. Under Triton's interpreter (these CPU tests) a compile-only launch is recorded instead of
+compiled."""
 
 from __future__ import annotations
 
@@ -243,3 +244,57 @@ def test_the_cuda_platform_starts_inductors_pool_and_sees_it_come_up(tmp_path: p
     assert "states False True" in result.stdout, result.stdout + result.stderr[-3000:]
     assert "inductor compile workers starting in the background" in result.stdout
     assert "inductor compile workers ready" in result.stdout
+
+
+def _variant(kernel: str, args: tuple, kwargs: dict) -> tuple:
+    """What selects a compiled Triton variant: the constexprs and warps, and for each integer argument whether
+    it is 1, a multiple of 16 or neither (Triton's specialization; tensors here are all 16-byte aligned)."""
+    ints = tuple("1" if a == 1 else "16" if a % 16 == 0 else "n" for a in args if isinstance(a, int))
+    return kernel, ints, tuple(sorted(kwargs.items()))
+
+
+def test_lora_precompile_reaches_every_variant_a_step_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """precompile_lora compiles, for a projection with A folded into its weight (the expand alone) and one
+    without (shrink and expand), the variant every row count from a decode step of one row to a prefill of
+    thousands launches; nothing runs."""
+    from backends.cuda import lora as cuda_lora
+    from engine.layers.linear import Linear
+    from engine.lora.layers import add_lora_slots
+    from engine.lora.rows import LoRARows
+
+    variants: set[tuple] = set()
+    for name in ("lora_shrink_kernel", "lora_expand_kernel"):
+        handle = load_kernel(cuda_lora.KERNELS, name)
+
+        def record(*args, grid, name=name, **kwargs):
+            variants.add(_variant(name, args, kwargs))
+
+        monkeypatch.setattr(handle.fn, "warmup", record)
+    rows = LoRARows(4096, 2, torch.device("cpu"), grouped=True)
+    folded, plain = Linear(64, 512).to(torch.bfloat16), Linear(64, 96).to(torch.bfloat16)
+    for layer in (folded, plain):
+        add_lora_slots(layer, rows, 16, torch.bfloat16, cuda_lora.TRITON_LORA)
+    assert folded.method.folded and not plain.method.folded  # type: ignore[attr-defined]
+    model = nn.ModuleList([folded, plain, Linear(64, 32)])  # the last has no LoRA: nothing to compile
+    assert cuda_lora.precompile_lora(model) == 2 * 2 * len(cuda_lora.ROW_CLASSES)
+    precompiled, variants = set(variants), set()
+    with compile_only():  # what steps of these sizes launch: each variant they select was compiled ahead
+        for count in (1, 3, 8, 15, 16, 17, 24, 31, 48, 64, 100, 256, 257, 300, 512, 1000, 2048, 4096):
+            both = torch.empty(count, 512 + 2 * 16, dtype=torch.bfloat16)
+            cuda_lora.lora_expand(
+                both[:, :512],
+                both[:, 512:],
+                folded.lora_b,
+                rows.sorted_rows,
+                rows.group_starts,  # type: ignore[arg-type]
+            )
+            out, x = torch.empty(count, 96, dtype=torch.bfloat16), torch.empty(count, 64, dtype=torch.bfloat16)
+            cuda_lora.lora_sgmv(
+                out,
+                x,
+                plain.lora_a,
+                plain.lora_b,
+                rows.sorted_rows,
+                rows.group_starts,  # type: ignore[arg-type]
+            )
+    assert variants and variants <= precompiled, sorted(variants - precompiled)

@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from backends.cuda.triton_build import load_kernel
+from backends.cuda.triton_build import compile_only, load_kernel
 from engine.layers.ops import define_op
 from engine.lora.matmul import TokenSlots
 
@@ -184,6 +185,47 @@ def lora_expand(
         return
     tiles = split_tiles(rows, num_slots, width, width)
     _expand(out, low_rank, lora_b, sorted_rows, group_starts, tiles, 1, (0, low_rank.stride(0), width))
+
+
+ROW_CLASSES = (1, 2, 16, 17, 32, 257, 272)
+"""Row counts of every kernel variant a step may launch: the row block is 16 up to 16 rows, 32 up to 256, 64
+above, and Triton specializes an integer argument on being 1 or a multiple of 16 (the rows and strides built
+from them), so each block's range takes a count of each kind."""
+
+
+def precompile_lora(model: nn.Module) -> int:
+    """Compile ahead (compile_only launches, in the background while the decode step compiles) the Triton LoRA
+    kernels of every LoRA projection, at a row count of each variant a step launches (ROW_CLASSES): the shrink
+    and the expand, or the expand alone where A is folded into the base weight. Without it each variant compiled
+    at its first launch, one after another, in the middle of capturing the graphs. Returns the launches made."""
+    from engine.lora.layers import LoRALinearMethod
+
+    seen: set[tuple] = set()
+    with compile_only():
+        for module in model.modules():
+            method = getattr(module, "method", None)
+            if not isinstance(method, LoRALinearMethod) or method.kernels is not TRITON_LORA:
+                continue
+            lora_a: torch.Tensor = module.lora_a  # type: ignore[assignment]
+            lora_b: torch.Tensor = module.lora_b  # type: ignore[assignment]
+            num_slots, width, out_features = lora_b.shape
+            in_features = lora_a.shape[-1]
+            key = (method.folded, tuple(lora_b.shape), in_features, lora_b.dtype)
+            if key in seen:
+                continue
+            seen.add(key)
+            device, dtype = lora_b.device, lora_b.dtype
+            sorted_rows = torch.zeros(ROW_CLASSES[-1], dtype=torch.int64, device=device)
+            group_starts = torch.zeros(num_slots + 2, dtype=torch.int64, device=device)
+            for rows in ROW_CLASSES:
+                if method.folded:
+                    both = torch.empty(rows, out_features + num_slots * width, dtype=dtype, device=device)
+                    lora_expand(both[:, :out_features], both[:, out_features:], lora_b, sorted_rows, group_starts)
+                else:
+                    out = torch.empty(rows, out_features, dtype=dtype, device=device)
+                    x = torch.empty(rows, in_features, dtype=dtype, device=device)
+                    lora_sgmv(out, x, lora_a.contiguous(), lora_b, sorted_rows, group_starts)
+    return len(seen) * len(ROW_CLASSES) * 2
 
 
 def next_power_of_2(n: int) -> int:

@@ -174,9 +174,10 @@ class CudaPlatform(Platform):
             )
 
     def kernel_precompiler(self, model: torch.nn.Module, kv_caches: list) -> Any:
-        """The attention kernels and the one-row GEMVs compile in worker threads while dynamo and inductor
-        compile the decode step (each was 1-2 s of a cold capture, one after another)."""
+        """The attention kernels, the one-row GEMVs and the LoRA kernels compile in worker threads while dynamo
+        and inductor compile the decode step (each was 1-2 s of a cold capture, one after another)."""
         from backends.cuda.gemv import precompile_gemv
+        from backends.cuda.lora import precompile_lora
         from backends.cuda.triton_build import BackgroundCompiles
 
         backend = model.attention_backend
@@ -188,6 +189,7 @@ class CudaPlatform(Platform):
             try:
                 launches = backend.precompile_kernels(model, kv_caches, decode_metas) if backend is not None else 0
                 launches += precompile_gemv(model) if self.one_row_gemv else 0
+                launches += precompile_lora(model)
                 logger.info("compiling %d kernel variants in the background while the decode step compiles", launches)
             except Exception as exc:
                 logger.warning(
