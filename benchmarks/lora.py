@@ -140,9 +140,14 @@ def decode_step_ms(
     vocab = int(engine.model_config.vocab_size)
     rng = random.Random(1)
     request_ids = []
+    # Enough new tokens to decode while the rest are prefilled (at least 2,048 prompt tokens a step), and no
+    # more: the scheduler keeps pages for what running requests may still generate, and 10,000 a request kept
+    # the last of 256 from being admitted in a pool made smaller by the LoRA slots (their elders decoded until
+    # the pool ran out, were retracted, and so on, for minutes).
+    max_tokens = 64 + 4 * -(-batch * args.context // 2048)
     for i in range(batch):
         name = lora_names[i % len(lora_names)]
-        params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True, lora_name=name)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, lora_name=name)
         request_ids.append(engine.add_request([rng.randrange(10, vocab - 10) for _ in range(args.context)], params))
     while len(engine.scheduler.running) < batch or engine.scheduler.waiting or not engine.last_step_was_decode:
         engine.step()
