@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "ENGINE_API_KEY"
 SHUTDOWN_MARGIN_S = 1.0  # open requests are failed this long before uvicorn's shutdown deadline
+GRAMMAR_START_WAIT_S = 60.0  # the most start-up waits for the grammar compiler processes before serving anyway
 
 
 def default_model_name(engine: Engine | EngineHandle) -> str:
@@ -131,6 +132,14 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        if model.tokenizer is not None:
+            # Ready only once the grammar compiler processes are up: their fork server imports xgrammar and
+            # torch, seconds of a core that the first requests' steps would otherwise share with it.
+            started = time.perf_counter()
+            if await asyncio.to_thread(serving.grammars.wait_started, GRAMMAR_START_WAIT_S):
+                logger.info("grammar compiler processes ready (waited %.1f s)", time.perf_counter() - started)
+            else:
+                logger.warning("grammar compiler processes not started within %.0f s; serving", GRAMMAR_START_WAIT_S)
         watcher = asyncio.ensure_future(_end_streams_before_the_deadline(app, async_engine))
         logger.info(
             "serving %s (context %d tokens)%s", name, model.max_model_len, ", API key required" if api_key else ""

@@ -62,6 +62,11 @@ class GrammarChecker:
         with self._lock:
             self._started_pool()
 
+    def wait_started(self, timeout_s: float) -> bool:
+        """After start(): wait until the compiler processes are up (False: not within timeout_s, or not started)."""
+        pool = self._pool
+        return pool is not None and pool.wait_started(timeout_s)
+
     def _started_pool(self) -> GrammarPool:
         if self._pool is None:
             self._pool = GrammarPool(self._tokenizer_info_json, self.limits.workers, self.limits.compile_timeout_s)

@@ -95,12 +95,21 @@ class GrammarPool:
         self._lock = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
         self._closed = False
+        # Slots whose first worker has started (or failed to): the server waits for all of them before it says
+        # it is ready, since the fork server importing xgrammar and torch takes seconds of a core.
+        self._first_starts = threading.Semaphore(0)
         self._ids = itertools.count()
         self._slots = [
             threading.Thread(target=self._slot, name=f"grammar-slot-{i}", daemon=True) for i in range(workers)
         ]
         for slot in self._slots:
             slot.start()
+
+    def wait_started(self, timeout_s: float) -> bool:
+        """Wait until every slot's first worker process has started (or failed to), at most timeout_s seconds
+        in all; whether they all did in time."""
+        deadline = time.monotonic() + timeout_s
+        return all(self._first_starts.acquire(timeout=max(0.0, deadline - time.monotonic())) for _ in self._slots)
 
     def submit(self, spec: GrammarSpec) -> Job:
         job = Job(spec)
@@ -140,8 +149,9 @@ class GrammarPool:
     def _slot(self) -> None:
         worker: _Worker | None = None
         try:
+            worker = self._start_worker()  # warm before a job comes
+            self._first_starts.release()
             while True:
-                worker = worker or self._start_worker()  # warm before a job comes
                 job = self._take()
                 if job is None:
                     return
