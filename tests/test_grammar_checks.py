@@ -187,6 +187,20 @@ def test_the_same_grammar_is_accepted_under_the_deadline_and_refused_over_it(
     assert _verdict(tight, GrammarSpec("regex", "a")) is None  # the killed worker was replaced
 
 
+def test_started_means_every_compiler_process_is_up(checkers: Callable[..., GrammarChecker]) -> None:
+    """What the server waits for before it says it is ready: every slot's first worker process running (the fork
+    server's imports done), so none of that start-up shares the CPU with the first requests' steps."""
+    checker = checkers(workers=2)
+    assert not checker.wait_started(0.0)  # not started yet: nothing to wait for
+    checker.start()
+    assert checker.wait_started(120.0)
+    pool = checker._pool
+    assert pool is not None
+    assert pool.wait_started(0.0)  # again, at once
+    assert pool._first_starts == 2  # each slot started its first worker
+    assert _verdict(checker, GrammarSpec("regex", "[a-z]+")) is None
+
+
 def test_a_check_whose_waiters_all_left_stops_at_once_and_its_worker_is_replaced(
     checkers: Callable[..., GrammarChecker],
 ) -> None:

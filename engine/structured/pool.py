@@ -97,7 +97,8 @@ class GrammarPool:
         self._closed = False
         # Slots whose first worker has started (or failed to): the server waits for all of them before it says
         # it is ready, since the fork server importing xgrammar and torch takes seconds of a core.
-        self._first_starts = threading.Semaphore(0)
+        self._first_starts = 0
+        self._all_started = threading.Event()
         self._ids = itertools.count()
         self._slots = [
             threading.Thread(target=self._slot, name=f"grammar-slot-{i}", daemon=True) for i in range(workers)
@@ -108,8 +109,7 @@ class GrammarPool:
     def wait_started(self, timeout_s: float) -> bool:
         """Wait until every slot's first worker process has started (or failed to), at most timeout_s seconds
         in all; whether they all did in time."""
-        deadline = time.monotonic() + timeout_s
-        return all(self._first_starts.acquire(timeout=max(0.0, deadline - time.monotonic())) for _ in self._slots)
+        return self._all_started.wait(timeout_s)
 
     def submit(self, spec: GrammarSpec) -> Job:
         job = Job(spec)
@@ -149,9 +149,13 @@ class GrammarPool:
     def _slot(self) -> None:
         worker: _Worker | None = None
         try:
-            worker = self._start_worker()  # warm before a job comes
-            self._first_starts.release()
+            worker = self._start_worker()
+            with self._lock:
+                self._first_starts += 1
+                if self._first_starts == len(self._slots):
+                    self._all_started.set()
             while True:
+                worker = worker or self._start_worker()  # warm before a job comes (again, after one was killed)
                 job = self._take()
                 if job is None:
                     return
