@@ -21,6 +21,7 @@ from torch import nn
 
 from backends.cuda.triton_build import compile_only, load_kernel
 from engine.layers.ops import define_op
+from engine.lora.layers import LoRALinearMethod
 from engine.lora.matmul import TokenSlots
 
 KERNELS = "backends.cuda.kernels.lora"
@@ -198,8 +199,6 @@ def precompile_lora(model: nn.Module) -> int:
     kernels of every LoRA projection, at a row count of each variant a step launches (ROW_CLASSES): the shrink
     and the expand, or the expand alone where A is folded into the base weight. Without it each variant compiled
     at its first launch, one after another, in the middle of capturing the graphs. Returns the launches made."""
-    from engine.lora.layers import LoRALinearMethod
-
     seen: set[tuple] = set()
     with compile_only():
         for module in model.modules():
